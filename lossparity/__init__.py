@@ -1,0 +1,1 @@
+"""lossparity: the cross-framework parity command (the project's main job)."""

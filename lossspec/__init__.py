@@ -1,0 +1,51 @@
+"""lossspec: the framework-free contract of the masked loss kernels (NumPy only).
+
+- :mod:`lossspec.config`: loss kinds, normalisations and the validated :class:`LossConfig`;
+- :mod:`lossspec.checks`: shape/dtype checks over plain metadata, shared by JAX and torch;
+- :mod:`lossspec.oracle`: the float64 reference with analytic gradients, and its vocab-parallel twin;
+- :mod:`lossspec.tolerances`: the bounds of SPEC section 6 and comparisons in units of the bound;
+- :mod:`lossspec.generators`: seeded inputs used by every test.
+"""
+
+from .checks import (
+    ArrayMeta,
+    check_count_args,
+    check_denominator_allowed,
+    check_denominator_shape,
+    check_denominator_value,
+    check_inputs,
+    check_labels,
+    check_weights,
+    meta,
+    numpy_meta,
+)
+from .config import (
+    COUNTED_NORMALIZATIONS,
+    DISTILL_KINDS,
+    JAX_IMPLS,
+    KINDS,
+    NORMALIZATIONS,
+    TORCH_IMPLS,
+    LossConfig,
+    check_impl,
+    check_kind,
+    check_normalization,
+    make_config,
+)
+from .generators import SCENARIOS, Case, Reference, all_cases, make_case
+from .oracle import count_denominator, oracle, oracle_vocab_parallel, per_token_oracle, token_weights
+from .tolerances import (
+    GRAD_RTOL,
+    GRAD_ULPS_16BIT,
+    LOSS_RTOL,
+    Comparison,
+    assert_close_to_oracle,
+    compare_grad,
+    compare_loss,
+    g0_for,
+    gradient_floor,
+    round_to_dtype,
+    ulp,
+)
+
+__version__ = "0.1.0"

@@ -1,0 +1,144 @@
+"""Loss configuration and the scalar-option checks of SPEC section 5.
+
+Every framework builds a :class:`LossConfig` from its keyword arguments, so an
+invalid option raises the same error, with the same message, in the oracle, in
+``jaxloss`` and in ``torchloss``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+KINDS: tuple[str, ...] = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
+DISTILL_KINDS: tuple[str, ...] = ("soft_cross_entropy", "forward_kl", "reverse_kl")
+NORMALIZATIONS: tuple[str, ...] = ("valid_tokens", "tokens", "sum", "none")
+# Normalisations whose denominator is a count that adds up over micro-batches and replicas.
+COUNTED_NORMALIZATIONS: tuple[str, ...] = ("valid_tokens", "tokens")
+JAX_IMPLS: tuple[str, ...] = ("auto", "xla", "pallas")
+TORCH_IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
+
+# Keyword options each kind accepts (besides loss_mask, normalization, denominator).
+CE_OPTIONS: tuple[str, ...] = ("ignore_index", "label_smoothing", "z_loss", "logit_scale")
+DISTILL_OPTIONS: tuple[str, ...] = ("temperature", "logit_scale", "teacher_logit_scale")
+
+
+def _finite_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not _is_numpy_scalar(value):
+        raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _is_numpy_scalar(value: Any) -> bool:
+    import numpy as np
+
+    return isinstance(value, np.generic) and np.issubdtype(type(value), np.number)
+
+
+def check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}; got {kind!r}")
+    return kind
+
+
+def check_normalization(normalization: str) -> str:
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(
+            f"normalization must be one of {', '.join(map(repr, NORMALIZATIONS))}; got {normalization!r}"
+        )
+    return normalization
+
+
+def check_impl(impl: str, allowed: tuple[str, ...]) -> str:
+    if impl not in allowed:
+        raise ValueError(f"impl must be one of {', '.join(map(repr, allowed))}; got {impl!r}")
+    return impl
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """The scalar options of one loss call, validated on construction.
+
+    ``temperature`` and ``teacher_logit_scale`` only apply to the distillation kinds;
+    ``ignore_index``, ``label_smoothing`` and ``z_loss`` only to ``cross_entropy``.
+    The effective student scale is ``student_scale = logit_scale / temperature`` and the
+    teacher's ``teacher_scale = teacher_logit_scale / temperature``.
+    """
+
+    kind: str
+    normalization: str = "valid_tokens"
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    logit_scale: float = 1.0
+    teacher_logit_scale: float = 1.0
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_kind(self.kind)
+        check_normalization(self.normalization)
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            if not (_is_numpy_scalar(self.ignore_index) and float(self.ignore_index).is_integer()):
+                raise TypeError(f"ignore_index must be an int, got {type(self.ignore_index).__name__}")
+        object.__setattr__(self, "ignore_index", int(self.ignore_index))
+        eps = _finite_number("label_smoothing", self.label_smoothing)
+        if not 0.0 <= eps <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {eps}")
+        lam = _finite_number("z_loss", self.z_loss)
+        if lam < 0.0:
+            raise ValueError(f"z_loss must be >= 0, got {lam}")
+        temperature = _finite_number("temperature", self.temperature)
+        if temperature <= 0.0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        scale = _finite_number("logit_scale", self.logit_scale)
+        if scale <= 0.0:
+            raise ValueError(f"logit_scale must be > 0, got {scale}")
+        teacher_scale = _finite_number("teacher_logit_scale", self.teacher_logit_scale)
+        if teacher_scale <= 0.0:
+            raise ValueError(f"teacher_logit_scale must be > 0, got {teacher_scale}")
+        if self.kind == "cross_entropy" and temperature != 1.0:
+            raise ValueError("temperature applies to the distillation losses only; cross_entropy uses T = 1")
+        if self.kind != "cross_entropy" and (eps != 0.0 or lam != 0.0):
+            raise ValueError("label_smoothing and z_loss apply to cross_entropy only")
+        for name, value in (
+            ("label_smoothing", eps),
+            ("z_loss", lam),
+            ("temperature", temperature),
+            ("logit_scale", scale),
+            ("teacher_logit_scale", teacher_scale),
+        ):
+            object.__setattr__(self, name, value)
+
+    @property
+    def student_scale(self) -> float:
+        """``logit_scale / temperature``: the factor from logits ``x`` to ``z``."""
+        return self.logit_scale / self.temperature
+
+    @property
+    def teacher_scale(self) -> float:
+        """``teacher_logit_scale / temperature``: the factor from teacher logits to theirs ``z``."""
+        return self.teacher_logit_scale / self.temperature
+
+    @property
+    def is_distill(self) -> bool:
+        return self.kind in DISTILL_KINDS
+
+    @property
+    def counted(self) -> bool:
+        """Whether the denominator is a count (``valid_tokens``/``tokens``)."""
+        return self.normalization in COUNTED_NORMALIZATIONS
+
+
+def make_config(kind: str, **options: Any) -> LossConfig:
+    """Build a :class:`LossConfig` from a function's keyword options, rejecting the ones
+    that do not belong to ``kind`` with a ``TypeError`` that names them."""
+    check_kind(kind)
+    allowed = CE_OPTIONS if kind == "cross_entropy" else DISTILL_OPTIONS
+    unknown = sorted(set(options) - set(allowed) - {"normalization"})
+    if unknown:
+        raise TypeError(f"{kind} got unexpected option(s) {', '.join(unknown)}; it accepts {', '.join(allowed)}")
+    return LossConfig(kind=kind, **options)

@@ -1,0 +1,361 @@
+"""The float64 reference: per-token losses, normalised losses and analytic gradients.
+
+Notation (SPEC section 1), per token row: ``x`` logits ``[V]``, ``c = logit_scale / T`` so that
+``z = c * x``; teacher ``p = softmax(c_t * t)`` with ``c_t = teacher_logit_scale / T``;
+``q = softmax(z)``. Every quantity is computed in *shifted* coordinates
+``d = c * (x - max(x))`` so that huge logits lose nothing before the subtraction; the loss is
+invariant to the shift except for the z-loss term, which uses ``lse = log sum exp(d) + c * max(x)``.
+
+Losses (per token) and their gradients with respect to ``z``::
+
+  cross_entropy      l = lse - (1-eps) z_y - (eps/V) sum_v z_v + lam lse^2
+                     dl/dz = (1 + 2 lam lse) q - (1-eps) onehot(y) - eps/V
+  soft_cross_entropy l = lse - sum_v p_v z_v                       dl/dz = q - p
+  forward_kl         l = sum_v p_v (log p_v - log q_v)             dl/dz = q - p
+  reverse_kl         l = sum_v q_v (log q_v - log p_v)             dl/dz = q (log q - log p - l)
+
+Normalised loss: ``sum_i w_i l_i / D`` (SPEC section 2); the gradient with respect to ``x`` is
+``dl/dz * c * w_i / D * upstream``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .checks import check_denominator_allowed, check_denominator_value, check_inputs, check_labels, check_weights, numpy_meta
+from .config import LossConfig, make_config
+
+__all__ = ["oracle", "per_token_oracle", "oracle_vocab_parallel", "token_weights", "count_denominator"]
+
+
+def _where_positive(prob: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """``prob * value`` with 0 where ``prob == 0`` (so ``0 * -inf`` is 0, not NaN)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(prob > 0, prob * np.where(prob > 0, value, 0.0), 0.0)
+
+
+def _row_is_bad(array: np.ndarray) -> np.ndarray:
+    """Rows holding NaN or +inf: their loss must be NaN, never a plausible number."""
+    return np.any(np.isnan(array) | (array == np.inf), axis=-1)
+
+
+def _shifted(array: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(scale * (array - rowmax), rowmax)``; a row of only ``-inf`` keeps max 0."""
+    with np.errstate(invalid="ignore"):
+        row_max = np.max(array, axis=-1, keepdims=True)
+        row_max = np.where(np.isfinite(row_max), row_max, np.where(np.isnan(row_max), np.nan, 0.0))
+        return (array - row_max) * scale, row_max[..., 0]
+
+
+def _log_softmax_parts(shifted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(log sum exp(shifted), softmax(shifted))`` for shifted logits (max entry 0)."""
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        exp = np.exp(shifted)
+        sum_exp = exp.sum(axis=-1, keepdims=True)
+        return np.log(sum_exp)[..., 0], exp / sum_exp
+
+
+def per_token_oracle(
+    config: LossConfig,
+    logits: np.ndarray,
+    target: np.ndarray,
+    valid: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token loss ``l`` ``[N]`` and ``dl/dz`` ``[N, V]`` in float64 for rows ``[N, V]``.
+
+    ``target`` holds labels ``[N]`` (cross-entropy; rows with ``valid == False`` are never
+    indexed) or teacher logits ``[N, V]``. Invalid rows get loss 0 and gradient 0.
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    rows, vocab = x.shape
+    valid = np.ones(rows, dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+    c = config.student_scale
+    d, x_max = _shifted(x, c)
+    lse_shift, q = _log_softmax_parts(d)
+    bad = _row_is_bad(x)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        if config.kind == "cross_entropy":
+            labels = np.where(valid, np.asarray(target), 0).astype(np.int64)
+            eps, lam = config.label_smoothing, config.z_loss
+            d_y = np.take_along_axis(d, labels[:, None], axis=-1)[:, 0]
+            lse = lse_shift + c * x_max
+            loss = lse_shift - (1.0 - eps) * d_y
+            if eps > 0:
+                loss = loss - (eps / vocab) * d.sum(axis=-1)
+            if lam > 0:
+                loss = loss + lam * lse**2
+            onehot = np.zeros_like(d)
+            np.put_along_axis(onehot, labels[:, None], 1.0, axis=-1)
+            grad_z = (1.0 + 2.0 * lam * lse)[:, None] * q - (1.0 - eps) * onehot - eps / vocab
+        else:
+            t = np.asarray(target, dtype=np.float64)
+            dt, _ = _shifted(t, config.teacher_scale)
+            lse_t_shift, p = _log_softmax_parts(dt)
+            bad = bad | _row_is_bad(t)
+            log_q = d - lse_shift[:, None]
+            log_p = dt - lse_t_shift[:, None]
+            if config.kind == "soft_cross_entropy":
+                loss = lse_shift - _where_positive(p, d).sum(axis=-1)
+                grad_z = q - p
+            elif config.kind == "forward_kl":
+                loss = _where_positive(p, log_p - log_q).sum(axis=-1)
+                grad_z = q - p
+            else:  # reverse_kl
+                loss = _where_positive(q, log_q - log_p).sum(axis=-1)
+                grad_z = _where_positive(q, log_q - log_p - loss[:, None])
+        loss = np.where(bad, np.nan, loss)
+    loss = np.where(valid, loss, 0.0)
+    grad_z = np.where(valid[:, None], grad_z, 0.0)
+    return loss, grad_z
+
+
+def token_weights(
+    config: LossConfig, target: np.ndarray | None, loss_mask: np.ndarray | None, lead_shape: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(valid, weight)`` per token, float64: a token is valid when its mask is non-zero and,
+    for cross-entropy, its label is not ``ignore_index``; invalid tokens have weight 0."""
+    valid = np.ones(lead_shape, dtype=bool)
+    weight = np.ones(lead_shape, dtype=np.float64)
+    if loss_mask is not None:
+        loss_mask = np.asarray(loss_mask)
+        valid &= loss_mask != 0
+        weight = loss_mask.astype(np.float64)
+    if config.kind == "cross_entropy" and target is not None:
+        valid &= np.asarray(target) != config.ignore_index
+    return valid, np.where(valid, weight, 0.0)
+
+
+def count_denominator(
+    labels: np.ndarray | None = None,
+    loss_mask: np.ndarray | None = None,
+    *,
+    normalization: str = "valid_tokens",
+    ignore_index: int = -100,
+) -> float:
+    """The denominator ``D`` of one batch (SPEC sections 2 and 4), float64.
+
+    ``"valid_tokens"``: sum of the weights of valid tokens (mask non-zero and, when labels are
+    given, label != ignore_index). ``"tokens"``: number of token positions. Counts add up over
+    micro-batches and data-parallel replicas.
+    """
+    from .checks import check_count_args
+
+    check_count_args(
+        normalization,
+        None if labels is None else numpy_meta(np.asarray(labels)),
+        None if loss_mask is None else numpy_meta(np.asarray(loss_mask)),
+    )
+    ref = np.asarray(labels if labels is not None else loss_mask)
+    if normalization == "tokens":
+        return float(ref.size)
+    if loss_mask is not None:
+        check_weights(np.asarray(loss_mask))
+    config = LossConfig(kind="cross_entropy", ignore_index=ignore_index)
+    _, weight = token_weights(config, labels, loss_mask, ref.shape)
+    return float(weight.sum())
+
+
+def _prepare(
+    kind: str, logits: np.ndarray, target: np.ndarray, loss_mask: np.ndarray | None, options: dict[str, Any]
+) -> tuple[LossConfig, Any, Any]:
+    normalization = options.pop("normalization", "valid_tokens")
+    denominator = options.pop("denominator", None)
+    grad_output = options.pop("grad_output", None)
+    config = make_config(kind, normalization=normalization, **options)
+    logits = np.asarray(logits)
+    target = np.asarray(target)
+    check_inputs(config, numpy_meta(logits), numpy_meta(target), None if loss_mask is None else numpy_meta(np.asarray(loss_mask)))
+    check_denominator_allowed(config, denominator)
+    if denominator is not None:
+        check_denominator_value(denominator)
+    if loss_mask is not None:
+        check_weights(np.asarray(loss_mask))
+    return config, denominator, grad_output
+
+
+def _normalise(
+    config: LossConfig,
+    logits: np.ndarray,
+    target: np.ndarray,
+    loss_mask: np.ndarray | None,
+    denominator: Any,
+    grad_output: Any,
+    per_token_fn: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    logits = np.asarray(logits)
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    valid, weight = token_weights(config, target, loss_mask, lead)
+    if config.kind == "cross_entropy":
+        check_labels(np.asarray(target), valid, vocab)
+    rows = int(np.prod(lead, dtype=np.int64))
+    flat_target = np.asarray(target).reshape(rows) if config.kind == "cross_entropy" else np.asarray(target).reshape(rows, vocab)
+    loss_tok, grad_z = per_token_fn(config, logits.reshape(rows, vocab), flat_target, valid.reshape(rows))
+    weight = weight.reshape(rows)
+    c = config.student_scale
+    if config.normalization == "none":
+        upstream = np.ones(rows) if grad_output is None else np.broadcast_to(np.asarray(grad_output, np.float64), lead).reshape(rows)
+        loss = np.where(weight > 0, weight * loss_tok, 0.0).reshape(lead)
+        coef = weight * upstream
+    else:
+        if denominator is not None:
+            denom = float(np.asarray(denominator, dtype=np.float64).reshape(()))
+        elif config.normalization == "valid_tokens":
+            denom = float(weight.sum())
+        elif config.normalization == "tokens":
+            denom = float(rows)
+        else:
+            denom = 1.0
+        coef = weight / denom if denom > 0 else np.zeros_like(weight)
+        with np.errstate(invalid="ignore"):
+            loss = np.sum(np.where(coef > 0, coef * loss_tok, 0.0))
+        upstream = 1.0 if grad_output is None else float(grad_output)
+        coef = coef * upstream
+    grad = (coef * c)[:, None] * grad_z
+    return loss, grad.reshape(logits.shape)
+
+
+def oracle(
+    kind: str,
+    logits: np.ndarray,
+    target: np.ndarray,
+    loss_mask: np.ndarray | None = None,
+    **options: Any,
+) -> tuple[np.ndarray | float, np.ndarray]:
+    """The float64 reference ``(loss, grad_logits)`` of SPEC section 3.
+
+    Args:
+      kind: ``"cross_entropy" | "soft_cross_entropy" | "forward_kl" | "reverse_kl"``.
+      logits: ``[..., V]``.
+      target: labels ``[...]`` or teacher logits ``[..., V]``.
+      loss_mask: ``[...]`` boolean or float weights, or ``None``.
+      **options: the keyword options of the matching public function (``ignore_index``,
+        ``label_smoothing``, ``z_loss``, ``logit_scale``, ``temperature``,
+        ``teacher_logit_scale``, ``normalization``, ``denominator``), plus ``grad_output``: the
+        upstream gradient (a scalar, or per-token ``[...]`` for ``"none"``; default 1).
+
+    Returns:
+      ``loss``: a float64 scalar, or the per-token ``w_i l_i`` ``[...]`` for ``"none"``;
+      ``grad_logits``: ``[..., V]`` float64, the gradient of ``sum(loss * grad_output)``.
+    """
+    config, denominator, grad_output = _prepare(kind, logits, target, loss_mask, dict(options))
+    loss, grad = _normalise(config, logits, target, loss_mask, denominator, grad_output, per_token_oracle)
+    return (loss if config.normalization == "none" else float(loss)), grad
+
+
+# --------------------------------------------------------------------------------------------
+# Vocab-parallel reference: the same numbers from per-shard statistics (SPEC section 3).
+# --------------------------------------------------------------------------------------------
+
+
+def per_token_vocab_parallel(
+    config: LossConfig, logits: np.ndarray, target: np.ndarray, valid: np.ndarray, num_shards: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`per_token_oracle` computed shard by shard over a split vocabulary.
+
+    Each shard ``k`` computes, on its own slice and relative to its own maxima ``m_k``
+    (student) and ``mt_k`` (teacher): ``S_k = sum exp(c (x - m_k))``, ``St_k``, and the cross
+    moments ``sum e * (x - m_k)`` etc. The shards then agree on the global maxima (a pmax),
+    rescale their moments by ``exp(c (m_k - m))`` and add them (a psum); each shard finally
+    writes the gradient of its own slice. This is the algebra the vocab-parallel kernels follow.
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    rows, vocab = x.shape
+    bounds = np.linspace(0, vocab, num_shards + 1).astype(int)
+    slices = [slice(bounds[k], bounds[k + 1]) for k in range(num_shards)]
+    c, ct = config.student_scale, config.teacher_scale
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        bad = _row_is_bad(x)
+        m_k = np.stack([np.max(x[:, s], axis=-1) if s.stop > s.start else np.full(rows, -np.inf) for s in slices])
+        m = np.max(m_k, axis=0)
+        m = np.where(np.isfinite(m), m, np.where(np.isnan(m), np.nan, 0.0))
+        rescale = np.where(np.isfinite(m_k), np.exp(c * (m_k - m)), 0.0)  # exp(c (m_k - m))
+        shift = np.where(np.isfinite(m_k), c * (m_k - m), 0.0)  # c (m_k - m), 0 for empty shards
+        d_local = [c * (x[:, s] - np.where(np.isfinite(m_k[k]), m_k[k], 0.0)[:, None]) for k, s in enumerate(slices)]
+        s_k = np.stack([np.exp(dl).sum(-1) for dl in d_local])
+        sum_exp = np.sum(rescale * s_k, axis=0)
+        lse_shift = np.log(sum_exp)
+        grads = []
+        if config.kind == "cross_entropy":
+            labels = np.where(valid, np.asarray(target), 0).astype(np.int64)
+            eps, lam = config.label_smoothing, config.z_loss
+            d_y = np.zeros(rows)
+            sum_d = np.zeros(rows)
+            for k, s in enumerate(slices):
+                owned = (labels >= s.start) & (labels < s.stop)
+                local = np.clip(labels - s.start, 0, max(s.stop - s.start - 1, 0))
+                if s.stop > s.start:
+                    d_y += np.where(owned, d_local[k][np.arange(rows), local] + shift[k], 0.0)
+                    sum_d += d_local[k].sum(-1) + (s.stop - s.start) * shift[k]
+            lse = lse_shift + c * m
+            loss = lse_shift - (1.0 - eps) * d_y
+            if eps > 0:
+                loss = loss - (eps / vocab) * sum_d
+            if lam > 0:
+                loss = loss + lam * lse**2
+            for k, s in enumerate(slices):
+                q = np.exp(d_local[k] + shift[k][:, None] - lse_shift[:, None])
+                onehot = (np.arange(s.start, s.stop)[None, :] == labels[:, None]).astype(np.float64)
+                grads.append((1.0 + 2.0 * lam * lse)[:, None] * q - (1.0 - eps) * onehot - eps / vocab)
+        else:
+            t = np.asarray(target, dtype=np.float64)
+            bad = bad | _row_is_bad(t)
+            mt_k = np.stack([np.max(t[:, s], axis=-1) if s.stop > s.start else np.full(rows, -np.inf) for s in slices])
+            mt = np.max(mt_k, axis=0)
+            mt = np.where(np.isfinite(mt), mt, np.where(np.isnan(mt), np.nan, 0.0))
+            rescale_t = np.where(np.isfinite(mt_k), np.exp(ct * (mt_k - mt)), 0.0)
+            shift_t = np.where(np.isfinite(mt_k), ct * (mt_k - mt), 0.0)
+            dt_local = [ct * (t[:, s] - np.where(np.isfinite(mt_k[k]), mt_k[k], 0.0)[:, None]) for k, s in enumerate(slices)]
+            st_k = np.stack([np.exp(dl).sum(-1) for dl in dt_local])
+            sum_exp_t = np.sum(rescale_t * st_k, axis=0)
+            lse_t_shift = np.log(sum_exp_t)
+            # Cross moments, each shard in its own coordinates, then rescaled to the global ones:
+            # sum_v p_v d_v, sum_v p_v dt_v, sum_v q_v d_v, sum_v q_v dt_v.
+            p_d = p_dt = q_d = q_dt = 0.0
+            for k in range(num_shards):
+                e_t, e_s = np.exp(dt_local[k]), np.exp(d_local[k])
+                p_d = p_d + rescale_t[k] * (_where_positive(e_t, d_local[k]).sum(-1) + shift[k] * st_k[k])
+                p_dt = p_dt + rescale_t[k] * (_where_positive(e_t, dt_local[k]).sum(-1) + shift_t[k] * st_k[k])
+                q_d = q_d + rescale[k] * (_where_positive(e_s, d_local[k]).sum(-1) + shift[k] * s_k[k])
+                q_dt = q_dt + rescale[k] * (_where_positive(e_s, dt_local[k]).sum(-1) + shift_t[k] * s_k[k])
+            p_d, p_dt = p_d / sum_exp_t, p_dt / sum_exp_t
+            q_d, q_dt = q_d / sum_exp, q_dt / sum_exp
+            if config.kind == "soft_cross_entropy":
+                loss = lse_shift - p_d
+            elif config.kind == "forward_kl":
+                loss = (p_dt - lse_t_shift) - (p_d - lse_shift)
+            else:
+                loss = (q_d - lse_shift) - (q_dt - lse_t_shift)
+            for k in range(num_shards):
+                log_q = d_local[k] + shift[k][:, None] - lse_shift[:, None]
+                log_p = dt_local[k] + shift_t[k][:, None] - lse_t_shift[:, None]
+                q, p = np.exp(log_q), np.exp(log_p)
+                if config.kind == "reverse_kl":
+                    grads.append(_where_positive(q, log_q - log_p - loss[:, None]))
+                else:
+                    grads.append(q - p)
+        loss = np.where(bad, np.nan, loss)
+    grad_z = np.concatenate(grads, axis=-1)
+    return np.where(valid, loss, 0.0), np.where(valid[:, None], grad_z, 0.0)
+
+
+def oracle_vocab_parallel(
+    kind: str,
+    logits: np.ndarray,
+    target: np.ndarray,
+    loss_mask: np.ndarray | None = None,
+    *,
+    num_shards: int,
+    **options: Any,
+) -> tuple[np.ndarray | float, np.ndarray]:
+    """:func:`oracle`, computed from ``num_shards`` contiguous vocabulary shards (sizes as even
+    as possible) combined as a vocab-parallel kernel would. Equal to :func:`oracle` up to
+    float64 rounding; a reference for the algebra of the vocab-parallel paths."""
+    config, denominator, grad_output = _prepare(kind, logits, target, loss_mask, dict(options))
+
+    def per_token(cfg: LossConfig, x: np.ndarray, tgt: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return per_token_vocab_parallel(cfg, x, tgt, valid, num_shards)
+
+    loss, grad = _normalise(config, logits, target, loss_mask, denominator, grad_output, per_token)
+    return (loss if config.normalization == "none" else float(loss)), grad
