@@ -1,0 +1,147 @@
+"""Bad inputs (SPEC section 5), tolerances and generators of lossspec."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lossspec
+from lossspec import oracle
+
+X = np.zeros((2, 3, 5), dtype=np.float32)
+LABELS = np.zeros((2, 3), dtype=np.int64)
+
+
+@pytest.mark.parametrize(
+    "kind, target, mask, options, error, match",
+    [
+        ("cross_entropy", LABELS, None, {"normalization": "mean"}, ValueError, "normalization must be one of"),
+        ("cross_entropy", LABELS, None, {"label_smoothing": 1.5}, ValueError, r"label_smoothing must be in \[0, 1\]"),
+        ("cross_entropy", LABELS, None, {"label_smoothing": -0.1}, ValueError, r"label_smoothing must be in \[0, 1\]"),
+        ("cross_entropy", LABELS, None, {"z_loss": -1e-4}, ValueError, "z_loss must be >= 0"),
+        ("cross_entropy", LABELS, None, {"logit_scale": 0.0}, ValueError, "logit_scale must be > 0"),
+        ("cross_entropy", LABELS, None, {"logit_scale": float("nan")}, ValueError, "logit_scale must be finite"),
+        ("cross_entropy", LABELS, None, {"temperature": 2.0}, TypeError, "unexpected option"),
+        ("cross_entropy", LABELS, None, {"ignore_index": 1.5}, TypeError, "ignore_index must be an int"),
+        ("forward_kl", X, None, {"temperature": 0.0}, ValueError, "temperature must be > 0"),
+        ("reverse_kl", X, None, {"temperature": -1.0}, ValueError, "temperature must be > 0"),
+        ("soft_cross_entropy", X, None, {"label_smoothing": 0.1}, TypeError, "unexpected option"),
+        ("forward_kl", X, None, {"teacher_logit_scale": -1.0}, ValueError, "teacher_logit_scale must be > 0"),
+        ("cross_entropy", LABELS[:, :2], None, {}, ValueError, "labels must have the leading shape"),
+        ("cross_entropy", LABELS.astype(np.float32), None, {}, TypeError, "labels must be an integer array"),
+        ("cross_entropy", LABELS, np.ones((3, 2), bool), {}, ValueError, "loss_mask must have the leading shape"),
+        ("cross_entropy", LABELS, np.ones((2, 3), np.complex64), {}, TypeError, "loss_mask must be boolean or floating"),
+        ("forward_kl", X[..., :4], None, {}, ValueError, "teacher_logits must have the shape of logits"),
+        ("forward_kl", LABELS, None, {}, TypeError, "teacher_logits must be a floating-point array"),
+        ("cross_entropy", LABELS, -np.ones((2, 3), np.float32), {}, ValueError, "weights must be >= 0"),
+        ("cross_entropy", LABELS, np.full((2, 3), np.inf, np.float32), {}, ValueError, "weights must be finite"),
+        ("cross_entropy", LABELS, None, {"normalization": "sum", "denominator": 3.0}, ValueError, "denominator= is only used"),
+        ("cross_entropy", LABELS, None, {"denominator": -1.0}, ValueError, "denominator must be a finite number >= 0"),
+        ("cross_entropy", LABELS, None, {"denominator": float("inf")}, ValueError, "denominator must be a finite number"),
+    ],
+)
+def test_bad_options_and_shapes(kind, target, mask, options, error, match) -> None:
+    with pytest.raises(error, match=match):
+        oracle(kind, X, target, mask, **options)
+
+
+def test_bad_logits() -> None:
+    with pytest.raises(TypeError, match="logits must be a floating-point array"):
+        oracle("cross_entropy", X.astype(np.int32), LABELS)
+    with pytest.raises(ValueError, match="non-empty vocabulary axis"):
+        oracle("cross_entropy", X[..., :0], LABELS)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        oracle("cross_entropy", np.float32(1.0), np.int64(0))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        oracle("kl", X, X)
+
+
+def test_label_out_of_range_only_for_valid_tokens() -> None:
+    labels = np.array([[0, 5, 1], [2, -3, 4]])
+    mask = np.array([[1, 0, 1], [1, 0, 1]], dtype=bool)
+    oracle("cross_entropy", X, labels, mask)  # out-of-range labels are masked: fine
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 5\).*got 5 at position \(0, 1\)"):
+        oracle("cross_entropy", X, labels)
+    labels[0, 1] = -100
+    with pytest.raises(ValueError, match=r"got -3 at position \(1, 1\)"):
+        oracle("cross_entropy", X, labels)
+
+
+def test_inputs_are_not_modified() -> None:
+    case = lossspec.make_case("reverse_kl", "random")
+    copies = [case.logits.copy(), case.target.copy(), case.loss_mask.copy()]
+    oracle("reverse_kl", case.logits, case.target, case.loss_mask)
+    for before, after in zip(copies, [case.logits, case.target, case.loss_mask]):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_ulp_and_rounding() -> None:
+    assert lossspec.ulp(1.0, "bfloat16") == 2.0**-7
+    assert lossspec.ulp(1.5, "float16") == 2.0**-10
+    assert lossspec.ulp(-0.75, "bfloat16") == 2.0**-8
+    assert lossspec.ulp(0.0, "float16") == 2.0**-24
+    assert lossspec.ulp(1e-30, "bfloat16") == 2.0**-107
+    assert lossspec.ulp(1e-40, "bfloat16") == 2.0**-133  # subnormal range
+    values = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    rounded = lossspec.round_to_dtype(values, "bfloat16")
+    assert np.all(np.abs(rounded - values) <= 0.5 * lossspec.ulp(values, "bfloat16") * (1 + 1e-6))
+    assert np.all(rounded.view(np.uint32) & 0xFFFF == 0)  # exactly representable in bf16
+    np.testing.assert_array_equal(lossspec.round_to_dtype(values, "float16"), values.astype(np.float16))
+    assert lossspec.round_to_dtype(np.float32(1.0 + 2.0**-8), "bfloat16") == 1.0  # ties to even
+
+
+def test_comparisons_report_units_of_the_bound() -> None:
+    cmp = lossspec.compare_loss(1.0 + 2e-6, 1.0)
+    assert cmp.ok and abs(cmp.error_units - 0.5) < 1e-6
+    assert not lossspec.compare_loss(10.0 + 1e-4, 10.0).ok
+    with pytest.raises(AssertionError, match=r"loss: worst error 2\.5x its bound"):
+        lossspec.compare_loss(10.0 + 1e-4, 10.0).check()
+    assert lossspec.compare_loss(np.nan, np.nan).ok
+    assert not lossspec.compare_loss(np.nan, 1.0).ok
+    assert not lossspec.compare_loss(1.0, np.nan).ok
+    ref = np.array([0.5, -0.25, 1e-9])
+    # fp32: 4e-6 * S with S = max(0.5, G0).
+    assert lossspec.compare_grad(ref + 1.9e-6, ref, "float32", g0=0.1).ok
+    assert not lossspec.compare_grad(ref + 2.1e-6, ref, "float32", g0=0.1).ok
+    assert lossspec.compare_grad(ref + 2.1e-6, ref, "float32", g0=1.0).ok
+    # bf16: one ulp of each reference element on top.
+    off_by_one_ulp = ref + lossspec.ulp(ref, "bfloat16")
+    assert lossspec.compare_grad(off_by_one_ulp, ref, "bfloat16", g0=0.0).ok
+    assert not lossspec.compare_grad(ref + 2 * lossspec.ulp(ref, "bfloat16"), ref, "bfloat16", g0=0.0).ok
+    # An all-zero reference with G0 == 0 (D == 0) must be matched exactly.
+    assert lossspec.compare_grad(np.zeros(3), np.zeros(3), "float32", g0=0.0).ok
+    assert not lossspec.compare_grad(np.full(3, 1e-30), np.zeros(3), "float32", g0=0.0).ok
+
+
+@pytest.mark.parametrize("kind", lossspec.KINDS)
+def test_generators(kind: str) -> None:
+    confident = lossspec.make_case(kind, "confident", vocab=1000, lead_shape=(8,))
+    if kind == "cross_entropy":
+        x = confident.logits.astype(np.float64)
+        q = np.exp(x - x.max(-1, keepdims=True))
+        q /= q.sum(-1, keepdims=True)
+        valid = confident.loss_mask
+        q_y = np.take_along_axis(q, np.clip(confident.target, 0, 999)[:, None], -1)[:, 0]
+        assert np.all(q_y[valid] > 0.999)
+    huge = lossspec.make_case(kind, "huge", dtype="bfloat16")
+    assert np.abs(huge.logits).max() > 5e3
+    assert np.all(huge.logits.view(np.uint32) & 0xFFFF == 0)
+    neg_inf = lossspec.make_case(kind, "neg_inf")
+    assert np.isneginf(neg_inf.logits).any()
+    assert lossspec.make_case(kind, "all_masked").loss_mask.sum() == 0
+    assert lossspec.make_case(kind, "empty").logits.shape == (0, 100)
+    heavy = lossspec.make_case(kind, "heavy_mask", lead_shape=(100,))
+    assert 0 < heavy.loss_mask.mean() < 0.25
+    weights = lossspec.make_case(kind, "float_weights").loss_mask
+    assert weights.dtype == np.float32 and (weights == 0).any() and (weights > 1).any()
+    # Seeded: the same call gives the same arrays.
+    again = lossspec.make_case(kind, "random", seed=3)
+    np.testing.assert_array_equal(again.logits, lossspec.make_case(kind, "random", seed=3).logits)
+    assert not np.array_equal(again.logits, lossspec.make_case(kind, "random", seed=4).logits)
+
+
+def test_masked_labels_are_garbage_in_generated_cases() -> None:
+    case = lossspec.make_case("cross_entropy", "random", lead_shape=(200,))
+    masked = case.target[case.loss_mask == 0]
+    assert ((masked < 0) | (masked >= 100)).any()  # they must never be read as indices
+    case.reference()  # and the oracle does not trip on them
