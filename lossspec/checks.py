@@ -94,11 +94,12 @@ def check_inputs(
 
 
 def check_denominator_allowed(config: LossConfig, denominator: Any) -> None:
-    """``denominator=`` only makes sense for the counted normalisations."""
-    if denominator is not None and not config.counted:
+    """``denominator=`` overrides ``D`` of the reduced modes (``"sum"`` defaults to ``D = 1``);
+    ``"none"`` returns per-token losses and has no denominator."""
+    if denominator is not None and config.normalization == "none":
         raise ValueError(
-            f"denominator= is only used with normalization 'valid_tokens' or 'tokens'; "
-            f"normalization {config.normalization!r} has D = 1"
+            "denominator= is not used with normalization 'none' (it returns per-token losses); "
+            "use 'valid_tokens', 'tokens' or 'sum'"
         )
 
 

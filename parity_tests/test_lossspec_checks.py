@@ -35,7 +35,7 @@ LABELS = np.zeros((2, 3), dtype=np.int64)
         ("forward_kl", LABELS, None, {}, TypeError, "teacher_logits must be a floating-point array"),
         ("cross_entropy", LABELS, -np.ones((2, 3), np.float32), {}, ValueError, "weights must be >= 0"),
         ("cross_entropy", LABELS, np.full((2, 3), np.inf, np.float32), {}, ValueError, "weights must be finite"),
-        ("cross_entropy", LABELS, None, {"normalization": "sum", "denominator": 3.0}, ValueError, "denominator= is only used"),
+        ("cross_entropy", LABELS, None, {"normalization": "none", "denominator": 3.0}, ValueError, "denominator= is not used with normalization 'none'"),
         ("cross_entropy", LABELS, None, {"denominator": -1.0}, ValueError, "denominator must be a finite number >= 0"),
         ("cross_entropy", LABELS, None, {"denominator": float("inf")}, ValueError, "denominator must be a finite number"),
     ],

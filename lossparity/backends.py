@@ -1,0 +1,113 @@
+"""The backends that the parity matrix compares: the float64 oracle, JAX (XLA, Pallas) and torch
+(torch path, Triton). Each backend is a function ``run(kind, inputs, options, grad_output)``
+returning ``(loss, grad_logits)`` as float64 NumPy arrays; frameworks are imported lazily so
+that a missing one only disables its own backends."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+
+import lossspec
+
+BackendFn = Callable[[str, "Inputs", dict[str, Any], Any], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclasses.dataclass
+class Inputs:
+    """One batch: ``logits`` (float32/float64 values exactly representable in ``dtype``),
+    ``target`` (labels or teacher logits) and ``loss_mask``; ``dtype`` is the logits' dtype
+    each framework casts to (``float32``, ``bfloat16``, ``float16``)."""
+
+    logits: np.ndarray
+    target: np.ndarray
+    loss_mask: np.ndarray | None
+    dtype: str
+
+
+@dataclasses.dataclass
+class Backend:
+    name: str
+    framework: str  # "oracle" | "jax" | "torch"
+    run: BackendFn
+    kernel: bool = False  # an interpreted kernel on the CPU: slow, keep shapes small
+
+
+def _oracle(kind: str, inputs: Inputs, options: dict[str, Any], grad_output: Any) -> tuple[np.ndarray, np.ndarray]:
+    loss, grad = lossspec.oracle(kind, inputs.logits, inputs.target, inputs.loss_mask, grad_output=grad_output, **options)
+    return np.asarray(loss, np.float64), grad
+
+
+def _jax(impl: str) -> BackendFn:
+    def run(kind: str, inputs: Inputs, options: dict[str, Any], grad_output: Any) -> tuple[np.ndarray, np.ndarray]:
+        import jax
+        import jax.numpy as jnp
+
+        import jaxloss
+
+        dtype = jnp.dtype(inputs.dtype)
+        logits = jnp.asarray(inputs.logits, dtype)
+        if kind == "cross_entropy":
+            target = jnp.asarray(inputs.target.astype(np.int32))
+        else:
+            target = jnp.asarray(inputs.target, dtype)
+        mask = None if inputs.loss_mask is None else jnp.asarray(inputs.loss_mask)
+        loss_fn = getattr(jaxloss, kind)
+        loss, vjp = jax.vjp(lambda x: loss_fn(x, target, mask, impl=impl, **options), logits)
+        cotangent = jnp.ones_like(loss) if grad_output is None else jnp.asarray(grad_output, loss.dtype) * jnp.ones_like(loss)
+        (grad,) = vjp(cotangent)
+        return np.asarray(loss, np.float64), np.asarray(grad.astype(jnp.float32), np.float64)
+
+    return run
+
+
+def _torch(impl: str) -> BackendFn:
+    def run(kind: str, inputs: Inputs, options: dict[str, Any], grad_output: Any) -> tuple[np.ndarray, np.ndarray]:
+        import torch
+
+        import torchloss
+
+        dtype = getattr(torch, inputs.dtype)
+        logits = torch.from_numpy(np.ascontiguousarray(inputs.logits)).to(dtype).requires_grad_(True)
+        if kind == "cross_entropy":
+            target = torch.from_numpy(inputs.target.astype(np.int64))
+        else:
+            target = torch.from_numpy(np.ascontiguousarray(inputs.target)).to(dtype)
+        mask = None if inputs.loss_mask is None else torch.from_numpy(np.ascontiguousarray(inputs.loss_mask))
+        loss = getattr(torchloss, kind)(logits, target, mask, impl=impl, **options)
+        upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(grad_output, dtype=loss.dtype).expand_as(loss)
+        loss.backward(upstream)
+        return loss.detach().double().numpy(), logits.grad.double().numpy()
+
+    return run
+
+
+BACKENDS: dict[str, Backend] = {
+    "oracle": Backend("oracle", "oracle", _oracle),
+    "jax-xla": Backend("jax-xla", "jax", _jax("xla")),
+    "jax-pallas": Backend("jax-pallas", "jax", _jax("pallas"), kernel=True),
+    "torch": Backend("torch", "torch", _torch("torch")),
+    "torch-triton": Backend("torch-triton", "torch", _torch("triton"), kernel=True),
+}
+# Pairs that must agree with each other (besides each against the oracle): the same algorithm
+# in the two frameworks.
+CROSS_PAIRS: tuple[tuple[str, str], ...] = (("jax-xla", "torch"), ("jax-pallas", "torch-triton"), ("jax-xla", "torch-triton"))
+
+
+def available(names: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The backends of ``names`` whose framework imports, and why the others are unavailable."""
+    ok, missing = [], {}
+    for name in names:
+        framework = BACKENDS[name].framework
+        try:
+            if framework == "jax":
+                import jaxloss  # noqa: F401
+            elif framework == "torch":
+                import torchloss  # noqa: F401
+        except ImportError as error:  # pragma: no cover - depends on the installation
+            missing[name] = f"{framework} unavailable: {error}"
+            continue
+        ok.append(name)
+    return ok, missing
