@@ -1,0 +1,158 @@
+"""The tiny LM in torch, trained with ``torchloss.nn`` loss modules and ``torchloss.distributed.accumulate``."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torchloss.nn as lossnn
+from torchloss.distributed import accumulate
+
+from .weights import LN_EPS
+
+
+def _layer_norm(x: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + LN_EPS) * gain + bias
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding, one pre-LN transformer block (one attention head, GELU MLP), untied head."""
+
+    def __init__(self, weights: dict[str, np.ndarray]) -> None:
+        super().__init__()
+        for name, value in weights.items():
+            self.register_parameter(name, torch.nn.Parameter(torch.tensor(value)))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        p = dict(self.named_parameters())
+        seq = tokens.shape[-1]
+        x = p["tok_emb"][tokens] + p["pos_emb"][:seq]
+        h = _layer_norm(x, p["ln1_g"], p["ln1_b"])
+        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+        scores = (q @ k.transpose(-1, -2)) / np.float32(math.sqrt(q.shape[-1]))
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        scores = torch.where(causal, scores, torch.tensor(-1e30))
+        x = x + torch.softmax(scores, dim=-1) @ v @ p["wo"]
+        h = _layer_norm(x, p["ln2_g"], p["ln2_b"])
+        x = x + F.gelu(h @ p["w1"] + p["b1"], approximate="tanh") @ p["w2"] + p["b2"]
+        return _layer_norm(x, p["lnf_g"], p["lnf_b"]) @ p["head"]
+
+
+def logits_of(weights: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return TinyLM(weights)(torch.tensor(tokens)).numpy()
+
+
+def loss_module(kind: str, temperature: float = 1.0) -> torch.nn.Module:
+    if kind == "cross_entropy":
+        return lossnn.CrossEntropyLoss()
+    classes = {"forward_kl": lossnn.ForwardKLLoss, "reverse_kl": lossnn.ReverseKLLoss,
+               "soft_cross_entropy": lossnn.SoftCrossEntropyLoss}
+    return classes[kind](temperature=temperature)
+
+
+def _count(microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
+    from torchloss import count_denominator
+
+    return count_denominator(loss_mask=microbatch["loss_mask"])
+
+
+def _train_local(
+    weights: dict[str, np.ndarray],
+    batches: list[dict[str, np.ndarray]],
+    *,
+    kind: str,
+    lr: float,
+    num_microbatches: int,
+    naive: bool,
+    temperature: float,
+    rank: int = 0,
+    world: int = 1,
+    progress: Any = None,
+) -> tuple[list[float], dict[str, np.ndarray]]:
+    model = TinyLM(weights)
+    wrapped = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    criterion = loss_module(kind, temperature)
+    target_key = "labels" if kind == "cross_entropy" else "teacher"
+
+    def loss_fn(module: torch.nn.Module, microbatch: dict[str, torch.Tensor], denominator: Any) -> torch.Tensor:
+        logits = module(microbatch["tokens"])
+        return criterion(logits, microbatch[target_key], microbatch["loss_mask"], denominator=denominator)
+
+    losses = []
+    for index, numpy_batch in enumerate(batches):
+        rows = numpy_batch["tokens"].shape[0] // world
+        batch = {key: torch.from_numpy(np.ascontiguousarray(value[rank * rows : (rank + 1) * rows]))
+                 for key, value in numpy_batch.items()}
+        model.zero_grad(set_to_none=True)
+        if naive:
+            parts = [{key: value.tensor_split(num_microbatches)[k] for key, value in batch.items()}
+                     for k in range(num_microbatches)]
+            logged = 0.0
+            for part in parts:
+                loss = loss_fn(wrapped, part, None) / num_microbatches  # mean of micro-batch means
+                loss.backward()
+                logged += float(loss.detach())
+        else:
+            logged = float(accumulate(loss_fn, wrapped, batch, num_microbatches=num_microbatches, count_fn=_count))
+        with torch.no_grad():
+            for param in model.parameters():
+                param -= lr * param.grad
+        losses.append(logged)
+        if progress is not None:
+            progress(index)
+    return losses, {name: p.detach().numpy().copy() for name, p in model.named_parameters()}
+
+
+def _ddp_worker(rank: int, world: int, port: int, kwargs: dict[str, Any], out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        losses, final = _train_local(**kwargs, rank=rank, world=world)
+        if rank == 0:
+            np.savez(out_path, losses=np.asarray(losses), **{f"w_{k}": v for k, v in final.items()})
+    finally:
+        dist.destroy_process_group()
+
+
+def train(
+    weights: dict[str, np.ndarray],
+    batches: list[dict[str, np.ndarray]],
+    *,
+    kind: str,
+    lr: float,
+    num_microbatches: int = 1,
+    replicas: int = 1,
+    naive: bool = False,
+    temperature: float = 1.0,
+    progress: Any = None,
+) -> tuple[list[float], dict[str, np.ndarray]]:
+    """Plain SGD over ``batches`` (the torch twin of ``model_jax.train``). ``replicas > 1``
+    launches that many processes (gloo on 127.0.0.1) training a ``DistributedDataParallel``
+    model, each on its share of every batch."""
+    kwargs = dict(weights=weights, batches=batches, kind=kind, lr=lr, num_microbatches=num_microbatches,
+                  naive=naive, temperature=temperature)
+    if replicas == 1:
+        return _train_local(**kwargs, progress=progress)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "rank0.npz")
+        torch.multiprocessing.spawn(_ddp_worker, args=(replicas, port, kwargs, out_path), nprocs=replicas, join=True)
+        with np.load(out_path) as data:
+            losses = [float(x) for x in data["losses"]]
+            final = {key[2:]: data[key] for key in data.files if key.startswith("w_")}
+    if progress is not None:
+        progress(len(batches) - 1)
+    return losses, final

@@ -1,0 +1,60 @@
+"""Worker launched with torchrun (2 processes, gloo on 127.0.0.1) by test_distributed_torch.py.
+
+Each rank holds its half of the batch and runs every split (DDP with K micro-batches, a plain
+module with an explicit group, uneven micro-batches with an empty one) for every kind and
+normalisation; rank 0 writes the losses and parameter gradients to the .npz named in argv[1].
+Not a test module itself (no test_ prefix)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _torch_problem import KINDS, NORMALIZATIONS, loss_fn_for, make_model, make_problem  # noqa: E402
+
+from torchloss.distributed import accumulate  # noqa: E402
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: dict[str, np.ndarray] = {}
+    for kind in KINDS:
+        for normalization in NORMALIZATIONS:
+            batch = make_problem(kind, float_weights=(normalization == "sum"))
+            rows = batch["tokens"].shape[0] // world
+            local = {key: value[rank * rows : (rank + 1) * rows] for key, value in batch.items()}
+            loss_fn = loss_fn_for(kind, normalization)
+            scenarios = {
+                "ddp_k1": ("ddp", 1),
+                "ddp_k2": ("ddp", 2),
+                "plain_k2": ("plain", 2),
+                "ddp_k5_empty": ("ddp", 5),  # 4 local rows in 5 micro-batches: one is empty
+            }
+            for name, (wrapper, k) in scenarios.items():
+                model = make_model()
+                wrapped = torch.nn.parallel.DistributedDataParallel(model) if wrapper == "ddp" else model
+                loss = accumulate(loss_fn, wrapped, local, num_microbatches=k, normalization=normalization,
+                                  group=None if wrapper == "ddp" else dist.group.WORLD)
+                key = f"{kind}/{normalization}/{name}"
+                results[key + "/loss"] = loss.numpy()
+                for pname, param in model.named_parameters():
+                    results[f"{key}/grad/{pname}"] = param.grad.numpy().copy()
+    # Every rank must hold the same loss and gradients.
+    for key in sorted(results):
+        gathered = [torch.zeros_like(torch.from_numpy(results[key])) for _ in range(world)]
+        dist.all_gather(gathered, torch.from_numpy(results[key]))
+        assert all(torch.equal(gathered[0], g) for g in gathered), f"replicas differ on {key}"
+    if rank == 0:
+        np.savez(out_path, **results)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,65 @@
+"""The small model and batch of the torch equivalence tests (shared by the test and its worker)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import torchloss
+
+KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
+NORMALIZATIONS = ("valid_tokens", "tokens", "sum")
+BATCH, SEQ, VOCAB_IN, HIDDEN, VOCAB = 8, 5, 11, 6, 40
+KIND_OPTIONS = {
+    "cross_entropy": {"label_smoothing": 0.1, "z_loss": 1e-3},
+    "soft_cross_entropy": {"temperature": 1.5},
+    "forward_kl": {"temperature": 2.0},
+    "reverse_kl": {"temperature": 0.8},
+}
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> linear head: enough to check parameter gradients, not only logit gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        rng = np.random.default_rng(0)
+        self.emb = torch.nn.Parameter(torch.tensor(rng.normal(0, 1, (VOCAB_IN, HIDDEN)), dtype=torch.float32))
+        self.head = torch.nn.Parameter(torch.tensor(rng.normal(0, 0.5, (HIDDEN, VOCAB)), dtype=torch.float32))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.emb[tokens] @ self.head
+
+
+def make_model() -> TinyLM:
+    return TinyLM()
+
+
+def make_problem(kind: str, seed: int = 0, float_weights: bool = False) -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, VOCAB_IN, (BATCH, SEQ))
+    valid_per_row = [5, 1, 3, 2, 0, 0, 0, 0]  # rows 4-7 (replica 1 of 2) all masked
+    mask = np.zeros((BATCH, SEQ), bool)
+    for row, count in enumerate(valid_per_row):
+        mask[row, :count] = True
+    weights = np.where(mask, rng.uniform(0.5, 2.0, mask.shape), 0.0).astype(np.float32)
+    batch = {"tokens": torch.tensor(tokens), "loss_mask": torch.tensor(weights if float_weights else mask)}
+    if kind == "cross_entropy":
+        labels = rng.integers(0, VOCAB, (BATCH, SEQ))
+        labels[2, 0] = -100
+        batch["labels"] = torch.tensor(labels)
+    else:
+        batch["teacher"] = torch.tensor(rng.normal(0, 2, (BATCH, SEQ, VOCAB)), dtype=torch.float32)
+    return batch
+
+
+def loss_fn_for(kind: str, normalization: str):
+    loss = getattr(torchloss, kind)
+
+    def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor], denominator) -> torch.Tensor:
+        logits = model(batch["tokens"])
+        target = batch["labels"] if kind == "cross_entropy" else batch["teacher"]
+        return loss(logits, target, batch["loss_mask"], normalization=normalization, denominator=denominator,
+                    **KIND_OPTIONS[kind])
+
+    return loss_fn

@@ -1,0 +1,161 @@
+"""Micro-batch and data-parallel equivalence in JAX (SPEC section 4): a small model
+(embedding -> linear head) trained on batches with uneven masks, an all-masked micro-batch and an
+all-masked replica; every split gives the full-batch loss and parameter gradients."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jaxloss
+import lossspec
+from jaxloss.distributed import accumulate, global_denominator
+
+try:
+    from jax import shard_map
+except ImportError:  # pragma: no cover - older JAX
+    from jax.experimental.shard_map import shard_map
+
+BATCH, SEQ, VOCAB_IN, HIDDEN, VOCAB = 8, 5, 11, 6, 40
+KIND_OPTIONS = {
+    "cross_entropy": {"label_smoothing": 0.1, "z_loss": 1e-3},
+    "soft_cross_entropy": {"temperature": 1.5},
+    "forward_kl": {"temperature": 2.0},
+    "reverse_kl": {"temperature": 0.8},
+}
+
+
+def make_problem(kind: str, seed: int = 0, float_weights: bool = False):
+    rng = np.random.default_rng(seed)
+    params = {
+        "emb": jnp.asarray(rng.normal(0, 1, (VOCAB_IN, HIDDEN)), jnp.float32),
+        "head": jnp.asarray(rng.normal(0, 0.5, (HIDDEN, VOCAB)), jnp.float32),
+    }
+    tokens = rng.integers(0, VOCAB_IN, (BATCH, SEQ))
+    # Uneven masks: row 0 fully valid, rows 1-3 partly, rows 4-7 (replica 1 of 2, and
+    # micro-batches 2 and 3 of 4) all masked.
+    valid_per_row = [5, 1, 3, 2, 0, 0, 0, 0]
+    mask = np.zeros((BATCH, SEQ), bool)
+    for row, count in enumerate(valid_per_row):
+        mask[row, :count] = True
+    loss_mask = np.where(mask, rng.uniform(0.5, 2.0, mask.shape), 0.0).astype(np.float32) if float_weights else mask
+    batch = {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(loss_mask)}
+    if kind == "cross_entropy":
+        labels = rng.integers(0, VOCAB, (BATCH, SEQ))
+        labels[2, 0] = -100  # one ignored label among the valid positions
+        batch["labels"] = jnp.asarray(labels)
+    else:
+        batch["teacher"] = jnp.asarray(rng.normal(0, 2, (BATCH, SEQ, VOCAB)), jnp.float32)
+    return params, batch
+
+
+def make_loss_fn(kind: str, normalization: str):
+    loss = getattr(jaxloss, kind)
+
+    def loss_fn(params, batch, denominator):
+        logits = params["emb"][batch["tokens"]] @ params["head"]
+        target = batch["labels"] if kind == "cross_entropy" else batch["teacher"]
+        return loss(logits, target, batch["loss_mask"], normalization=normalization, denominator=denominator,
+                    **KIND_OPTIONS[kind])
+
+    return loss_fn
+
+
+def assert_same(loss, grads, ref_loss, ref_grads, what: str) -> None:
+    lossspec.compare_loss(np.asarray(loss), np.asarray(ref_loss), f"{what} loss").check()
+    for name in ref_grads:
+        lossspec.compare_grad(np.asarray(grads[name]), np.asarray(ref_grads[name]), "float32", 0.0, f"{what} grad[{name}]").check()
+
+
+def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    return Mesh(devices, names)
+
+
+@pytest.mark.parametrize("kind", lossspec.KINDS)
+@pytest.mark.parametrize("normalization", ["valid_tokens", "tokens", "sum"])
+def test_microbatches_and_replicas_equal_full_batch(kind: str, normalization: str) -> None:
+    params, batch = make_problem(kind, float_weights=(normalization == "sum"))
+    loss_fn = make_loss_fn(kind, normalization)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: loss_fn(p, batch, None))(params)
+    assert float(ref_loss) > 0
+
+    # K = 4 micro-batches on one device (micro-batches 2 and 3 are all masked).
+    step = jax.jit(functools.partial(accumulate, loss_fn, num_microbatches=4, normalization=normalization))
+    assert_same(*step(params, batch), ref_loss, ref_grads, "K=4")
+
+    # D = 2 replicas (replica 1 all masked), and D = 2 x K = 2, under shard_map.
+    for k in (1, 2):
+        def replicated(params, batch, k=k):
+            return accumulate(loss_fn, params, batch, num_microbatches=k, normalization=normalization, data_axes="data")
+
+        sharded = shard_map(replicated, mesh=mesh((2,), ("data",)), in_specs=(P(), P("data")), out_specs=(P(), P()))
+        assert_same(*jax.jit(sharded)(params, batch), ref_loss, ref_grads, f"D=2 K={k}")
+
+    # pmap over 2 devices, K = 2.
+    def per_device(params, batch):
+        return accumulate(loss_fn, params, batch, num_microbatches=2, normalization=normalization, data_axes="data")
+
+    stacked = jax.tree_util.tree_map(lambda x: x.reshape((2, BATCH // 2) + x.shape[1:]), batch)
+    loss, grads = jax.pmap(per_device, axis_name="data", in_axes=(None, 0))(params, stacked)
+    np.testing.assert_array_equal(np.asarray(loss)[0], np.asarray(loss)[1])  # the same on every replica
+    assert_same(loss[0], jax.tree_util.tree_map(lambda g: g[0], grads), ref_loss, ref_grads, "pmap D=2 K=2")
+
+
+def test_global_denominator_is_bit_identical_across_splits() -> None:
+    _, batch = make_problem("cross_entropy")
+    full = global_denominator(batch["labels"], batch["loss_mask"])
+    assert float(full) == 10.0  # 5 + 1 + 3 + 2 valid, one of them ignored
+    for replicas in (2, 4, 8):
+        def count(labels, mask):
+            return global_denominator(labels, mask, data_axes="data")
+
+        sharded = shard_map(count, mesh=mesh((replicas,), ("data",)), in_specs=(P("data"), P("data")), out_specs=P())
+        counted = jax.jit(sharded)(batch["labels"], batch["loss_mask"])
+        assert np.asarray(counted).tobytes() == np.asarray(full).tobytes()
+        # The per-token coefficient w / D is then bit-identical too.
+        assert (np.float32(1.0) / np.asarray(counted)).tobytes() == (np.float32(1.0) / np.asarray(full)).tobytes()
+    tokens = global_denominator(batch["labels"], normalization="tokens")
+    assert float(tokens) == BATCH * SEQ
+
+
+def test_counts_never_include_model_parallel_replicas() -> None:
+    """On a data x model mesh, only the data axis is summed: the model replicas hold the same tokens."""
+    _, batch = make_problem("cross_entropy")
+
+    def count(labels, mask):
+        return global_denominator(labels, mask, data_axes="data")
+
+    sharded = shard_map(count, mesh=mesh((2, 2), ("data", "model")), in_specs=(P("data"), P("data")), out_specs=P())
+    assert float(jax.jit(sharded)(batch["labels"], batch["loss_mask"])) == 10.0
+
+
+def test_naive_mean_of_microbatch_means_is_wrong() -> None:
+    """The bug this library fixes: averaging per-micro-batch means weighs tokens unequally."""
+    params, batch = make_problem("cross_entropy")
+    loss_fn = make_loss_fn("cross_entropy", "valid_tokens")
+    full_loss, _ = jax.value_and_grad(lambda p: loss_fn(p, batch, None))(params)
+    microbatches = [jax.tree_util.tree_map(lambda x: x[i : i + 2], batch) for i in range(0, BATCH, 2)]
+    means = [loss_fn(params, mb, None) for mb in microbatches]
+    naive = sum(means) / len(means)  # what a plain gradient-accumulation loop logs and optimises
+    exact, _ = accumulate(loss_fn, params, batch, num_microbatches=4)
+    assert abs(float(naive) - float(full_loss)) > 0.1 * float(full_loss)
+    lossspec.compare_loss(float(exact), float(full_loss)).check()
+
+
+def test_accumulate_rejects_bad_arguments() -> None:
+    params, batch = make_problem("cross_entropy")
+    loss_fn = make_loss_fn("cross_entropy", "valid_tokens")
+    with pytest.raises(ValueError, match="divisible by num_microbatches=3"):
+        accumulate(loss_fn, params, batch, num_microbatches=3)
+    with pytest.raises(ValueError, match="num_microbatches must be a positive int"):
+        accumulate(loss_fn, params, batch, num_microbatches=0)
+    with pytest.raises(ValueError, match="not 'none'"):
+        accumulate(loss_fn, params, batch, num_microbatches=2, normalization="none")
+    with pytest.raises(ValueError, match="only counts normalization"):
+        global_denominator(batch["labels"], normalization="sum")

@@ -1,0 +1,146 @@
+"""Exact global normalisation in torch: global denominators and micro-batch accumulation.
+
+The two-pass step of SPEC section 4::
+
+    D = all_reduce(sum_k count_denominator(microbatch_k), SUM, group)   # pass 1: count
+    for k: loss_fn(model, microbatch_k, D).backward()                   # pass 2: compute
+    grads: summed over replicas (DDP averages: D is divided by world_size to compensate)
+
+gives the loss and gradients of the whole batch on one device, whatever the split into
+micro-batches and data-parallel replicas. Tensor/vocab-parallel groups are never part of the
+counting group: their replicas hold the same tokens and would be counted twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import lossspec
+
+from .api import count_denominator
+
+LossFn = Callable[[torch.nn.Module, Any, Any], torch.Tensor]
+
+
+def global_denominator(
+    labels: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
+    *,
+    normalization: str = "valid_tokens",
+    ignore_index: int = -100,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """``D`` of the global batch: the count of every token given (stacked micro-batches count
+    too, since counts add up), ``all_reduce``-d (SUM) over the data-parallel ``group`` when one is
+    given. fp32 0-d tensor on the inputs' device; no host synchronisation.
+    """
+    count = count_denominator(labels, loss_mask, normalization=normalization, ignore_index=ignore_index)
+    if group is not None:
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    return count
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
+    """Split every tensor of ``batch`` (a tensor, a dict, or a list/tuple of them) along dim 0
+    into ``num_microbatches`` parts (``torch.tensor_split``: uneven sizes allowed)."""
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be a positive int; got {num_microbatches!r}")
+    if isinstance(batch, torch.Tensor):
+        return list(torch.tensor_split(batch, num_microbatches))
+    if isinstance(batch, dict):
+        parts = {key: split_microbatches(value, num_microbatches) for key, value in batch.items()}
+        return [{key: parts[key][k] for key in batch} for k in range(num_microbatches)]
+    if isinstance(batch, (list, tuple)):
+        parts = [split_microbatches(value, num_microbatches) for value in batch]
+        return [type(batch)(part[k] for part in parts) for k in range(num_microbatches)]
+    raise TypeError(f"batch must be a tensor, a dict or a list/tuple of tensors; got {type(batch).__name__}")
+
+
+def _default_count_fn(normalization: str, ignore_index: int, labels_key: str, mask_key: str) -> Callable[[Any], torch.Tensor]:
+    def count(microbatch: Any) -> torch.Tensor:
+        if not isinstance(microbatch, dict):
+            raise TypeError("accumulate needs count_fn= unless the batch is a dict with labels/loss_mask entries")
+        labels, mask = microbatch.get(labels_key), microbatch.get(mask_key)
+        if labels is None and mask is None:
+            raise ValueError(f"the batch has neither {labels_key!r} nor {mask_key!r}; pass count_fn= to count it")
+        return count_denominator(labels, mask, normalization=normalization, ignore_index=ignore_index)
+
+    return count
+
+
+def accumulate(
+    loss_fn: LossFn,
+    model: torch.nn.Module,
+    batch: Any,
+    *,
+    num_microbatches: int,
+    normalization: str = "valid_tokens",
+    ignore_index: int = -100,
+    count_fn: Callable[[Any], torch.Tensor] | None = None,
+    group: dist.ProcessGroup | None = None,
+    labels_key: str = "labels",
+    mask_key: str = "loss_mask",
+) -> torch.Tensor:
+    """Run one optimizer step's forward and backward passes over micro-batches (and replicas),
+    leaving the full-batch gradients in ``param.grad``.
+
+    Args:
+      loss_fn: ``loss_fn(model, microbatch, denominator) -> scalar``: the user's forward and loss,
+        which passes ``denominator=denominator`` to a ``torchloss`` loss (same ``normalization``).
+      model: a plain ``nn.Module`` or a ``DistributedDataParallel`` one.
+      batch: a dict (or tensor, list, tuple) of tensors with a leading batch dim, split with
+        ``torch.tensor_split`` into ``num_microbatches`` (uneven sizes allowed).
+      normalization: ``"valid_tokens"`` / ``"tokens"`` (counted over the global batch) or
+        ``"sum"`` (``D = 1``).
+      count_fn: ``count_fn(microbatch) -> count``; default: ``count_denominator`` of the
+        ``labels_key``/``mask_key`` entries of a dict batch.
+      group: the data-parallel process group. With DDP it defaults to the model's group and
+        DDP's averaging is undone in the denominator (``D / world_size``), never by scaling
+        anything else; ``no_sync`` skips the all-reduce of all but the last micro-batch. With a
+        plain module and a ``group``, the gradients are all-reduced (SUM) after the last
+        micro-batch.
+
+    Returns:
+      The full-batch loss (a detached fp32 0-d tensor: the sum over micro-batches and
+      replicas, never a mean of means), the same on every replica.
+    """
+    lossspec.check_normalization(normalization)
+    if normalization == "none":
+        raise ValueError("accumulate needs a scalar loss: normalization must be 'valid_tokens', 'tokens' or 'sum', not 'none'")
+    is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    if is_ddp and group is None:
+        group = model.process_group
+    world_size = dist.get_world_size(group) if group is not None else 1
+    microbatches = split_microbatches(batch, num_microbatches)
+    if normalization in lossspec.COUNTED_NORMALIZATIONS:
+        count = count_fn or _default_count_fn(normalization, ignore_index, labels_key, mask_key)
+        denominator = torch.stack([count(mb).float().reshape(()) for mb in microbatches]).sum()
+        if group is not None:
+            dist.all_reduce(denominator, op=dist.ReduceOp.SUM, group=group)
+    else:
+        device = next(iter(model.parameters())).device
+        denominator = torch.ones((), dtype=torch.float32, device=device)
+    if is_ddp:
+        # DDP divides the summed gradients by world_size: a world_size-times smaller D undoes it.
+        denominator = denominator / world_size
+    total = torch.zeros((), dtype=torch.float32, device=denominator.device)
+    for index, microbatch in enumerate(microbatches):
+        last = index == len(microbatches) - 1
+        sync = contextlib.nullcontext() if (not is_ddp or last) else model.no_sync()
+        with sync:
+            loss = loss_fn(model, microbatch, denominator)
+            loss.backward()
+        total = total + loss.detach().float()
+    if is_ddp:
+        total = total / world_size  # each replica's share of the global loss
+    elif group is not None:
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+    if group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total
