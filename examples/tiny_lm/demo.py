@@ -138,9 +138,10 @@ def plot(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
+    fig, axes = plt.subplots(2, len(curves), figsize=(6 * len(curves), 8), squeeze=False)
     styles = {"jax": "-", "torch": "--"}
-    for ax, (task, runs) in zip(axes[0], curves.items()):
+    for column, (task, runs) in enumerate(curves.items()):
+        ax = axes[0][column]
         for name, losses in sorted(runs.items()):
             framework, config = name.split(" ", 1)
             ax.plot(range(1, len(losses) + 1), losses, styles[framework], label=name,
@@ -149,6 +150,18 @@ def plot(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("logged training loss")
         ax.legend(fontsize=7)
+        # The gaps, step by step, on a log scale: what "identical" and "drifts" mean in numbers.
+        gap_ax = axes[1][column]
+        base = np.asarray(runs["jax K=1"])
+        for name, losses in sorted(runs.items()):
+            if name == "jax K=1":
+                continue
+            gap = np.abs(np.asarray(losses) - base) / np.maximum(1.0, np.abs(base))
+            gap_ax.semilogy(range(1, len(losses) + 1), np.maximum(gap, 1e-9), styles[name.split(" ")[0]], label=f"{name} vs jax K=1")
+        gap_ax.axhline(CURVE_RTOL, color="red", linestyle=":", label=f"bound {CURVE_RTOL:g}")
+        gap_ax.set_xlabel("optimizer step")
+        gap_ax.set_ylabel("relative gap to jax K=1 (floor 1e-9)")
+        gap_ax.legend(fontsize=6)
     fig.suptitle("tiny LM: JAX (solid) vs torch (dashed); exact accumulation overlaps K=1, the naive mean of means does not")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

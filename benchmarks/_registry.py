@@ -1,0 +1,163 @@
+"""What the benchmark runs: the backends (ours, the peers, the speed-of-light passes), the shapes
+and the per-measurement spec. Framework-free: the runner imports this without JAX or torch."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
+DISTILL = ("soft_cross_entropy", "forward_kl", "reverse_kl")
+SHORT_KIND = {"cross_entropy": "CE", "soft_cross_entropy": "softCE", "forward_kl": "fKL", "reverse_kl": "rKL"}
+DTYPES = ("float32", "bfloat16")
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+FULL_SHAPES = [(n, v) for n in (1024, 4096, 16384) for v in (32768, 131072)]
+QUICK_SHAPES = [(4096, 32768)]
+GPU_QUICK_SHAPES = [(16384, 131072)]
+MASKED_FRACTION = 0.3
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One contender.
+
+    role: ``ours`` | ``peer`` | ``sol`` (the speed-of-light pass); group: ``loss`` (the loss on
+    given logits) or ``head`` (LM head matmul + cross-entropy, for the fused-head peers);
+    ``default_on``: devices where this is the library's default path (``impl="auto"``)."""
+
+    name: str
+    framework: str
+    role: str
+    group: str
+    kinds: tuple[str, ...]
+    devices: tuple[str, ...]
+    label: str
+    default_on: tuple[str, ...] = ()
+    needs: str = ""  # an optional package; a worker that cannot import it reports "unavailable"
+    # Rough peak extra memory in logits-sized buffers (cross-entropy, distillation), measured at
+    # N=1024..4096 with a margin; mem_16bit overrides it for bf16/fp16 logits. Only used to skip
+    # what cannot fit the machine (an out-of-memory kill on a shared machine hits others too).
+    mem: tuple[float, float] = (3.0, 5.0)
+    mem_16bit: tuple[float, float] | None = None
+
+    def applies(self, kind: str, device: str) -> bool:
+        return kind in self.kinds and device in self.devices
+
+
+_ALL = KINDS
+_CPU_GPU = ("cpu", "gpu")
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in [
+        # ---- JAX --------------------------------------------------------------------------
+        Backend("jaxloss-xla", "jax", "ours", "loss", _ALL, _CPU_GPU, 'jaxloss impl="xla"', ("cpu",), mem=(1.3, 1.3), mem_16bit=(2.3, 3.8)),
+        Backend("jaxloss-pallas", "jax", "ours", "loss", _ALL, ("gpu",), 'jaxloss impl="pallas"', ("gpu",), mem=(1.3, 1.3)),
+        Backend("optax", "jax", "peer", "loss", _ALL, _CPU_GPU,
+                "optax softmax_cross_entropy(_with_integer_labels) / kl_divergence under jax.grad", mem=(4.0, 6.0), mem_16bit=(4.0, 11.0)),
+        Backend("jax-sol", "jax", "sol", "loss", _ALL, _CPU_GPU,
+                "jitted elementwise pass: reads the logits (and teacher), writes one logits-sized output", mem=(1.1, 1.1)),
+        # ---- torch ------------------------------------------------------------------------
+        Backend("torchloss", "torch", "ours", "loss", _ALL, _CPU_GPU, 'torchloss impl="torch"', ("cpu",), mem=(1.3, 1.3)),
+        Backend("torchloss-triton", "torch", "ours", "loss", _ALL, ("gpu",), 'torchloss impl="triton"', ("gpu",),
+                mem=(1.3, 1.3)),
+        Backend("torch-eager", "torch", "peer", "loss", _ALL, _CPU_GPU,
+                "F.cross_entropy (int or soft targets) / F.kl_div(log_target=True)", mem=(3.5, 5.5)),
+        Backend("torch-compile", "torch", "peer", "loss", _ALL, _CPU_GPU, "torch.compile of the torch-eager expression",
+                mem=(2.0, 2.0)),
+        Backend("liger", "torch", "peer", "loss", ("cross_entropy", "forward_kl"), ("gpu",),
+                "Liger-Kernel liger_cross_entropy / liger_kl_div", needs="liger_kernel", mem=(1.5, 5.0)),
+        Backend("flash-attn-ce", "torch", "peer", "loss", ("cross_entropy",), ("gpu",),
+                "flash-attn Triton cross_entropy_loss", needs="flash_attn_ce", mem=(2.0, 2.0)),
+        Backend("torch-sol", "torch", "sol", "loss", _ALL, _CPU_GPU,
+                "elementwise pass: reads the logits (and teacher), writes one logits-sized output", mem=(1.1, 1.1)),
+        # ---- torch, LM head + cross-entropy (the fused-head peers) ------------------------------
+        Backend("head-torchloss", "torch", "ours", "head", ("cross_entropy",), _CPU_GPU,
+                "F.linear + torchloss.cross_entropy(inplace=True)", ("cpu", "gpu"), mem=(1.3, 1.3)),
+        Backend("head-eager", "torch", "peer", "head", ("cross_entropy",), _CPU_GPU, "F.linear + F.cross_entropy",
+                mem=(3.5, 3.5)),
+        Backend("head-linear_ce", "torch", "peer", "head", ("cross_entropy",), _CPU_GPU,
+                "F.linear_cross_entropy (chunked, LinearCrossEntropyOptions())", mem=(1.0, 1.0)),
+        Backend("head-liger", "torch", "peer", "head", ("cross_entropy",), ("gpu",),
+                "Liger-Kernel liger_fused_linear_cross_entropy", needs="liger_kernel", mem=(1.0, 1.0)),
+        Backend("head-matmul-sol", "torch", "sol", "head", ("cross_entropy",), _CPU_GPU,
+                "the three head matmuls alone (forward, grad of input, grad of weight)", mem=(1.1, 1.1)),
+    ]
+}
+
+
+@dataclasses.dataclass
+class Spec:
+    """One measurement: a backend on one (N, V, dtype, kind), in a fresh process by default."""
+
+    backend: str
+    kind: str
+    n: int
+    v: int
+    dtype: str
+    device: str = "cpu"
+    hidden: int = 256
+    warmup: int = 2
+    min_reps: int = 3
+    max_reps: int = 7
+    rep_seconds: float = 4.0
+    seed: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def info(self) -> Backend:
+        return BACKENDS[self.backend]
+
+    @property
+    def logits_bytes(self) -> int:
+        return self.n * self.v * ITEMSIZE[self.dtype]
+
+    def input_bytes(self) -> int:
+        """Inputs held during the measurement (logits, teacher, head weights), in bytes."""
+        total = self.logits_bytes
+        if self.kind in DISTILL:
+            total *= 2
+        if self.info.group == "head":
+            total = (self.n + self.v) * self.hidden * ITEMSIZE[self.dtype] * 2  # inputs and their grads
+        return total
+
+    def estimated_bytes(self) -> int:
+        """Rough peak memory: the inputs plus the backend's extra (``mem`` logits-sized buffers)."""
+        factors = self.info.mem_16bit if self.info.mem_16bit and ITEMSIZE[self.dtype] == 2 else self.info.mem
+        factor = factors[1] if self.kind in DISTILL else factors[0]
+        return int(self.input_bytes() + factor * self.logits_bytes)
+
+    def bytes_moved(self) -> int | None:
+        """The least HBM/DRAM traffic of a fused forward+backward: read the logits (and the teacher),
+        write the gradient. None for the head group (dominated by the matmuls)."""
+        if self.info.group == "head":
+            return None
+        return self.logits_bytes * (3 if self.kind in DISTILL else 2)
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        n, v = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"shape must look like 4096x32768 (tokens x vocabulary); got {text!r}") from None
+    if n <= 0 or v <= 0:
+        raise ValueError(f"shape dims must be > 0; got {text!r}")
+    return n, v
+
+
+def nominal_hbm_bandwidth(gpu_name: str) -> float | None:
+    """Nominal memory bandwidth in bytes/s from the GPU's name (vendor data sheets), or None."""
+    name = gpu_name.upper()
+    table = [
+        ("GH200", 4.0e12), ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIE", 2.0e12), ("H100", 3.35e12),
+        ("H800", 3.35e12), ("B200", 8.0e12), ("B100", 8.0e12), ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIE", 1.935e12),
+        ("A100-PCIE-80GB", 1.935e12), ("A100", 1.555e12), ("A800", 2.039e12), ("L40S", 0.864e12), ("L40", 0.864e12),
+        ("L4", 0.3e12), ("A10G", 0.6e12), ("A10", 0.6e12), ("RTX 4090", 1.008e12), ("RTX 3090", 0.936e12),
+        ("V100", 0.9e12), ("T4", 0.32e12),
+    ]
+    for key, bandwidth in table:
+        if key in name:
+            return bandwidth
+    return None

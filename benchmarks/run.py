@@ -1,0 +1,529 @@
+"""Benchmark runner: our losses against the peers users would pick, on the same inputs, in one run.
+
+For every shape (N tokens x V vocabulary), dtype and loss kind it times forward+backward
+(median over repetitions after warm-up) and measures the peak extra memory of one call, for
+
+- JAX: ``jaxloss`` (impl="xla"; on a GPU also "pallas"), optax under ``jax.grad``, and the
+  speed-of-light pass (a jitted elementwise op reading the logits and writing one logits-sized
+  output; for the distillation kinds it also reads the teacher);
+- torch: ``torchloss`` (impl="torch"; on a GPU also "triton"), ``F.cross_entropy`` /
+  ``F.kl_div``, ``torch.compile`` of that expression, Liger-Kernel and flash-attn's Triton
+  cross-entropy (GPU, where installed), the speed-of-light pass; and for cross-entropy with the LM
+  head: ``F.linear`` + ``torchloss.cross_entropy(inplace=True)`` against
+  ``F.linear_cross_entropy`` (and Liger's fused linear cross-entropy on a GPU).
+
+30% of the tokens are masked. Each measurement runs in a fresh process (clean heap, so the
+memory figure is the call's own). Prints a table, writes ``benchmarks/results/<name>.json``
+(machine, versions, every figure), ``<name>.md`` and ``<name>_time.png`` / ``<name>_memory.png``.
+
+    python -m benchmarks.run --quick            # N=4096, V=32768: all kinds, fp32 and bf16
+    python -m benchmarks.run --max-minutes 90   # the full matrix, stopping cleanly at the budget
+    python -m benchmarks.run --gpu-quick        # on a GPU: N=16384, V=131072, bf16, all kinds
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import _report  # noqa: E402
+from benchmarks._registry import (  # noqa: E402
+    BACKENDS,
+    DISTILL,
+    DTYPES,
+    FULL_SHAPES,
+    GPU_QUICK_SHAPES,
+    KINDS,
+    MASKED_FRACTION,
+    QUICK_SHAPES,
+    Spec,
+    nominal_hbm_bandwidth,
+    parse_shape,
+)
+
+RESULTS = ROOT / "benchmarks" / "results"
+WORKER = ROOT / "benchmarks" / "_worker.py"
+GIB = 2**30
+
+
+# ----------------------------------------------------------------------------------------------
+# Machine
+# ----------------------------------------------------------------------------------------------
+
+
+def has_gpu() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _mem_total() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _gpus() -> list[dict[str, Any]]:
+    if not has_gpu():
+        return []
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout
+    gpus = []
+    for line in out.strip().splitlines():
+        name, driver, memory = (part.strip() for part in line.split(","))
+        gpus.append({"name": name, "driver": driver, "memory_mib": int(float(memory))})
+    return gpus
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git() -> dict[str, Any]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip())
+        return {"commit": commit or None, "dirty": dirty}
+    except OSError:
+        return {"commit": None, "dirty": None}
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    packages = ["numpy", "jax", "jaxlib", "jax-cuda12-plugin", "optax", "flax", "torch", "triton", "liger-kernel",
+                "flash-attn", "matplotlib"]
+    info = {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_bytes": _mem_total(),
+        "gpus": _gpus(),
+        "device": device,
+        "versions": {p: _version(p) for p in packages},
+        "git": _git(),
+    }
+    if os.environ.get("FLASH_ATTN_CE_FILE"):
+        info["flash_attn_ce_file"] = os.environ["FLASH_ATTN_CE_FILE"]
+    return info
+
+
+def describe_machine(info: dict[str, Any]) -> str:
+    mem = info.get("memory_bytes")
+    text = f"{info['cpu']}, {info.get('cpu_affinity') or info['cpu_count']} cores, {mem / GIB:.0f} GiB RAM" if mem else info["cpu"]
+    if info["gpus"]:
+        g = info["gpus"][0]
+        text = f"{g['name']} ({g['memory_mib'] / 1024:.0f} GiB, driver {g['driver']}); host: " + text
+    v = info["versions"]
+    libs = ", ".join(f"{k} {v[k]}" for k in ("jax", "optax", "torch", "triton", "liger-kernel", "flash-attn") if v.get(k))
+    return f"{text}; Python {info['python']}; {libs}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Plan
+# ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="one mid shape, N=4096 x V=32768 (all kinds, both dtypes)")
+    mode.add_argument("--gpu-quick", action="store_true",
+                      help="GPU: N=16384 x V=131072, bf16, all kinds (the bandwidth-target shape)")
+    mode.add_argument("--shapes", help="comma list of NxV (default: the full matrix N in 1024,4096,16384 x V in 32768,131072)")
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma list of loss kinds (default: all four)")
+    p.add_argument("--dtypes", default=None, help="comma list (default: float32,bfloat16; --gpu-quick: bfloat16)")
+    p.add_argument("--backends", default=None, help=f"comma list (default: all that apply); known: {','.join(BACKENDS)}")
+    p.add_argument("--skip-backends", default="", help="comma list of backends to leave out")
+    p.add_argument("--no-head", action="store_true", help="leave out the LM-head group (matmul + cross-entropy)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size of the LM-head group (default: CPU 256, GPU 4096)")
+    p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls first (the first one compiles)")
+    p.add_argument("--min-reps", type=int, default=3)
+    p.add_argument("--max-reps", type=int, default=7)
+    p.add_argument("--rep-seconds", type=float, default=4.0, help="timed calls: as many as fit this, within min/max reps")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="time budget: cells that would not finish in it are skipped (reported), the run ends cleanly")
+    p.add_argument("--mem-limit-gib", type=float, default=None,
+                   help="skip backends whose estimated peak memory exceeds this (default: 20 on CPU, 90%% of the GPU's)")
+    p.add_argument("--hbm-gbps", type=float, default=None, help="GPU memory bandwidth in GB/s (default: from the GPU's name)")
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--name", default=None, help="file stem of the outputs (default: <device>_<mode>)")
+    p.add_argument("--resume", type=Path, action="append", default=[], metavar="JSON",
+                   help="take the measurements already in this results file (same backend, kind, shape, dtype, "
+                        "device; status ok) instead of running them again; repeatable")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--process-per", choices=["spec", "cell"], default=None,
+                   help="a fresh process per measurement (default on CPU: the RSS peak needs a clean heap) or per "
+                        "cell of one framework (default on a GPU, whose memory figures are allocator/compiler counts)")
+    p.add_argument("--one-process-per-framework", action="store_true", help=argparse.SUPPRESS)  # smoke test only
+    return p
+
+
+def _csv(text: str | None) -> list[str]:
+    return [item.strip() for item in (text or "").split(",") if item.strip()]
+
+
+def plan(args: argparse.Namespace, device: str) -> list[Spec]:
+    if args.gpu_quick:
+        shapes, default_dtypes = GPU_QUICK_SHAPES, ["bfloat16"]
+    elif args.quick:
+        shapes, default_dtypes = QUICK_SHAPES, list(DTYPES)
+    elif args.shapes:
+        shapes, default_dtypes = [parse_shape(s) for s in _csv(args.shapes)], list(DTYPES)
+    else:
+        shapes, default_dtypes = FULL_SHAPES, list(DTYPES)
+    dtypes = _csv(args.dtypes) or default_dtypes
+    kinds = _csv(args.kinds)
+    for kind in kinds:
+        if kind not in KINDS:
+            raise SystemExit(f"unknown kind {kind!r}; choose from {', '.join(KINDS)}")
+    wanted = _csv(args.backends) or list(BACKENDS)
+    for name in wanted + _csv(args.skip_backends):
+        if name not in BACKENDS:
+            raise SystemExit(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+    wanted = [b for b in wanted if b not in _csv(args.skip_backends)]
+    if args.no_head:
+        wanted = [b for b in wanted if BACKENDS[b].group != "head"]
+    hidden = args.hidden or (4096 if device == "gpu" else 256)
+    specs = []
+    for n, v in sorted(shapes, key=lambda s: (s[0] * s[1], s[0])):
+        for dtype in dtypes:
+            for kind in kinds:
+                for name in wanted:
+                    if BACKENDS[name].applies(kind, device):
+                        specs.append(Spec(name, kind, n, v, dtype, device, hidden, args.warmup, args.min_reps,
+                                          args.max_reps, args.rep_seconds, args.seed))
+    return specs
+
+
+# ----------------------------------------------------------------------------------------------
+# Time estimates (for the ETA and the budget), calibrated as the run goes
+# ----------------------------------------------------------------------------------------------
+
+
+class Estimator:
+    STARTUP = {"jax": 4.0, "torch": 5.0}
+    COMPILE = {"torch-compile": 25.0, "liger": 8.0, "flash-attn-ce": 8.0, "head-liger": 8.0,
+               "jaxloss-pallas": 5.0, "torchloss-triton": 5.0}
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.predicted = 0.0
+        self.actual = 0.0
+
+    def per_call(self, spec: Spec) -> float:
+        elements = spec.n * spec.v * (2 if spec.kind in DISTILL else 1)
+        if self.device == "gpu":
+            seconds = elements * 4 / 2e12
+        else:
+            seconds = elements * 5e-9
+        if spec.info.group == "head":
+            seconds += 6 * spec.n * spec.v * spec.hidden / (3e14 if self.device == "gpu" else 6e10)
+        return seconds
+
+    def raw(self, spec: Spec) -> float:
+        call = self.per_call(spec)
+        reps = min(spec.max_reps, max(spec.min_reps, spec.rep_seconds / max(call, 1e-9)))
+        return self.STARTUP[spec.info.framework] + self.COMPILE.get(spec.backend, 1.0) + call * (spec.warmup + reps + 1)
+
+    @property
+    def scale(self) -> float:
+        return self.actual / self.predicted if self.predicted > 30 else 1.0
+
+    def __call__(self, spec: Spec) -> float:
+        return self.raw(spec) * self.scale
+
+    def record(self, spec: Spec, seconds: float) -> None:
+        self.predicted += self.raw(spec)
+        self.actual += seconds
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+# ----------------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------------
+
+
+def worker_env(device: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if device == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    else:
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return env
+
+
+def run_batch(specs: list[Spec], device: str, timeout: float | None) -> list[dict[str, Any]]:
+    """Runs specs in one worker process; every spec gets a result, whatever happens. When the
+    process dies part-way (a crash, an out-of-memory kill), the spec it was on is reported and the
+    ones after it run in a new process (after a timeout they are reported as skipped)."""
+    results = _run_process(specs, device, timeout)
+    missing = [s for s in specs if not any(_same(r, s) for r in results)]
+    if missing and results and results[-1].get("error", "").startswith("timed out"):
+        return results + [{"spec": s.to_json(), "status": "skipped", "error": "time budget"} for s in missing]
+    return results + (run_batch(missing, device, timeout) if missing else [])
+
+
+def _same(result: dict[str, Any], spec: Spec) -> bool:
+    s = result["spec"]
+    return (s["backend"], s["kind"], s["n"], s["v"], s["dtype"]) == (spec.backend, spec.kind, spec.n, spec.v, spec.dtype)
+
+
+def _run_process(specs: list[Spec], device: str, timeout: float | None) -> list[dict[str, Any]]:
+    payload = json.dumps([s.to_json() for s in specs])
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, str(WORKER), payload], capture_output=True, text=True,
+                              env=worker_env(device), cwd=ROOT, timeout=timeout)
+        stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as expired:
+        stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+        stderr, code = "", "timeout"
+    results = [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if len(results) < len(specs):  # the process died on specs[len(results)]
+        why = {"timeout": f"timed out after {timeout or 0:.0f} s"}.get(code) or (
+            "killed (out of memory?)" if code in (-9, 137) else f"worker exit {code}")
+        results.append({"spec": specs[len(results)].to_json(), "status": "error", "error": why, "stderr_tail": stderr[-1500:]})
+    wall = time.perf_counter() - start
+    for r in results:
+        r["process_wall_s"] = wall
+    return results
+
+
+def _identity(spec: dict[str, Any]) -> tuple[Any, ...]:
+    head = spec["hidden"] if BACKENDS[spec["backend"]].group == "head" else None
+    return (spec["backend"], spec["kind"], spec["n"], spec["v"], spec["dtype"], spec["device"], head)
+
+
+def _load_previous(paths: list[Path]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    found: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["results"]:
+            if r.get("status") == "ok":
+                r = {k: v for k, v in r.items() if k in _MEASURED}  # drop the old run's ratios
+                r["reused_from"] = r.get("reused_from") or str(path)
+                found[_identity(r["spec"])] = r
+    return found
+
+
+_MEASURED = {"spec", "status", "pid", "setup_s", "compile_s", "xla_memory_analysis", "first_call_s", "loss", "mem_method",
+             "mem_baseline_bytes", "mem_peak_upper_bound_bytes", "mem_extra_bytes", "times_s", "time_s", "reps", "total_s",
+             "host", "process_wall_s", "reused_from"}
+
+
+def _cell(spec: Spec) -> tuple[Any, ...]:
+    return (spec.n, spec.v, spec.dtype, spec.kind, spec.info.framework, spec.info.group)
+
+
+def _progress_line(r: dict[str, Any]) -> str:
+    s = r["spec"]
+    head = f"{s['n']}x{s['v']} {s['dtype']:<8} {s['kind']:<18} {s['backend']:<16}"
+    if r.get("status") != "ok":
+        return f"{head} {r.get('status')}: {r.get('error', '')}"[:200]
+    mem = r.get("mem_extra_bytes")
+    lb = s["n"] * s["v"] * {"float32": 4, "bfloat16": 2, "float16": 2}[s["dtype"]]
+    mem_text = "-" if mem is None else f"{mem / 2**20:.0f} MiB = {mem / lb:.2f} logits"
+    loss = "" if r.get("loss") is None else f" loss {r['loss']:.5g}"
+    return f"{head} {r['time_s'] * 1e3:9.1f} ms (x{r['reps']})  mem +{mem_text}{loss}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = args.device
+    if args.gpu_quick and device == "auto":
+        device = "gpu"
+    if device == "auto":
+        device = "gpu" if has_gpu() else "cpu"
+    if device == "gpu" and not has_gpu():
+        raise SystemExit("--device gpu / --gpu-quick: no NVIDIA GPU found (nvidia-smi -L failed)")
+    mode = "quick" if args.quick or args.gpu_quick else ("custom" if args.shapes else "full")
+    name = args.name or f"{device}_{mode}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / name
+
+    info = machine_info(device)
+    hbm = args.hbm_gbps * 1e9 if args.hbm_gbps else (nominal_hbm_bandwidth(info["gpus"][0]["name"]) if info["gpus"] else None)
+    if args.mem_limit_gib is not None:
+        mem_limit = args.mem_limit_gib * GIB
+    elif device == "gpu" and info["gpus"]:
+        mem_limit = 0.9 * info["gpus"][0]["memory_mib"] * 2**20
+    else:
+        mem_limit = 20 * GIB
+    specs = plan(args, device)
+    if not specs:
+        raise SystemExit("nothing to run: no backend applies to these kinds on this device")
+
+    meta = {
+        "started": _dt.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.run"] + (argv if argv is not None else sys.argv[1:])),
+        "mode": mode,
+        "machine": info,
+        "machine_text": describe_machine(info),
+        "load_average_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "masked_fraction": MASKED_FRACTION,
+        "mem_limit_bytes": mem_limit,
+        "hbm_bytes_per_s": hbm,
+        "max_minutes": args.max_minutes,
+        "settings": {k: getattr(args, k) for k in ("warmup", "min_reps", "max_reps", "rep_seconds", "seed")},
+        "hidden": specs[0].hidden,
+        "backends": {b: {"framework": i.framework, "role": i.role, "group": i.group, "label": i.label}
+                     for b, i in BACKENDS.items() if any(s.backend == b for s in specs)},
+    }
+    print(f"benchmarks: {len(specs)} measurements on {device} ({meta['machine_text']})", flush=True)
+    print(f"memory limit {mem_limit / GIB:.1f} GiB; budget {args.max_minutes or 'none'} min; results -> {stem}.json", flush=True)
+
+    estimate = Estimator(device)
+    results: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    budget = args.max_minutes * 60 if args.max_minutes is not None else None
+
+    # Cells: all backends of one (shape, dtype, kind, framework, group) run or are skipped together.
+    cells: dict[tuple[Any, ...], list[Spec]] = {}
+    for spec in specs:
+        cells.setdefault(_cell(spec), []).append(spec)
+    batches: list[list[Spec]] = []
+    per = args.process_per or ("cell" if device == "gpu" else "spec")
+    meta["process_per"] = "framework (smoke test)" if args.one_process_per_framework else per
+    for cell_specs in cells.values():
+        if args.one_process_per_framework or per == "cell":
+            batches.append(cell_specs)
+        else:
+            batches += [[s] for s in cell_specs]
+    if args.one_process_per_framework:  # merge cells of one framework into one process (smoke test)
+        merged: dict[str, list[Spec]] = {}
+        for batch in batches:
+            merged.setdefault(batch[0].info.framework, []).extend(batch)
+        batches = list(merged.values())
+
+    reusable = _load_previous(args.resume)
+    meta["resumed_from"] = [str(p) for p in args.resume]
+    skipped_cells: set[tuple[Any, ...]] = set()
+    if args.one_process_per_framework:  # smoke test: the framework processes side by side (timings meaningless)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(batches)) as pool:
+            for batch_results in pool.map(lambda b: run_batch(b, device, None), batches):
+                results.extend(batch_results)
+                for r in batch_results:
+                    print(f"[smoke] {_progress_line(r)}", flush=True)
+        batches = []
+    for index, batch in enumerate(batches):
+        elapsed = time.perf_counter() - t_start
+        runnable = []
+        first_new = len(results)
+        for spec in batch:
+            key = _cell(spec)
+            previous = reusable.get(_identity(spec.to_json()))
+            if previous is not None:
+                results.append(previous)
+                print(f"[reused] {_progress_line(previous)}", flush=True)
+                continue
+            todo = [s for s in cells[key] if s.estimated_bytes() <= mem_limit and _identity(s.to_json()) not in reusable]
+            if spec.estimated_bytes() > mem_limit:
+                results.append({"spec": spec.to_json(), "status": "skipped",
+                                "error": f"est. memory {spec.estimated_bytes() / GIB:.1f} GiB > limit {mem_limit / GIB:.1f} GiB"})
+            elif key in skipped_cells:
+                results.append({"spec": spec.to_json(), "status": "skipped", "error": "time budget"})
+            elif budget is not None and spec is todo[0] and elapsed + sum(estimate(s) for s in todo) > budget:
+                skipped_cells.add(key)  # the whole cell, so that no ratio is left without its peers
+                results.append({"spec": spec.to_json(), "status": "skipped", "error": "time budget"})
+            else:
+                runnable.append(spec)
+        if runnable:
+            timeout = max(60.0, budget - elapsed + 120.0) if budget is not None else None
+            t0 = time.perf_counter()
+            batch_results = run_batch(runnable, device, timeout)
+            for spec in runnable:
+                estimate.record(spec, (time.perf_counter() - t0) / len(runnable))
+            results.extend(batch_results)
+            elapsed = time.perf_counter() - t_start
+            remaining = sum(estimate(s) for b in batches[index + 1:] for s in b
+                            if s.estimated_bytes() <= mem_limit and _identity(s.to_json()) not in reusable)
+            if budget is not None:
+                remaining = min(remaining, max(0.0, budget - elapsed))
+            pct = 100 * (index + 1) / len(batches)
+            for r in batch_results:
+                print(f"[{pct:3.0f}% {_fmt_duration(elapsed)} ETA {_fmt_duration(remaining)}] {_progress_line(r)}", flush=True)
+        for r in results[first_new:]:
+            if r.get("status") == "skipped":
+                print(f"[skip] {_progress_line(r)}", flush=True)
+        save(results, meta, stem, hbm, final=False)
+
+    meta["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
+    meta["wall_s"] = time.perf_counter() - t_start
+    meta["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    summary = save(results, meta, stem, hbm, final=True)
+
+    print()
+    print(f"Machine: {meta['machine_text']}")
+    print(f"Load average at start/end: {meta['load_average_start']} / {meta['load_average_end']}")
+    print("\nAll measurements (ms: median forward+backward; mem: peak extra over the inputs, MiB and in logits-sized buffers)")
+    print(_report.detail_table(results))
+    print("\nSummary: our default path vs the fastest peer of the same framework and the speed-of-light pass")
+    print(_report.summary_table(summary))
+    if not args.no_plots:
+        try:
+            paths = _report.plot(results, stem, f"{device} {mode}")
+            for path in paths:
+                print(f"wrote {path}")
+        except ImportError:
+            print("matplotlib not installed: no plots")
+    print(f"wrote {stem}.json, {stem}.md")
+    return 0
+
+
+def save(results: list[dict[str, Any]], meta: dict[str, Any], stem: Path, hbm: float | None, final: bool) -> list[dict[str, Any]]:
+    _report.annotate(results, hbm)
+    summary = _report.summarize(results)
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1) + "\n")
+    if final:
+        md = [f"Machine: {meta['machine_text']}", "",
+              f"Command: `{meta['command']}`; started {meta['started']}, {meta.get('wall_s', 0) / 60:.1f} min; "
+              f"load average {meta['load_average_start']} -> {meta['load_average_end']}", "",
+              "Summary (ms: median forward+backward; mem: peak extra memory in logits-sized buffers):", "",
+              _report.summary_table(summary, markdown=True), "", "All measurements:", "",
+              _report.detail_table(results, markdown=True), ""]
+        stem.with_suffix(".md").write_text("\n".join(md))
+    return summary
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,201 @@
+"""Pallas kernels (``impl="pallas"``) for the four loss kinds.
+
+One kernel source for all kinds (the kind is static)::
+
+    per_token_loss [N] fp32, grad [N, V] (logits dtype) = kernel(kind, x [N, V], target, coef [N] fp32)
+
+with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
+
+* One program per block of ``block_rows`` rows (``grid = cdiv(N, block_rows)``); rows past
+  ``N`` are masked on every load and store. The kernel sees whole arrays and addresses a
+  ``[block_rows, block_vocab]`` tile with row and column index vectors.
+* Pass 1 loops over vocabulary blocks of ``block_vocab`` columns and folds their statistics
+  with the online-softmax algebra of :mod:`jaxloss._xla` (:func:`~jaxloss._xla.block_stats`,
+  :func:`~jaxloss._xla.combine`); pass 2 loops again and writes ``coef * c * dl/dz``, fp32
+  inside and cast once on store. Ragged vocabulary tails are masked loads/stores.
+* The label's logit is picked with a compare against the column ids (no gather), so the kernel
+  needs nothing beyond loads, stores, elementwise math and row reductions.
+* Offsets: the kernel indexes with (row, column) pairs and never forms ``row * V`` itself;
+  the Pallas Triton lowering turns them into pointer offsets and switches to 64-bit offsets
+  when an operand exceeds 2**32 bytes, so ``N * V`` beyond int32 is safe.
+* GPU lowering: Pallas' **Triton** backend (``jax.experimental.pallas.triton``:
+  ``CompilerParams(num_warps, num_stages)``, masked ``load``/``store``). On other backends
+  the same kernel runs in Pallas interpret mode (``interpret=True``), which the tests use.
+* ``mode``: ``"fused"`` (pass 1, finalize, pass 2) is what the losses use. The passes are
+  separate functions so that the vocab-parallel issue can add ``"stats"`` (pass 1 only, the
+  per-row :class:`~jaxloss._xla.Stats` out) and ``"grad"`` (global stats in, pass 2 only)
+  behind the same static switch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._xla import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
+
+Array = jax.Array
+MODES = ("fused",)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasTuning:
+    """Block sizes (powers of two); ``None`` picks a default for the backend.
+
+    GPU defaults: 4 rows x up to 1024 columns per block (4096 fp32 values in registers with
+    4 warps). Interpret mode (CPU) defaults: 8 rows x up to 128 columns, so the tests' small
+    vocabularies still take several blocks and a ragged tail.
+    """
+
+    block_rows: Optional[int] = None
+    block_vocab: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+    interpret: Optional[bool] = None  # None: per lowering platform (Triton on CUDA/ROCm, else interpret)
+    debug: bool = False  # print the kernel jaxpr and the Triton module when lowering
+
+
+TUNING = PallasTuning()
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _blocks(tuning: PallasTuning, rows: int, vocab: int, *, on_gpu: bool) -> tuple[int, int]:
+    block_rows = tuning.block_rows or (4 if on_gpu else 8)
+    block_vocab = tuning.block_vocab or (1024 if on_gpu else 128)
+    for name, value in (("block_rows", block_rows), ("block_vocab", block_vocab)):
+        if value & (value - 1):
+            raise ValueError(f"{name} must be a power of two (Triton tensors); got {value}")
+    # No wider than needed: a small vocabulary or batch takes one (masked) block.
+    return min(block_rows, _next_pow2(max(rows, 1))), min(block_vocab, _next_pow2(vocab))
+
+
+def _kernel(
+    x_ref,
+    t_ref,
+    coef_ref,
+    loss_ref,
+    grad_ref,
+    *,
+    cfg: KernelConfig,
+    n_rows: int,
+    vocab: int,
+    block_rows: int,
+    block_vocab: int,
+    mode: str,
+) -> None:
+    """One program: rows ``[pid * block_rows, (pid + 1) * block_rows)`` of ``[N, V]``.
+
+    The refs are the whole arrays (``x``/``grad``/teacher ``[N, V]``, ``coef``/``loss``/labels
+    ``[N]``); blocks are addressed with (row, column) index vectors and masks, never with
+    slices: masked lanes are out of bounds, so a masked store can never alias a valid element,
+    and the interpreter needs no padding (which ``shard_map``'s varying-axes checks reject).
+    """
+    ce = cfg.is_ce
+    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    row_ok = rows < n_rows
+    coef = plgpu.load(coef_ref.at[rows], mask=row_ok, other=0.0)
+    labels = plgpu.load(t_ref.at[rows], mask=row_ok, other=0) if ce else None
+    num_blocks = pl.cdiv(vocab, block_vocab)
+
+    def load(j: Array) -> tuple[tuple[Array, Array], Array, Array, Array, Optional[Array], Optional[Array]]:
+        cols = j * block_vocab + jnp.arange(block_vocab, dtype=jnp.int32)
+        col_ok = (cols < vocab)[None, :]
+        mask = row_ok[:, None] & col_ok
+        index = (rows[:, None], cols[None, :])
+        # Masked lanes read 0 (finite); block_stats masks them to -inf through col_ok.
+        x = plgpu.load(x_ref.at[index], mask=mask, other=0.0).astype(F32)
+        t = None if ce else plgpu.load(t_ref.at[index], mask=mask, other=0.0).astype(F32)
+        hit = (cols[None, :] == labels[:, None]) if ce else None
+        return index, col_ok, mask, x, t, hit
+
+    def pass1(j: Array, acc: Stats) -> Stats:
+        _, col_ok, _, x, t, hit = load(j)
+        blk, _, _ = block_stats(cfg, x, t, hit=hit, col_ok=col_ok)
+        return combine(cfg, acc, blk)
+
+    def pass2(fin: Final) -> None:
+        def body(j: Array, carry: int) -> int:
+            index, _, mask, x, t, hit = load(j)
+            grad = grad_block(cfg, fin, coef, x, t, hit=hit, vocab=vocab)
+            plgpu.store(grad_ref.at[index], grad.astype(grad_ref.dtype), mask=mask)
+            return carry
+
+        lax.fori_loop(0, num_blocks, body, 0)
+
+    if mode != "fused":  # "stats" / "grad" arrive with vocab-parallel
+        raise NotImplementedError(f"kernel mode {mode!r}")
+    stats = lax.fori_loop(0, num_blocks, pass1, empty_stats(cfg, block_rows))
+    fin = finalize(cfg, stats, vocab)
+    plgpu.store(loss_ref.at[rows], jnp.where(coef != 0, fin.l, 0.0), mask=row_ok)
+    pass2(fin)
+
+
+def fused(
+    cfg: KernelConfig,
+    x: Array,
+    target: Array,
+    coef: Array,
+    *,
+    with_grad: bool = True,
+    tuning: Optional[PallasTuning] = None,
+    mode: str = "fused",
+) -> tuple[Array, Optional[Array]]:
+    """Per-token loss ``[N]`` fp32 (0 where ``coef == 0``, not multiplied by ``coef``) and the
+    gradient ``coef * c * dl/dz`` ``[N, V]`` in the logits' dtype (see :func:`jaxloss._xla.fused`).
+
+    The kernel always writes the gradient; ``with_grad=False`` only drops it.
+    """
+    if mode not in MODES:
+        raise NotImplementedError(f"kernel mode {mode!r}; available: {', '.join(MODES)}")
+    tuning = tuning or TUNING
+    n, vocab = x.shape
+    if n == 0:
+        return jnp.zeros((0,), F32), (jnp.zeros(x.shape, x.dtype) if with_grad else None)
+    # Inside shard_map (check_vma) every operand and result must carry the same varying axes.
+    axes = varying_axes(x, target, coef)
+    x, target, coef = varying_like((x, target, coef), x, target, coef)
+    mat = jax.sharding.ManualAxisType(varying=axes)
+
+    def call(interpret: bool) -> Callable[[Array, Array, Array], tuple[Array, Array]]:
+        block_rows, block_vocab = _blocks(tuning, n, vocab, on_gpu=not interpret)
+        kernel = functools.partial(
+            _kernel,
+            cfg=cfg,
+            n_rows=n,
+            vocab=vocab,
+            block_rows=block_rows,
+            block_vocab=block_vocab,
+            mode=mode,
+        )
+        return pl.pallas_call(
+            kernel,
+            out_shape=(
+                jax.ShapeDtypeStruct((n,), F32, manual_axis_type=mat),
+                jax.ShapeDtypeStruct((n, vocab), x.dtype, manual_axis_type=mat),
+            ),
+            grid=(pl.cdiv(n, block_rows),),
+            interpret=interpret,
+            debug=tuning.debug,
+            compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps or 4, num_stages=tuning.num_stages),
+            name=f"jaxloss_{cfg.kind}",
+        )
+
+    if tuning.interpret is not None:
+        loss, grad = call(tuning.interpret)(x, target, coef)
+    else:
+        # Decided when lowering, per platform: the Triton kernel for CUDA/ROCm, interpret mode
+        # elsewhere. So a CPU host can also export or cross-compile the GPU kernel.
+        loss, grad = lax.platform_dependent(
+            x, target, coef, cuda=call(False), rocm=call(False), default=call(True)
+        )
+    return loss, (grad if with_grad else None)

@@ -1,0 +1,457 @@
+"""Public functions of ``jaxloss`` (SPEC section 3) and their argument handling.
+
+Every function computes, per token ``i`` of the flattened leading shape, the loss ``l_i`` of
+its kind (SPEC section 1) and returns ``sum_i w_i l_i / D`` (fp32 scalar) or, for
+``normalization="none"``, the per-token ``w_i l_i`` with the labels' shape (SPEC section 2).
+
+Flow of one call:
+
+1. options -> :func:`lossspec.make_config`, shapes/dtypes -> :func:`lossspec.check_inputs`;
+   value checks (labels in range, weights, denominator) only for concrete inputs (not JAX
+   tracers), so un-traced calls raise and traced ones stay free of host synchronisation;
+2. ``_prepare`` (jitted): ``valid``, fp32 ``weight``, ``D`` and the per-token coefficient
+   ``coef = where(D > 0, weight / D, 0)`` (``weight`` for ``"none"``), the safe labels
+   ``where(valid, labels, 0)`` and a flag for bad values seen under tracing;
+3. ``_tokens`` (jitted ``custom_vjp``): the kernel (XLA or Pallas) computes the per-token loss
+   and, in the same pass, ``grad = coef * c * dl/dz`` in the logits' dtype, the only residual;
+   the backward multiplies it by the upstream gradient. The kernel is compiled per kind,
+   options, shapes and impl, never per normalisation or denominator;
+4. ``_finish`` (jitted): sum or reshape; NaN when a traced call saw a bad value.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lossspec
+from lossspec import LossConfig
+
+from . import _pallas, _xla
+from ._xla import KernelConfig
+
+Array = jax.Array
+F32 = jnp.float32
+VOCAB_PARALLEL_MESSAGE = "vocab_parallel lands with the distributed issue"
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+__all__ = ["cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl", "count_denominator", "resolve_impl"]
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def cross_entropy(
+    logits: Any,
+    labels: Any,
+    loss_mask: Any = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_scale: float = 1.0,
+    normalization: str = "valid_tokens",
+    denominator: Any = None,
+    vocab_parallel: Any = None,
+    impl: str = "auto",
+) -> Array:
+    """Masked cross-entropy with integer labels.
+
+    Per token, with ``z = logit_scale * x``, ``lse = log sum_v exp(z_v)``::
+
+        l = lse - (1 - eps) z_y - (eps / V) sum_v z_v + lam lse^2
+        dl/dz = (1 + 2 lam lse) softmax(z) - (1 - eps) onehot(y) - eps / V
+
+    Args:
+      logits: ``[..., V]`` floating point (computed in fp32).
+      labels: ``[...]`` integers; a token whose label equals ``ignore_index`` is masked.
+        Labels of masked tokens are never read as indices.
+      loss_mask: ``[...]`` boolean or float weights ``>= 0``, or ``None``.
+      ignore_index: label value of masked tokens.
+      label_smoothing: ``eps`` in ``[0, 1]``.
+      z_loss: ``lam >= 0``.
+      logit_scale: ``s > 0``, multiplies the logits.
+      normalization: ``"valid_tokens" | "tokens" | "sum" | "none"`` (SPEC section 2).
+      denominator: overrides ``D`` of the reduced modes (``"valid_tokens"``, ``"tokens"``,
+        ``"sum"``): the global count of SPEC section 4 (Python number or 0-d array, may be
+        traced; runtime data, never a recompilation). ``None`` counts this call's own tokens.
+        Not accepted with ``"none"``.
+      vocab_parallel: not implemented yet (must be ``None``).
+      impl: ``"auto" | "xla" | "pallas"``.
+
+    Returns:
+      The fp32 scalar loss, or ``[...]`` per-token losses ``w_i l_i`` for ``"none"``.
+    """
+    config = lossspec.make_config(
+        "cross_entropy",
+        normalization=normalization,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        logit_scale=logit_scale,
+    )
+    return _loss(config, logits, labels, loss_mask, denominator, vocab_parallel, impl)
+
+
+def soft_cross_entropy(
+    logits: Any,
+    teacher_logits: Any,
+    loss_mask: Any = None,
+    *,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    normalization: str = "valid_tokens",
+    denominator: Any = None,
+    vocab_parallel: Any = None,
+    impl: str = "auto",
+) -> Array:
+    """Cross-entropy against the teacher's distribution ``p = softmax(s_t t / T)``.
+
+    Per token, ``z = s x / T``: ``l = lse(z) - sum_v p_v z_v``, ``dl/dz = softmax(z) - p``.
+    No ``T**2`` factor. The teacher gets no gradient. Arguments as :func:`forward_kl`.
+    """
+    return _distill("soft_cross_entropy", **locals())
+
+
+def forward_kl(
+    logits: Any,
+    teacher_logits: Any,
+    loss_mask: Any = None,
+    *,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    normalization: str = "valid_tokens",
+    denominator: Any = None,
+    vocab_parallel: Any = None,
+    impl: str = "auto",
+) -> Array:
+    """Forward KL, ``KL(p || q)``, of the student ``q = softmax(s x / T)`` from the teacher
+    ``p = softmax(s_t t / T)``.
+
+    Per token: ``l = sum_v p_v (log p_v - log q_v)``, ``dl/dz = q - p`` (``z = s x / T``).
+
+    Args:
+      logits: student logits ``[..., V]`` floating point.
+      teacher_logits: ``[..., V]`` floating point (any float dtype; no gradient).
+      loss_mask: ``[...]`` boolean or float weights ``>= 0``, or ``None``.
+      temperature: ``T > 0``, divides student and teacher alike; no ``T**2`` factor.
+      logit_scale: ``s > 0`` (student).
+      teacher_logit_scale: ``s_t > 0``.
+      normalization, denominator, vocab_parallel, impl: as :func:`cross_entropy`.
+
+    Returns:
+      The fp32 scalar loss, or ``[...]`` per-token losses for ``"none"``.
+    """
+    return _distill("forward_kl", **locals())
+
+
+def reverse_kl(
+    logits: Any,
+    teacher_logits: Any,
+    loss_mask: Any = None,
+    *,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    normalization: str = "valid_tokens",
+    denominator: Any = None,
+    vocab_parallel: Any = None,
+    impl: str = "auto",
+) -> Array:
+    """Reverse KL, ``KL(q || p)`` (mode seeking).
+
+    Per token: ``l = sum_v q_v (log q_v - log p_v)``, ``dl/dz = q (log q - log p - l)``.
+    Arguments as :func:`forward_kl`.
+    """
+    return _distill("reverse_kl", **locals())
+
+
+def count_denominator(
+    labels: Any = None,
+    loss_mask: Any = None,
+    *,
+    normalization: str = "valid_tokens",
+    ignore_index: int = -100,
+) -> Array:
+    """The denominator ``D`` of one (micro-)batch as an fp32 scalar array (SPEC section 4).
+
+    ``"valid_tokens"``: sum of the weights of valid tokens (mask non-zero and, when labels
+    are given, label ``!= ignore_index``); ``"tokens"``: the number of token positions.
+    Counts add up over micro-batches and data-parallel replicas (``jax.lax.psum``).
+    ``"sum"`` and ``"none"`` have no count and raise ``ValueError``.
+    """
+    labels = None if labels is None else _as_array(labels)
+    loss_mask = None if loss_mask is None else _as_array(loss_mask)
+    lossspec.check_count_args(
+        normalization,
+        None if labels is None else _meta(labels),
+        None if loss_mask is None else _meta(loss_mask),
+    )
+    if loss_mask is not None and _concrete(loss_mask):
+        lossspec.check_weights(np.asarray(loss_mask))
+    ref = labels if labels is not None else loss_mask
+    if normalization == "tokens":
+        return jnp.asarray(float(np.prod(ref.shape, dtype=np.int64)), F32)
+    config = LossConfig(kind="cross_entropy", ignore_index=int(ignore_index))
+    return _count(config, _device(labels) if labels is not None else None, _device(loss_mask) if loss_mask is not None else None)
+
+
+def resolve_impl(impl: str) -> str:
+    """``"auto"`` -> ``"pallas"`` on a GPU backend, else ``"xla"``; other values unchanged."""
+    lossspec.check_impl(impl, lossspec.JAX_IMPLS)
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return impl
+
+
+# --------------------------------------------------------------------------------------------
+# Argument handling
+# --------------------------------------------------------------------------------------------
+
+
+def _distill(kind: str, **args: Any) -> Array:
+    config = lossspec.make_config(
+        kind,
+        normalization=args["normalization"],
+        temperature=args["temperature"],
+        logit_scale=args["logit_scale"],
+        teacher_logit_scale=args["teacher_logit_scale"],
+    )
+    return _loss(
+        config,
+        args["logits"],
+        args["teacher_logits"],
+        args["loss_mask"],
+        args["denominator"],
+        args["vocab_parallel"],
+        args["impl"],
+    )
+
+
+def _as_array(value: Any) -> Any:
+    """Arrays (NumPy, JAX, tracers) stay as they are; anything else becomes a JAX array."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return value
+    return jnp.asarray(value)
+
+
+def _dtype_kind(dtype: Any) -> str:
+    """NumPy's ``dtype.kind``, but ``"f"`` for bfloat16 and the other ml_dtypes floats (whose
+    NumPy kind is ``"V"``)."""
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return "f"
+    if dtype == np.bool_:
+        return "b"
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+        return "i"
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return "u"
+    return dtype.kind
+
+
+def _meta(array: Any) -> lossspec.ArrayMeta:
+    return lossspec.meta(array.shape, _dtype_kind(array.dtype), np.dtype(array.dtype).name)
+
+
+def _concrete(value: Any) -> bool:
+    """Whether reading the value costs no tracing break: not a tracer, and fully on this host."""
+    if isinstance(value, jax.core.Tracer):
+        return False
+    return bool(getattr(value, "is_fully_addressable", True))
+
+
+def _device(value: Any) -> Any:
+    """NumPy inputs become JAX arrays (int64 labels narrow to int32 without x64)."""
+    if isinstance(value, np.ndarray) or np.isscalar(value):
+        return jnp.asarray(value)
+    return value
+
+
+def _loss(
+    config: LossConfig,
+    logits: Any,
+    target: Any,
+    loss_mask: Any,
+    denominator: Any,
+    vocab_parallel: Any,
+    impl: str,
+) -> Array:
+    impl = resolve_impl(impl)
+    if vocab_parallel is not None:
+        raise NotImplementedError(VOCAB_PARALLEL_MESSAGE)
+    logits = _as_array(logits)
+    target = _as_array(target)
+    loss_mask = None if loss_mask is None else _as_array(loss_mask)
+    lossspec.check_inputs(config, _meta(logits), _meta(target), None if loss_mask is None else _meta(loss_mask))
+    lossspec.check_denominator_allowed(config, denominator)
+    if denominator is not None:
+        denominator = _as_array(denominator)
+        lossspec.check_denominator_shape(tuple(denominator.shape))
+        if _concrete(denominator):
+            lossspec.check_denominator_value(np.asarray(denominator))
+        # Always the same abstract value (fp32, not weak): any number reuses one compilation.
+        denominator = jnp.asarray(denominator, F32).reshape(())
+    if loss_mask is not None and _concrete(loss_mask):
+        lossspec.check_weights(np.asarray(loss_mask))
+    lead, vocab = tuple(logits.shape[:-1]), int(logits.shape[-1])
+    if config.kind == "cross_entropy" and _concrete(target) and (loss_mask is None or _concrete(loss_mask)):
+        labels_host = np.asarray(target)
+        mask_host = None if loss_mask is None else np.asarray(loss_mask)
+        valid, _ = lossspec.token_weights(config, labels_host, mask_host, lead)
+        lossspec.check_labels(labels_host, valid, vocab)
+        if isinstance(target, np.ndarray) and _INT32_MIN <= config.ignore_index <= _INT32_MAX:
+            # Masked labels may hold any value, also one outside int32 (x64 off): never send
+            # them. ignore_index keeps the tokens it masks invalid on the device side.
+            target = np.where(valid, labels_host, config.ignore_index)
+    if config.kind != "cross_entropy":
+        target = jax.lax.stop_gradient(_device(target))
+    # Only what the coefficients depend on is static here: a new option value (label
+    # smoothing, temperature, ...) does not recompile this part.
+    counting = LossConfig(kind=config.kind, normalization=config.normalization, ignore_index=config.ignore_index)
+    coef, safe_target, bad = _prepare(
+        counting,
+        vocab,
+        _device(target),
+        None if loss_mask is None else _device(loss_mask),
+        None if denominator is None else _device(denominator),
+    )
+    kcfg = KernelConfig(
+        kind=config.kind,
+        scale=config.student_scale,
+        teacher_scale=config.teacher_scale,
+        label_smoothing=config.label_smoothing,
+        z_loss=config.z_loss,
+    )
+    tuning = _xla.TUNING if impl == "xla" else _pallas.TUNING
+    tokens = _tokens((kcfg, impl, tuning), _device(logits), safe_target, coef)
+    return _finish(config.normalization, lead, tokens, bad)
+
+
+# --------------------------------------------------------------------------------------------
+# Traced pieces
+# --------------------------------------------------------------------------------------------
+
+
+def _labels_int(labels: Array) -> Array:
+    """Labels in a signed type wide enough to compare with ``ignore_index`` (int32, or
+    int64 under x64)."""
+    if labels.dtype == jnp.int64:
+        return labels
+    return labels.astype(jnp.int32)
+
+
+def _weights(config: LossConfig, labels: Optional[Array], loss_mask: Optional[Array], lead: tuple[int, ...]) -> tuple[Array, Array, Array]:
+    """``(valid, weight, bad_weight)``: valid tokens, fp32 weights (0 where invalid), and
+    whether any weight is negative or non-finite (under tracing: makes the loss NaN)."""
+    valid = jnp.ones(lead, bool)
+    weight = jnp.ones(lead, F32)
+    bad = jnp.zeros((), bool)
+    if loss_mask is not None:
+        valid = loss_mask != 0
+        weight = loss_mask.astype(F32)
+        if loss_mask.dtype != jnp.bool_:
+            bad = jnp.any(~(jnp.isfinite(weight) & (weight >= 0)))
+    if labels is not None:
+        valid = valid & (_labels_int(labels) != config.ignore_index)
+    return valid, jnp.where(valid, weight, 0.0), bad
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _count(config: LossConfig, labels: Optional[Array], loss_mask: Optional[Array]) -> Array:
+    lead = (labels if labels is not None else loss_mask).shape
+    _, weight, bad = _weights(config, labels, loss_mask, lead)
+    return jnp.sum(weight) + jnp.where(bad, jnp.nan, 0.0)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _prepare(
+    config: LossConfig, vocab: int, target: Array, loss_mask: Optional[Array], denominator: Optional[Array]
+) -> tuple[Array, Array, Array]:
+    """``(coef [N], target, bad)``: the per-token coefficient, the safe target (labels 0 where
+    invalid, int32, flattened; teacher ``[N, V]``) and the bad-value flag."""
+    ce = config.kind == "cross_entropy"
+    lead = target.shape if ce else target.shape[:-1]
+    n = int(np.prod(lead, dtype=np.int64))
+    valid, weight, bad = _weights(config, target if ce else None, loss_mask, lead)
+    if ce:
+        labels = _labels_int(target)
+        bad = bad | jnp.any(valid & ((labels < 0) | (labels >= vocab)))
+        target = jnp.where(valid, labels, 0).astype(jnp.int32).reshape(n)
+    else:
+        target = target.reshape(n, vocab)
+    weight = weight.reshape(n)
+    if config.normalization == "none":
+        return weight, target, bad
+    if denominator is not None:
+        denom = jnp.asarray(denominator, F32).reshape(())
+        bad = bad | ~(jnp.isfinite(denom) & (denom >= 0))
+    elif config.normalization == "valid_tokens":
+        denom = jnp.sum(weight)
+    elif config.normalization == "tokens":
+        denom = jnp.asarray(float(n), F32)
+    else:  # "sum"
+        denom = jnp.ones((), F32)
+    # The only place D enters: runtime data for the kernels. D == 0 gives loss 0, grad 0.
+    coef = jnp.where(denom > 0, weight / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return coef, target, bad
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _finish(normalization: str, lead: tuple[int, ...], tokens: Array, bad: Array) -> Array:
+    nan_if_bad = jnp.where(bad, jnp.nan, 0.0).astype(F32)
+    if normalization == "none":
+        return tokens.reshape(lead) + nan_if_bad
+    return jnp.sum(tokens) + nan_if_bad
+
+
+Spec = tuple  # (KernelConfig, impl, tuning): static, hashable
+
+
+def _kernel(spec: Spec, x: Array, target: Array, coef: Array, with_grad: bool) -> tuple[Array, Optional[Array]]:
+    cfg, impl, tuning = spec
+    if impl == "pallas":
+        return _pallas.fused(cfg, x, target, coef, with_grad=with_grad, tuning=tuning)
+    return _xla.fused(cfg, x, target, coef, with_grad=with_grad, tuning=tuning)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _weighted_loss(spec: Spec, x: Array, target: Array, coef: Array) -> Array:
+    """Per-token ``coef_i * l_i`` ``[N]`` (0 where ``coef == 0``) of logits ``x`` ``[N, V]``."""
+    loss, _ = _kernel(spec, x, target, coef, with_grad=False)
+    return jnp.where(coef != 0, coef * loss, 0.0)
+
+
+def _weighted_loss_fwd(spec: Spec, x: Array, target: Array, coef: Array) -> tuple[Array, tuple[Array, Array, Array, Array]]:
+    loss, grad = _kernel(spec, x, target, coef, with_grad=True)
+    # Residuals: the gradient (one logits-sized buffer, logits' dtype) and [N] vectors.
+    return jnp.where(coef != 0, coef * loss, 0.0), (grad, loss, coef, target)
+
+
+def _weighted_loss_bwd(spec: Spec, res: tuple[Array, Array, Array, Array], g: Array) -> tuple[Any, Any, Array]:
+    grad, loss, coef, target = res
+    # Exact when the upstream gradient is 1 (XLA folds the multiply away under jit).
+    dx = (grad.astype(F32) * g[:, None]).astype(grad.dtype)
+    if jnp.issubdtype(target.dtype, jnp.integer):
+        dtarget = np.zeros(target.shape, dtype=jax.dtypes.float0)
+    else:
+        dtarget = jnp.zeros_like(target)  # the teacher gets no gradient
+    dcoef = jnp.where(coef != 0, loss * g, 0.0)
+    return dx, dtarget, dcoef
+
+
+_weighted_loss.defvjp(_weighted_loss_fwd, _weighted_loss_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _tokens(spec: Spec, logits: Array, target: Array, coef: Array) -> Array:
+    vocab = logits.shape[-1]
+    return _weighted_loss(spec, logits.reshape(-1, vocab), target, coef)

@@ -1,0 +1,205 @@
+"""Every bad input of SPEC section 5 raises before any kernel runs, with the error type and
+message of ``lossspec`` (the oracle raises the very same error on the same NumPy inputs)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxloss
+import lossspec
+from jaxloss import api
+from jaxloss.nnx import CrossEntropyLoss, ForwardKLLoss
+
+FNS = {
+    "cross_entropy": jaxloss.cross_entropy,
+    "soft_cross_entropy": jaxloss.soft_cross_entropy,
+    "forward_kl": jaxloss.forward_kl,
+    "reverse_kl": jaxloss.reverse_kl,
+}
+N, V = 4, 10
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(N, V)).astype(np.float32)
+T = RNG.normal(size=(N, V)).astype(np.float32)
+Y = RNG.integers(0, V, size=N).astype(np.int32)
+M = np.array([1.0, 0.5, 0.0, 2.0], np.float32)
+
+
+def raised(fn: Callable[[], Any]) -> BaseException:
+    with pytest.raises(Exception) as info:
+        fn()
+    return info.value
+
+
+def assert_same_error(ours: Callable[[], Any], reference: Callable[[], Any]) -> None:
+    """Both raise, with the same type and message; the message names an argument."""
+    got, want = raised(ours), raised(reference)
+    assert isinstance(want, (TypeError, ValueError)), want
+    assert type(got) is type(want), (got, want)
+    assert str(got) == str(want)
+
+
+# (id, kind, logits, target, loss_mask, options): each must fail in the oracle and in jaxloss.
+BAD_CALLS = [
+    ("labels-shape", "cross_entropy", X, Y[:3], None, {}),
+    ("labels-2d", "cross_entropy", X, Y[:, None], None, {}),
+    ("mask-shape", "cross_entropy", X, Y, M[:3], {}),
+    ("teacher-shape", "forward_kl", X, T[:, :5], None, {}),
+    ("teacher-mask-shape", "reverse_kl", X, T, M[None], {}),
+    ("integer-logits", "cross_entropy", X.astype(np.int32), Y, None, {}),
+    ("integer-logits-distill", "soft_cross_entropy", X.astype(np.int32), T, None, {}),
+    ("float-labels", "cross_entropy", X, Y.astype(np.float32), None, {}),
+    ("bool-labels", "cross_entropy", X, Y > 3, None, {}),
+    ("integer-teacher", "forward_kl", X, Y[:, None].repeat(V, 1), None, {}),
+    ("complex-mask", "cross_entropy", X, Y, M.astype(np.complex64), {}),
+    ("scalar-logits", "cross_entropy", np.float32(1.0), np.int32(0), None, {}),
+    ("empty-vocab", "cross_entropy", X[:, :0], Y, None, {}),
+    ("empty-vocab-distill", "reverse_kl", X[:, :0], T[:, :0], None, {}),
+    ("normalization", "cross_entropy", X, Y, None, {"normalization": "mean"}),
+    ("normalization-distill", "forward_kl", X, T, None, {"normalization": "batch"}),
+    ("negative-weight", "cross_entropy", X, Y, np.array([1.0, -0.5, 0.0, 1.0], np.float32), {}),
+    ("nan-weight", "soft_cross_entropy", X, T, np.array([1.0, np.nan, 0.0, 1.0], np.float32), {}),
+    ("inf-weight", "reverse_kl", X, T, np.array([1.0, np.inf, 0.0, 1.0], np.float32), {}),
+    ("label-smoothing-negative", "cross_entropy", X, Y, None, {"label_smoothing": -0.1}),
+    ("label-smoothing-above-one", "cross_entropy", X, Y, None, {"label_smoothing": 1.5}),
+    ("label-smoothing-nan", "cross_entropy", X, Y, None, {"label_smoothing": float("nan")}),
+    ("z-loss-negative", "cross_entropy", X, Y, None, {"z_loss": -1e-4}),
+    ("logit-scale-zero", "cross_entropy", X, Y, None, {"logit_scale": 0.0}),
+    ("logit-scale-inf", "forward_kl", X, T, None, {"logit_scale": float("inf")}),
+    ("temperature-zero", "forward_kl", X, T, None, {"temperature": 0.0}),
+    ("temperature-negative", "soft_cross_entropy", X, T, None, {"temperature": -2.0}),
+    ("teacher-scale-negative", "reverse_kl", X, T, None, {"teacher_logit_scale": -1.0}),
+    ("option-bool", "cross_entropy", X, Y, None, {"z_loss": True}),
+    ("option-string", "forward_kl", X, T, None, {"temperature": "2"}),
+    ("ignore-index-float", "cross_entropy", X, Y, None, {"ignore_index": 1.5}),
+    ("label-too-large", "cross_entropy", X, np.array([1, V, 2, 3], np.int32), None, {}),
+    ("label-negative", "cross_entropy", X, np.array([1, 2, -1, 3], np.int32), None, {}),
+    ("label-masked-ok-but-other-bad", "cross_entropy", X, np.array([V, 2, 99, 3], np.int32), M, {}),
+    ("denominator-none", "forward_kl", X, T, None, {"normalization": "none", "denominator": 3.0}),
+    ("denominator-negative", "cross_entropy", X, Y, None, {"denominator": -1.0}),
+    ("denominator-nan", "reverse_kl", X, T, None, {"denominator": float("nan")}),
+    ("denominator-inf", "cross_entropy", X, Y, M, {"normalization": "tokens", "denominator": float("inf")}),
+]
+
+
+def _jax(array: Any) -> Any:
+    return array if array is None else jnp.asarray(array)
+
+
+@pytest.mark.parametrize("as_jax", [False, True], ids=["numpy", "jax"])
+@pytest.mark.parametrize("name,kind,logits,target,mask,options", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_matches_lossspec(name: str, kind: str, logits: Any, target: Any, mask: Any, options: dict, as_jax: bool) -> None:
+    wrap = _jax if as_jax else (lambda a: a)
+    for impl in ("xla", "pallas"):
+        assert_same_error(
+            lambda: FNS[kind](wrap(logits), wrap(target), wrap(mask), impl=impl, **options),
+            lambda: lossspec.oracle(kind, logits, target, mask, **options),
+        )
+
+
+def test_denominator_must_be_a_scalar() -> None:
+    assert_same_error(
+        lambda: jaxloss.cross_entropy(X, Y, denominator=jnp.ones(2)),
+        lambda: lossspec.check_denominator_shape((2,)),
+    )
+
+
+@pytest.mark.parametrize("kind", list(FNS))
+def test_unknown_impl(kind: str) -> None:
+    target = Y if kind == "cross_entropy" else T
+    for impl in ("cuda", "triton", "torch", ""):
+        assert_same_error(lambda: FNS[kind](X, target, impl=impl), lambda: lossspec.check_impl(impl, lossspec.JAX_IMPLS))
+
+
+def test_options_of_the_other_kind_are_rejected() -> None:
+    with pytest.raises(TypeError, match="temperature"):
+        jaxloss.cross_entropy(X, Y, temperature=2.0)
+    for fn in (jaxloss.soft_cross_entropy, jaxloss.forward_kl, jaxloss.reverse_kl):
+        for option in ("label_smoothing", "z_loss", "ignore_index"):
+            with pytest.raises(TypeError, match=option):
+                fn(X, T, **{option: 0.1})
+
+
+def test_vocab_parallel_is_not_implemented_yet() -> None:
+    with pytest.raises(NotImplementedError, match="vocab_parallel lands with the distributed issue"):
+        jaxloss.cross_entropy(X, Y, vocab_parallel="model")
+    with pytest.raises(NotImplementedError, match="vocab_parallel lands with the distributed issue"):
+        jaxloss.reverse_kl(X, T, vocab_parallel="model")
+    with pytest.raises(NotImplementedError, match="vocab_parallel lands with the distributed issue"):
+        ForwardKLLoss(vocab_parallel="model")
+
+
+def test_errors_come_before_any_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checks run on the host before the kernels are even traced."""
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a kernel ran on bad input")
+
+    monkeypatch.setattr(api._xla, "fused", boom)
+    monkeypatch.setattr(api._pallas, "fused", boom)
+    for _, kind, logits, target, mask, options in BAD_CALLS:
+        for impl in ("xla", "pallas"):
+            with pytest.raises((TypeError, ValueError)):
+                FNS[kind](logits, target, mask, impl=impl, **options)
+
+
+def test_masked_labels_are_never_checked_or_read() -> None:
+    """Any label value is legal on a masked (or ignored) token, out-of-int32 ones included."""
+    labels = np.array([3, 2**40, -(2**35), 7], np.int64)
+    mask = np.array([True, False, False, True])
+    for impl in ("xla", "pallas"):
+        loss = jaxloss.cross_entropy(X, labels, mask, impl=impl)
+        ref, _ = lossspec.oracle("cross_entropy", X, labels, mask)
+        lossspec.compare_loss(loss, ref).check()
+
+
+BAD_COUNTS = [
+    ("sum", dict(labels=Y, normalization="sum")),
+    ("none", dict(loss_mask=M, normalization="none")),
+    ("unknown", dict(labels=Y, normalization="mean")),
+    ("nothing", dict()),
+    ("float-labels", dict(labels=Y.astype(np.float32))),
+    ("complex-mask", dict(loss_mask=M.astype(np.complex64))),
+    ("shape", dict(labels=Y, loss_mask=M[:3])),
+    ("negative-weight", dict(loss_mask=np.array([1.0, -1.0], np.float32))),
+    ("nan-weight", dict(labels=Y[:2], loss_mask=np.array([1.0, np.nan], np.float32))),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", BAD_COUNTS, ids=[c[0] for c in BAD_COUNTS])
+def test_count_denominator_bad_input(name: str, kwargs: dict) -> None:
+    assert_same_error(lambda: jaxloss.count_denominator(**kwargs), lambda: lossspec.count_denominator(**kwargs))
+
+
+def test_count_denominator_values() -> None:
+    labels = np.array([[1, -100, 3], [4, 5, 7]], np.int32)
+    mask = np.array([[1.0, 1.0, 0.0], [0.5, 2.0, 1.0]], np.float32)
+    cases = [
+        dict(labels=labels),
+        dict(loss_mask=mask),
+        dict(labels=labels, loss_mask=mask),
+        dict(labels=labels, loss_mask=mask > 0),
+        dict(labels=labels, ignore_index=5),
+        dict(labels=labels, normalization="tokens"),
+        dict(loss_mask=mask, normalization="tokens"),
+    ]
+    for kwargs in cases:
+        got = jaxloss.count_denominator(**kwargs)
+        assert got.dtype == jnp.float32 and got.shape == ()
+        assert float(got) == lossspec.count_denominator(**kwargs)
+        traced = jax.jit(lambda **kw: jaxloss.count_denominator(**kw), static_argnames=("normalization", "ignore_index"))(**kwargs)
+        assert float(traced) == float(got)
+    # Under jit a bad weight cannot raise: the count is NaN instead of a plausible number.
+    bad = jax.jit(jaxloss.count_denominator)(None, jnp.array([1.0, -2.0]))
+    assert np.isnan(float(bad))
+
+
+def test_module_options_are_checked_on_construction() -> None:
+    assert_same_error(lambda: CrossEntropyLoss(label_smoothing=2.0), lambda: lossspec.make_config("cross_entropy", label_smoothing=2.0))
+    assert_same_error(lambda: ForwardKLLoss(temperature=0.0), lambda: lossspec.make_config("forward_kl", temperature=0.0))
+    assert_same_error(lambda: CrossEntropyLoss(normalization="mean"), lambda: lossspec.make_config("cross_entropy", normalization="mean"))
+    assert_same_error(lambda: CrossEntropyLoss(impl="torch"), lambda: lossspec.check_impl("torch", lossspec.JAX_IMPLS))

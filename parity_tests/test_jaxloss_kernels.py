@@ -1,0 +1,185 @@
+"""Internals of the two implementations: the XLA path's row chunks and vocabulary blocks, the
+online-statistics algebra (the future vocab-parallel combine), Pallas block shapes, and the
+Pallas kernels' GPU (Triton) lowering, checked without a GPU through ``jax.export``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import jaxloss
+import lossspec
+from jaxloss import _pallas, _xla
+from lossspec import KINDS, assert_close_to_oracle, compare_loss, make_case
+
+FNS = {
+    "cross_entropy": jaxloss.cross_entropy,
+    "soft_cross_entropy": jaxloss.soft_cross_entropy,
+    "forward_kl": jaxloss.forward_kl,
+    "reverse_kl": jaxloss.reverse_kl,
+}
+OPTIONS = {
+    "cross_entropy": {"label_smoothing": 0.1, "z_loss": 1e-3},
+    "soft_cross_entropy": {"temperature": 1.5},
+    "forward_kl": {"temperature": 0.7, "teacher_logit_scale": 1.3},
+    "reverse_kl": {"logit_scale": 0.8},
+}
+
+
+def check(case: lossspec.Case, impl: str, **options: Any) -> None:
+    x = jnp.asarray(case.logits).astype(case.dtype)
+    target = case.target if case.kind == "cross_entropy" else jnp.asarray(case.target).astype(case.dtype)
+    fn = FNS[case.kind]
+    loss, vjp = jax.vjp(lambda x: fn(x, target, case.loss_mask, impl=impl, **options), x)
+    (grad,) = vjp(jnp.ones_like(loss))
+    ref = case.reference(**options)
+    assert_close_to_oracle(
+        np.asarray(loss), np.asarray(grad.astype(jnp.float32)), ref.loss, ref.grad, dtype=case.dtype, g0=ref.g0, what=case.name
+    )
+    if case.dtype == "float32":
+        # The loss alone (no gradient requested) takes the statistics-only path.
+        compare_loss(np.asarray(fn(x, target, case.loss_mask, impl=impl, **options)), ref.loss).check()
+
+
+# Rows in chunks of 6 (the last chunk moved back to overlap its neighbour), vocabulary in blocks
+# of 48 (the last one overlapping too): every branch of the XLA driver on small inputs.
+SMALL_XLA = _xla.XlaTuning(chunk_elements=6 * 48, max_single_block_vocab=64, vocab_block=48)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_xla_vocabulary_blocks_and_row_chunks(kind: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_xla, "TUNING", SMALL_XLA)
+    scenarios = ("random", "confident", "huge", "neg_inf", "all_masked") if dtype == "float32" else ("confident", "huge")
+    for scenario in scenarios:
+        case = make_case(kind, scenario, dtype=dtype, lead_shape=(2, 7), vocab=257)
+        options = {} if scenario == "neg_inf" else OPTIONS[kind]
+        for normalization in ("valid_tokens", "none"):
+            check(case, "xla", normalization=normalization, **options)
+
+
+def test_xla_single_block_row_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole-row blocks, several overlapping row chunks (13 rows in chunks of 4)."""
+    monkeypatch.setattr(_xla, "TUNING", _xla.XlaTuning(chunk_elements=4 * 100))
+    for kind in KINDS:
+        for dtype in ("float32", "bfloat16"):
+            check(make_case(kind, "float_weights", dtype=dtype, lead_shape=(13,), vocab=100), "xla", **OPTIONS[kind])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pallas_small_blocks(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row blocks of 2 and vocabulary blocks of 32: many programs, many blocks, ragged tails."""
+    monkeypatch.setattr(_pallas, "TUNING", _pallas.PallasTuning(block_rows=2, block_vocab=32))
+    for dtype, scenario in (("float32", "huge"), ("bfloat16", "neg_inf"), ("float16", "float_weights")):
+        case = make_case(kind, scenario, dtype=dtype, lead_shape=(7,), vocab=100)
+        check(case, "pallas", **({} if scenario == "neg_inf" else OPTIONS[kind]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_statistics_combine_like_shards(kind: str) -> None:
+    """Per-shard statistics of uneven vocabulary shards, combined in either order, give the
+    oracle's per-token losses: the algebra vocab-parallel will use between pmax and psum."""
+    options = OPTIONS[kind]
+    config = lossspec.make_config(kind, **options)
+    cfg = _xla.KernelConfig(kind, config.student_scale, config.teacher_scale, config.label_smoothing, config.z_loss)
+    for scenario in ("random", "huge", "neg_inf", "confident"):
+        case = make_case(kind, scenario, lead_shape=(6,), vocab=101)
+        if scenario == "neg_inf":
+            cfg = _xla.KernelConfig(kind, cfg.scale, cfg.teacher_scale, 0.0, cfg.z_loss)
+            config = lossspec.make_config(kind, **{k: v for k, v in options.items() if k != "label_smoothing"})
+        x = jnp.asarray(case.logits)
+        ce = kind == "cross_entropy"
+        labels = np.where(np.asarray(case.target) >= 0, case.target, 0).clip(0, 100) if ce else None
+        teacher = None if ce else jnp.asarray(case.target)
+        shards = [(0, 13), (13, 60), (60, 101)]
+        parts = []
+        for lo, hi in shards:
+            hit = jnp.asarray((np.arange(lo, hi)[None, :] == labels[:, None])) if ce else None
+            stats, _, _ = _xla.block_stats(cfg, x[:, lo:hi], None if ce else teacher[:, lo:hi], hit=hit)
+            parts.append(stats)
+        forward = _xla.combine(cfg, _xla.combine(cfg, parts[0], parts[1]), parts[2])
+        backward = _xla.combine(cfg, parts[2], _xla.combine(cfg, parts[1], parts[0]))
+        ref, _ = lossspec.per_token_oracle(config, case.logits, labels if ce else case.target)
+        for stats in (forward, backward):
+            got = _xla.finalize(cfg, stats, 101).l
+            compare_loss(np.asarray(got), ref, f"{kind}/{scenario}").check()
+
+
+def test_unknown_kernel_mode() -> None:
+    cfg = _xla.KernelConfig("cross_entropy")
+    with pytest.raises(NotImplementedError, match="kernel mode 'stats'"):
+        _pallas.fused(cfg, jnp.zeros((2, 8)), jnp.zeros((2,), jnp.int32), jnp.ones((2,)), mode="stats")
+
+
+def test_block_sizes_must_be_powers_of_two() -> None:
+    tuning = _pallas.PallasTuning(block_rows=3)
+    with pytest.raises(ValueError, match="block_rows must be a power of two"):
+        _pallas.fused(_xla.KernelConfig("cross_entropy"), jnp.zeros((2, 8)), jnp.zeros((2,), jnp.int32), jnp.ones((2,)), tuning=tuning)
+
+
+def test_xla_memory_is_one_logits_buffer() -> None:
+    """Forward + backward keeps one logits-sized buffer, the gradient in the logits' dtype (the
+    output); temporaries are a few row chunks, never an fp32 copy of ``[N, V]``. 16-bit logits
+    additionally travel as a uint16 view (XLA's CPU backend upcasts bf16/fp16 dynamic slices to
+    fp32, which would copy the whole array in fp32): one 16-bit copy per ``[N, V]`` input."""
+    n, vocab = 16384, 4096  # 256 MiB in fp32 (only compiled, never allocated); a row chunk is 8 MiB
+    chunk_bytes = _xla.TUNING.chunk_elements * 4
+    for kind in KINDS:
+        for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):
+            x = jax.ShapeDtypeStruct((n, vocab), jnp.dtype(dtype))
+            target = jax.ShapeDtypeStruct((n,), jnp.int32) if kind == "cross_entropy" else x
+            compiled = jax.jit(jax.value_and_grad(lambda x, t: FNS[kind](x, t, impl="xla", **OPTIONS[kind]))).lower(x, target).compile()
+            memory = compiled.memory_analysis()
+            assert memory.output_size_in_bytes <= n * vocab * itemsize + 64
+            views = 0 if dtype == "float32" else (1 if kind == "cross_entropy" else 2) * n * vocab * itemsize
+            assert memory.temp_size_in_bytes <= views + 6 * chunk_bytes, (kind, dtype, memory)
+            assert memory.temp_size_in_bytes < views + n * vocab * 4 // 2, (kind, dtype, memory)
+
+
+# --------------------------------------------------------------------------------------------
+# The GPU lowering (Triton), without a GPU
+# --------------------------------------------------------------------------------------------
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _export_cuda(fn: Any, *args: Any) -> str:
+    exported = export.export(
+        jax.jit(fn), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+    )(*args)
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pallas_lowers_to_triton(kind: str) -> None:
+    """The kernels lower through Pallas' Triton backend (forward and backward of the loss)."""
+    n, vocab = 37, 50257
+    x = jax.ShapeDtypeStruct((n, vocab), jnp.bfloat16)
+    target = jax.ShapeDtypeStruct((n,), jnp.int32) if kind == "cross_entropy" else x
+    fn = FNS[kind]
+    module = _export_cuda(jax.value_and_grad(lambda x, t: fn(x, t, impl="pallas", **OPTIONS[kind])), x, target)
+    assert module.count(TRITON_CALL) == 1
+    assert f"jaxloss_{kind}" in module
+
+
+def test_pallas_uses_64_bit_offsets_for_large_arrays(capsys: pytest.CaptureFixture[str]) -> None:
+    """Offsets are 64-bit once an operand exceeds 2**32 bytes (N * V beyond int32 elements), 32-bit
+    below; the kernel never forms ``row * V`` itself."""
+    cfg = _xla.KernelConfig("cross_entropy")
+    tuning = _pallas.PallasTuning(interpret=False, debug=True)
+    pointers = {}
+    for n in (1000, 70000):  # 1000 x 32768 bf16 = 64 MiB; 70000 x 32768 bf16 = 4.3 GiB
+        x = jax.ShapeDtypeStruct((n, 32768), jnp.bfloat16)
+        labels = jax.ShapeDtypeStruct((n,), jnp.int32)
+        coef = jax.ShapeDtypeStruct((n,), jnp.float32)
+        capsys.readouterr()
+        _export_cuda(lambda x, t, c: _pallas.fused(cfg, x, t, c, tuning=tuning), x, labels, coef)
+        triton_ir = capsys.readouterr().out
+        pointers[n] = [line for line in triton_ir.splitlines() if "tt.addptr" in line and "bf16" in line]
+    assert pointers[1000] and all("x1024xi32>" in line for line in pointers[1000])
+    assert pointers[70000] and all("x1024xi64>" in line for line in pointers[70000])

@@ -1,0 +1,258 @@
+"""jaxloss under JAX transformations, and the behaviours of SPEC sections 1-2 and 6 that are not
+a plain oracle comparison: determinism, stop-gradient on the teacher, untouched inputs, no
+recompilation for a new denominator, NaN rows, ``D == 0``, and gradients w.r.t. the weights."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxloss
+import lossspec
+from jaxloss import api
+from lossspec import KINDS, assert_close_to_oracle, compare_grad, compare_loss, make_case
+
+IMPLS = ("xla", "pallas")
+FNS = {
+    "cross_entropy": jaxloss.cross_entropy,
+    "soft_cross_entropy": jaxloss.soft_cross_entropy,
+    "forward_kl": jaxloss.forward_kl,
+    "reverse_kl": jaxloss.reverse_kl,
+}
+VOCAB = 130  # two vocabulary blocks of the interpreted kernel, the second ragged
+
+
+def arrays(case: lossspec.Case) -> tuple[jax.Array, Any, Any]:
+    x = jnp.asarray(case.logits).astype(case.dtype)
+    target = jnp.asarray(case.target) if case.kind == "cross_entropy" else jnp.asarray(case.target).astype(case.dtype)
+    mask = None if case.loss_mask is None else jnp.asarray(case.loss_mask)
+    return x, target, mask
+
+
+def close(case: lossspec.Case, loss: Any, grad: Any, what: str, **options: Any) -> None:
+    ref = case.reference(**options)
+    assert_close_to_oracle(
+        np.asarray(loss), np.asarray(jnp.asarray(grad).astype(jnp.float32)), ref.loss, ref.grad, dtype=case.dtype, g0=ref.g0, what=what
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_jit_grad_value_and_grad(kind: str, impl: str) -> None:
+    case = make_case(kind, "float_weights", lead_shape=(3, 4), vocab=VOCAB)
+    x, target, mask = arrays(case)
+    fn = partial(FNS[kind], impl=impl)
+
+    def loss_fn(logits: jax.Array) -> jax.Array:
+        return fn(logits, target, mask)
+
+    loss, grad = jax.jit(jax.value_and_grad(loss_fn))(x)
+    close(case, loss, grad, "jit(value_and_grad)")
+    close(case, loss_fn(x), jax.grad(loss_fn)(x), "eager loss / grad")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_vmap(kind: str, impl: str) -> None:
+    """``vmap`` over a leading batch axis: each example is normalised by its own count."""
+    case = make_case(kind, "random", lead_shape=(3, 5), vocab=VOCAB, seed=5)
+    x, target, mask = arrays(case)
+    fn = partial(FNS[kind], impl=impl)
+    batched = jax.vmap(lambda x, t, m: fn(x, t, m))
+    losses = batched(x, target, mask)
+    grads = jax.grad(lambda x: jnp.sum(batched(x, target, mask)))(x)
+    assert losses.shape == (3,)
+    for b in range(3):
+        sub = lossspec.Case(kind, "random", case.dtype, case.logits[b], case.target[b], case.loss_mask[b])
+        close(sub, losses[b], grads[b], f"vmap example {b}")
+    # vmap of the per-token mode, too.
+    per_token = jax.vmap(lambda x, t, m: fn(x, t, m, normalization="none"))(x, target, mask)
+    ref = case.reference(normalization="none")
+    compare_loss(np.asarray(per_token), ref.loss, "vmap none").check()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_shard_map_global_denominator(kind: str, impl: str) -> None:
+    """Data parallel in ``shard_map``: the two-pass step of SPEC section 4 (``count_denominator``
+    summed with ``psum``, then ``denominator=D``) gives the full-batch loss and gradient; one
+    replica is entirely masked."""
+    case = make_case(kind, "float_weights", lead_shape=(8, 3), vocab=VOCAB, seed=6)
+    case.loss_mask[2:4] = 0.0  # replica 1 holds no valid token
+    x, target, mask = arrays(case)
+    mesh = jax.make_mesh((4,), ("data",))
+    ce = kind == "cross_entropy"
+
+    def local(x: jax.Array, t: jax.Array, m: jax.Array) -> jax.Array:
+        count = jaxloss.count_denominator(t if ce else None, m)
+        denominator = jax.lax.psum(count, "data")
+        return jax.lax.psum(FNS[kind](x, t, m, denominator=denominator, impl=impl), "data")
+
+    # Pallas interpret mode (the CPU stand-in for the GPU kernel) evaluates the kernel with
+    # primitives whose varying-axes check fails on sharded operands (a JAX 0.10.2 limitation
+    # of the interpreter, whose error message suggests check_vma=False); the XLA path runs with
+    # the default checks.
+    sharded = jax.shard_map(
+        local, mesh=mesh, in_specs=(P("data"), P("data"), P("data")), out_specs=P(), check_vma=impl != "pallas"
+    )
+    x, target, mask = jax.device_put((x, target, mask), jax.sharding.NamedSharding(mesh, P("data")))
+    loss, grad = jax.jit(jax.value_and_grad(sharded))(x, target, mask)
+    close(case, loss, grad, "shard_map")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_pmap_global_denominator(kind: str, impl: str) -> None:
+    case = make_case(kind, "random", lead_shape=(4, 2, 3), vocab=VOCAB, seed=7)
+    x, target, mask = arrays(case)
+    ce = kind == "cross_entropy"
+    count = jax.pmap(lambda t, m: jax.lax.psum(jaxloss.count_denominator(t if ce else None, m), "i"), axis_name="i")
+    denominators = count(target, mask)
+
+    def local(x: jax.Array, t: jax.Array, m: jax.Array, d: jax.Array) -> jax.Array:
+        return FNS[kind](x, t, m, denominator=d, impl=impl)
+
+    losses, grads = jax.pmap(jax.value_and_grad(local), axis_name="i")(x, target, mask, denominators)
+    close(case, jnp.sum(losses), grads, "pmap")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_deterministic_teacher_and_inputs(kind: str, impl: str) -> None:
+    """Bit-identical outputs run after run (eager and jit), zero teacher gradient, inputs
+    (NumPy arrays) untouched."""
+    case = make_case(kind, "huge", lead_shape=(9,), vocab=VOCAB, seed=8)
+    logits, target, mask = case.logits.copy(), case.target.copy(), case.loss_mask.copy()
+    fn = partial(FNS[kind], impl=impl)
+    vg = jax.value_and_grad(lambda x, t: fn(x, t, case.loss_mask), argnums=(0, 1) if kind != "cross_entropy" else 0)
+    first = vg(case.logits, case.target)
+    second = vg(case.logits, case.target)
+    jitted = jax.jit(vg)
+    third, fourth = jitted(case.logits, case.target), jitted(case.logits, case.target)
+    for other in (second, third, fourth):
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(other)):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    if kind != "cross_entropy":
+        (_, (_, teacher_grad)) = first
+        assert np.all(np.asarray(teacher_grad) == 0.0)
+    np.testing.assert_array_equal(case.logits, logits)
+    np.testing.assert_array_equal(case.target, target)
+    np.testing.assert_array_equal(case.loss_mask, mask)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_denominator_does_not_recompile(impl: str) -> None:
+    case = make_case("cross_entropy", "random", lead_shape=(6,), vocab=VOCAB)
+    x, labels, mask = arrays(case)
+    traces = []
+
+    @jax.jit
+    def step(x: jax.Array, denominator: jax.Array) -> tuple[jax.Array, jax.Array]:
+        traces.append(1)  # runs once per trace
+        return jax.value_and_grad(lambda x: jaxloss.cross_entropy(x, labels, mask, denominator=denominator, impl=impl))(x)
+
+    for denominator in (3.0, 5.0, 11.0):
+        loss, grad = step(x, jnp.float32(denominator))
+        close(case, loss, grad, f"jit D={denominator}", denominator=denominator)
+    assert len(traces) == 1
+    # Eager calls: a new denominator reuses the compiled kernel and preparation.
+    jaxloss.cross_entropy(x, labels, mask, denominator=2.0, impl=impl)
+    sizes = (api._tokens._cache_size(), api._prepare._cache_size())
+    for denominator in (4.0, np.float32(6.0), jnp.asarray(8.0)):
+        loss = jaxloss.cross_entropy(x, labels, mask, denominator=denominator, impl=impl)
+        compare_loss(loss, case.reference(denominator=float(denominator)).loss).check()
+    assert (api._tokens._cache_size(), api._prepare._cache_size()) == sizes
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_nan_and_inf_rows(kind: str, impl: str) -> None:
+    """``+inf`` or NaN anywhere in a valid row: NaN loss (and a NaN gradient row), never a
+    plausible number; in a masked row: no effect at all."""
+    case = make_case(kind, "random", lead_shape=(12,), vocab=VOCAB, seed=9)
+    ce = kind == "cross_entropy"
+    valid, _ = lossspec.token_weights(lossspec.make_config(kind), case.target if ce else None, case.loss_mask, (12,))
+    rows_valid = np.flatnonzero(valid)
+    rows_masked = np.flatnonzero(~valid)
+    assert len(rows_valid) >= 3 and len(rows_masked) >= 1
+    x = case.logits.copy()
+    x[rows_valid[0], 7] = np.inf
+    x[rows_valid[1], 100] = np.nan
+    x[rows_masked[0], 3] = np.nan
+    target = case.target.copy()
+    if not ce:
+        target[rows_valid[2], 129] = np.nan  # a bad teacher row
+    fn = partial(FNS[kind], impl=impl)
+    per_token, grad = jax.value_and_grad(lambda x: jnp.sum(fn(x, target, case.loss_mask, normalization="none")))(jnp.asarray(x))
+    tokens = np.asarray(fn(jnp.asarray(x), target, case.loss_mask, normalization="none"))
+    bad = [rows_valid[0], rows_valid[1]] + ([] if ce else [rows_valid[2]])
+    assert np.all(np.isnan(tokens[bad]))
+    assert np.all(np.isnan(np.asarray(grad)[bad]))
+    good = np.setdiff1d(np.arange(12), bad)
+    clean = case.logits.copy()
+    clean[rows_masked[0]] = 0.0
+    ref = lossspec.oracle(kind, clean, case.target, case.loss_mask, normalization="none")
+    compare_loss(tokens[good], ref[0][good]).check()
+    compare_grad(np.asarray(grad)[good], ref[1][good], "float32", g0=1.0).check()
+    assert np.isnan(float(fn(jnp.asarray(x), target, case.loss_mask)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_denominator(kind: str, impl: str) -> None:
+    """``D == 0`` (everything masked, or ``denominator=0``): loss 0 and gradient exactly 0."""
+    case = make_case(kind, "all_masked", lead_shape=(5,), vocab=VOCAB)
+    x, target, mask = arrays(case)
+    fn = partial(FNS[kind], impl=impl)
+    for kwargs in ({}, {"normalization": "tokens", "denominator": 0.0}):
+        loss, grad = jax.value_and_grad(lambda x: fn(x, target, mask, **kwargs))(x)
+        assert float(loss) == 0.0 and not np.any(np.asarray(grad))
+    live = make_case(kind, "random", lead_shape=(5,), vocab=VOCAB)
+    x, target, mask = arrays(live)
+    loss, grad = jax.value_and_grad(lambda x: fn(x, target, mask, denominator=0.0))(x)
+    assert float(loss) == 0.0 and not np.any(np.asarray(grad))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradient_wrt_weights_and_denominator(kind: str) -> None:
+    """Float weights and a traced denominator get exact gradients: for
+    ``L = sum_i w_i l_i / D``, ``dL/dw_i = l_i / D`` and ``dL/dD = -L / D``."""
+    case = make_case(kind, "float_weights", lead_shape=(7,), vocab=VOCAB)
+    x, target, mask = arrays(case)
+    fn = FNS[kind]
+    ce = kind == "cross_entropy"
+    valid, _ = lossspec.token_weights(lossspec.make_config(kind), case.target if ce else None, case.loss_mask, (7,))
+    # l_i with weight 1 on the valid tokens (masked labels may be garbage: give them 0).
+    per_token_target = jnp.where(jnp.asarray(valid), target, 0) if ce else target
+    per_token = np.asarray(fn(x, per_token_target, jnp.asarray(valid), normalization="none"), np.float64)
+    denominator = 5.5
+    loss, (dw, dd) = jax.value_and_grad(lambda w, d: fn(x, target, w, denominator=d), argnums=(0, 1))(mask, jnp.float32(denominator))
+    expected = np.where(valid, per_token / denominator, 0.0)
+    np.testing.assert_allclose(np.asarray(dw), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(dd), -float(loss) / denominator, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_traced_bad_values_give_nan(kind: str) -> None:
+    """Under ``jit`` nothing is read on the host: a valid label outside ``[0, V)``, a negative
+    or non-finite weight, or a negative denominator make the loss NaN."""
+    case = make_case(kind, "float_weights", lead_shape=(6,), vocab=VOCAB)
+    x, target, mask = arrays(case)
+    fn = jax.jit(lambda x, t, m, d: FNS[kind](x, t, m, denominator=d))
+    assert np.isfinite(float(fn(x, target, mask, jnp.float32(4.0))))
+    assert np.isnan(float(fn(x, target, mask.at[1].set(-1.0), jnp.float32(4.0))))
+    assert np.isnan(float(fn(x, target, mask.at[1].set(jnp.inf), jnp.float32(4.0))))
+    assert np.isnan(float(fn(x, target, mask, jnp.float32(-4.0))))
+    assert np.isnan(float(fn(x, target, mask, jnp.float32(jnp.nan))))
+    if kind == "cross_entropy":
+        valid = np.flatnonzero((np.asarray(mask) != 0) & (np.asarray(target) != -100))
+        for bad_label in (VOCAB, -1, 10**6):
+            assert np.isnan(float(fn(x, target.at[valid[0]].set(bad_label), mask, jnp.float32(4.0))))
+        per_token = jax.jit(lambda x, t: jaxloss.cross_entropy(x, t, normalization="none"))(x, target.at[valid[0]].set(VOCAB))
+        assert np.all(np.isnan(np.asarray(per_token)))

@@ -1,0 +1,208 @@
+"""Every bad input of SPEC section 5: torchloss raises the error of ``lossspec`` (type and message,
+taken from the oracle or the lossspec check on the equivalent NumPy input, never re-typed here)
+before any kernel runs; where values cannot be read for free (GPU, torch.compile) a bad value makes
+the loss NaN instead."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from test_torchloss_helpers import FUNCTIONS, IMPLS, quiet
+
+import lossspec
+import torchloss
+from torchloss import api
+
+KINDS = lossspec.KINDS
+
+
+def _inputs(kind: str, rows: int = 6, vocab: int = 10) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32)
+    target = rng.integers(0, vocab, size=rows) if kind == "cross_entropy" else rng.normal(size=(rows, vocab)).astype(np.float32)
+    mask = np.ones(rows, dtype=np.float32)
+    return logits, target, mask
+
+
+def _t(array: Any) -> Any:
+    return torch.from_numpy(np.asarray(array)) if isinstance(array, np.ndarray) else array
+
+
+def _same_error(reference: Callable[[], Any], call: Callable[[], Any]) -> None:
+    """``call`` raises exactly what ``reference`` (lossspec) raises: same type, same message."""
+    with pytest.raises(Exception) as expected:
+        reference()
+    with pytest.raises(type(expected.value), match=f"^{re.escape(str(expected.value))}$"):
+        with quiet():
+            call()
+
+
+def _both(kind: str, impl: str, logits: Any, target: Any, mask: Any = None, **options: Any) -> None:
+    """The oracle on NumPy inputs and torchloss on the same inputs as tensors fail alike."""
+    _same_error(
+        lambda: lossspec.oracle(kind, logits, target, mask, **options),
+        lambda: FUNCTIONS[kind](_t(logits), _t(target), _t(mask), impl=impl, **options),
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_shape_and_dtype_errors(kind: str, impl: str) -> None:
+    logits, target, mask = _inputs(kind)
+    _both(kind, impl, logits.astype(np.int64), target, mask)  # integer logits
+    _both(kind, impl, logits[:, :0], target if kind == "cross_entropy" else target[:, :0], mask)  # V == 0
+    _both(kind, impl, logits, target, mask[:4])  # mask shape
+    _both(kind, impl, logits, target, mask.astype(np.complex64))  # mask dtype
+    if kind == "cross_entropy":
+        _both(kind, impl, logits, target[:5], mask)  # labels shape
+        _both(kind, impl, logits, target.astype(np.float32), mask)  # non-integer labels
+        _both(kind, impl, logits.reshape(2, 3, 10), target, mask)  # leading shapes differ
+    else:
+        _both(kind, impl, logits, target[:, :9], mask)  # teacher shape
+        _both(kind, impl, logits, target.astype(np.int32), mask)  # integer teacher logits
+    _same_error(
+        lambda: lossspec.check_inputs(
+            lossspec.make_config(kind), lossspec.meta((), "f", "float32"), lossspec.meta((), "i", "int64"), None
+        ),
+        lambda: FUNCTIONS[kind](torch.tensor(1.0), torch.tensor(0) if kind == "cross_entropy" else torch.tensor(1.0)),
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_option_errors(kind: str, impl: str) -> None:
+    logits, target, mask = _inputs(kind)
+    bad = [
+        {"normalization": "mean"},
+        {"logit_scale": 0.0},
+        {"logit_scale": float("nan")},
+        {"logit_scale": "1"},
+    ]
+    if kind == "cross_entropy":
+        bad += [{"label_smoothing": -0.1}, {"label_smoothing": 1.5}, {"z_loss": -1e-4}, {"ignore_index": 1.5}]
+    else:
+        bad += [{"temperature": 0.0}, {"temperature": -1.0}, {"teacher_logit_scale": 0.0}, {"temperature": float("inf")}]
+    for options in bad:
+        _both(kind, impl, logits, target, mask, **options)
+    _same_error(
+        lambda: lossspec.check_impl("pallas", lossspec.TORCH_IMPLS),
+        lambda: FUNCTIONS[kind](_t(logits), _t(target), impl="pallas"),
+    )
+    wrong = {"temperature": 2.0} if kind == "cross_entropy" else {"label_smoothing": 0.1}
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        FUNCTIONS[kind](_t(logits), _t(target), impl=impl, **wrong)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_value_errors(kind: str, impl: str) -> None:
+    logits, target, mask = _inputs(kind)
+    for weights in (np.where(np.arange(6) == 2, -0.5, mask), np.where(np.arange(6) == 4, np.nan, mask), np.full(6, np.inf)):
+        _both(kind, impl, logits, target, weights.astype(np.float32))
+    _both(kind, impl, logits, target, np.array([1, 0, -2, 1, 1, 1], dtype=np.int32))  # integer weights
+    if kind == "cross_entropy":
+        for bad_label in (10, -1, 10**6):
+            labels = target.copy()
+            labels[3] = bad_label
+            _both(kind, impl, logits, labels, mask)
+            # The same label at a masked position is never read: no error, and the oracle's loss.
+            masked = mask.copy()
+            masked[3] = 0
+            loss = FUNCTIONS[kind](_t(logits), _t(labels), _t(masked), impl=impl)
+            assert lossspec.compare_loss(loss.numpy(), lossspec.oracle(kind, logits, labels, masked)[0]).ok
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_denominator_errors(impl: str) -> None:
+    kind = "cross_entropy"
+    logits, target, mask = _inputs(kind)
+    _both(kind, impl, logits, target, mask, normalization="none", denominator=4.0)
+    for value in (-1.0, float("nan"), float("inf")):
+        _both(kind, impl, logits, target, mask, denominator=value)
+        _same_error(
+            lambda: lossspec.check_denominator_value(value),
+            lambda: torchloss.cross_entropy(_t(logits), _t(target), denominator=torch.tensor(value), impl=impl),
+        )
+    _same_error(
+        lambda: lossspec.check_denominator_shape((2,)),
+        lambda: torchloss.cross_entropy(_t(logits), _t(target), denominator=torch.ones(2), impl=impl),
+    )
+    with pytest.raises(TypeError, match="denominator must be a number or a 0-d tensor"):
+        torchloss.cross_entropy(_t(logits), _t(target), denominator="6")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_type_device_and_vocab_parallel_errors(kind: str) -> None:
+    logits, target, mask = _inputs(kind)
+    fn = FUNCTIONS[kind]
+    name = "labels" if kind == "cross_entropy" else "teacher_logits"
+    with pytest.raises(TypeError, match="logits must be a torch.Tensor; got ndarray"):
+        fn(logits, _t(target))
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor; got list"):
+        fn(_t(logits), target.tolist())
+    with pytest.raises(TypeError, match="loss_mask must be a torch.Tensor; got ndarray"):
+        fn(_t(logits), _t(target), mask)
+    with pytest.raises(ValueError, match=rf"{name} must be on the device of logits \(meta\); got cpu"):
+        fn(_t(logits).to("meta"), _t(target))
+    with pytest.raises(NotImplementedError, match="vocab_parallel lands with the distributed issue"):
+        fn(_t(logits), _t(target), vocab_parallel=object())
+
+
+def test_count_denominator_errors() -> None:
+    labels = torch.tensor([[1, 2, -100], [0, 4, 5]])
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.5]])
+    cases = [
+        ((labels.numpy(), None), {"normalization": "sum"}, (labels, None)),
+        ((labels.numpy(), None), {"normalization": "none"}, (labels, None)),
+        ((labels.numpy(), None), {"normalization": "mean"}, (labels, None)),
+        ((None, None), {}, (None, None)),
+        ((labels.numpy().astype(np.float32), None), {}, (labels.float(), None)),
+        ((labels.numpy(), mask.numpy()[:, :2]), {}, (labels, mask[:, :2])),
+        ((None, np.where(mask.numpy() == 0.5, -1.0, mask.numpy())), {}, (None, torch.where(mask == 0.5, -1.0, mask))),
+    ]
+    for np_args, options, torch_args in cases:
+        _same_error(
+            lambda: lossspec.count_denominator(*np_args, **options),
+            lambda: torchloss.count_denominator(*torch_args, **options),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Where values cannot be read for free (a GPU, torch.compile tracing): NaN, never a number.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_device_side_bad_values_give_nan(monkeypatch: pytest.MonkeyPatch, kind: str, impl: str) -> None:
+    """The code path of CUDA tensors and compiled code, run on the CPU: no value checks on the
+    host, and a bad label, a negative or non-finite weight or a bad denominator tensor turns the
+    loss into NaN (labels are clamped before any gather, so nothing is read out of bounds)."""
+    monkeypatch.setattr(api, "_host_readable", lambda *tensors: False)
+    logits, target, mask = _inputs(kind)
+    fn = FUNCTIONS[kind]
+    good = fn(_t(logits), _t(target), _t(mask), impl=impl)
+    assert torch.isfinite(good)
+    bad_weights = [np.where(np.arange(6) == 2, -0.5, mask), np.where(np.arange(6) == 4, np.nan, mask)]
+    for weights in bad_weights:
+        with quiet():
+            assert torch.isnan(fn(_t(logits), _t(target), _t(weights.astype(np.float32)), impl=impl))
+            per_token = fn(_t(logits), _t(target), _t(weights.astype(np.float32)), impl=impl, normalization="none")
+        assert torch.all(torch.isnan(per_token))
+    for denominator in (torch.tensor(-1.0), torch.tensor(float("nan"))):
+        assert torch.isnan(fn(_t(logits), _t(target), _t(mask), impl=impl, denominator=denominator))
+    if kind == "cross_entropy":
+        for bad_label in (10, -1, 10**6):
+            labels = target.copy()
+            labels[3] = bad_label
+            logits_t = _t(logits).requires_grad_()
+            with quiet():
+                loss = fn(logits_t, _t(labels), _t(mask), impl=impl)
+            assert torch.isnan(loss)
+            loss.backward()  # the kernel never indexed out of bounds
+        assert torch.isnan(torchloss.count_denominator(None, _t(np.where(np.arange(6) == 2, -0.5, mask))))

@@ -1,0 +1,81 @@
+"""Helpers shared by the ``test_torchloss_*`` tests (this module holds no tests).
+
+Every numeric test runs a :class:`lossspec.Case` through a ``torchloss`` function, backpropagates
+the oracle's upstream gradient and checks loss and gradient with
+:func:`lossspec.assert_close_to_oracle` at the bounds of SPEC section 6.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+import lossspec
+import torchloss
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+FUNCTIONS = {
+    "cross_entropy": torchloss.cross_entropy,
+    "soft_cross_entropy": torchloss.soft_cross_entropy,
+    "forward_kl": torchloss.forward_kl,
+    "reverse_kl": torchloss.reverse_kl,
+}
+IMPLS = ("torch", "triton")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def inputs(case: lossspec.Case, requires_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(logits, target, loss_mask)`` as torch tensors; the logits (and teacher logits) in the
+    case's dtype, exactly the values the oracle sees."""
+    dtype = TORCH_DTYPES[case.dtype]
+    logits = torch.from_numpy(case.logits).to(dtype).requires_grad_(requires_grad)
+    target = torch.from_numpy(np.array(case.target))
+    if case.kind != "cross_entropy":
+        target = target.to(dtype)
+    mask = None if case.loss_mask is None else torch.from_numpy(np.array(case.loss_mask))
+    return logits, target, mask
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """The Triton interpreter evaluates masked lanes with NumPy (``-inf - -inf`` and the like) and
+    warns; those lanes are discarded by design."""
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def run(
+    case: lossspec.Case, impl: str, *, grad_output: Any = None, denominator: Any = None, **options: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """Loss and ``d(sum(loss * grad_output))/dlogits`` of ``case`` by ``torchloss``, as float64 arrays."""
+    logits, target, mask = inputs(case)
+    with quiet():
+        loss = FUNCTIONS[case.kind](logits, target, mask, impl=impl, denominator=denominator, **options)
+        assert loss.dtype == torch.float32, loss.dtype
+        upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(grad_output, dtype=loss.dtype)
+        loss.backward(upstream.expand_as(loss))
+    assert logits.grad is not None and logits.grad.dtype == logits.dtype
+    return loss.detach().double().numpy(), logits.grad.double().numpy()
+
+
+def check(
+    case: lossspec.Case, impl: str, *, grad_output: Any = None, denominator: Any = None, **options: Any
+) -> tuple[lossspec.Comparison, lossspec.Comparison]:
+    """Run ``case`` and assert it meets SPEC section 6 against the oracle (same options).
+
+    ``denominator`` may be a torch tensor (the oracle gets its value)."""
+    ref_options = dict(options)
+    if grad_output is not None:
+        ref_options["grad_output"] = np.asarray(grad_output, dtype=np.float64)
+    if denominator is not None:
+        ref_options["denominator"] = float(denominator)
+    ref = case.reference(**ref_options)
+    loss, grad = run(case, impl, grad_output=grad_output, denominator=denominator, **options)
+    what = f"{impl}:{case.name}:{options or ''}"
+    return lossspec.assert_close_to_oracle(loss, grad, ref.loss, ref.grad, dtype=case.dtype, g0=ref.g0, what=what)

@@ -1,0 +1,55 @@
+"""torchloss: masked LLM losses for PyTorch with the numbers of ``jaxloss`` and the ``lossspec`` oracle.
+
+Public API (SPEC section 3): :func:`cross_entropy`, :func:`soft_cross_entropy`,
+:func:`forward_kl`, :func:`reverse_kl`, :func:`count_denominator`; one autograd Function per
+kind; ``nn.Module`` wrappers in :mod:`torchloss.nn`. Two implementations: ``impl="torch"``
+(tiled PyTorch ops, the default off-GPU) and ``impl="triton"`` (Triton kernels, the default on
+CUDA tensors; interpreted on CPU tensors). ``import torchloss`` does not need triton.
+"""
+
+import os as _os
+import sys as _sys
+
+
+def _default_to_the_triton_interpreter() -> None:
+    """On a machine without CUDA, run Triton kernels through the interpreter (impl="triton" on
+    CPU tensors). TRITON_INTERPRET must be set before triton is first imported, and importing
+    ``torch.compiler``/``torch._dynamo`` (below) imports triton, hence here and not in _triton.py
+    alone. A value already in the environment is kept."""
+    if "triton" in _sys.modules:
+        return  # too late to choose; torchloss._triton reports a mismatch when it is used
+    import torch
+
+    if not torch.cuda.is_available():
+        _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_default_to_the_triton_interpreter()
+
+from . import nn  # noqa: E402
+from .api import (  # noqa: E402
+    CrossEntropyFunction,
+    ForwardKLFunction,
+    ReverseKLFunction,
+    SoftCrossEntropyFunction,
+    count_denominator,
+    cross_entropy,
+    forward_kl,
+    reverse_kl,
+    soft_cross_entropy,
+)
+
+__all__ = [
+    "cross_entropy",
+    "soft_cross_entropy",
+    "forward_kl",
+    "reverse_kl",
+    "count_denominator",
+    "CrossEntropyFunction",
+    "SoftCrossEntropyFunction",
+    "ForwardKLFunction",
+    "ReverseKLFunction",
+    "nn",
+]
+
+__version__ = "0.1.0"
