@@ -118,16 +118,19 @@ def test_retain_graph_and_double_backward() -> None:
     assert not grad.requires_grad  # once_differentiable: no double backward through the loss
 
 
-def test_backward_hands_out_its_buffer() -> None:
+@pytest.mark.parametrize("upstream", [1.0, 0.37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_hands_out_its_buffer(dtype: torch.dtype, upstream: float) -> None:
     """Without retain_graph the gradient computed in the forward becomes ``logits.grad`` itself:
-    no second [N, V] buffer, and backward only scales it."""
-    logits = torch.randn(8, 33, requires_grad=True)
+    no second [N, V] buffer; backward scales it (fp32) or rewrites it (16-bit, non-unit
+    upstream gradient) in place."""
+    logits = torch.randn(8, 33, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, 33, (8,))
     loss = torchloss.cross_entropy(logits, labels)
     stored = loss.grad_fn.grad  # the autograd Function's ctx holds the forward's gradient
     pointer = stored.data_ptr()
     del stored
-    loss.backward()
+    loss.backward(torch.tensor(upstream))
     assert logits.grad.data_ptr() == pointer
 
 

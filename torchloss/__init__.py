@@ -38,6 +38,7 @@ from .api import (  # noqa: E402
     reverse_kl,
     soft_cross_entropy,
 )
+from .distributed import accumulate, global_denominator  # noqa: E402
 
 __all__ = [
     "cross_entropy",
@@ -45,6 +46,8 @@ __all__ = [
     "forward_kl",
     "reverse_kl",
     "count_denominator",
+    "accumulate",
+    "global_denominator",
     "CrossEntropyFunction",
     "SoftCrossEntropyFunction",
     "ForwardKLFunction",

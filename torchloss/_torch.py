@@ -52,7 +52,7 @@ from torch import Tensor
 
 from lossspec import LossConfig
 
-__all__ = ["RowStats", "Final", "forward", "block_stats", "combine_stats", "finalize", "block_grad", "compute_dtype"]
+__all__ = ["RowStats", "Final", "forward", "regrad_", "block_stats", "combine_stats", "finalize", "block_grad", "compute_dtype"]
 
 # Elements of one tile (rows x vocabulary block): 2**19 fp32 = 2 MiB, so the tile's scratch buffer
 # stays in a core's cache between the few passes made over it (each worker thread has its own).
@@ -437,6 +437,20 @@ def forward(
         tiles = _compact_tiles(coef, tile_rows) or tiles
     _map_tiles(functools.partial(_run_tiles, config, logits, target, coef, grad, loss, vb, tile_rows, acc, device), tiles, device)
     return loss, grad
+
+
+def regrad_(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor) -> Tensor:
+    """Rewrite ``grad`` as the gradient for the upstream gradient ``upstream`` (``[1]``, or ``[N]``
+    per token, compute dtype): :func:`forward` with ``coef * upstream`` (formed in the compute
+    dtype; rows with ``coef == 0`` stay 0), so the result is rounded once to ``grad``'s dtype.
+
+    The backward of 16-bit logits (see ``torchloss.api``). Every row is recomputed: reading the
+    upstream gradient to skip the unit ones would synchronise with the device (the caller skips
+    the call when it is all ones on the CPU).
+    """
+    scaled = torch.where(coef != 0, coef * upstream, 0.0)
+    forward(config, logits, target, scaled, need_grad=True, out=grad)
+    return grad
 
 
 def _compact_tiles(coef: Tensor, tile_rows: int) -> list[Tile] | None:

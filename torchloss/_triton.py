@@ -18,7 +18,9 @@ the kernels are defined, so the same kernels run on CPU tensors through the Trit
 (slow: for tests). ``MODE`` selects the pass structure: ``0`` fused (both passes, the only mode
 used now); vocab-parallel will add ``1`` (pass 1 only, per-shard statistics out) and ``2``
 (pass 2 from given global statistics); the statistics travel between the passes as one tuple
-(:func:`_row_stats`) for that reason.
+(:func:`_row_stats`) for that reason. ``REGRAD`` (:func:`regrad_`, the backward of 16-bit
+logits) reruns both passes for the rows whose upstream gradient, read on the device, is not 1,
+and writes only their gradient, with ``coef`` times that upstream gradient: rounded once.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from lossspec import LossConfig  # noqa: E402
 
 from ._torch import compute_dtype  # noqa: E402
 
-__all__ = ["forward", "INTERPRETED", "MAX_BLOCK_V"]
+__all__ = ["forward", "regrad_", "INTERPRETED", "MAX_BLOCK_V"]
 
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Triton's own library functions (tl.max, tl.sum, ...) are interpreted only if the variable was
@@ -240,6 +242,7 @@ def _masked_loss_kernel(
     t_ptr,
     y_ptr,
     coef_ptr,
+    up_ptr,
     params_ptr,
     loss_ptr,
     grad_ptr,
@@ -247,15 +250,22 @@ def _masked_loss_kernel(
     stride_x,
     stride_t,
     stride_g,
+    stride_up,
     KIND: tl.constexpr,
     MODE: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
+    REGRAD: tl.constexpr,
     GRAD_BF16: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """One program per row: ``loss[row] = l`` (0 where ``coef == 0``) and, with
-    ``WRITE_GRAD``, ``grad[row, :] = coef * c * dl/dz``. ``params = [c, ct, eps, lam]``."""
+    ``WRITE_GRAD``, ``grad[row, :] = coef * c * dl/dz``. ``params = [c, ct, eps, lam]``.
+
+    ``REGRAD`` (the backward of 16-bit logits): rewrite only ``grad[row, :]`` as
+    ``(coef * g) * c * dl/dz`` with the upstream gradient ``g = up[row * stride_up]`` read on the
+    device; rows with ``g == 1`` (already right) or ``coef == 0`` (already 0) are left alone and
+    ``loss`` is not written."""
     tl.static_assert(MODE == 0, "only the fused mode (0) exists; 1/2 arrive with vocab-parallel")
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -266,7 +276,12 @@ def _masked_loss_kernel(
     eps = tl.load(params_ptr + 2)
     lam = tl.load(params_ptr + 3)
     coef = tl.load(coef_ptr + row)
-    if coef != 0:
+    work = coef != 0
+    if REGRAD:
+        up = tl.load(up_ptr + row * stride_up)
+        work = work & (up != 1)
+        coef = coef * up
+    if work:
         ms, s, sum_shift, mts, st, a, b, e_s, e_t, t_ref, bad = _row_stats(x_row, t_row, V, c, ct, KIND, BLOCK_V, ACC)
         y = tl.full((), 0, tl.int64)
         x_y = ms * 0.0
@@ -276,13 +291,14 @@ def _masked_loss_kernel(
         loss, lse, lse_t, zfac, l_ref = _row_loss(
             ms, s, sum_shift, mts, st, a, b, e_s, e_t, t_ref, bad, x_y, V, c, ct, eps, lam, KIND
         )
-        tl.store(loss_ptr + row, loss)
+        if not REGRAD:
+            tl.store(loss_ptr + row, loss)
         if WRITE_GRAD:
             _row_grad(
                 x_row, t_row, g_row, y, coef * c, ms, s, mts, st, t_ref, l_ref, zfac, V, c, ct, eps,
                 KIND, BLOCK_V, ACC, GRAD_BF16,
             )
-    else:
+    elif not REGRAD:
         tl.store(loss_ptr + row, coef * 0.0)
         if WRITE_GRAD:
             offs = tl.arange(0, BLOCK_V)
@@ -317,6 +333,32 @@ def forward(
         grad = out if out is not None else torch.empty((rows, vocab), dtype=logits.dtype, device=device)
     if rows == 0:
         return loss, grad
+    _launch(config, logits, target, coef, loss, grad, None)
+    return loss, grad
+
+
+def regrad_(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor) -> Tensor:
+    """Rewrite ``grad`` as the gradient for the upstream gradient ``upstream`` (``[1]``, or ``[N]``
+    per token, compute dtype), rounded once: the kernel in ``REGRAD`` mode reads ``upstream`` on
+    the device (no host synchronisation) and recomputes only the rows where it is not 1."""
+    if logits.shape[0] and logits.shape[1]:
+        _launch(config, logits, target, coef, None, grad, upstream)
+    return grad
+
+
+def _launch(
+    config: LossConfig,
+    logits: Tensor,
+    target: Tensor,
+    coef: Tensor,
+    loss: Tensor | None,
+    grad: Tensor | None,
+    upstream: Tensor | None,
+) -> None:
+    """One kernel launch over the rows: the forward (``upstream is None``) or ``REGRAD``."""
+    rows, vocab = logits.shape
+    acc = compute_dtype(logits.dtype)
+    device = logits.device
     kind = _KIND_IDS[config.kind]
     teacher = target if kind != 0 else logits
     labels = target if kind == 0 else coef
@@ -325,6 +367,8 @@ def forward(
     params = torch.tensor(
         [config.student_scale, config.teacher_scale, config.label_smoothing, config.z_loss], dtype=acc, device=device
     )
+    coef_acc = coef.to(acc)
+    up = coef_acc if upstream is None else upstream.to(acc).contiguous()  # unread without REGRAD
     block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
     # Without a gradient the kernel still needs a pointer of the logits' dtype.
     grad_arg = grad if grad is not None else logits
@@ -335,17 +379,20 @@ def forward(
             logits,
             teacher,
             labels,
-            coef.to(acc),
+            coef_acc,
+            up,
             params,
-            loss,
+            loss if loss is not None else coef_acc,  # REGRAD writes no loss
             grad_arg,
             vocab,
             logits.stride(0),
             teacher.stride(0),
             grad_arg.stride(0),
+            0 if up.numel() == 1 else 1,
             KIND=kind,
             MODE=0,
             WRITE_GRAD=grad is not None,
+            REGRAD=upstream is not None,
             GRAD_BF16=logits.dtype == torch.bfloat16,
             BLOCK_V=block_v,
             ACC=_TL_DTYPES[acc],
@@ -353,4 +400,3 @@ def forward(
             # spilling (an untuned default; the interpreter ignores it).
             num_warps=4 if block_v <= 2048 else 8,
         )
-    return loss, grad

@@ -4,7 +4,10 @@ Each call: validates its options and inputs with :mod:`lossspec` (the same error
 as ``jaxloss`` and the oracle), builds the per-token weights and the gradient coefficient
 ``coef = weight / D`` (``weight`` for ``"none"``) in fp32, and runs one autograd Function whose
 forward computes the loss *and* the gradient in one read of the logits (the torch path or the
-Triton kernel); its backward only multiplies that gradient by the upstream gradient, in place.
+Triton kernel); its backward multiplies that gradient by the upstream gradient in place (fp32/fp64
+logits, and ``inplace=True``), or, for bf16/fp16 logits and an upstream gradient that is not
+exactly 1, recomputes it from the saved inputs with ``coef`` times the upstream gradient, so that
+it is rounded once (SPEC section 6).
 
 Numbers: ``loss = sum_i w_i l_i / D`` (a 0-d fp32 tensor), or the per-token ``w_i l_i`` with the
 labels' shape for ``normalization="none"``; ``dloss/dlogits = coef * c * dl/dz`` with
@@ -59,8 +62,12 @@ class _MaskedLossFunction(torch.autograd.Function):
     ``coef * c * dl/dz`` (logits' dtype, written into ``logits`` when ``inplace``) on ``ctx``.
     ``backward`` scales that buffer by the upstream gradient in place and hands it out: no
     second ``[N, V]`` buffer, no host synchronisation (with ``retain_graph=True`` it returns a
-    scaled copy instead, so that backward can run again). The backward is not differentiable
-    itself (``once_differentiable``: no double backward).
+    scaled copy instead, so that backward can run again). For bf16/fp16 logits (not
+    ``inplace``) the forward also saves ``logits``, ``target`` and ``coef``, and a non-unit
+    upstream gradient rewrites the buffer from them instead (:func:`_recomputed_grad`): one
+    rounding, as SPEC section 6 requires. With ``inplace=True`` the logits are gone and the
+    16-bit buffer is scaled (at most one more rounding, documented). The backward is not
+    differentiable itself (``once_differentiable``: no double backward).
     """
 
     @staticmethod
@@ -83,6 +90,12 @@ class _MaskedLossFunction(torch.autograd.Function):
             torch.autograd.graph.increment_version(logits)
         ctx.grad = grad
         ctx.reduced = config.normalization != "none"
+        # 16-bit logits: a non-unit upstream gradient makes backward recompute the gradient from
+        # the saved inputs (rounded once from fp32), which inplace=True has overwritten.
+        ctx.recompute = need_grad and not inplace and logits.dtype in (torch.bfloat16, torch.float16)
+        if ctx.recompute:
+            ctx.config, ctx.backend = config, backend
+            ctx.save_for_backward(logits, target, coef)
         contribution = torch.where(coef != 0, coef * per_token, 0.0)
         return contribution.sum() if ctx.reduced else contribution
 
@@ -90,6 +103,8 @@ class _MaskedLossFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         grad = ctx.grad
+        if ctx.recompute:
+            return (_recomputed_grad(ctx, grad_loss), None, None, None, None, None, None)
         # Scalar or per-token upstream gradient, multiplied in the compute dtype, rounded once.
         upstream = grad_loss if ctx.reduced else grad_loss.reshape(-1, 1)
         if _graph_is_kept():
@@ -105,6 +120,29 @@ class _MaskedLossFunction(torch.autograd.Function):
         else:
             _torch.scale_rows_(grad, upstream)
         return grad, None, None, None, None, None, None
+
+
+def _recomputed_grad(ctx: Any, grad_loss: Tensor) -> Tensor:
+    """The gradient of 16-bit logits for the upstream gradient ``g``: ``coef * g * c * dl/dz``
+    formed in fp32 and rounded once (scaling the forward's already rounded buffer would round
+    twice, beyond SPEC section 6's one ulp).
+
+    ``g == 1`` (``loss.backward()``) is the forward's buffer as it is. Where that is known for free
+    (a CPU tensor) the buffer is handed out; otherwise ``backend.regrad_`` rewrites the buffer
+    from the saved logits, target and ``coef * g`` without a host synchronisation: the Triton
+    kernel reads ``g`` on the device and leaves the rows with ``g == 1`` alone, the torch path
+    recomputes every row. With ``retain_graph=True`` a copy is rewritten instead.
+    """
+    grad = ctx.grad
+    if not _graph_is_kept():
+        ctx.grad = None  # the graph is freed after this call: hand our buffer out, no copy
+    elif grad is not None:
+        grad = grad.clone()
+    logits, target, coef = ctx.saved_tensors
+    upstream = grad_loss.detach().to(coef.dtype).reshape(-1)  # 1 value, or 1 per token
+    if _is_unit(upstream):
+        return grad
+    return ctx.backend.regrad_(ctx.config, logits, target, coef, upstream, grad)
 
 
 def _is_unit(upstream: Tensor) -> bool:
