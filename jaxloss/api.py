@@ -430,16 +430,28 @@ def _weighted_loss(spec: Spec, x: Array, target: Array, coef: Array) -> Array:
     return jnp.where(coef != 0, coef * loss, 0.0)
 
 
-def _weighted_loss_fwd(spec: Spec, x: Array, target: Array, coef: Array) -> tuple[Array, tuple[Array, Array, Array, Array]]:
+def _weighted_loss_fwd(spec: Spec, x: Array, target: Array, coef: Array) -> tuple[Array, tuple[Array, ...]]:
     loss, grad = _kernel(spec, x, target, coef, with_grad=True)
-    # Residuals: the gradient (one logits-sized buffer, logits' dtype) and [N] vectors.
-    return jnp.where(coef != 0, coef * loss, 0.0), (grad, loss, coef, target)
+    # Residuals: the gradient (one logits-sized buffer, logits' dtype), [N] vectors, and a
+    # reference to the logits (no copy) for the 16-bit recompute below.
+    return jnp.where(coef != 0, coef * loss, 0.0), (grad, loss, coef, target, x)
 
 
-def _weighted_loss_bwd(spec: Spec, res: tuple[Array, Array, Array, Array], g: Array) -> tuple[Any, Any, Array]:
-    grad, loss, coef, target = res
-    # Exact when the upstream gradient is 1 (XLA folds the multiply away under jit).
-    dx = (grad.astype(F32) * g[:, None]).astype(grad.dtype)
+def _weighted_loss_bwd(spec: Spec, res: tuple[Array, ...], g: Array) -> tuple[Any, Any, Array]:
+    grad, loss, coef, target, x = res
+    if jnp.dtype(grad.dtype).itemsize >= 4:
+        # fp32/fp64: one more rounding stays far inside the 4e-6 bound (exact when g == 1).
+        dx = (grad.astype(F32) * g[:, None]).astype(grad.dtype)
+    else:
+        # 16-bit logits: scaling an already rounded gradient would round twice (up to ~1.5
+        # ulp). Where the upstream gradient is not exactly 1, recompute with coef * g in fp32
+        # and round once; the common g == 1 case reuses the forward's buffer.
+        unit = jnp.all(jnp.where(coef != 0, g == 1, True))
+        dx = jax.lax.cond(
+            unit,
+            lambda: grad,
+            lambda: _kernel(spec, x, target, jnp.where(coef != 0, coef * g, 0.0), with_grad=True)[1],
+        )
     if jnp.issubdtype(target.dtype, jnp.integer):
         dtarget = np.zeros(target.shape, dtype=jax.dtypes.float0)
     else:
