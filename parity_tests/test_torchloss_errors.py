@@ -149,7 +149,7 @@ def test_type_device_and_vocab_parallel_errors(kind: str) -> None:
         fn(_t(logits), _t(target), mask)
     with pytest.raises(ValueError, match=rf"{name} must be on the device of logits \(meta\); got cpu"):
         fn(_t(logits).to("meta"), _t(target))
-    with pytest.raises(NotImplementedError, match="vocab_parallel lands with the distributed issue"):
+    with pytest.raises(TypeError, match="vocab_parallel must be a torch.distributed ProcessGroup"):
         fn(_t(logits), _t(target), vocab_parallel=object())
 
 

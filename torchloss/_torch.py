@@ -52,7 +52,10 @@ from torch import Tensor
 
 from lossspec import LossConfig
 
-__all__ = ["RowStats", "Final", "forward", "regrad_", "block_stats", "combine_stats", "finalize", "block_grad", "compute_dtype"]
+__all__ = [
+    "RowStats", "Final", "forward", "regrad_", "block_stats", "combine_stats", "finalize", "block_grad", "compute_dtype",
+    "VocabParallel", "shard_offset", "shard_stats", "combine_shards", "vocab_parallel_stats", "vocab_parallel_grad",
+]
 
 # Elements of one tile (rows x vocabulary block): 2**19 fp32 = 2 MiB, so the tile's scratch buffer
 # stays in a core's cache between the few passes made over it (each worker thread has its own).
@@ -721,3 +724,256 @@ def scale_rows_(grad: Tensor, factor: Tensor) -> Tensor:
 
     _map_tiles(run, tiles, grad.device)
     return grad
+
+
+# ----------------------------------------------------------------------------------------------
+# Vocab-parallel (SPEC section 3): per-shard statistics, explicit collectives, local gradient.
+# ----------------------------------------------------------------------------------------------
+
+
+def _row_tiles(rows: int, width: int) -> list[tuple[int, int]]:
+    tile_rows = max(1, min(rows, TILE_ELEMENTS // max(1, min(width, MAX_VOCAB_BLOCK))))
+    return [(r0, min(rows, r0 + tile_rows)) for r0 in range(0, rows, tile_rows)]
+
+
+def _cat_stats(parts: list[RowStats]) -> RowStats:
+    """Concatenate the per-tile statistics (rows in order) into one :class:`RowStats`."""
+    out = RowStats(parts[0].count, torch.cat([p.ms for p in parts]), torch.cat([p.s for p in parts]))
+    for field in ("sum_shift", "mts", "st", "a", "b", "e_s", "e_t", "t_ref"):
+        if getattr(parts[0], field) is not None:
+            setattr(out, field, torch.cat([getattr(p, field) for p in parts]))
+    return out
+
+
+def _slice_final(fin: Final, r0: int, r1: int) -> Final:
+    def cut(value: Tensor | None) -> Tensor | None:
+        return None if value is None else value[r0:r1]
+
+    st = fin.stats
+    stats = RowStats(st.count, st.ms[r0:r1], st.s[r0:r1])
+    for field in ("sum_shift", "mts", "st", "a", "b", "e_s", "e_t", "t_ref"):
+        setattr(stats, field, cut(getattr(st, field)))
+    return Final(stats, fin.lse[r0:r1], fin.loss[r0:r1], lse_t=cut(fin.lse_t), zfac=cut(fin.zfac), l_ref=cut(fin.l_ref))
+
+
+def shard_offset(vocab_local: int, group: object, device: torch.device) -> tuple[int, int]:
+    """``(offset, global V)`` of this rank's contiguous shard: an ``all_gather`` of the local
+    vocabulary sizes (shards in rank order; sizes may differ)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    mine = torch.tensor([vocab_local], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(sizes, mine, group=group)
+    counts = [int(s.item()) for s in sizes]  # one host read (a synchronisation off the CPU)
+    return sum(counts[:rank]), sum(counts)
+
+
+def vocab_parallel_stats(
+    config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, group: object, offset: int, vocab: int
+) -> Final:
+    """:func:`shard_stats` of this rank's shard, combined over ``group`` (:func:`combine_shards`)."""
+    local, x_y, bad = shard_stats(config, logits, target, coef, offset)
+    return combine_shards(config, local, x_y if config.kind == "cross_entropy" else None, bad, group, vocab)
+
+
+def shard_stats(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, offset: int) -> tuple[RowStats, Tensor, Tensor]:
+    """Vocab-parallel pass 1 on this rank's shard (global ids ``[offset, offset + V_local)``):
+    :func:`block_stats` per row tile (:func:`combine_stats` over vocabulary blocks longer than
+    ``MAX_VOCAB_BLOCK``). Returns ``(RowStats, the label's raw logit where this shard owns the
+    label else 0, bad)`` with ``bad`` 1 for rows holding NaN / ``+inf``. No collective.
+    """
+    kind = config.kind
+    rows, width = logits.shape
+    acc = compute_dtype(logits.dtype)
+    device = logits.device
+    is_ce = kind == "cross_entropy"
+    vb = min(width, MAX_VOCAB_BLOCK)
+    blocks = [(v0, min(width, v0 + vb)) for v0 in range(0, width, vb)]
+    parts: dict[int, RowStats] = {}
+    x_y = torch.zeros(rows, dtype=acc, device=device)
+    bad = torch.zeros(rows, dtype=acc, device=device)
+
+    def run(tiles: Iterable[tuple[int, int]]) -> None:
+        with torch.no_grad():
+            for r0, r1 in tiles:
+                n = r1 - r0
+                flat = [torch.empty(n * vb, dtype=acc, device=device) for _ in range(_buffers_needed(kind))]
+                stats: RowStats | None = None
+                for v0, v1 in blocks:
+                    xb = logits[r0:r1, v0:v1]
+                    tb = None if is_ce else target[r0:r1, v0:v1]
+                    bufs = [f[: n * (v1 - v0)].view(n, v1 - v0) for f in flat]
+                    part, _ = block_stats(config, xb, tb, bufs)
+                    stats = part if stats is None else combine_stats(config, stats, part)
+                    row_bad = torch.isnan(xb).any(1) | (xb == float("inf")).any(1)
+                    if tb is not None:
+                        row_bad = row_bad | torch.isnan(tb).any(1) | (tb == float("inf")).any(1)
+                    bad[r0:r1] = torch.maximum(bad[r0:r1], row_bad.to(acc))
+                assert stats is not None
+                parts[r0] = stats
+                if is_ce:
+                    local = target[r0:r1] - offset
+                    owned = (local >= 0) & (local < width)
+                    gathered = logits[r0:r1].gather(1, local.clamp(0, width - 1)[:, None])[:, 0].to(acc)
+                    x_y[r0:r1] = torch.where(owned, gathered, 0.0)
+
+    tiles = _row_tiles(rows, width)
+    _map_tiles(run, tiles, device)
+    local = _cat_stats([parts[r0] for r0, _ in tiles])
+    return local, x_y, bad
+
+
+def combine_shards(
+    config: LossConfig, local: RowStats, x_y: Tensor | None, bad: Tensor, group: object, vocab: int
+) -> Final:
+    """This shard's statistics ``local`` (from :func:`shard_stats` or the Triton kernel's
+    ``MODE=1``; ``x_y`` the owned label logit, 0 elsewhere; ``bad`` 1 for rows with NaN /
+    ``+inf``) combined with the other shards' by explicit collectives (never autograd):
+
+    1. ``all_reduce(MAX)`` of ``[ms, bad, mts]``;
+    2. reverse KL only: ``all_reduce(SUM)`` of the teacher's logit at the student's argmax and of
+       the number of shards holding that argmax (their mean is the common reference ``t_ref``);
+    3. ``all_reduce(SUM)`` of the sums rebased on the global maxima (DESIGN.md's algebra, that
+       of ``lossspec.oracle_vocab_parallel``) and of the label's raw logit from its owner.
+
+    Every rank then finalises the same numbers: the returned :class:`Final` (and so the loss) is
+    identical on every rank."""
+    import torch.distributed as dist
+
+    kind, c, ct = config.kind, config.student_scale, config.teacher_scale
+    is_ce = kind == "cross_entropy"
+    acc = local.s.dtype
+
+    # 1. Global maxima (NaN rows reduce as +inf: the rebased sums turn NaN; ``bad`` marks them).
+    inf = float("inf")
+    maxima = [torch.nan_to_num(local.ms, nan=inf, posinf=inf), bad]
+    if local.mts is not None:
+        maxima.append(torch.nan_to_num(local.mts, nan=inf, posinf=inf))
+    packed = torch.stack(maxima)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    ms, bad = packed[0], packed[1] > 0
+    mts = packed[2] if local.mts is not None else None
+    dp = _rebase(local.ms, ms)
+    rp = torch.exp(c * dp)
+    out = RowStats(vocab, ms, local.s * rp)
+    sums = [out.s]
+    if is_ce:
+        assert x_y is not None
+        sums.append(x_y)
+        if local.sum_shift is not None:
+            out.sum_shift = local.sum_shift + local.count * dp
+            sums.append(out.sum_shift)
+    else:
+        assert mts is not None and local.mts is not None and local.st is not None
+        dtp = _rebase(local.mts, mts)
+        rtp = torch.exp(ct * dtp)
+        out.mts, out.st = mts, local.st * rtp
+        sums.append(out.st)
+        if local.a is not None:
+            out.a = rtp * (local.a + dp * local.st)
+            sums.append(out.a)
+        if local.b is not None:
+            out.b = rtp * (local.b + dtp * local.st)
+            sums.append(out.b)
+        if local.e_s is not None:
+            assert local.e_t is not None and local.t_ref is not None
+            # 2. The common teacher reference at the student's global argmax.
+            holds_max = (local.ms == ms).to(acc)
+            ref = torch.stack([torch.where(holds_max > 0, local.t_ref, 0.0), holds_max])
+            dist.all_reduce(ref, op=dist.ReduceOp.SUM, group=group)
+            t_ref = torch.where(ref[1] > 0, ref[0] / ref[1].clamp_min(1.0), 0.0)
+            out.t_ref = t_ref
+            out.e_s = rp * (local.e_s + dp * local.s)
+            out.e_t = torch.where(local.s > 0, rp * (local.e_t + (local.t_ref - t_ref) * local.s), 0.0)
+            sums += [out.e_s, out.e_t]
+    # 3. The rebased sums (and the label's logit, held by one shard).
+    packed = torch.stack(sums)
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    names = ["s"] + (["x_y"] if is_ce else ["st"])
+    names += [n for n in ("sum_shift", "a", "b", "e_s", "e_t") if getattr(out, n) is not None]
+    reduced = dict(zip(names, packed.unbind(0)))
+    for name, value in reduced.items():
+        if name != "x_y":
+            setattr(out, name, value)
+    fin = finalize(config, out, reduced.get("x_y"), vocab)
+    fin.loss = torch.where(bad, float("nan"), fin.loss)
+    return fin
+
+
+def vocab_parallel_grad(
+    config: LossConfig, fin: Final, logits: Tensor, target: Tensor, coef: Tensor, offset: int, vocab: int, out: Tensor
+) -> Tensor:
+    """Pass 2 on this rank's shard: ``coef * c * dl/dz`` of its slice from the global statistics
+    ``fin`` (no collective), written into ``out`` and rounded once to its dtype."""
+    rows, width = logits.shape
+    acc = compute_dtype(logits.dtype)
+    device = logits.device
+    is_ce = config.kind == "cross_entropy"
+    vb = min(width, MAX_VOCAB_BLOCK)
+    blocks = [(v0, min(width, v0 + vb)) for v0 in range(0, width, vb)]
+
+    def run(tiles: Iterable[tuple[int, int]]) -> None:
+        with torch.no_grad():
+            for r0, r1 in tiles:
+                n = r1 - r0
+                flat = [torch.empty(n * vb, dtype=acc, device=device) for _ in range(_buffers_needed(config.kind))]
+                part = _slice_final(fin, r0, r1)
+                for v0, v1 in blocks:
+                    bufs = [f[: n * (v1 - v0)].view(n, v1 - v0) for f in flat]
+                    tb = None if is_ce else target[r0:r1, v0:v1]
+                    y = target[r0:r1] if is_ce else None
+                    block_grad(config, part, coef[r0:r1], logits[r0:r1, v0:v1], tb, y, offset + v0, vocab,
+                               out[r0:r1, v0:v1], bufs, None)
+
+    if rows:
+        _map_tiles(run, _row_tiles(rows, width), device)
+    return out
+
+
+class VocabParallel:
+    """The backend of one vocab-parallel call (same interface as this module: ``forward`` and
+    ``regrad_``). The forward keeps the global statistics, so the backward of 16-bit logits
+    recomputes this rank's gradient slice from them without another collective."""
+
+    def __init__(self, group: object, offset: int, vocab: int, kernel: object = None) -> None:
+        self.group, self.offset, self.vocab = group, offset, vocab
+        self.kernel = kernel  # torchloss._triton (its statistics / gradient modes), or None: this module
+        self.fin: Final | None = None
+
+    def _stats(self, config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor) -> Final:
+        if self.kernel is None:
+            return vocab_parallel_stats(config, logits, target, coef, self.group, self.offset, self.vocab)
+        local, x_y, bad = self.kernel.shard_stats(config, logits, target, coef, self.offset)  # type: ignore[attr-defined]
+        return combine_shards(config, local, x_y if config.kind == "cross_entropy" else None, bad, self.group, self.vocab)
+
+    def _grad(self, config: LossConfig, fin: Final, logits: Tensor, target: Tensor, coef: Tensor, out: Tensor) -> Tensor:
+        if self.kernel is None:
+            return vocab_parallel_grad(config, fin, logits, target, coef, self.offset, self.vocab, out)
+        return self.kernel.shard_grad(config, fin, logits, target, coef, self.offset, self.vocab, out)  # type: ignore[attr-defined]
+
+    def forward(
+        self, config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, *, need_grad: bool = True,
+        out: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        rows = logits.shape[0]
+        if rows == 0:  # every rank holds the same (no) tokens: nothing to combine
+            empty = torch.zeros(0, dtype=compute_dtype(logits.dtype), device=logits.device)
+            grad0 = (out if out is not None else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)) if need_grad else None
+            return empty, grad0
+        with torch.no_grad():
+            fin = self._stats(config, logits, target, coef)
+            self.fin = fin
+            loss = torch.where(coef != 0, fin.loss, 0.0)
+            grad = None
+            if need_grad:
+                grad = out if out is not None else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+                self._grad(config, fin, logits, target, coef, grad)
+        return loss, grad
+
+    def regrad_(self, config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor) -> Tensor:
+        assert self.fin is not None
+        scaled = torch.where(coef != 0, coef * upstream, 0.0)
+        with torch.no_grad():
+            return self._grad(config, self.fin, logits, target, scaled, grad)

@@ -15,10 +15,10 @@ fp32 (fp64 for fp64 logits), row offsets are int64, the ragged last block is mas
 
 On a machine without CUDA this module sets ``TRITON_INTERPRET=1`` (unless set already) before
 the kernels are defined, so the same kernels run on CPU tensors through the Triton interpreter
-(slow: for tests). ``MODE`` selects the pass structure: ``0`` fused (both passes, the only mode
-used now); vocab-parallel will add ``1`` (pass 1 only, per-shard statistics out) and ``2``
-(pass 2 from given global statistics); the statistics travel between the passes as one tuple
-(:func:`_row_stats`) for that reason. ``REGRAD`` (:func:`regrad_`, the backward of 16-bit
+(slow: for tests). ``MODE`` selects the pass structure: ``0`` fused (both passes); for
+vocab-parallel ``1`` (pass 1 only: the shard's statistics out, :func:`shard_stats`) and ``2``
+(pass 2 from the global statistics, :func:`shard_grad`); ``torchloss._torch.combine_shards``
+makes the collectives in between. ``REGRAD`` (:func:`regrad_`, the backward of 16-bit
 logits) reruns both passes for the rows whose upstream gradient, read on the device, is not 1,
 and writes only their gradient, with ``coef`` times that upstream gradient: rounded once.
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,7 +44,7 @@ from lossspec import LossConfig  # noqa: E402
 
 from ._torch import compute_dtype  # noqa: E402
 
-__all__ = ["forward", "regrad_", "INTERPRETED", "MAX_BLOCK_V"]
+__all__ = ["forward", "regrad_", "shard_stats", "shard_grad", "INTERPRETED", "MAX_BLOCK_V"]
 
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Triton's own library functions (tl.max, tl.sum, ...) are interpreted only if the variable was
@@ -201,6 +202,7 @@ def _row_grad(
     l_ref,
     zfac,
     V,
+    V_total,
     c,
     ct,
     eps,
@@ -215,6 +217,9 @@ def _row_grad(
         soft CE, forward KL  q - p
         reverse KL           q (log q - log p - l) = q (c (x - m) - ct (t - t_ref) - l_ref),
                              0 where q == 0
+
+    ``V`` entries are written; ``V_total`` is the global vocabulary (label smoothing's ``eps / V``)
+    and ``y`` the label's column in this row (out of ``[0, V)`` when another shard owns it).
     """
     offs = tl.arange(0, BLOCK_V)
     inv_s = 1.0 / s
@@ -225,7 +230,7 @@ def _row_grad(
         u = x - ms
         q = tl.exp(c * u) * inv_s
         if KIND == 0:
-            g = zfac * q - tl.where(cols == y, 1.0 - eps, 0.0) - eps / V
+            g = zfac * q - tl.where(cols == y, 1.0 - eps, 0.0) - eps / V_total
         else:
             t = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(ACC)
             if KIND == 3:
@@ -246,7 +251,10 @@ def _masked_loss_kernel(
     params_ptr,
     loss_ptr,
     grad_ptr,
+    stats_ptr,
     V,
+    V_total,
+    offset,
     stride_x,
     stride_t,
     stride_g,
@@ -266,7 +274,7 @@ def _masked_loss_kernel(
     ``(coef * g) * c * dl/dz`` with the upstream gradient ``g = up[row * stride_up]`` read on the
     device; rows with ``g == 1`` (already right) or ``coef == 0`` (already 0) are left alone and
     ``loss`` is not written."""
-    tl.static_assert(MODE == 0, "only the fused mode (0) exists; 1/2 arrive with vocab-parallel")
+    tl.static_assert(MODE >= 0 and MODE <= 2, "MODE: 0 fused, 1 shard statistics, 2 gradient from statistics")
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     t_row = t_ptr + row * stride_t
@@ -281,7 +289,55 @@ def _masked_loss_kernel(
         up = tl.load(up_ptr + row * stride_up)
         work = work & (up != 1)
         coef = coef * up
-    if work:
+    if MODE == 1:
+        # Vocab-parallel pass 1: this shard's statistics (and the label's logit if it owns the
+        # label) -> stats[row, 0:12]; rows with coef == 0 keep the empty statistics.
+        st_row = stats_ptr + row * 12
+        if ACC == tl.float64:
+            fmin = tl.full((), -1.7976931348623157e308, ACC)
+        else:
+            fmin = tl.full((), -3.4028234663852886e38, ACC)
+        zero = tl.full((), 0.0, ACC)
+        ms, s, sum_shift, mts, st, a, b, e_s, e_t, t_ref, bad = fmin, zero, zero, fmin, zero, zero, zero, zero, zero, zero, tl.full((), 0, tl.int32)
+        x_y = zero
+        if work:
+            ms, s, sum_shift, mts, st, a, b, e_s, e_t, t_ref, bad = _row_stats(x_row, t_row, V, c, ct, KIND, BLOCK_V, ACC)
+            if KIND == 0:
+                y_local = tl.load(y_ptr + row).to(tl.int64) - offset
+                owned = (y_local >= 0) & (y_local < V)
+                x_y = tl.load(x_row + tl.where(owned, y_local, 0)).to(ACC)
+                x_y = tl.where(owned, x_y, 0.0)
+        tl.store(st_row + 0, ms)
+        tl.store(st_row + 1, s)
+        tl.store(st_row + 2, sum_shift)
+        tl.store(st_row + 3, mts)
+        tl.store(st_row + 4, st)
+        tl.store(st_row + 5, a)
+        tl.store(st_row + 6, b)
+        tl.store(st_row + 7, e_s)
+        tl.store(st_row + 8, e_t)
+        tl.store(st_row + 9, t_ref)
+        tl.store(st_row + 10, bad.to(ACC))
+        tl.store(st_row + 11, x_y)
+    elif MODE == 2:
+        # Vocab-parallel pass 2: this shard's gradient from the global statistics
+        # stats[row, 0:7] = (ms, s, mts, st, t_ref, l_ref, zfac).
+        st_row = stats_ptr + row * 7
+        if work:
+            y = tl.full((), 0, tl.int64)
+            if KIND == 0:
+                y = tl.load(y_ptr + row).to(tl.int64) - offset
+            _row_grad(
+                x_row, t_row, g_row, y, coef * c, tl.load(st_row + 0), tl.load(st_row + 1), tl.load(st_row + 2),
+                tl.load(st_row + 3), tl.load(st_row + 4), tl.load(st_row + 5), tl.load(st_row + 6), V, V_total,
+                c, ct, eps, KIND, BLOCK_V, ACC, GRAD_BF16,
+            )
+        elif not REGRAD:
+            offs = tl.arange(0, BLOCK_V)
+            for v0 in range(0, V, BLOCK_V):
+                cols = v0 + offs
+                tl.store(g_row + cols, tl.zeros((BLOCK_V,), ACC).to(g_row.dtype.element_ty), mask=cols < V)
+    elif work:
         ms, s, sum_shift, mts, st, a, b, e_s, e_t, t_ref, bad = _row_stats(x_row, t_row, V, c, ct, KIND, BLOCK_V, ACC)
         y = tl.full((), 0, tl.int64)
         x_y = ms * 0.0
@@ -295,7 +351,7 @@ def _masked_loss_kernel(
             tl.store(loss_ptr + row, loss)
         if WRITE_GRAD:
             _row_grad(
-                x_row, t_row, g_row, y, coef * c, ms, s, mts, st, t_ref, l_ref, zfac, V, c, ct, eps,
+                x_row, t_row, g_row, y, coef * c, ms, s, mts, st, t_ref, l_ref, zfac, V, V, c, ct, eps,
                 KIND, BLOCK_V, ACC, GRAD_BF16,
             )
     elif not REGRAD:
@@ -305,6 +361,15 @@ def _masked_loss_kernel(
             for v0 in range(0, V, BLOCK_V):
                 cols = v0 + offs
                 tl.store(g_row + cols, tl.zeros((BLOCK_V,), ACC).to(g_row.dtype.element_ty), mask=cols < V)
+
+
+def _check_runnable(logits: Tensor) -> None:
+    if logits.device.type == "cpu" and not (INTERPRETED and _LANGUAGE_INTERPRETED):
+        raise RuntimeError(
+            "impl='triton' on CPU tensors needs the Triton interpreter, enabled before triton is first "
+            "imported: set TRITON_INTERPRET=1 in the environment, or import torchloss before anything that "
+            "imports triton (torch._dynamo does); torchloss sets it itself when CUDA is unavailable"
+        )
 
 
 def forward(
@@ -318,12 +383,7 @@ def forward(
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token loss ``[N]`` and gradient ``[N, V]`` by the Triton kernel (see the module
     docstring); same arguments as :func:`torchloss._torch.forward`."""
-    if logits.device.type == "cpu" and not (INTERPRETED and _LANGUAGE_INTERPRETED):
-        raise RuntimeError(
-            "impl='triton' on CPU tensors needs the Triton interpreter, enabled before triton is first "
-            "imported: set TRITON_INTERPRET=1 in the environment, or import torchloss before anything that "
-            "imports triton (torch._dynamo does); torchloss sets it itself when CUDA is unavailable"
-        )
+    _check_runnable(logits)
     rows, vocab = logits.shape
     acc = compute_dtype(logits.dtype)
     device = logits.device
@@ -354,8 +414,14 @@ def _launch(
     loss: Tensor | None,
     grad: Tensor | None,
     upstream: Tensor | None,
+    *,
+    mode: int = 0,
+    stats: Tensor | None = None,
+    offset: int = 0,
+    vocab_total: int | None = None,
 ) -> None:
-    """One kernel launch over the rows: the forward (``upstream is None``) or ``REGRAD``."""
+    """One kernel launch over the rows: the forward (``upstream is None``) or ``REGRAD``; ``mode``
+    1/2 are the vocab-parallel passes (``stats`` ``[N, 12]`` out / ``[N, 7]`` in)."""
     rows, vocab = logits.shape
     acc = compute_dtype(logits.dtype)
     device = logits.device
@@ -384,15 +450,18 @@ def _launch(
             params,
             loss if loss is not None else coef_acc,  # REGRAD writes no loss
             grad_arg,
+            stats if stats is not None else coef_acc,
             vocab,
+            vocab if vocab_total is None else vocab_total,
+            offset,
             logits.stride(0),
             teacher.stride(0),
             grad_arg.stride(0),
             0 if up.numel() == 1 else 1,
             KIND=kind,
-            MODE=0,
+            MODE=mode,
             WRITE_GRAD=grad is not None,
-            REGRAD=upstream is not None,
+            REGRAD=upstream is not None and mode == 0,
             GRAD_BF16=logits.dtype == torch.bfloat16,
             BLOCK_V=block_v,
             ACC=_TL_DTYPES[acc],
@@ -400,3 +469,52 @@ def _launch(
             # spilling (an untuned default; the interpreter ignores it).
             num_warps=4 if block_v <= 2048 else 8,
         )
+
+
+def shard_stats(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, offset: int) -> tuple[Any, Tensor, Tensor]:
+    """Vocab-parallel pass 1 (``MODE=1``): this shard's per-row statistics as a
+    ``torchloss._torch.RowStats`` (rows with ``coef == 0`` hold empty statistics), the label's raw
+    logit where this shard (global ids ``[offset, offset + V_local)``) owns it (else 0), and the
+    NaN / ``+inf`` flag; :func:`torchloss._torch.combine_shards` makes the collectives."""
+    from ._torch import RowStats
+
+    _check_runnable(logits)
+    rows, width = logits.shape
+    acc = compute_dtype(logits.dtype)
+    stats = torch.zeros((rows, 12), dtype=acc, device=logits.device)
+    if rows:
+        _launch(config, logits, target, coef, None, None, None, mode=1, stats=stats, offset=offset)
+    col = stats.unbind(1)
+    kind = config.kind
+    local = RowStats(width, col[0], col[1])
+    if kind == "cross_entropy":
+        if config.label_smoothing > 0:
+            local.sum_shift = col[2]
+    else:
+        local.mts, local.st = col[3], col[4]
+        if kind in ("soft_cross_entropy", "forward_kl"):
+            local.a = col[5]
+        if kind == "forward_kl":
+            local.b = col[6]
+        if kind == "reverse_kl":
+            local.e_s, local.e_t, local.t_ref = col[7], col[8], col[9]
+    return local, col[11], col[10]
+
+
+def shard_grad(
+    config: LossConfig, fin: Any, logits: Tensor, target: Tensor, coef: Tensor, offset: int, vocab: int, out: Tensor
+) -> Tensor:
+    """Vocab-parallel pass 2 (``MODE=2``): this shard's ``coef * c * dl/dz`` from the global
+    statistics ``fin`` (a ``torchloss._torch.Final``), rounded once into ``out``."""
+    _check_runnable(logits)
+    rows = logits.shape[0]
+    if rows == 0 or logits.shape[1] == 0:
+        return out
+    st = fin.stats
+    zero = torch.zeros_like(st.s)
+    cols = [st.ms, st.s, st.mts if st.mts is not None else zero, st.st if st.st is not None else zero,
+            st.t_ref if st.t_ref is not None else zero, fin.l_ref if fin.l_ref is not None else zero,
+            fin.zfac if fin.zfac is not None else zero + 1.0]
+    stats = torch.stack(cols, dim=1).contiguous()
+    _launch(config, logits, target, coef, None, out, None, mode=2, stats=stats, offset=offset, vocab_total=vocab)
+    return out

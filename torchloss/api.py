@@ -250,6 +250,18 @@ def _resolve_impl(impl: str, logits: Tensor) -> ModuleType:
     return _triton
 
 
+def _check_process_group(group: Any) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(
+            "vocab_parallel must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD or dist.new_group(...)); "
+            f"got {type(group).__name__}"
+        )
+    if not dist.is_initialized():
+        raise ValueError("vocab_parallel needs an initialised default process group (dist.init_process_group)")
+
+
 def _denominator_tensor(denominator: Denominator, acc: torch.dtype, device: torch.device) -> Tensor | float:
     if isinstance(denominator, Tensor):
         return denominator.detach().to(device=device, dtype=acc).reshape(())
@@ -293,11 +305,18 @@ def _masked_loss(
     _check_device("loss_mask", loss_mask, device)
     if isinstance(denominator, Tensor) and denominator.device != device and denominator.device.type != "cpu":
         raise ValueError(f"denominator must be on the device of logits ({device}) or the CPU; got {denominator.device}")
-    if vocab_parallel is not None:
-        raise NotImplementedError("vocab_parallel lands with the distributed issue")
-    backend = _resolve_impl(impl, logits)
+    backend: Any = _resolve_impl(impl, logits)
 
     lead, vocab = tuple(logits.shape[:-1]), int(logits.shape[-1])
+    width = vocab  # this call's own vocabulary entries (the shard's, for vocab-parallel)
+    offset = 0
+    if vocab_parallel is not None:
+        # Vocab-parallel (SPEC section 3): this rank holds the global ids [offset, offset + V_local).
+        # The kernel (torch path, or Triton's statistics / gradient modes) runs the two passes of
+        # the shard; the collectives in between are explicit all_reduce calls (_torch.combine_shards).
+        _check_process_group(vocab_parallel)
+        offset, vocab = _torch.shard_offset(vocab, vocab_parallel, device)
+        backend = _torch.VocabParallel(vocab_parallel, offset, vocab, kernel=None if backend is _torch else backend)
     rows = math.prod(lead)
     acc = _torch.compute_dtype(logits.dtype)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
@@ -361,14 +380,14 @@ def _masked_loss(
         else:
             coef = weight / denom if denom > 0 else torch.zeros_like(weight)
 
-    x2d = logits.reshape(rows, vocab)
+    x2d = logits.reshape(rows, width)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     if is_ce:
         assert safe_labels is not None
         tgt = safe_labels.reshape(rows)
     else:
-        tgt = target.detach().reshape(rows, vocab)  # the teacher gets no gradient
+        tgt = target.detach().reshape(rows, width)  # the teacher gets no gradient
         if tgt.stride(-1) != 1:
             tgt = tgt.contiguous()
     loss = _FUNCTIONS[config.kind].apply(x2d, tgt, coef.reshape(rows), config, backend, need_grad, inplace)
@@ -417,7 +436,12 @@ def cross_entropy(
       denominator: the global ``D`` (number or 0-d tensor, ``>= 0``) overriding ``D`` of the
         reduced modes (``"valid_tokens"``, ``"tokens"``, ``"sum"``); ``None`` counts this call's
         own tokens (``D = 1`` for ``"sum"``). Not accepted with ``"none"``.
-      vocab_parallel: reserved for a ``ProcessGroup`` over which the vocabulary is split.
+      vocab_parallel: a ``torch.distributed`` ``ProcessGroup`` over which the vocabulary is split,
+        or ``None``. Each rank passes its contiguous shard ``logits[..., V_local]`` (shards in rank
+        order, sizes may differ, each ``>= 1``) and the *global* labels; the returned loss is the
+        same on every rank and the gradient is the rank's own slice. Collectives are explicit
+        ``all_reduce`` calls in the forward (never autograd through a collective), so every rank
+        of the group must make the call. ``D`` is not reduced over this group (same tokens).
       impl: ``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or
         ``"triton"``.
       inplace: write the gradient into the logits' buffer (see the README for the constraints).
