@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 import lossspec
 
+from ._xla import varying_axes
 from .api import count_denominator
 
 AxisNames = str | Sequence[str] | None
@@ -31,6 +32,31 @@ def _axes(data_axes: AxisNames) -> tuple[str, ...]:
     if data_axes is None:
         return ()
     return (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+
+
+def _varying_axes(value: jax.Array) -> frozenset[str]:
+    """The mesh axes ``value`` varies over inside ``shard_map`` (empty under ``pmap``, where
+    JAX does not track them)."""
+    return varying_axes(value)
+
+
+def _sum_over_replicas(loss: jax.Array, grads: Any, axes: tuple[str, ...]) -> tuple[jax.Array, Any]:
+    """Sum the loss and gradients over the data axes, once.
+
+    Inside ``shard_map`` (with its varying-axes checks) the gradient of a replicated parameter
+    is already summed over the axes by autodiff (the transpose of the implicit broadcast is a
+    psum), so only values that still vary over an axis are summed. Under ``pmap`` nothing is
+    summed by autodiff, and everything is psum-ed explicitly.
+    """
+    loss_axes = _varying_axes(loss)
+    if not loss_axes or not set(axes) & loss_axes:
+        return jax.lax.psum((loss, grads), axes)
+
+    def total(value: jax.Array) -> jax.Array:
+        varying = tuple(axis for axis in axes if axis in _varying_axes(value))
+        return jax.lax.psum(value, varying) if varying else value
+
+    return total(loss), jax.tree_util.tree_map(total, grads)
 
 
 def global_denominator(
@@ -147,6 +173,6 @@ def accumulate(
     rest = jax.tree_util.tree_map(lambda leaf: leaf[1:], microbatches)
     (loss, grads), _ = jax.lax.scan(step, microbatch_grads(first), rest)
     if axes:
-        loss, grads = jax.lax.psum((loss, grads), axes)
+        loss, grads = _sum_over_replicas(loss, grads, axes)
     grads = jax.tree_util.tree_map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)
     return loss, grads
