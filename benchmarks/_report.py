@@ -103,7 +103,7 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {
             "device": device, "n": n, "v": v, "dtype": dtype, "kind": kind, "framework": framework, "group": group,
             "ours": ours["spec"]["backend"] if ours else None,
-            "ours_status": ours.get("status") if ours else "not run",
+            "ours_status": _status_text(ours),
             "ours_s": ours.get("time_s") if ours else None,
             "ours_mem_buffers": ours.get("mem_logits_buffers") if ours else None,
             "best_peer": best["spec"]["backend"] if best else None,
@@ -133,6 +133,15 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["loss_disagreements"] = [r["spec"]["backend"] for r in members if r.get("loss_agrees") is False]
         rows.append(row)
     return rows
+
+
+def _status_text(result: dict[str, Any] | None) -> str:
+    if result is None:
+        return "not run"
+    status = result.get("status", "?")
+    if status == "skipped":
+        return "skipped: " + ("memory" if "memory" in result.get("error", "") else "budget")
+    return status
 
 
 def _cell_order(key: CellKey) -> tuple[Any, ...]:
@@ -266,8 +275,12 @@ def plot(results: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:
         colors[name] = options[used[info.framework][info.role] % len(options)]
         used[info.framework][info.role] += 1
     linestyle = {"ours": "-", "peer": "--", "sol": ":"}
+    single_shape = len({(r["spec"]["n"], r["spec"]["v"]) for r in ok}) == 1
     written = []
     for metric, label in (("time_s", "forward+backward time (ms)"), ("mem_extra_bytes", "peak extra memory (MiB)")):
+        if single_shape:  # one shape (--quick): bars per backend read better than lone points
+            written.append(_bars(plt, ok, kinds, columns, names, colors, metric, label, stem, title))
+            continue
         fig, axes = plt.subplots(len(kinds), len(columns), figsize=(3.6 * len(columns), 2.9 * len(kinds)), squeeze=False)
         for i, kind in enumerate(kinds):
             for j, (dtype, fw, group) in enumerate(columns):
@@ -310,6 +323,41 @@ def plot(results: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _bars(plt: Any, ok: list[dict[str, Any]], kinds: list[str], columns: list[tuple[str, str, str]], names: list[str],
+          colors: dict[str, Any], metric: str, label: str, stem: Path, title: str) -> Path:
+    n, v = ok[0]["spec"]["n"], ok[0]["spec"]["v"]
+    fig, axes = plt.subplots(len(kinds), len(columns), figsize=(3.4 * len(columns), 2.2 * len(kinds)), squeeze=False)
+    scale = 1e3 if metric == "time_s" else 1 / 2**20
+    for i, kind in enumerate(kinds):
+        for j, (dtype, fw, group) in enumerate(columns):
+            ax = axes[i][j]
+            rows = [(name, r[metric] * scale) for name in names for r in ok
+                    if r["spec"]["backend"] == name and r["spec"]["kind"] == kind and r["spec"]["dtype"] == dtype
+                    and BACKENDS[name].framework == fw and BACKENDS[name].group == group and r.get(metric) is not None]
+            if not rows:
+                ax.axis("off")
+                continue
+            labels = [name for name, _ in rows][::-1]
+            values = [value for _, value in rows][::-1]
+            bars = ax.barh(labels, values, color=[colors[name] for name in labels])
+            for bar, value in zip(bars, values):
+                ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value:.0f}", va="center", fontsize=6)
+            ax.set_xlim(0, max(values) * 1.25)
+            ax.tick_params(labelsize=6.5)
+            if i == 0:
+                ax.set_title(f"{fw}{' LM head' if group == 'head' else ''}, {dtype}", fontsize=9)
+            if j == 0:
+                ax.set_ylabel(SHORT_KIND[kind], fontsize=9)
+            if i == len(kinds) - 1:
+                ax.set_xlabel(label, fontsize=7)
+    fig.suptitle(f"{title}: {label}, N={n}, V={v}", fontsize=10)
+    fig.tight_layout()
+    path = stem.with_name(stem.name + ("_time.png" if metric == "time_s" else "_memory.png"))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 __all__ = ["annotate", "summarize", "summary_table", "detail_table", "plot", "nominal_hbm_bandwidth"]

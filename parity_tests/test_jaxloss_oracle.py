@@ -124,26 +124,18 @@ def test_xla_denominator(kind: str, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_ignore_index(kind: str, impl: str) -> None:
-    if kind != "cross_entropy":
-        pytest.skip("ignore_index is a cross_entropy option")
-    case = make_case(kind, "random", lead_shape=(3, 6), vocab=257)
+def test_ignore_index(impl: str) -> None:
+    case = make_case("cross_entropy", "random", lead_shape=(3, 6), vocab=257)
     labels = np.where(case.target == -100, 5, case.target)  # label 5 now means "ignore"
-    case = lossspec.Case(kind, "random", "float32", case.logits, labels, case.loss_mask)
+    case = lossspec.Case("cross_entropy", "random", "float32", case.logits, labels, case.loss_mask)
     for normalization in ("valid_tokens", "none"):
         check(case, impl, normalization=normalization, ignore_index=5)
 
 
-def _grad_outputs(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
-    """Upstream gradients. fp32: random. 16-bit: random signed powers of two, because the
-    stored gradient is already rounded once to the logits' dtype (DESIGN.md); multiplying it by
-    an arbitrary upstream value rounds a second time, which can exceed SPEC's one-ulp bound
-    (measured up to 1.26 ulp), while a power of two scales exactly."""
-    rng = np.random.default_rng(seed)
-    if dtype == "float32":
-        return rng.uniform(-3.0, 3.0, size=shape).astype(np.float32)
-    return (rng.choice([-1.0, 1.0], size=shape) * np.exp2(rng.integers(-3, 4, size=shape))).astype(np.float32)
+def _grad_outputs(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Random upstream gradients (16-bit logits too: a non-unit upstream gradient makes the
+    backward recompute the gradient in fp32 and round it once, DESIGN.md)."""
+    return np.random.default_rng(seed).uniform(-3.0, 3.0, size=shape).astype(np.float32)
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
@@ -153,9 +145,8 @@ def test_grad_output(kind: str, dtype: str, impl: str) -> None:
     """``"none"`` through ``jax.vjp`` with a per-token cotangent, and a scalar cotangent for
     the reduced modes."""
     case = make_case(kind, "float_weights", dtype=dtype, lead_shape=(2, 7), vocab=257, seed=3)
-    check(case, impl, grad_output=_grad_outputs(dtype, (2, 7), 3), normalization="none")
-    scalar = _grad_outputs(dtype, (), 4)
-    check(case, impl, grad_output=scalar, normalization="valid_tokens")
+    check(case, impl, grad_output=_grad_outputs((2, 7), 3), normalization="none")
+    check(case, impl, grad_output=_grad_outputs((), 4), normalization="valid_tokens")
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,7 +172,7 @@ def test_pallas_matrix(kind: str, dtype: str, normalization: str) -> None:
         check(case, "pallas", normalization=normalization)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # fp16 runs the default options in the matrix
 @pytest.mark.parametrize("kind", KINDS)
 def test_pallas_options(kind: str, dtype: str) -> None:
     options = CE_COMBINED if kind == "cross_entropy" else DISTILL_COMBINED
