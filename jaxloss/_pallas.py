@@ -21,10 +21,11 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
 * GPU lowering: Pallas' **Triton** backend (``jax.experimental.pallas.triton``:
   ``CompilerParams(num_warps, num_stages)``, masked ``load``/``store``). On other backends
   the same kernel runs in Pallas interpret mode (``interpret=True``), which the tests use.
-* ``mode``: ``"fused"`` (pass 1, finalize, pass 2) is what the losses use. The passes are
-  separate functions so that the vocab-parallel issue can add ``"stats"`` (pass 1 only, the
-  per-row :class:`~jaxloss._xla.Stats` out) and ``"grad"`` (global stats in, pass 2 only)
-  behind the same static switch.
+* ``mode`` (static): ``"fused"`` (pass 1, finalize, pass 2) is what the losses use;
+  vocab-parallel calls run ``"stats"`` (pass 1 only: the per-row :class:`~jaxloss._xla.Stats`
+  of this shard out, see :func:`shard_stats`) and, once the statistics are combined over the
+  mesh axis, ``"grad"`` (the global :class:`~jaxloss._xla.Final` in, pass 2 only:
+  :func:`shard_grad`). The collectives stay outside the kernel.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 from ._xla import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
 
 Array = jax.Array
-MODES = ("fused",)
+MODES = ("fused", "stats", "grad")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,36 +81,41 @@ def _blocks(tuning: PallasTuning, rows: int, vocab: int, *, on_gpu: bool) -> tup
 
 
 def _kernel(
-    x_ref,
-    t_ref,
-    coef_ref,
-    loss_ref,
-    grad_ref,
-    *,
+    *refs,
     cfg: KernelConfig,
     n_rows: int,
+    n_cols: int,
     vocab: int,
     block_rows: int,
     block_vocab: int,
     mode: str,
+    fields: tuple[str, ...],
 ) -> None:
-    """One program: rows ``[pid * block_rows, (pid + 1) * block_rows)`` of ``[N, V]``.
+    """One program: rows ``[pid * block_rows, (pid + 1) * block_rows)`` of ``[N, n_cols]``.
 
-    The refs are the whole arrays (``x``/``grad``/teacher ``[N, V]``, ``coef``/``loss``/labels
-    ``[N]``); blocks are addressed with (row, column) index vectors and masks, never with
-    slices: masked lanes are out of bounds, so a masked store can never alias a valid element,
-    and the interpreter needs no padding (which ``shard_map``'s varying-axes checks reject).
+    The refs are the whole arrays, by mode (``t``: labels ``[N]`` or teacher ``[N, n_cols]``)::
+
+        "fused"  x, t, coef                    -> loss [N], grad [N, n_cols]
+        "stats"  x, t                          -> one [N] array per Stats field in ``fields``
+        "grad"   x, t, coef, Final ``fields``  -> grad [N, n_cols]
+
+    ``n_cols`` is the width of ``x`` (a vocab-parallel shard's ``V_local``), ``vocab`` the
+    global ``V`` (label smoothing's ``eps / V``); labels are this array's column ids (a shard's
+    labels are shifted by its offset, so other shards' labels hit no column). Blocks are
+    addressed with (row, column) index vectors and masks, never with slices: masked lanes are
+    out of bounds, so a masked store can never alias a valid element, and the interpreter needs
+    no padding (which ``shard_map``'s varying-axes checks reject).
     """
     ce = cfg.is_ce
+    x_ref, t_ref = refs[0], refs[1]
     rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     row_ok = rows < n_rows
-    coef = plgpu.load(coef_ref.at[rows], mask=row_ok, other=0.0)
     labels = plgpu.load(t_ref.at[rows], mask=row_ok, other=0) if ce else None
-    num_blocks = pl.cdiv(vocab, block_vocab)
+    num_blocks = pl.cdiv(n_cols, block_vocab)
 
     def load(j: Array) -> tuple[tuple[Array, Array], Array, Array, Array, Optional[Array], Optional[Array]]:
         cols = j * block_vocab + jnp.arange(block_vocab, dtype=jnp.int32)
-        col_ok = (cols < vocab)[None, :]
+        col_ok = (cols < n_cols)[None, :]
         mask = row_ok[:, None] & col_ok
         index = (rows[:, None], cols[None, :])
         # Masked lanes read 0 (finite); block_stats masks them to -inf through col_ok.
@@ -118,12 +124,15 @@ def _kernel(
         hit = (cols[None, :] == labels[:, None]) if ce else None
         return index, col_ok, mask, x, t, hit
 
-    def pass1(j: Array, acc: Stats) -> Stats:
-        _, col_ok, _, x, t, hit = load(j)
-        blk, _, _ = block_stats(cfg, x, t, hit=hit, col_ok=col_ok)
-        return combine(cfg, acc, blk)
+    def pass1() -> Stats:
+        def body(j: Array, acc: Stats) -> Stats:
+            _, col_ok, _, x, t, hit = load(j)
+            blk, _, _ = block_stats(cfg, x, t, hit=hit, col_ok=col_ok)
+            return combine(cfg, acc, blk)
 
-    def pass2(fin: Final) -> None:
+        return lax.fori_loop(0, num_blocks, body, empty_stats(cfg, block_rows))
+
+    def pass2(fin: Final, coef: Array, grad_ref) -> None:
         def body(j: Array, carry: int) -> int:
             index, _, mask, x, t, hit = load(j)
             grad = grad_block(cfg, fin, coef, x, t, hit=hit, vocab=vocab)
@@ -132,12 +141,63 @@ def _kernel(
 
         lax.fori_loop(0, num_blocks, body, 0)
 
-    if mode != "fused":  # "stats" / "grad" arrive with vocab-parallel
-        raise NotImplementedError(f"kernel mode {mode!r}")
-    stats = lax.fori_loop(0, num_blocks, pass1, empty_stats(cfg, block_rows))
-    fin = finalize(cfg, stats, vocab)
+    if mode == "stats":
+        stats = pass1()
+        for name, out_ref in zip(fields, refs[2:]):
+            plgpu.store(out_ref.at[rows], getattr(stats, name), mask=row_ok)
+        return
+    coef = plgpu.load(refs[2].at[rows], mask=row_ok, other=0.0)
+    if mode == "grad":
+        values = {name: plgpu.load(ref.at[rows], mask=row_ok, other=0.0) for name, ref in zip(fields, refs[3:-1])}
+        values["bad"] = values["bad"] != 0
+        pass2(Final(**values), coef, refs[-1])
+        return
+    loss_ref, grad_ref = refs[3], refs[4]
+    fin = finalize(cfg, pass1(), vocab)
     plgpu.store(loss_ref.at[rows], jnp.where(coef != 0, fin.l, 0.0), mask=row_ok)
-    pass2(fin)
+    pass2(fin, coef, grad_ref)
+
+
+def _call(
+    cfg: KernelConfig,
+    mode: str,
+    inputs: tuple[Array, ...],
+    out_shapes: tuple[tuple[tuple[int, ...], jnp.dtype], ...],
+    *,
+    n_cols: int,
+    vocab: int,
+    fields: tuple[str, ...] = (),
+    tuning: Optional[PallasTuning] = None,
+) -> tuple[Array, ...]:
+    """Run the kernel in ``mode`` over ``inputs`` (``inputs[0]`` is ``x [N, n_cols]``)."""
+    tuning = tuning or TUNING
+    n = inputs[0].shape[0]
+    # Inside shard_map (check_vma) every operand and result must carry the same varying axes.
+    axes = varying_axes(*inputs)
+    inputs = varying_like(inputs, *inputs)
+    mat = jax.sharding.ManualAxisType(varying=axes)
+
+    def call(interpret: bool) -> Callable[..., tuple[Array, ...]]:
+        block_rows, block_vocab = _blocks(tuning, n, n_cols, on_gpu=not interpret)
+        kernel = functools.partial(
+            _kernel, cfg=cfg, n_rows=n, n_cols=n_cols, vocab=vocab, block_rows=block_rows,
+            block_vocab=block_vocab, mode=mode, fields=fields,
+        )
+        return pl.pallas_call(
+            kernel,
+            out_shape=tuple(jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat) for shape, dtype in out_shapes),
+            grid=(pl.cdiv(n, block_rows),),
+            interpret=interpret,
+            debug=tuning.debug,
+            compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps or 4, num_stages=tuning.num_stages),
+            name=f"jaxloss_{cfg.kind}_{mode}",
+        )
+
+    if tuning.interpret is not None:
+        return tuple(call(tuning.interpret)(*inputs))
+    # Decided when lowering, per platform: the Triton kernel for CUDA/ROCm, interpret mode
+    # elsewhere. So a CPU host can also export or cross-compile the GPU kernel.
+    return tuple(lax.platform_dependent(*inputs, cuda=call(False), rocm=call(False), default=call(True)))
 
 
 def fused(
@@ -153,49 +213,46 @@ def fused(
     """Per-token loss ``[N]`` fp32 (0 where ``coef == 0``, not multiplied by ``coef``) and the
     gradient ``coef * c * dl/dz`` ``[N, V]`` in the logits' dtype (see :func:`jaxloss._xla.fused`).
 
-    The kernel always writes the gradient; ``with_grad=False`` only drops it.
+    The kernel always writes the gradient; ``with_grad=False`` only drops it. (The "stats" and
+    "grad" modes are :func:`shard_stats` and :func:`shard_grad`.)
     """
-    if mode not in MODES:
-        raise NotImplementedError(f"kernel mode {mode!r}; available: {', '.join(MODES)}")
-    tuning = tuning or TUNING
+    if mode != "fused":
+        raise NotImplementedError(f"kernel mode {mode!r} in fused(); the modes are {', '.join(MODES)} "
+                                  "(\"stats\": shard_stats, \"grad\": shard_grad)")
     n, vocab = x.shape
     if n == 0:
         return jnp.zeros((0,), F32), (jnp.zeros(x.shape, x.dtype) if with_grad else None)
-    # Inside shard_map (check_vma) every operand and result must carry the same varying axes.
-    axes = varying_axes(x, target, coef)
-    x, target, coef = varying_like((x, target, coef), x, target, coef)
-    mat = jax.sharding.ManualAxisType(varying=axes)
-
-    def call(interpret: bool) -> Callable[[Array, Array, Array], tuple[Array, Array]]:
-        block_rows, block_vocab = _blocks(tuning, n, vocab, on_gpu=not interpret)
-        kernel = functools.partial(
-            _kernel,
-            cfg=cfg,
-            n_rows=n,
-            vocab=vocab,
-            block_rows=block_rows,
-            block_vocab=block_vocab,
-            mode=mode,
-        )
-        return pl.pallas_call(
-            kernel,
-            out_shape=(
-                jax.ShapeDtypeStruct((n,), F32, manual_axis_type=mat),
-                jax.ShapeDtypeStruct((n, vocab), x.dtype, manual_axis_type=mat),
-            ),
-            grid=(pl.cdiv(n, block_rows),),
-            interpret=interpret,
-            debug=tuning.debug,
-            compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps or 4, num_stages=tuning.num_stages),
-            name=f"jaxloss_{cfg.kind}",
-        )
-
-    if tuning.interpret is not None:
-        loss, grad = call(tuning.interpret)(x, target, coef)
-    else:
-        # Decided when lowering, per platform: the Triton kernel for CUDA/ROCm, interpret mode
-        # elsewhere. So a CPU host can also export or cross-compile the GPU kernel.
-        loss, grad = lax.platform_dependent(
-            x, target, coef, cuda=call(False), rocm=call(False), default=call(True)
-        )
+    loss, grad = _call(cfg, "fused", (x, target, coef), (((n,), F32), ((n, vocab), x.dtype)),
+                       n_cols=vocab, vocab=vocab, tuning=tuning)
     return loss, (grad if with_grad else None)
+
+
+def stats_fields(cfg: KernelConfig) -> tuple[str, ...]:
+    """The :class:`Stats` fields a kind uses (the others stay ``None``)."""
+    template = empty_stats(cfg, 1)
+    return tuple(name for name in Stats._fields if getattr(template, name) is not None)
+
+
+def shard_stats(cfg: KernelConfig, x: Array, target: Array, *, tuning: Optional[PallasTuning] = None) -> Stats:
+    """Mode "stats": pass 1 only, the per-row :class:`Stats` ``[N]`` of ``x`` ``[N, V_local]``
+    relative to its own maxima (a vocab-parallel shard; ``target``: shifted labels or the
+    teacher's slice). No collective; :mod:`jaxloss._vocab_parallel` combines the shards."""
+    n, width = x.shape
+    fields = stats_fields(cfg)
+    outs = _call(cfg, "stats", (x, target), tuple(((n,), F32) for _ in fields), n_cols=width, vocab=width,
+                 fields=fields, tuning=tuning)
+    return Stats(**dict(zip(fields, outs)))
+
+
+def shard_grad(
+    cfg: KernelConfig, fin: Final, x: Array, target: Array, coef: Array, *, vocab: int,
+    tuning: Optional[PallasTuning] = None,
+) -> Array:
+    """Mode "grad": pass 2 only, ``coef * c * dl/dz`` ``[N, V_local]`` (logits' dtype) of this
+    shard from the global :class:`Final` statistics; ``vocab`` is the global ``V``."""
+    n, width = x.shape
+    fields = tuple(name for name in Final._fields if getattr(fin, name) is not None)
+    values = tuple(getattr(fin, name).astype(F32) for name in fields)
+    (grad,) = _call(cfg, "grad", (x, target, coef, *values), (((n, width), x.dtype),), n_cols=width, vocab=vocab,
+                    fields=fields, tuning=tuning)
+    return grad

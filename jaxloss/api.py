@@ -31,12 +31,11 @@ import numpy as np
 import lossspec
 from lossspec import LossConfig
 
-from . import _pallas, _xla
+from . import _pallas, _vocab_parallel, _xla
 from ._xla import KernelConfig
 
 Array = jax.Array
 F32 = jnp.float32
-VOCAB_PARALLEL_MESSAGE = "vocab_parallel lands with the distributed issue"
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 __all__ = ["cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl", "count_denominator", "resolve_impl"]
@@ -82,7 +81,11 @@ def cross_entropy(
         ``"sum"``): the global count of SPEC section 4 (Python number or 0-d array, may be
         traced; runtime data, never a recompilation). ``None`` counts this call's own tokens.
         Not accepted with ``"none"``.
-      vocab_parallel: not implemented yet (must be ``None``).
+      vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the
+        vocabulary is split, inside ``shard_map`` / ``pmap``: ``logits`` is this replica's
+        contiguous slice ``[..., V_local]`` (shards in axis-index order, ``V = V_local * P``),
+        labels are global ids. The loss is the same on every replica and the gradient is the
+        replica's slice; the statistics are combined with explicit ``pmax`` / ``psum``.
       impl: ``"auto" | "xla" | "pallas"``.
 
     Returns:
@@ -286,8 +289,6 @@ def _loss(
     impl: str,
 ) -> Array:
     impl = resolve_impl(impl)
-    if vocab_parallel is not None:
-        raise NotImplementedError(VOCAB_PARALLEL_MESSAGE)
     logits = _as_array(logits)
     target = _as_array(target)
     loss_mask = None if loss_mask is None else _as_array(loss_mask)
@@ -303,6 +304,10 @@ def _loss(
     if loss_mask is not None and _concrete(loss_mask):
         lossspec.check_weights(np.asarray(loss_mask))
     lead, vocab = tuple(logits.shape[:-1]), int(logits.shape[-1])
+    axes = None
+    if vocab_parallel is not None:
+        axes = _vocab_parallel.axis_names(vocab_parallel)
+        vocab = vocab * _vocab_parallel.axis_size(axes)  # the global V (labels are global ids)
     if config.kind == "cross_entropy" and _concrete(target) and (loss_mask is None or _concrete(loss_mask)):
         labels_host = np.asarray(target)
         mask_host = None if loss_mask is None else np.asarray(loss_mask)
@@ -332,7 +337,10 @@ def _loss(
         z_loss=config.z_loss,
     )
     tuning = _xla.TUNING if impl == "xla" else _pallas.TUNING
-    tokens = _tokens((kcfg, impl, tuning), _device(logits), safe_target, coef)
+    if axes is None:
+        tokens = _tokens((kcfg, impl, tuning), _device(logits), safe_target, coef)
+    else:
+        tokens = _tokens_vocab_parallel((kcfg, impl, tuning, axes, vocab), _device(logits), safe_target, coef)
     return _finish(config.normalization, lead, tokens, bad)
 
 
@@ -387,7 +395,7 @@ def _prepare(
         bad = bad | jnp.any(valid & ((labels < 0) | (labels >= vocab)))
         target = jnp.where(valid, labels, 0).astype(jnp.int32).reshape(n)
     else:
-        target = target.reshape(n, vocab)
+        target = target.reshape(n, target.shape[-1])  # this replica's slice under vocab_parallel
     weight = weight.reshape(n)
     if config.normalization == "none":
         return weight, target, bad
@@ -439,6 +447,14 @@ def _weighted_loss_fwd(spec: Spec, x: Array, target: Array, coef: Array) -> tupl
 
 def _weighted_loss_bwd(spec: Spec, res: tuple[Array, ...], g: Array) -> tuple[Any, Any, Array]:
     grad, loss, coef, target, x = res
+    return _backward(grad, loss, coef, target, g, lambda scaled: _kernel(spec, x, target, scaled, with_grad=True)[1])
+
+
+def _backward(
+    grad: Array, loss: Array, coef: Array, target: Array, g: Array, recompute: Any
+) -> tuple[Array, Any, Array]:
+    """Cotangents of ``(x, target, coef)`` from the forward's gradient buffer ``grad`` and the
+    upstream ``g`` ``[N]``; ``recompute(coef')`` recomputes the gradient with coefficient ``coef'``."""
     if jnp.dtype(grad.dtype).itemsize >= 4:
         # fp32/fp64: one more rounding stays far inside the 4e-6 bound (exact when g == 1).
         dx = (grad.astype(F32) * g[:, None]).astype(grad.dtype)
@@ -447,11 +463,7 @@ def _weighted_loss_bwd(spec: Spec, res: tuple[Array, ...], g: Array) -> tuple[An
         # ulp). Where the upstream gradient is not exactly 1, recompute with coef * g in fp32
         # and round once; the common g == 1 case reuses the forward's buffer.
         unit = jnp.all(jnp.where(coef != 0, g == 1, True))
-        dx = jax.lax.cond(
-            unit,
-            lambda: grad,
-            lambda: _kernel(spec, x, target, jnp.where(coef != 0, coef * g, 0.0), with_grad=True)[1],
-        )
+        dx = jax.lax.cond(unit, lambda: grad, lambda: recompute(jnp.where(coef != 0, coef * g, 0.0)))
     if jnp.issubdtype(target.dtype, jnp.integer):
         dtarget = np.zeros(target.shape, dtype=jax.dtypes.float0)
     else:
@@ -467,3 +479,47 @@ _weighted_loss.defvjp(_weighted_loss_fwd, _weighted_loss_bwd)
 def _tokens(spec: Spec, logits: Array, target: Array, coef: Array) -> Array:
     vocab = logits.shape[-1]
     return _weighted_loss(spec, logits.reshape(-1, vocab), target, coef)
+
+
+# Vocab-parallel: the same contract, the statistics combined over the mesh axis in the forward.
+VpSpec = tuple  # (KernelConfig, impl, tuning, axis names, global V): static, hashable
+
+
+def _vp_losses(spec: VpSpec, x: Array, target: Array, coef: Array, with_grad: bool) -> tuple[Array, Optional[Array], Any]:
+    cfg, impl, tuning, axes, vocab = spec
+    return _vocab_parallel.losses(cfg, x, target, coef, axes=axes, vocab=vocab, impl=impl, tuning=tuning, with_grad=with_grad)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _weighted_loss_vp(spec: VpSpec, x: Array, target: Array, coef: Array) -> Array:
+    """:func:`_weighted_loss` of this replica's vocabulary slice ``x`` ``[N, V_local]``
+    (``target``: labels shifted to the slice's column ids, or the teacher's slice)."""
+    loss, _, _ = _vp_losses(spec, x, target, coef, with_grad=False)
+    return jnp.where(coef != 0, coef * loss, 0.0)
+
+
+def _weighted_loss_vp_fwd(spec: VpSpec, x: Array, target: Array, coef: Array) -> tuple[Array, tuple[Any, ...]]:
+    loss, grad, fin = _vp_losses(spec, x, target, coef, with_grad=True)
+    # The global statistics ([N] vectors) are kept: a 16-bit recompute needs no collective.
+    return jnp.where(coef != 0, coef * loss, 0.0), (grad, loss, coef, target, x, fin)
+
+
+def _weighted_loss_vp_bwd(spec: VpSpec, res: tuple[Any, ...], g: Array) -> tuple[Any, Any, Array]:
+    grad, loss, coef, target, x, fin = res
+    cfg, impl, tuning, _, vocab = spec
+
+    def recompute(scaled: Array) -> Array:
+        return _vocab_parallel.shard_grad(cfg, fin, x, target, scaled, vocab=vocab, impl=impl, tuning=tuning)
+
+    return _backward(grad, loss, coef, target, g, recompute)
+
+
+_weighted_loss_vp.defvjp(_weighted_loss_vp_fwd, _weighted_loss_vp_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _tokens_vocab_parallel(spec: VpSpec, logits: Array, target: Array, coef: Array) -> Array:
+    vocab_local = logits.shape[-1]
+    if spec[0].is_ce:
+        target = _vocab_parallel.shift_labels(target, vocab_local, spec[3])
+    return _weighted_loss_vp(spec, logits.reshape(-1, vocab_local), target, coef)

@@ -37,7 +37,9 @@ class _Loss(_nnx.Module):
         lossspec.make_config(self.kind, normalization=normalization, **options)
         lossspec.check_impl(impl, lossspec.JAX_IMPLS)
         if vocab_parallel is not None:
-            raise NotImplementedError(api.VOCAB_PARALLEL_MESSAGE)
+            from ._vocab_parallel import axis_names
+
+            axis_names(vocab_parallel)  # a bad value fails here, not at the first call
         self.normalization = normalization
         self.vocab_parallel = vocab_parallel
         self.impl = impl

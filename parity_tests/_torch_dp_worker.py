@@ -1,4 +1,5 @@
-"""Worker launched with torchrun (2 processes, gloo on 127.0.0.1) by test_distributed_torch.py.
+"""Worker launched as 2 ranks (gloo on the loopback interface, see _ranks.py) by test_distributed_torch.py,
+both by the tests' own launcher and by ``torchrun`` as a user would.
 
 Each rank holds its half of the batch and runs every split (DDP with K micro-batches, a plain
 module with an explicit group, uneven micro-batches with an empty one) for every kind and
@@ -16,17 +17,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from _ranks import finish, init_gloo  # noqa: E402
 from _torch_problem import KINDS, NORMALIZATIONS, loss_fn_for, make_model, make_problem  # noqa: E402
 
 from torchloss.distributed import accumulate  # noqa: E402
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def main(out_path: str, kinds: tuple[str, ...] = KINDS, normalizations: tuple[str, ...] = NORMALIZATIONS) -> None:
+    rank, world = init_gloo()
     results: dict[str, np.ndarray] = {}
-    for kind in KINDS:
-        for normalization in NORMALIZATIONS:
+    for kind in kinds:
+        for normalization in normalizations:
             batch = make_problem(kind, float_weights=(normalization == "sum"))
             rows = batch["tokens"].shape[0] // world
             local = {key: value[rank * rows : (rank + 1) * rows] for key, value in batch.items()}
@@ -53,8 +54,11 @@ def main(out_path: str) -> None:
         assert all(torch.equal(gathered[0], g) for g in gathered), f"replicas differ on {key}"
     if rank == 0:
         np.savez(out_path, **results)
-    dist.destroy_process_group()
+    print(f"[rank {rank}] {len(results)} results checked across replicas", flush=True)
+    finish(rank)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    # argv: OUT.npz [KIND,... [NORMALIZATION,...]] (default: all of them)
+    chosen = [tuple(arg.split(",")) for arg in sys.argv[2:4]]
+    main(sys.argv[1], *chosen)

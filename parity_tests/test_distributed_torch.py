@@ -1,11 +1,10 @@
 """Micro-batch and data-parallel equivalence in torch (SPEC section 4), with real processes:
-torchrun launches 2 ranks on gloo (127.0.0.1); every split gives the full-batch loss and
+2 ranks on gloo (loopback; launched by _ranks.py); every split gives the full-batch loss and
 parameter gradients of one process."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,15 +17,10 @@ import lossspec
 from torchloss.distributed import accumulate, global_denominator, split_microbatches
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _ranks  # noqa: E402
 from _torch_problem import BATCH, KINDS, NORMALIZATIONS, SEQ, loss_fn_for, make_model, make_problem  # noqa: E402
 
 HERE = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def baseline(kind: str, normalization: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -44,26 +38,50 @@ def assert_same(loss, grads, ref_loss, ref_grads, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def torchrun_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
-    out = tmp_path_factory.mktemp("torchrun") / "results.npz"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / "_torch_dp_worker.py"), str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+def rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
+    out_dir = tmp_path_factory.mktemp("ranks")
+    out = out_dir / "results.npz"
+    _ranks.launch(HERE / "_torch_dp_worker.py", [str(out)], world_size=2, log_dir=out_dir)
     with np.load(out) as data:
         return {key: data[key] for key in data.files}
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
-def test_ddp_and_microbatches_equal_full_batch(torchrun_results, kind: str, normalization: str) -> None:
+def test_ddp_and_microbatches_equal_full_batch(rank_results, kind: str, normalization: str) -> None:
     ref_loss, ref_grads = baseline(kind, normalization)
     assert float(ref_loss) > 0
     for scenario in ("ddp_k1", "ddp_k2", "plain_k2", "ddp_k5_empty"):
         key = f"{kind}/{normalization}/{scenario}"
-        grads = {name: torchrun_results[f"{key}/grad/{name}"] for name in ref_grads}
-        assert_same(torchrun_results[f"{key}/loss"], grads, ref_loss, ref_grads, key)
+        grads = {name: rank_results[f"{key}/grad/{name}"] for name in ref_grads}
+        assert_same(rank_results[f"{key}/loss"], grads, ref_loss, ref_grads, key)
+
+
+def test_torchrun_launch_equals_full_batch(tmp_path: Path) -> None:
+    """The same worker started the way users start it: ``torchrun --standalone`` (its own
+    rendezvous and TCP store, ``env://``), 2 ranks; one kind and mode keeps it short."""
+    kind, normalization = "reverse_kl", "valid_tokens"
+    out, log = tmp_path / "results.npz", tmp_path / "torchrun.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in [str(HERE.parent), os.environ.get("PYTHONPATH", "")] if p))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(HERE / "_torch_dp_worker.py"), str(out), kind, normalization]
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=_ranks.RANK_TIMEOUT_S + 60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = "timeout"
+    assert code == 0, f"torchrun exit {code}; its log:\n{log.read_text()[-6000:]}"
+    with np.load(out) as data:
+        results = {key: data[key] for key in data.files}
+    ref_loss, ref_grads = baseline(kind, normalization)
+    for scenario in ("ddp_k1", "ddp_k2", "plain_k2", "ddp_k5_empty"):
+        key = f"{kind}/{normalization}/{scenario}"
+        grads = {name: results[f"{key}/grad/{name}"] for name in ref_grads}
+        assert_same(results[f"{key}/loss"], grads, ref_loss, ref_grads, f"torchrun {key}")
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -124,13 +124,18 @@ def test_options_of_the_other_kind_are_rejected() -> None:
                 fn(X, T, **{option: 0.1})
 
 
-def test_vocab_parallel_is_not_implemented_yet() -> None:
-    with pytest.raises(NotImplementedError, match="vocab_parallel lands with the distributed issue"):
-        jaxloss.cross_entropy(X, Y, vocab_parallel="model")
-    with pytest.raises(NotImplementedError, match="vocab_parallel lands with the distributed issue"):
+def test_vocab_parallel_bad_axis() -> None:
+    # Not an axis name: a TypeError up front (the functions and the NNX modules alike).
+    for bad in (3, "", ("model", 1), ()):
+        with pytest.raises(TypeError, match="vocab_parallel must be a mesh axis name"):
+            jaxloss.cross_entropy(X, Y, vocab_parallel=bad)
+    with pytest.raises(TypeError, match="vocab_parallel must be a mesh axis name"):
+        ForwardKLLoss(vocab_parallel=7)
+    # A name with no shard_map / pmap around it: a ValueError that says where to call it.
+    with pytest.raises(ValueError, match="vocab_parallel='model' is not a bound axis here"):
         jaxloss.reverse_kl(X, T, vocab_parallel="model")
-    with pytest.raises(NotImplementedError, match="vocab_parallel lands with the distributed issue"):
-        ForwardKLLoss(vocab_parallel="model")
+    with pytest.raises(ValueError, match="vocab_parallel='model' is not a bound axis here"):
+        jax.jit(lambda x: jaxloss.cross_entropy(x, Y, vocab_parallel="model"))(X)
 
 
 def test_errors_come_before_any_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
-"""Vocab-parallel torchloss (SPEC section 3) with real processes on gloo (127.0.0.1).
+"""Vocab-parallel torchloss (SPEC section 3) with real processes on gloo (loopback).
 
-The module fixture runs this file as a script once: it forks 3 processes, which run world size 3
+The module fixture runs this file as a script in 3 processes (launched by _ranks.py), which run world size 3
 (uneven shards 20/50/30 of V = 100) on the whole group and world size 2 (even shards) on a
 sub-group of the first two ranks; every rank runs all kinds x normalisations
 {valid_tokens, none} x options x dtypes {float32, bfloat16} x cases {random, huge, neg_inf} on its
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,9 @@ import numpy as np
 import pytest
 
 import lossspec
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _ranks  # noqa: E402
 
 KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
 NORMALIZATIONS = ("valid_tokens", "none")
@@ -74,14 +75,13 @@ def _upstream(norm: str) -> np.ndarray | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+def _worker(out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
     import torchloss
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    rank, world_size = _ranks.init_gloo()
     fns = {"cross_entropy": torchloss.cross_entropy, "soft_cross_entropy": torchloss.soft_cross_entropy,
            "forward_kl": torchloss.forward_kl, "reverse_kl": torchloss.reverse_kl}
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -110,23 +110,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
             results[key + "/loss"] = loss.detach().double().numpy()
             results[key + "/grad"] = logits.grad.float().numpy()
         np.savez(os.path.join(out_dir, f"w{world}_r{rank}.npz"), **results)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _main(out_dir: str) -> None:
-    import torch.multiprocessing as mp
-
-    import torchloss  # noqa: F401  (imported once here; the forked ranks inherit it: ~6 s each saved)
-
-    world_size = max(SHARDS)
-    mp.start_processes(_worker, args=(world_size, _free_port(), out_dir), nprocs=world_size, join=True, start_method="fork")
+    _ranks.finish(rank)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,10 +121,7 @@ def _main(out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, np.ndarray]]]:
     out_dir = tmp_path_factory.mktemp("vocab_parallel")
-    root = str(Path(__file__).parent.parent)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, str(out_dir)], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _ranks.launch(Path(__file__), [str(out_dir)], world_size=max(SHARDS), log_dir=out_dir)
     loaded: dict[int, list[dict[str, np.ndarray]]] = {}
     for world in SHARDS:
         loaded[world] = []
@@ -187,4 +168,4 @@ def test_vocab_parallel_rejects_non_group() -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    _worker(sys.argv[1])

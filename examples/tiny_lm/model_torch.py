@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
-import socket
+import sys
 import tempfile
 from typing import Any
 
@@ -114,15 +115,23 @@ def _train_local(
     return losses, {name: p.detach().numpy().copy() for name, p in model.named_parameters()}
 
 
-def _ddp_worker(rank: int, world: int, port: int, kwargs: dict[str, Any], out_path: str) -> None:
+def _ddp_worker(rank: int, world: int, init_file: str, kwargs: dict[str, Any], out_path: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        losses, final = _train_local(**kwargs, rank=rank, world=world)
-        if rank == 0:
-            np.savez(out_path, losses=np.asarray(losses), **{f"w_{k}": v for k, v in final.items()})
-    finally:
-        dist.destroy_process_group()
+    if os.path.exists("/sys/class/net/lo"):
+        # Gloo otherwise picks its interface by looking up the host name; the ranks all live here.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # A FileStore rendezvous (no TCP port to pick) and a bounded wait for every collective.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    losses, final = _train_local(**kwargs, rank=rank, world=world)
+    if rank == 0:
+        np.savez(out_path, losses=np.asarray(losses), **{f"w_{k}": v for k, v in final.items()})
+    dist.barrier()
+    # Exit without tearing the gloo group down: freeing its last reference joins gloo's thread
+    # while holding the GIL, and that thread may need the GIL to release a finished
+    # collective's tensors (a deadlock seen with torch 2.13 on CPU). The OS reclaims the sockets.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def train(
@@ -138,18 +147,16 @@ def train(
     progress: Any = None,
 ) -> tuple[list[float], dict[str, np.ndarray]]:
     """Plain SGD over ``batches`` (the torch twin of ``model_jax.train``). ``replicas > 1``
-    launches that many processes (gloo on 127.0.0.1) training a ``DistributedDataParallel``
+    launches that many processes (gloo on the loopback interface, FileStore rendezvous) training a ``DistributedDataParallel``
     model, each on its share of every batch."""
     kwargs = dict(weights=weights, batches=batches, kind=kind, lr=lr, num_microbatches=num_microbatches,
                   naive=naive, temperature=temperature)
     if replicas == 1:
         return _train_local(**kwargs, progress=progress)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rank0.npz")
-        torch.multiprocessing.spawn(_ddp_worker, args=(replicas, port, kwargs, out_path), nprocs=replicas, join=True)
+        init_file = os.path.join(tmp, "init_store")
+        torch.multiprocessing.spawn(_ddp_worker, args=(replicas, init_file, kwargs, out_path), nprocs=replicas, join=True)
         with np.load(out_path) as data:
             losses = [float(x) for x in data["losses"]]
             final = {key[2:]: data[key] for key in data.files if key.startswith("w_")}

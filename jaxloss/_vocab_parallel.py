@@ -1,0 +1,156 @@
+"""Vocab-parallel losses (``vocab_parallel=<mesh axis name>``): the vocabulary is split over a
+mesh axis of ``shard_map`` (or a ``pmap`` axis) in contiguous shards in axis-index order.
+
+Each replica holds ``x [N, V_local]`` (and the teacher's matching slice; labels are global
+ids). One call is three steps, every collective explicit (never autograd through one)::
+
+    1. local statistics of the shard       block_stats / the Pallas kernel's "stats" mode
+    2. combine over the axis               pmax of the maxima (and the reverse-KL pivot),
+                                           rescale to them, psum of the rescaled sums
+    3. finalize, then this shard's grad    the same Final on every replica; grad_block /
+                                           the Pallas kernel's "grad" mode on the local slice
+
+The algebra is that of :mod:`jaxloss._xla` (and ``lossspec.oracle_vocab_parallel``): the shards
+are blocks of one row, combined exactly as the online softmax combines vocabulary blocks.
+
+Step 2 per row, with ``m_k`` the shard maxima: ``m = max_k m_k`` (``pmax``); every exp-sum of
+shard ``k`` is multiplied by ``exp(c (m_k - m))`` and the moments that carry ``(x - m_k)`` gain
+``(m_k - m)`` times their weight sum (:func:`jaxloss._xla.rescale`); reverse KL's pivot ``tau``
+(the teacher's logit at the student's argmax) is the one of the shard holding the global
+maximum (``pmax`` over the shards whose ``m_k == m``: ties take the largest, as blocks do), and
+each shard's ``e_d`` is moved to it (:func:`jaxloss._xla._rescale_rkl`); the cross-entropy
+label's raw logit comes from the one shard that owns the label (others add 0).
+
+NaN / ``+inf`` rows need no flag of their own: they make the owning shard's ``s`` (or ``st``)
+NaN, the ``psum`` carries it to every replica and :func:`jaxloss._xla.finalize` marks the row
+bad there (NaN loss and gradient on every shard).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _pallas
+from ._xla import F32, NEG_INF, Final, KernelConfig, Stats, _rescale_rkl, block_stats, finalize, grad_block, rescale, varying_like
+
+Array = jax.Array
+AxisName = Union[str, tuple]
+
+# The Stats fields that are sums over the vocabulary (psum'd once rescaled to the global maxima).
+SUM_FIELDS = ("s", "x_y", "sum_shift", "n", "st", "a", "b", "e_d")
+
+
+def axis_names(vocab_parallel: Any) -> tuple:
+    """``vocab_parallel`` as a tuple of axis names (a name, or a tuple / list of names)."""
+    names = tuple(vocab_parallel) if isinstance(vocab_parallel, (tuple, list)) else (vocab_parallel,)
+    if not names or not all(isinstance(name, str) and name for name in names):
+        raise TypeError(
+            "vocab_parallel must be a mesh axis name (str) or a tuple of them, used inside shard_map or pmap; "
+            f"got {vocab_parallel!r}"
+        )
+    return names
+
+
+def axis_size(axes: Sequence[str]) -> int:
+    """The number of vocabulary shards (static); a clear error outside the axis' context."""
+    size = 1
+    for name in axes:
+        try:
+            size *= int(lax.axis_size(name))
+        except NameError as err:
+            raise ValueError(
+                f"vocab_parallel={name!r} is not a bound axis here: call the loss inside shard_map (a mesh with that "
+                "axis name) or pmap(axis_name=...)"
+            ) from err
+    return size
+
+
+def _axis(axes: Sequence[str]) -> AxisName:
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def local_stats(cfg: KernelConfig, x: Array, target: Array, impl: str, tuning: Any) -> Stats:
+    """Step 1: statistics ``[N]`` of this shard relative to its own maxima (no collective).
+
+    ``target``: labels shifted into this shard's column ids (``labels - offset``; other shards'
+    labels fall outside ``[0, V_local)`` and hit nothing), or the teacher's slice."""
+    if impl == "pallas":
+        return _pallas.shard_stats(cfg, x, target, tuning=tuning)
+    vocab_local = x.shape[-1]
+    x32 = x.astype(F32)
+    if cfg.is_ce:
+        owned = (target >= 0) & (target < vocab_local)
+        picked = jnp.take_along_axis(x, jnp.clip(target, 0, vocab_local - 1)[:, None], axis=1, mode="clip")[:, 0]
+        stats, _, _ = block_stats(cfg, x32, x_y=jnp.where(owned, picked.astype(F32), 0.0))
+        return stats
+    stats, _, _ = block_stats(cfg, x32, target.astype(F32))
+    return stats
+
+
+def combine_shards(cfg: KernelConfig, local: Stats, x: Array, axes: Sequence[str]) -> Stats:
+    """Step 2: the statistics of the whole row, identical on every shard (pmax, psum)."""
+    axis = _axis(axes)
+    local = varying_like(local, x)  # psum / pmax reduce values that vary over the axis
+    # A NaN maximum (NaN in the shard) competes as +inf; its NaN sums mark the row bad anyway.
+    m = lax.pmax(jnp.where(local.m != local.m, jnp.inf, local.m), axis)
+    mt = None if local.mt is None else lax.pmax(jnp.where(local.mt != local.mt, jnp.inf, local.mt), axis)
+    glob = rescale(cfg, local, m, mt)
+    if local.tau is not None:
+        tau = lax.pmax(jnp.where(local.m == m, local.tau, NEG_INF), axis)
+        glob = glob._replace(tau=tau, e_d=_rescale_rkl(cfg, local, m, tau))
+    sums = {name: getattr(glob, name) for name in SUM_FIELDS if getattr(glob, name) is not None}
+    sums = lax.psum(varying_like(sums, x), axis)
+    return glob._replace(**sums)
+
+
+def shift_labels(labels: Array, vocab_local: int, axes: Sequence[str]) -> Array:
+    """Global label ids -> this shard's column ids (``labels - axis_index * V_local``)."""
+    offset = lax.axis_index(_axis(axes)) * vocab_local
+    return labels - offset.astype(labels.dtype)
+
+
+def losses(
+    cfg: KernelConfig,
+    x: Array,
+    target: Array,
+    coef: Array,
+    *,
+    axes: Sequence[str],
+    vocab: int,
+    impl: str,
+    tuning: Any,
+    with_grad: bool,
+) -> tuple[Array, Optional[Array], Final]:
+    """Per-token loss ``[N]`` (the same on every shard; 0 where ``coef == 0``), this shard's
+    gradient ``coef * c * dl/dz`` ``[N, V_local]`` in the logits' dtype (or ``None``), and the
+    :class:`Final` statistics (kept for a backward that recomputes the gradient)."""
+    n = x.shape[0]
+    if n == 0:
+        empty = jnp.zeros((0,), F32)
+        fin = Final(empty, empty, empty, empty, jnp.zeros((0,), bool))
+        return empty, (jnp.zeros(x.shape, x.dtype) if with_grad else None), fin
+    fin = finalize(cfg, combine_shards(cfg, local_stats(cfg, x, target, impl, tuning), x, axes), vocab)
+    loss = jnp.where(coef != 0, fin.l, 0.0)
+    if not with_grad:
+        return loss, None, fin
+    return loss, shard_grad(cfg, fin, x, target, coef, vocab=vocab, impl=impl, tuning=tuning), fin
+
+
+def shard_grad(
+    cfg: KernelConfig, fin: Final, x: Array, target: Array, coef: Array, *, vocab: int, impl: str, tuning: Any
+) -> Array:
+    """Step 3: this shard's gradient from the global :class:`Final` (no collective).
+    ``target`` as in :func:`local_stats` (labels already shifted)."""
+    if impl == "pallas":
+        return _pallas.shard_grad(cfg, fin, x, target, coef, vocab=vocab, tuning=tuning)
+    x32 = x.astype(F32)
+    if cfg.is_ce:
+        hit = lax.broadcasted_iota(jnp.int32, x.shape, 1) == target[:, None]
+        grad = grad_block(cfg, fin, coef, x32, hit=hit, vocab=vocab)
+    else:
+        grad = grad_block(cfg, fin, coef, x32, target.astype(F32), vocab=vocab)
+    return grad.astype(x.dtype)

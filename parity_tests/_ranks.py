@@ -1,0 +1,102 @@
+"""Launch torch.distributed ranks for the tests as plain processes, and join the gloo group.
+
+Why not torchrun: its elastic agent and TCP rendezvous add a layer that was seen to stall (on a
+busy machine, and once in CI for the whole 600 s with nothing printed). Here each rank is a
+process of its own; they meet through a FileStore (no TCP rendezvous, no hostname look-up),
+gloo is pinned to the loopback interface, every collective has a timeout, and a rank that is
+still running near the deadline dumps its Python stack to its log and exits. On any failure the
+test shows each rank's log, so a hang explains itself instead of timing out in silence.
+
+Not a test module (no ``test_`` prefix); used by the tests and their worker scripts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RANK_TIMEOUT_S = 240  # a rank dumps its stack and exits after this long
+COLLECTIVE_TIMEOUT_S = 120  # one gloo collective (or the rendezvous) waits at most this long
+_ENV_INIT_FILE = "LOSS_TESTS_INIT_FILE"
+
+
+def launch(script: Path, args: list[str], world_size: int, log_dir: Path, timeout_s: float = RANK_TIMEOUT_S + 60) -> None:
+    """Run ``python script *args`` as ``world_size`` ranks (RANK/WORLD_SIZE in the environment);
+    raise AssertionError with every rank's log unless all exit 0 within ``timeout_s``."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    init_file = log_dir / "init_store"
+    init_file.unlink(missing_ok=True)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world_size), **{_ENV_INIT_FILE: str(init_file)},
+               PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p),
+               PYTHONFAULTHANDLER="1")
+    if Path("/sys/class/net/lo").exists():
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    logs = [log_dir / f"rank{rank}.log" for rank in range(world_size)]
+    procs = []
+    for rank in range(world_size):
+        with open(logs[rank], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(script), *args], env=dict(env, RANK=str(rank)),
+                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    failed = ""
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            failed = f"timed out after {timeout_s:.0f} s"
+            break
+        if any(p.poll() not in (None, 0) for p in procs):
+            time.sleep(2)  # let the other ranks notice and write their part of the story
+            failed = "a rank failed"
+            break
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    codes = [p.returncode for p in procs]
+    if failed or any(codes):
+        report = [f"{failed or 'non-zero exit'}; exit codes {codes}"]
+        for rank, log in enumerate(logs):
+            report.append(f"----- rank {rank} log ({log}) -----\n{log.read_text()[-4000:]}")
+        raise AssertionError("\n".join(report))
+
+
+def init_gloo() -> tuple[int, int]:
+    """In a rank started by ``launch`` (FileStore) or by ``torchrun`` (its TCP store, ``env://``):
+    arm the stack dump, pin gloo to loopback, join the gloo group; returns (rank, world)."""
+    import torch
+    import torch.distributed as dist
+
+    faulthandler.dump_traceback_later(RANK_TIMEOUT_S, exit=True)
+    torch.set_num_threads(1)
+    if Path("/sys/class/net/lo").exists():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_file = os.environ.get(_ENV_INIT_FILE)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}" if init_file else "env://", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    print(f"[rank {rank}/{world_size}] joined the gloo group", flush=True)
+    return rank, world_size
+
+
+def finish(rank: int) -> None:
+    """End a rank without tearing the process group down: wait for every rank, then exit.
+
+    Why not ``destroy_process_group()`` and a normal exit: freeing the last reference to a gloo
+    process group joins its worker thread while holding the GIL, and that thread may still be
+    releasing a finished collective's tensors, which needs the GIL: a deadlock, seen here (py-spy:
+    ``~ProcessGroupGloo`` -> ``std::thread::join`` on the main thread, ``~AsyncAllgatherWork`` ->
+    ``gil_scoped_acquire`` on gloo's thread) after every result had been written. The OS
+    reclaims the sockets; nothing is left to flush but stdout.
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    print(f"[rank {rank}] done", flush=True)
+    sys.stderr.flush()
+    os._exit(0)
