@@ -54,14 +54,16 @@ def make_problem(kind: str, seed: int = 0, float_weights: bool = False):
     return params, batch
 
 
-def make_loss_fn(kind: str, normalization: str):
+def make_loss_fn(kind: str, normalization: str, vocab_parallel: str | None = None):
+    """The model and loss; with ``vocab_parallel``, ``params["head"]`` (and the teacher) are this
+    replica's vocabulary columns and the loss combines the shards over that mesh axis."""
     loss = getattr(jaxloss, kind)
 
     def loss_fn(params, batch, denominator):
         logits = params["emb"][batch["tokens"]] @ params["head"]
         target = batch["labels"] if kind == "cross_entropy" else batch["teacher"]
         return loss(logits, target, batch["loss_mask"], normalization=normalization, denominator=denominator,
-                    **KIND_OPTIONS[kind])
+                    vocab_parallel=vocab_parallel, **KIND_OPTIONS[kind])
 
     return loss_fn
 
@@ -105,6 +107,38 @@ def test_microbatches_and_replicas_equal_full_batch(kind: str, normalization: st
     loss, grads = jax.pmap(per_device, axis_name="data", in_axes=(None, 0))(params, stacked)
     np.testing.assert_array_equal(np.asarray(loss)[0], np.asarray(loss)[1])  # the same on every replica
     assert_same(loss[0], jax.tree_util.tree_map(lambda g: g[0], grads), ref_loss, ref_grads, "pmap D=2 K=2")
+
+
+@pytest.mark.parametrize("kind", lossspec.KINDS)
+@pytest.mark.parametrize("normalization", ["valid_tokens", "tokens", "sum"])
+def test_vocab_parallel_and_replicas_equal_full_batch(kind: str, normalization: str) -> None:
+    """P = 2 vocabulary shards (K = 1, 2) and D = 2 replicas x P = 2 shards (K = 1, 2) on a
+    ("data", "model") mesh: the head's columns and the teacher's are split over "model", the
+    count is summed over "data" only, and the embedding's gradient gathers every shard's part
+    (shard_map's autodiff psums the replicated parameter's gradient)."""
+    params, batch = make_problem(kind, float_weights=(normalization == "sum"))
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: make_loss_fn(kind, normalization)(p, batch, None))(params)
+    loss_fn = make_loss_fn(kind, normalization, vocab_parallel="model")
+    param_specs = {"emb": P(), "head": P(None, "model")}
+
+    def batch_specs(data: str | None) -> dict[str, P]:
+        specs = {key: P(data) for key in batch}
+        if "teacher" in batch:
+            specs["teacher"] = P(data, None, "model")
+        return specs
+
+    for data_replicas in (1, 2):
+        for k in (1, 2):
+            data = "data" if data_replicas == 2 else None
+
+            def step(params, batch, k=k, data=data):
+                return accumulate(loss_fn, params, batch, num_microbatches=k, normalization=normalization, data_axes=data)
+
+            grid = mesh((data_replicas, 2), ("data", "model"))
+            sharded = shard_map(step, mesh=grid, in_specs=(param_specs, batch_specs(data)), out_specs=(P(), param_specs))
+            loss, grads = jax.jit(sharded)(params, batch)
+            assert grads["head"].shape == (HIDDEN, VOCAB)
+            assert_same(loss, grads, ref_loss, ref_grads, f"D={data_replicas} x P=2 K={k}")
 
 
 def test_global_denominator_is_bit_identical_across_splits() -> None:

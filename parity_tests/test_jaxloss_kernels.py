@@ -211,6 +211,37 @@ def test_pallas_in_shard_map_lowers_with_varying_axes_checked() -> None:
     assert _export_cuda(step, *args).count(TRITON_CALL) == 1
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_pallas_vocab_parallel_lowers_to_triton(kind: str) -> None:
+    """Vocab-parallel on a ("data", "model") mesh, check_vma on: the "stats" and "grad" kernels
+    lower through the Triton backend with the collectives between them (psum / pmax in the
+    module, outside the kernels)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    ce = kind == "cross_entropy"
+    fn = getattr(jaxloss, kind)
+
+    def local(x: jax.Array, t: jax.Array, m: jax.Array) -> jax.Array:
+        denominator = jax.lax.psum(jaxloss.count_denominator(t if ce else None, m), "data")
+        loss = fn(x, t, m, denominator=denominator, vocab_parallel="model", impl="pallas")
+        return jax.lax.psum(loss, "data")
+
+    target_spec = P("data") if ce else P("data", None, "model")
+    step = jax.value_and_grad(jax.shard_map(local, mesh=mesh, in_specs=(P("data", None, "model"), target_spec, P("data")),
+                                            out_specs=P()))
+    args = (
+        jax.ShapeDtypeStruct((8, 3, 260), jnp.float32, sharding=NamedSharding(mesh, P("data", None, "model"))),
+        jax.ShapeDtypeStruct((8, 3), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+        if ce else jax.ShapeDtypeStruct((8, 3, 260), jnp.float32, sharding=NamedSharding(mesh, target_spec)),
+        jax.ShapeDtypeStruct((8, 3), jnp.bool_, sharding=NamedSharding(mesh, P("data"))),
+    )
+    module = _export_cuda(step, *args)
+    assert module.count(TRITON_CALL) == 2
+    assert f"jaxloss_{kind}_stats" in module and f"jaxloss_{kind}_grad" in module
+    assert "all_reduce" in module
+
+
 def test_auto_picks_xla_off_gpu_and_pallas_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert jax.default_backend() != "gpu"
     assert jaxloss.resolve_impl("auto") == "xla"
