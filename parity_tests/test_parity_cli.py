@@ -66,9 +66,9 @@ def test_crashing_backend_is_a_named_failure(monkeypatch: pytest.MonkeyPatch, tm
     assert "RuntimeError: kernel exploded" in capsys.readouterr().err
 
 
-def _jax_program(path: Path) -> None:
+def _jax_program(path: Path) -> str:
     """What a JAX user would do: dump a bf16 batch of their training step."""
-    code = f"""
+    return f"""
 import numpy as np, jax, jax.numpy as jnp
 key = jax.random.PRNGKey(0)
 logits = (3 * jax.random.normal(key, (2, 6, 50))).astype(jnp.bfloat16)
@@ -78,11 +78,10 @@ mask = jax.random.bernoulli(key, 0.7, (2, 6))
 np.savez({str(path)!r}, logits=np.asarray(logits), labels=np.asarray(labels), teacher_logits=np.asarray(teacher),
          loss_mask=np.asarray(mask))
 """
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def _torch_program(npz: Path, safetensors: Path) -> None:
-    code = f"""
+def _torch_program(npz: Path, safetensors: Path) -> str:
+    return f"""
 import numpy as np, torch
 from safetensors.torch import save_file
 g = torch.Generator().manual_seed(0)
@@ -93,13 +92,21 @@ np.savez({str(npz)!r}, logits=logits.numpy(), labels=labels.numpy(), loss_mask=w
 teacher = 3 * torch.randn(4, 5, 70, generator=g)
 save_file({{"logits": logits.bfloat16(), "teacher_logits": teacher.bfloat16(), "loss_mask": weights > 0.3}}, {str(safetensors)!r})
 """
-    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _run_programs(*programs: str) -> None:
+    """Run each program in its own interpreter (a JAX-only and a torch-only user program, as
+    users have them), all at once: their framework imports overlap instead of adding up."""
+    running = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for code in programs]
+    for process in running:
+        out, err = process.communicate()
+        assert process.returncode == 0, (process.args, out, err)
 
 
 def test_inputs_from_jax_and_torch_programs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     jax_file, torch_file, st_file = tmp_path / "jax_batch.npz", tmp_path / "torch_batch.npz", tmp_path / "torch.safetensors"
-    _jax_program(jax_file)
-    _torch_program(torch_file, st_file)
+    _run_programs(_jax_program(jax_file), _torch_program(torch_file, st_file))
     backends = ["--backends", "jax-xla,torch"]
     assert main(["--inputs", str(jax_file), "--out", str(tmp_path), *backends, "--no-plot"]) == 0
     out = capsys.readouterr().out
@@ -115,32 +122,58 @@ def test_inputs_from_jax_and_torch_programs(tmp_path: Path, capsys: pytest.Captu
     assert "PASS forward_kl/torch.safetensors/sum/bfloat16/4x5x70[temperature=2.0" in out and "12 cases" in out
 
 
-def test_bad_files_and_arguments_give_one_line_errors(tmp_path: Path) -> None:
-    not_npz = tmp_path / "junk.npz"
-    not_npz.write_bytes(b"not a zip")
-    no_logits = tmp_path / "no_logits.npz"
-    np.savez(no_logits, labels=np.zeros(3, np.int64))
-    bad_shapes = tmp_path / "bad_shapes.npz"
-    np.savez(bad_shapes, logits=np.zeros((3, 5), np.float32), labels=np.zeros(4, np.int64))
-    bad_label = tmp_path / "bad_label.npz"
-    np.savez(bad_label, logits=np.zeros((3, 5), np.float32), labels=np.array([0, 7, 1]))
-    cases = [
-        (["--inputs", str(tmp_path / "missing.npz")], "no such file"),
-        (["--inputs", str(not_npz)], "not a readable .npz file"),
-        (["--inputs", str(no_logits)], "no 'logits' array (found: labels)"),
-        (["--inputs", str(bad_shapes)], "labels must have the leading shape of logits [3]"),
-        (["--inputs", str(bad_label)], "labels must lie in [0, 5)"),
-        (["--kinds", "crossentropy"], "unknown kind crossentropy"),
-        (["--shape", "12"], "shape needs at least one leading dim"),
-        (["--backends", "jax-xla,cuda"], "unknown backend cuda"),
-        (["--bogus"], "unrecognized arguments: --bogus"),
-    ]
-    for argv, expected in cases:
-        result = subprocess.run([sys.executable, "-m", "lossparity", *argv, "--no-plot", "--out", str(tmp_path)],
-                                capture_output=True, text=True)
-        assert result.returncode == 2, (argv, result.stdout, result.stderr)
-        assert result.stderr.strip().count("\n") == 0, result.stderr  # one line, no traceback
-        assert result.stderr.startswith("lossparity: error:") and expected in result.stderr, result.stderr
+def _write_bad_files(folder: Path) -> None:
+    (folder / "junk.npz").write_bytes(b"not a zip")
+    np.savez(folder / "no_logits.npz", labels=np.zeros(3, np.int64))
+    np.savez(folder / "bad_shapes.npz", logits=np.zeros((3, 5), np.float32), labels=np.zeros(4, np.int64))
+    np.savez(folder / "bad_label.npz", logits=np.zeros((3, 5), np.float32), labels=np.array([0, 7, 1]))
+
+
+# (arguments, given the folder holding the files of _write_bad_files; a piece of the one-line error)
+BAD_CASES = {
+    "missing_file": (lambda d: ["--inputs", str(d / "missing.npz")], "no such file"),
+    "not_npz": (lambda d: ["--inputs", str(d / "junk.npz")], "not a readable .npz file"),
+    "no_logits": (lambda d: ["--inputs", str(d / "no_logits.npz")], "no 'logits' array (found: labels)"),
+    "bad_shapes": (lambda d: ["--inputs", str(d / "bad_shapes.npz")], "labels must have the leading shape of logits [3]"),
+    "bad_label": (lambda d: ["--inputs", str(d / "bad_label.npz")], "labels must lie in [0, 5)"),
+    "unknown_kind": (lambda d: ["--kinds", "crossentropy"], "unknown kind crossentropy"),
+    "bad_shape": (lambda d: ["--shape", "12"], "shape needs at least one leading dim"),
+    "unknown_backend": (lambda d: ["--backends", "jax-xla,cuda"], "unknown backend cuda"),
+    "unknown_option": (lambda d: ["--bogus"], "unrecognized arguments: --bogus"),
+}
+
+
+def _assert_one_line_error(code: object, out: str, err: str, expected: str) -> None:
+    assert code == 2, (code, out, err)
+    assert out == "", out  # nothing on stdout: the error alone, on stderr
+    assert err.strip().count("\n") == 0, err  # one line, no traceback, no usage dump
+    assert err.startswith("lossparity: error:") and expected in err, err
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_files_and_arguments_give_one_line_errors(case: str, tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """Every bad case through the command's own entry function, in this process (a fresh
+    interpreter per case cost seconds of JAX and torch imports each); the console entry point
+    itself is tested by test_console_entry_point_gives_one_line_error_and_status_2."""
+    _write_bad_files(tmp_path)
+    make_argv, expected = BAD_CASES[case]
+    capfd.readouterr()  # only what this call writes; capfd also sees output at the file-descriptor level
+    try:
+        code = main([*make_argv(tmp_path), "--no-plot", "--out", str(tmp_path)])
+    except SystemExit as exit_:  # as `python -m lossparity` would turn it into a status
+        code = 0 if exit_.code is None else exit_.code
+    captured = capfd.readouterr()
+    _assert_one_line_error(code, captured.out, captured.err, expected)
+
+
+def test_console_entry_point_gives_one_line_error_and_status_2(tmp_path: Path) -> None:
+    """`python -m lossparity` in a fresh interpreter: a bad file passes the argument parsing and
+    the JAX and torch imports, so stderr must hold the one error line and nothing those print."""
+    _write_bad_files(tmp_path)
+    make_argv, expected = BAD_CASES["bad_label"]
+    result = subprocess.run([sys.executable, "-m", "lossparity", *make_argv(tmp_path), "--no-plot", "--out", str(tmp_path)],
+                            capture_output=True, text=True)
+    _assert_one_line_error(result.returncode, result.stdout, result.stderr, expected)
 
 
 def test_help_documents_the_options() -> None:
