@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One run on an NVIDIA GPU machine checks and measures everything, within 10 minutes:
-#   1. installs the CUDA builds (scripts/setup.sh: torch==2.13.0 and jax[cuda12]==0.10.2, the
-#      project with its extras) plus the GPU peers: liger-kernel, and flash-attn's Triton
-#      cross-entropy (one file taken from the flash-attn sdist: the package's CUDA extension takes
-#      hours to build and that kernel does not use it);
+#   1. finds or installs CUDA builds of torch and JAX (the machine's python3 when it has them,
+#      else scripts/setup.sh: torch==2.13.0 and jax[cuda12]==0.10.2) and the GPU peers:
+#      liger-kernel, and flash-attn's Triton cross-entropy (one file taken from the flash-attn
+#      sdist: the package's CUDA extension takes hours to build and that kernel does not use it),
+#      from .whl/ when carried there (benchmarks/prepare_gpu_carry.sh, for machines without
+#      network), else from PyPI;
 #   2. prints the GPU, the driver and the library versions;
 #   3. checks every kernel against the float64 oracle on the GPU: the test suite's kernel tests
 #      (pytest -k "pallas or triton"), then lossparity with the Pallas and Triton backends;
@@ -11,8 +13,8 @@
 # Everything goes to benchmarks/results/gpu_check_<date>.log; the benchmark writes
 # benchmarks/results/gpu_quick.{json,md} and gpu_quick_{time,memory}.png.
 #
-# Environment: GPU_CHECK_SECONDS (default 600) the whole budget; GPU_CHECK_SKIP_INSTALL=1 uses
-# the Python in $PYTHON_BIN (default .venv/bin/python) as it is (offline machines).
+# Environment: GPU_CHECK_SECONDS (default 600) the whole budget; PYTHON_BIN a Python to use as
+# it is. The project is imported from this checkout (PYTHONPATH), never installed.
 # Exit status: 0 when every check passed, 1 otherwise (the benchmark runs either way).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,38 +37,40 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv
 
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX and torch processes share the GPU
-py=${PYTHON_BIN:-.venv/bin/python}
 
-# ---- 1. install ------------------------------------------------------------------------------
-if [ "${GPU_CHECK_SKIP_INSTALL:-0}" != 1 ]; then
+# ---- 1. Python and packages ------------------------------------------------------------------
+# Three cases: PYTHON_BIN given (used as it is); a machine whose python3 already holds CUDA
+# builds of torch and JAX (the lent device machines, which reach no network: the GPU peers come
+# from .whl/, made beforehand by benchmarks/prepare_gpu_carry.sh and carried along); otherwise
+# scripts/setup.sh installs the CUDA builds into .venv/ and the peers come from PyPI.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the project itself, without installing it
+if [ -n "${PYTHON_BIN:-}" ]; then
+  py=$PYTHON_BIN
+  step "Python: $py (PYTHON_BIN)"
+elif timeout 120 python3 -c "import torch, jax; assert torch.cuda.is_available() and jax.default_backend() == 'gpu'" 2>/dev/null; then
+  py=python3
+  step "Python: the machine's python3 (CUDA builds of torch and JAX already there)"
+else
   step "install: CUDA builds of torch and JAX, the project (scripts/setup.sh)"
   timeout "$(at_least $(( $(left) - 420 )) 60)" bash scripts/setup.sh || failures+=("install (scripts/setup.sh)")
   py=.venv/bin/python
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+  step "install: carried wheels (.whl/): $(cd .whl && ls *.whl | tr '\n' ' ')"
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/gpu_check_site || echo "carried wheels did not install: the peers' rows will say unavailable"
+elif [ "$py" = .venv/bin/python ]; then
   step "install: liger-kernel"
   timeout 45 "$py" -m pip install --quiet --disable-pip-version-check liger-kernel || echo "liger-kernel did not install: its rows will say unavailable"
+fi
+for ce_file in .whl/flash_attn_ce/cross_entropy.py .venv/flash_attn_ce/cross_entropy.py; do
+  [ -f "$ce_file" ] && { export FLASH_ATTN_CE_FILE=$PWD/$ce_file; break; }
+done
+if [ -z "${FLASH_ATTN_CE_FILE:-}" ]; then
   step "fetch: flash-attn's Triton cross-entropy (one file from the flash-attn sdist)"
-  ce_file=.venv/flash_attn_ce/cross_entropy.py
-  if [ ! -f "$ce_file" ]; then
-    timeout 45 "$py" - "$ce_file" <<'EOF' || echo "flash-attn cross-entropy not fetched: its rows will say unavailable"
-import io, json, sys, tarfile, urllib.request
-from pathlib import Path
-dest = Path(sys.argv[1])
-meta = json.load(urllib.request.urlopen("https://pypi.org/pypi/flash-attn/json", timeout=30))
-sdist = next(u for u in meta["urls"] if u["packagetype"] == "sdist")
-print(f"flash-attn {meta['info']['version']}: {sdist['filename']}")
-data = urllib.request.urlopen(sdist["url"], timeout=60).read()
-with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-    member = next(m for m in tar.getmembers() if m.name.endswith("flash_attn/ops/triton/cross_entropy.py"))
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_bytes(tar.extractfile(member).read())
-(dest.parent / "VERSION").write_text(meta["info"]["version"] + "\n")
-print(f"wrote {dest}")
-EOF
-  fi
-  [ -f "$ce_file" ] && export FLASH_ATTN_CE_FILE=$PWD/$ce_file
-else
-  step "install skipped (GPU_CHECK_SKIP_INSTALL=1): using $py"
-  [ -f .venv/flash_attn_ce/cross_entropy.py ] && export FLASH_ATTN_CE_FILE=$PWD/.venv/flash_attn_ce/cross_entropy.py
+  timeout 45 "$py" benchmarks/fetch_flash_attn_ce.py .venv/flash_attn_ce \
+    && export FLASH_ATTN_CE_FILE=$PWD/.venv/flash_attn_ce/cross_entropy.py \
+    || echo "flash-attn cross-entropy not fetched (no network?): its rows will say unavailable"
 fi
 
 # ---- 2. versions -----------------------------------------------------------------------------
