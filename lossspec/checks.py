@@ -38,7 +38,12 @@ def meta(shape: Any, dtype_kind: str, dtype_name: str) -> ArrayMeta:
 
 
 def numpy_meta(array: np.ndarray) -> ArrayMeta:
-    return meta(array.shape, array.dtype.kind, array.dtype.name)
+    """:func:`meta` of a NumPy array. The extension floats of ``ml_dtypes`` (``bfloat16``,
+    ``float8_*``, ...), which NumPy files under kind ``"V"``, count as floats (``"f"``)."""
+    kind = array.dtype.kind
+    if kind == "V" and array.dtype.name.startswith(("bfloat", "float")):
+        kind = "f"
+    return meta(array.shape, kind, array.dtype.name)
 
 
 def _shape(shape: tuple[int, ...]) -> str:

@@ -145,3 +145,18 @@ def test_masked_labels_are_garbage_in_generated_cases() -> None:
     masked = case.target[case.loss_mask == 0]
     assert ((masked < 0) | (masked >= 100)).any()  # they must never be read as indices
     case.reference()  # and the oracle does not trip on them
+
+
+def test_numpy_meta_counts_ml_dtypes_floats_as_floats() -> None:
+    """bfloat16 (ml_dtypes, NumPy kind "V") is a float for the checks, as in JAX and torch."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes comes with JAX")
+    logits = np.zeros((3, 5), ml_dtypes.bfloat16)
+    assert lossspec.numpy_meta(logits).kind == "f"
+    assert lossspec.numpy_meta(np.zeros((3,), np.float32)).kind == "f"
+    assert lossspec.numpy_meta(np.zeros((3,), np.int64)).kind == "i"
+    with pytest.raises(TypeError):
+        # A void (record) dtype is still no float.
+        lossspec.check_inputs(lossspec.make_config("cross_entropy"), lossspec.numpy_meta(np.zeros((3, 5), "V2")),
+                              lossspec.numpy_meta(np.zeros((3,), np.int64)), None)
+    lossspec.check_inputs(lossspec.make_config("cross_entropy"), lossspec.numpy_meta(logits),
+                          lossspec.numpy_meta(np.zeros((3,), np.int64)), None)
