@@ -388,3 +388,21 @@ def test_scale_rows_matches_a_single_rounding(monkeypatch: pytest.MonkeyPatch, d
     factor = torch.randn(37, 1, generator=gen)
     expected = grad.clone().mul_(factor)
     assert torch.equal(_torch.scale_rows_(grad, factor), expected)
+
+
+def test_first_max_index_matches_argmax() -> None:
+    """Reverse KL's pivot (the student's argmax) found by compare-multiply-max: the first maximal
+    column, as ``torch.argmax``, on ties too; the last column for rows without a finite maximum."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 50, generator=gen)
+    x[1, [3, 17, 40]] = 9.0  # a tie: the first one wins
+    x[2, 0] = 9.0
+    x[3, -1] = 9.0
+    x[4] = float("-inf")
+    x[5, 7] = float("nan")
+    _, ms = _torch._row_max(x, torch.float32)
+    u = x - ms[:, None]
+    index = _torch._first_max_index(u, torch.empty_like(u))[:, 0]
+    assert index[:4].tolist() == torch.argmax(x[:4], dim=1).tolist()
+    assert index[1].item() == 3 and index[2].item() == 0 and index[3].item() == 49
+    assert index[4:].tolist() == [49, 49]

@@ -155,12 +155,32 @@ def _zero_rows(g: Tensor, rows: Tensor) -> None:
         g.masked_fill_(rows[:, None], 0.0)
 
 
-def _nan_dot(w: Tensor, v: Tensor) -> Tensor:
+def _nan_dot(w: Tensor, v: Tensor, scratch: Tensor) -> Tensor:
     """``sum_v w_v v_v`` per row with ``0 * -inf = 0`` (an entry of zero probability adds 0).
+    The products go to ``scratch`` (which may be ``v`` itself): no allocation per tile.
 
     Any other NaN comes from a NaN or +inf input row, whose ``s``/``st`` is NaN already.
     """
-    return torch.nansum(w * v, dim=1)
+    return torch.nansum(torch.mul(w, v, out=scratch), dim=1)
+
+
+@functools.lru_cache(maxsize=16)
+def _descending(width: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.arange(width, 0, -1, dtype=dtype, device=device)
+
+
+def _first_max_index(u: Tensor, scratch: Tensor) -> Tensor:
+    """``[R, 1]`` int64: the first column of each row where ``u == 0``, i.e. the argmax of ``x``
+    for ``u = x - m`` (``x - x`` is exactly 0), or the last column where there is none (a row
+    with NaN / ``+inf`` / only ``-inf``, whose loss is NaN whatever the index).
+
+    ``torch.argmax`` is not vectorised on the CPU (~5x the time of a compare, a multiply by
+    ``width, ..., 1`` and a row max, which is what this does in ``scratch``).
+    """
+    width = u.shape[1]
+    torch.eq(u, 0, out=scratch)
+    first = scratch.mul_(_descending(width, scratch.dtype, scratch.device)).amax(dim=1)
+    return (width - first).to(torch.int64).clamp_(max=width - 1)[:, None]
 
 
 Cache = tuple[Tensor, ...]
@@ -202,23 +222,30 @@ def block_stats(config: LossConfig, xb: Tensor, tb: Tensor | None, bufs: list[Te
     m, ms = _row_max(xb, acc)
     mt, mts = _row_max(tb, acc)
     torch.sub(xb, ms[:, None], out=u)
-    torch.sub(tb, mts[:, None], out=ut)
     _softmax_(q, u if c == 1.0 else torch.mul(u, c, out=q))
-    _softmax_(p, ut if ct == 1.0 else torch.mul(ut, ct, out=p))
+    if ct == 1.0 and tb.dtype == acc and kind != "forward_kl":
+        # Softmax is shift-invariant and subtracts the row maximum itself: t - mts is only
+        # formed where a moment needs it (forward KL's b).
+        _softmax_(p, tb)
+    else:
+        torch.sub(tb, mts[:, None], out=ut)
+        _softmax_(p, ut if ct == 1.0 else torch.mul(ut, ct, out=p))
     s, st = _sum_from_softmax(q, m), _sum_from_softmax(p, mt)
     stats = RowStats(width, ms, s, mts=mts, st=st)
-    # The moments are weight sums times normalised averages (sum p (x - m) etc.).
+    # The moments are weight sums times normalised averages (sum p (x - m) etc.). The gradient
+    # of soft CE / forward KL needs only q and p, so u and ut serve as the products' scratch.
     if kind in ("soft_cross_entropy", "forward_kl"):
-        stats.a = st * _nan_dot(p, u)
+        stats.a = st * _nan_dot(p, u, u)
     if kind == "forward_kl":
-        stats.b = st * _nan_dot(p, ut)
+        stats.b = st * _nan_dot(p, ut, ut)
     if kind == "reverse_kl":
         # e_t is taken relative to t_ref, the teacher at the student's argmax (see finalize).
-        t_ref = tb.gather(1, torch.argmax(u, dim=1, keepdim=True))[:, 0].to(acc)
+        # Reverse KL's gradient needs u, t - t_ref and q: p is free for scratch.
+        t_ref = tb.gather(1, _first_max_index(u, ut))[:, 0].to(acc)
         torch.sub(tb, t_ref[:, None], out=ut)
         stats.t_ref = t_ref
-        stats.e_s = s * _nan_dot(q, u)
-        stats.e_t = s * _nan_dot(q, ut)
+        stats.e_s = s * _nan_dot(q, u, p)
+        stats.e_t = s * _nan_dot(q, ut, p)
     return stats, (u, ut, q, p)
 
 
@@ -380,7 +407,7 @@ def block_grad(
             q = torch.mul(u, c, out=bufs[2]).exp_().mul_(st.s.reciprocal()[:, None])
         # q (c u - ct (t - t_ref) - l_ref), 0 where q == 0. The scale goes on before
         # nan_to_num_, so a masked row's inf * 0 is cleaned up too.
-        g = u.mul_(c).sub_(w, alpha=ct).sub_(fin.l_ref[:, None])
+        g = (u if c == 1.0 else u.mul_(c)).sub_(w, alpha=ct).sub_(fin.l_ref[:, None])
         g.mul_(q).mul_(scale).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
         if out is None:
             return g
