@@ -124,6 +124,10 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             lb = n * v * ITEMSIZE[dtype]
             if device == "cpu":
                 row["meets_peer_target"] = row["vs_best_peer"] is not None and row["vs_best_peer"] <= CPU_PEER_RATIO
+                # 0.6x the fastest peer can lie below the speed-of-light pass itself (the peer is
+                # within 1 / 0.6 = 1.67x of it): then no implementation on this backend meets it.
+                row["peer_target_below_sol"] = (best is not None and sol is not None and group == "loss"
+                                                and CPU_PEER_RATIO * best["time_s"] < sol["time_s"])
                 row["meets_sol_target"] = row["vs_sol"] is not None and row["vs_sol"] <= CPU_SOL_RATIO
             else:
                 if group == "loss":
@@ -193,7 +197,8 @@ def summary_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
         cells = [
             f"{r['n']}x{r['v']}", r["dtype"], SHORT_KIND[r["kind"]], fw, r["ours"], _ms(r["ours_s"]),
             r["best_peer"] or "-", _ms(r["best_peer_s"]),
-            _x(r.get("vs_best_peer")) + (_mark(r.get("meets_peer_target")) if cpu else ""),
+            _x(r.get("vs_best_peer")) + (_mark(r.get("meets_peer_target")) if cpu else "")
+            + ("*" if cpu and r.get("peer_target_below_sol") and not r.get("meets_peer_target") else ""),
             _ms(r["sol_s"]) if r["group"] == "loss" else "-",
             _x(r.get("vs_sol")) + (_mark(r.get("meets_sol_target")) if cpu and r["group"] == "loss" else ""),
             _x(r.get("ours_mem_buffers")) + _mark(r.get("meets_mem_target")),
@@ -207,6 +212,25 @@ def summary_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
             cells[4] += " (loss differs: " + ",".join(r["loss_disagreements"]) + ")"
         lines.append(cells)
     return _render(head, lines, markdown)
+
+
+def summary_notes(rows: list[dict[str, Any]]) -> str:
+    """The footnote of :func:`summary_table`'s marks, and the tally of each target."""
+    cpu = [r for r in rows if r["device"] == "cpu" and r.get("ours_s")]
+    if not cpu:
+        return ""
+    loss_rows = [r for r in cpu if r["group"] == "loss"]
+    below = [r for r in loss_rows if r.get("peer_target_below_sol") and not r.get("meets_peer_target")]
+    lines = [
+        f"Targets (CPU): ours/peer <= {CPU_PEER_RATIO} met in {sum(bool(r.get('meets_peer_target')) for r in cpu)} of "
+        f"{len(cpu)} rows; ours/SOL <= {CPU_SOL_RATIO} in {sum(bool(r.get('meets_sol_target')) for r in loss_rows)} of "
+        f"{len(loss_rows)}; memory <= 1 logits buffer in {sum(bool(r.get('meets_mem_target')) for r in cpu)} of {len(cpu)}.",
+    ]
+    if below:
+        lines.append(f"`MISS*`: {CPU_PEER_RATIO}x the fastest peer is less than the speed-of-light pass itself (the peer "
+                     f"runs within {1 / CPU_PEER_RATIO:.2f}x of the bound), so nothing on this backend can meet that target "
+                     f"({len(below)} of the {sum(not r.get('meets_peer_target') for r in cpu)} misses).")
+    return "\n".join(lines)
 
 
 def detail_table(results: list[dict[str, Any]], markdown: bool = False) -> str:
@@ -363,4 +387,4 @@ def _bars(plt: Any, ok: list[dict[str, Any]], kinds: list[str], columns: list[tu
     return path
 
 
-__all__ = ["annotate", "summarize", "summary_table", "detail_table", "plot", "nominal_hbm_bandwidth"]
+__all__ = ["annotate", "summarize", "summary_table", "summary_notes", "detail_table", "plot", "nominal_hbm_bandwidth"]

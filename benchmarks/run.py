@@ -379,6 +379,7 @@ def report_only(path: Path, plots: bool) -> int:
     print(_report.detail_table(results))
     print()
     print(_report.summary_table(summary))
+    print(_report.summary_notes(summary))
     if plots:
         for out in _report.plot(results, stem, f"{meta['machine']['device']} {meta['mode']}"):
             print(f"wrote {out}")
@@ -523,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_report.detail_table(results))
     print("\nSummary: our default path vs the fastest peer of the same framework and the speed-of-light pass")
     print(_report.summary_table(summary))
+    print(_report.summary_notes(summary))
     if not args.no_plots:
         try:
             paths = _report.plot(results, stem, f"{device} {mode}")
@@ -543,7 +545,7 @@ def save(results: list[dict[str, Any]], meta: dict[str, Any], stem: Path, hbm: f
               f"Command: `{meta['command']}`; started {meta['started']}, {meta.get('wall_s', 0) / 60:.1f} min; "
               f"load average {meta['load_average_start']} -> {meta['load_average_end']}", "",
               "Summary (ms: median forward+backward; mem: peak extra memory in logits-sized buffers):", "",
-              _report.summary_table(summary, markdown=True), "", "All measurements:", "",
+              _report.summary_table(summary, markdown=True), "", _report.summary_notes(summary), "", "All measurements:", "",
               _report.detail_table(results, markdown=True), ""]
         stem.with_suffix(".md").write_text("\n".join(md))
     return summary

@@ -58,9 +58,12 @@ def test_runner_writes_sane_results(tmp_path: Path) -> None:
     for row in summary:
         assert row["ours_s"] > 0 and row["best_peer_s"] > 0 and row["sol_s"] > 0
         assert row["vs_best_peer"] > 0 and "meets_mem_target" in row
+        # The peer target is flagged as out of reach exactly when 0.6x the peer is below the SOL pass.
+        assert row["peer_target_below_sol"] == (0.6 * row["best_peer_s"] < row["sol_s"])
 
     md = (tmp_path / "smoke.md").read_text()
     assert "| 64x512 | float32 | CE | jax | jaxloss-xla |" in md
+    assert "Targets (CPU): ours/peer <= 0.6 met in " in md and " of 2 rows;" in md
     for suffix in ("_time.png", "_memory.png"):
         png = tmp_path / f"smoke{suffix}"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -174,7 +174,7 @@ def _first_max_index(u: Tensor, scratch: Tensor) -> Tensor:
     for ``u = x - m`` (``x - x`` is exactly 0), or the last column where there is none (a row
     with NaN / ``+inf`` / only ``-inf``, whose loss is NaN whatever the index).
 
-    ``torch.argmax`` is not vectorised on the CPU (~5x the time of a compare, a multiply by
+    ``torch.argmax`` is not vectorised on the CPU (3-4x the time of a compare, a multiply by
     ``width, ..., 1`` and a row max, which is what this does in ``scratch``).
     """
     width = u.shape[1]
