@@ -175,6 +175,11 @@ def _mark(ok: bool | None) -> str:
     return "" if ok is None else (" ok" if ok else " MISS")
 
 
+def _out_of_reach(row: dict[str, Any]) -> bool:
+    """A missed peer target that lies below the speed-of-light pass (marked ``MISS*``)."""
+    return bool(row.get("peer_target_below_sol")) and not row.get("meets_peer_target")
+
+
 def summary_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
     gpu = any(r["device"] == "gpu" for r in rows)
     head = ["shape NxV", "dtype", "kind", "fw", "ours", "ours ms", "best peer", "peer ms", "ours/peer",
@@ -198,7 +203,7 @@ def summary_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
             f"{r['n']}x{r['v']}", r["dtype"], SHORT_KIND[r["kind"]], fw, r["ours"], _ms(r["ours_s"]),
             r["best_peer"] or "-", _ms(r["best_peer_s"]),
             _x(r.get("vs_best_peer")) + (_mark(r.get("meets_peer_target")) if cpu else "")
-            + ("*" if cpu and r.get("peer_target_below_sol") and not r.get("meets_peer_target") else ""),
+            + ("*" if cpu and _out_of_reach(r) else ""),
             _ms(r["sol_s"]) if r["group"] == "loss" else "-",
             _x(r.get("vs_sol")) + (_mark(r.get("meets_sol_target")) if cpu and r["group"] == "loss" else ""),
             _x(r.get("ours_mem_buffers")) + _mark(r.get("meets_mem_target")),
@@ -220,7 +225,7 @@ def summary_notes(rows: list[dict[str, Any]]) -> str:
     if not cpu:
         return ""
     loss_rows = [r for r in cpu if r["group"] == "loss"]
-    below = [r for r in loss_rows if r.get("peer_target_below_sol") and not r.get("meets_peer_target")]
+    below = [r for r in loss_rows if _out_of_reach(r)]
     lines = [
         f"Targets (CPU): ours/peer <= {CPU_PEER_RATIO} met in {sum(bool(r.get('meets_peer_target')) for r in cpu)} of "
         f"{len(cpu)} rows; ours/SOL <= {CPU_SOL_RATIO} in {sum(bool(r.get('meets_sol_target')) for r in loss_rows)} of "

@@ -189,9 +189,10 @@ Cache = tuple[Tensor, ...]
 def block_stats(config: LossConfig, xb: Tensor, tb: Tensor | None, bufs: list[Tensor]) -> tuple[RowStats, Cache]:
     """Statistics of one block ``xb [R, Vb]`` (teacher ``tb``), in the compute dtype of ``bufs``.
 
-    Also returns what :func:`block_grad` reuses when this block is the whole row, all relative to
-    the block's own maxima: CE ``(q,)``; distillation ``(x - ms, t - mts, q, p)`` (reverse KL:
-    ``t - t_ref`` in second place), with ``q``/``p`` the block's student/teacher softmax.
+    Also returns what :func:`block_grad` reuses when this block is the whole row, with ``q``/``p``
+    the block's student/teacher softmax: CE ``(q,)``; distillation the four buffers
+    ``(u, ut, q, p)``, of which soft CE / forward KL reuse ``q, p`` (``u``/``ut`` end as scratch)
+    and reverse KL ``u = x - ms``, ``ut = t - t_ref`` and ``q`` (``p`` ends as scratch).
     """
     kind, c, ct = config.kind, config.student_scale, config.teacher_scale
     acc = bufs[0].dtype
