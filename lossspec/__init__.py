@@ -2,6 +2,8 @@
 
 - :mod:`lossspec.config`: loss kinds, normalisations and the validated :class:`LossConfig`;
 - :mod:`lossspec.checks`: shape/dtype checks over plain metadata, shared by JAX and torch;
+- :mod:`lossspec.stats`: the per-row statistics every backend computes (one formulation);
+- :mod:`lossspec.kinds`: the per-kind table the public functions and modules are built from;
 - :mod:`lossspec.oracle`: the float64 reference with analytic gradients, and its vocab-parallel twin;
 - :mod:`lossspec.tolerances`: the bounds of SPEC section 6 and comparisons in units of the bound;
 - :mod:`lossspec.generators`: seeded inputs used by every test.
@@ -32,6 +34,8 @@ from .config import (
     check_normalization,
     make_config,
 )
+from .kinds import KIND_SPECS, FrameworkArgs, KindSpec, public_function
+from .stats import FINAL_STAT_INDEX, FINAL_STATS, KIND_IDS, ROW_STAT_INDEX, ROW_STATS, stats_used
 from .generators import SCENARIOS, Case, Reference, all_cases, make_case
 from .oracle import count_denominator, oracle, oracle_vocab_parallel, per_token_oracle, token_weights
 from .tolerances import (

@@ -1,0 +1,171 @@
+"""The per-kind table: each loss's public signature and docstring, written once.
+
+``jaxloss`` and ``torchloss`` build their four public functions, and their module wrappers
+(``jaxloss.nnx``, ``torchloss.nn``), from :data:`KIND_SPECS`: the same names, the same
+arguments in the same order, the same defaults and the same text in both frameworks. Each
+framework adds only its own arguments (:class:`FrameworkArgs`: ``vocab_parallel`` and
+``impl``, plus torch's ``inplace``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+from .config import KINDS
+
+_P = inspect.Parameter
+
+
+@dataclasses.dataclass(frozen=True)
+class KindSpec:
+    """One loss kind: its public function name (= the kind), target argument, options with
+    defaults, and the math of its docstring."""
+
+    kind: str
+    target: str  # "labels" or "teacher_logits"
+    title: str
+    loss: str  # per-token loss formula
+    grad: str  # gradient w.r.t. z
+    options: tuple[tuple[str, Any], ...]  # keyword options (name, default) before normalization
+
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.options)
+
+
+_CE_OPTIONS = (("ignore_index", -100), ("label_smoothing", 0.0), ("z_loss", 0.0), ("logit_scale", 1.0))
+_DISTILL_OPTIONS = (("temperature", 1.0), ("logit_scale", 1.0), ("teacher_logit_scale", 1.0))
+
+KIND_SPECS: dict[str, KindSpec] = {
+    "cross_entropy": KindSpec(
+        "cross_entropy",
+        "labels",
+        "Masked cross-entropy with integer labels, label smoothing and z-loss.",
+        "l = lse - (1 - eps) z_y - (eps / V) sum_v z_v + lam lse^2",
+        "dl/dz = (1 + 2 lam lse) q - (1 - eps) onehot(y) - eps / V",
+        _CE_OPTIONS,
+    ),
+    "soft_cross_entropy": KindSpec(
+        "soft_cross_entropy",
+        "teacher_logits",
+        "Masked cross-entropy against the teacher's distribution p.",
+        "l = lse - sum_v p_v z_v",
+        "dl/dz = q - p",
+        _DISTILL_OPTIONS,
+    ),
+    "forward_kl": KindSpec(
+        "forward_kl",
+        "teacher_logits",
+        "Masked forward KL, KL(p || q), of the student q from the teacher p (mean seeking).",
+        "l = sum_v p_v (log p_v - log q_v)",
+        "dl/dz = q - p",
+        _DISTILL_OPTIONS,
+    ),
+    "reverse_kl": KindSpec(
+        "reverse_kl",
+        "teacher_logits",
+        "Masked reverse KL, KL(q || p), of the student q from the teacher p (mode seeking).",
+        "l = sum_v q_v (log q_v - log p_v)",
+        "dl/dz = q (log q - log p - l)   (0 where q == 0)",
+        _DISTILL_OPTIONS,
+    ),
+}
+assert tuple(KIND_SPECS) == KINDS
+
+_NOTATION = {
+    "labels": (
+        "Per token, with ``z = logit_scale * x``, ``lse = log sum_v exp(z_v)``, ``q = softmax(z)``,\n"
+        "``eps = label_smoothing``, ``lam = z_loss``::"
+    ),
+    "teacher_logits": (
+        "Per token, with ``z = logit_scale * x / T``, ``q = softmax(z)`` (student),\n"
+        "``p = softmax(teacher_logit_scale * t / T)`` (teacher, no gradient), ``T = temperature``,\n"
+        "``lse = log sum_v exp(z_v)`` (no ``T**2`` factor: multiply the loss by ``T**2`` for\n"
+        "Hinton's scaling)::"
+    ),
+}
+
+_ARG_DOCS: dict[str, str] = {
+    "logits": "``[..., V]`` floating point (computed in fp32; fp64 in fp64 where the framework can).",
+    "labels": "``[...]`` integers; labels of masked tokens are never read as indices (any value is legal there).",
+    "teacher_logits": "``[..., V]`` floating point, the shape of ``logits``; gets no gradient.",
+    "loss_mask": (
+        "``[...]`` boolean, or float weights ``>= 0`` (normal fp32 numbers or 0), or ``None``. "
+        "The mask is data, like the labels: no gradient flows to it."
+    ),
+    "ignore_index": "label value of ignored tokens (an int; no label matches one outside the labels' dtype).",
+    "label_smoothing": "``eps`` in ``[0, 1]``.",
+    "z_loss": "``lam >= 0``.",
+    "logit_scale": "``> 0``, multiplies the student's logits (before the temperature).",
+    "temperature": "``T > 0``, divides student and teacher alike.",
+    "teacher_logit_scale": "``> 0``, multiplies the teacher's logits.",
+    "normalization": (
+        '``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` '
+        "of ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses."
+    ),
+    "denominator": (
+        "the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced "
+        'modes; ``None`` counts this call\'s own tokens (``D = 1`` for ``"sum"``). Pass the sum of '
+        '``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``.'
+    ),
+}
+
+_RETURNS = (
+    "The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor), or the per-token ``w_i l_i`` with\n"
+    '``labels``\' leading shape for ``normalization="none"`` (0 at masked tokens).'
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameworkArgs:
+    """The arguments a framework adds after ``denominator`` (name, default, doc)."""
+
+    args: tuple[tuple[str, Any, str], ...]
+
+
+def parameters(spec: KindSpec, extra: FrameworkArgs) -> list[inspect.Parameter]:
+    """The public signature of ``spec``'s function: positional ``logits, <target>, loss_mask``,
+    then keyword-only options, ``normalization``, ``denominator`` and the framework's own."""
+    params = [
+        _P("logits", _P.POSITIONAL_OR_KEYWORD),
+        _P(spec.target, _P.POSITIONAL_OR_KEYWORD),
+        _P("loss_mask", _P.POSITIONAL_OR_KEYWORD, default=None),
+    ]
+    params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default in spec.options]
+    params += [_P("normalization", _P.KEYWORD_ONLY, default="valid_tokens"), _P("denominator", _P.KEYWORD_ONLY, default=None)]
+    params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default, _ in extra.args]
+    return params
+
+
+def docstring(spec: KindSpec, extra: FrameworkArgs) -> str:
+    """The docstring of ``spec``'s public function in one framework."""
+    lines = [spec.title, "", _NOTATION[spec.target], "", f"    {spec.loss}", f"    {spec.grad}", "", "Args:"]
+    names = ["logits", spec.target, "loss_mask", *spec.option_names, "normalization", "denominator"]
+    lines += [f"  {name}: {_ARG_DOCS[name]}" for name in names]
+    lines += [f"  {name}: {doc}" for name, _, doc in extra.args]
+    lines += ["", "Returns:"] + ["  " + line for line in _RETURNS.splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+def public_function(
+    spec: KindSpec, extra: FrameworkArgs, impl: Callable[..., Any], module: str
+) -> Callable[..., Any]:
+    """A function named ``spec.kind`` with the signature of :func:`parameters` and the
+    docstring of :func:`docstring` that calls ``impl(spec.kind, **bound arguments)``."""
+    signature = inspect.Signature(parameters(spec, extra))
+
+    def loss(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as err:
+            raise TypeError(f"{spec.kind}(): {err}") from None
+        bound.apply_defaults()
+        return impl(spec.kind, **bound.arguments)
+
+    loss.__name__ = loss.__qualname__ = spec.kind
+    loss.__module__ = module
+    loss.__doc__ = docstring(spec, extra)
+    loss.__signature__ = signature  # type: ignore[attr-defined]
+    return loss
