@@ -1,0 +1,320 @@
+"""The block math of the torch path: block statistics, combine, finalize, block gradient.
+
+The formulation, its names and the pivot's tie rule are :mod:`lossspec.stats` (the same in
+``jaxloss._stats``): statistics of a vocabulary block relative to its own maxima, an
+associative :func:`combine` (online softmax; the same algebra merges vocabulary shards in
+``torchloss._vocab_parallel``), :func:`finalize` to the per-token loss, and :func:`block_grad`
+from the final statistics. :class:`Stats` and :class:`Final` are derived from
+``lossspec.ROW_STATS`` / ``lossspec.FINAL_STATS``.
+
+Everything runs in the compute dtype (fp32; fp64 for fp64 logits) on tiles ``[R, B]``, with
+caller-owned scratch buffers ``bufs`` so that nothing ``[R, B]``-sized is allocated per tile.
+The exponentials are ``torch.exp`` (correctly rounded to ~1 ulp): PyTorch's fused CPU softmax
+uses a faster, less accurate exponential that misses SPEC section 6 by up to ~1e-5 on rows where
+one probability is close to 1.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+import lossspec
+from lossspec import LossConfig
+
+NEG_INF = float("-inf")
+
+Stats = collections.namedtuple("Stats", lossspec.ROW_STATS, defaults=(None,) * len(lossspec.ROW_STATS))  # type: ignore[misc]
+Stats.__doc__ = "Per-row statistics ``[R]`` of a block (``lossspec.ROW_STATS``); ``None`` where unused."
+Final = collections.namedtuple("Final", lossspec.FINAL_STATS, defaults=(None,) * len(lossspec.FINAL_STATS))  # type: ignore[misc]
+Final.__doc__ = "What the gradient pass needs per row ``[R]`` (``lossspec.FINAL_STATS``)."
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for every logits dtype except fp64, which is computed in fp64 (so that
+    ``torch.autograd.gradcheck`` can check the analytic gradient)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def finite_max(m: Tensor) -> Tensor:
+    """A row maximum usable as a shift: ``-inf`` (nothing but ``-inf`` seen) becomes 0."""
+    return torch.where(m == NEG_INF, 0.0, m)
+
+
+def bad_rows(fin: Any) -> Tensor:
+    """Rows holding NaN or ``+inf`` (student or teacher): their exp-sums are NaN."""
+    bad = torch.isnan(fin.s)
+    return bad if fin.st is None else bad | torch.isnan(fin.st)
+
+
+def pos_dot(weight: Tensor, value: Tensor, scratch: Tensor) -> Tensor:
+    """``sum_v where(weight > 0, weight * value, 0)`` per row (an entry of probability 0 adds
+    0, not ``0 * -inf``); the products go to ``scratch`` (which may be ``value``).
+
+    ``nansum`` drops the NaN of ``0 * inf``; a NaN from a NaN / ``+inf`` row is dropped too, but
+    such a row's exp-sum is NaN already (:func:`bad_rows`)."""
+    return torch.nansum(torch.mul(weight, value, out=scratch), dim=1)
+
+
+def _row_max(x: Tensor, acc: torch.dtype) -> Tensor:
+    """Raw row maximum in the compute dtype (``torch.amax`` propagates NaN)."""
+    return torch.amax(x, dim=1).to(acc)
+
+
+def _shifted(xb: Tensor, m: Tensor, out: Tensor) -> Tensor:
+    """``out = xb - finite_max(m)`` in the compute dtype (16-bit data is upcast once first:
+    mixed-dtype elementwise ops are much slower on the CPU)."""
+    if xb.dtype == out.dtype:
+        return torch.sub(xb, finite_max(m)[:, None], out=out)
+    out.copy_(xb)
+    return out.sub_(finite_max(m)[:, None])
+
+
+def _exp_sum(u: Tensor, scale: float, out: Tensor) -> tuple[Tensor, Tensor]:
+    """``(e, sum e)`` with ``e = exp(scale * u)`` written into ``out``."""
+    e = torch.mul(u, scale, out=out) if scale != 1.0 else (out.copy_(u) if out is not u else out)
+    e.exp_()
+    return e, e.sum(dim=1)
+
+
+Cache = tuple[Tensor, ...]
+
+
+def block_stats(
+    config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: list[Tensor], x_y: Optional[Tensor] = None
+) -> tuple[Any, Cache]:
+    """Statistics of one block ``xb`` ``[R, B]`` (teacher ``tb``) relative to its maxima.
+
+    ``bufs``: scratch ``[R, B]`` in the compute dtype (1 for cross-entropy, 3 for the
+    distillation kinds); ``x_y``: the label's raw logit ``[R]`` (cross-entropy; the caller
+    gathers it, or passes zeros for a block that is not the whole row).
+
+    Returns ``(stats, cache)`` with ``cache`` what :func:`block_grad` reuses when this block is
+    the whole row: cross-entropy ``(e,)``; soft CE / forward KL ``(e, et)``; reverse KL
+    ``(e, D)`` with ``D = c (x - m) - ct (t - tau)``.
+    """
+    kind, c, ct = config.kind, config.student_scale, config.teacher_scale
+    acc = bufs[0].dtype
+    u = bufs[0]
+    m = _row_max(xb, acc)
+    if kind == "cross_entropy":
+        _shifted(xb, m, u)
+        sum_shift = n = None
+        if config.label_smoothing > 0:
+            sum_shift = u.sum(dim=1)
+            n = torch.full_like(m, float(xb.shape[1]))
+        e, s = _exp_sum(u, c, u)
+        return Stats(m=m, s=s, x_y=x_y, sum_shift=sum_shift, n=n), (e,)
+    assert tb is not None
+    ut, e_buf = bufs[1], bufs[2]
+    mt = _row_max(tb, acc)
+    _shifted(xb, m, u)
+    _shifted(tb, mt, ut)
+    e, s = _exp_sum(u, c, e_buf)
+    if kind == "reverse_kl":
+        # The pivot: the teacher at the student's argmax, the largest teacher logit on ties.
+        at_max = torch.eq(xb, m[:, None])
+        tau = torch.where(at_max, tb, NEG_INF).amax(dim=1).to(acc)
+        et, st = _exp_sum(ut, ct, ut)  # ut is not needed past the teacher's exp-sum
+        d = ut
+        _shifted(tb, tau, d)  # t - tau
+        d.mul_(-ct).add_(u, alpha=c)  # D = c (x - m) - ct (t - tau)
+        e_d = pos_dot(e, d, u)
+        return Stats(m=m, s=s, mt=mt, st=st, tau=tau, e_d=e_d), (e, d)
+    et = torch.mul(ut, ct, out=bufs[3]) if ct != 1.0 else bufs[3].copy_(ut)
+    et.exp_()
+    st = et.sum(dim=1)
+    a = pos_dot(et, u, u)
+    b = pos_dot(et, ut, ut) if kind == "forward_kl" else None
+    return Stats(m=m, s=s, mt=mt, st=st, a=a, b=b), (e, et)
+
+
+def buffers_needed(kind: str) -> int:
+    """Scratch buffers :func:`block_stats` takes for ``kind``."""
+    return {"cross_entropy": 1, "reverse_kl": 3}.get(kind, 4)
+
+
+def _shift(m_old: Tensor, m_new: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """``(exp(scale (m_old - m_new)), m_old - m_new)``, both 0 where ``m_old`` is ``-inf``
+    (a block that saw nothing: its sums are 0 and ``exp`` must not see ``-inf - -inf``)."""
+    empty = m_old == NEG_INF
+    delta = torch.where(empty, 0.0, finite_max(m_old) - finite_max(m_new))
+    return torch.where(empty, 0.0, torch.exp(scale * delta)), delta
+
+
+def rescale(config: LossConfig, st: Any, m_new: Tensor, mt_new: Optional[Tensor] = None) -> Any:
+    """``st`` relative to the (larger) maxima ``m_new`` / ``mt_new``, except ``e_d``
+    (:func:`rescale_e_d`): exp-sums times ``r``, moments carrying ``(x - m)`` plus
+    ``(m - m')`` times their weight sum."""
+    r, dm = _shift(st.m, m_new, config.student_scale)
+    out = st._replace(m=m_new, s=r * st.s)
+    if st.sum_shift is not None:
+        out = out._replace(sum_shift=st.sum_shift + st.n * dm)
+    if mt_new is None:
+        return out
+    rt, dmt = _shift(st.mt, mt_new, config.teacher_scale)
+    out = out._replace(mt=mt_new, st=rt * st.st)
+    if st.a is not None:
+        out = out._replace(a=rt * (st.a + st.st * dm))
+    if st.b is not None:
+        out = out._replace(b=rt * (st.b + st.st * dmt))
+    return out
+
+
+def rescale_e_d(config: LossConfig, st: Any, m_new: Tensor, tau_new: Tensor) -> Tensor:
+    """``e_d`` relative to ``(m_new, tau_new)``: ``D`` gains ``c (m - m') - ct (tau - tau')``.
+    A block with ``r == 0`` (empty, or far below) contributes exactly 0."""
+    r, dm = _shift(st.m, m_new, config.student_scale)
+    shift = config.student_scale * dm - config.teacher_scale * (st.tau - tau_new)
+    return torch.where(r > 0, r * (st.e_d + st.s * shift), 0.0)
+
+
+def add(a: Any, b: Any) -> Any:
+    """Sum of two :class:`Stats` relative to the same maxima (and pivot)."""
+    summed = {name: getattr(a, name) + getattr(b, name) for name in ("s", "x_y", "sum_shift", "n", "st", "a", "b", "e_d") if getattr(a, name) is not None}
+    return a._replace(**summed)
+
+
+def pivot(a_m: Tensor, a_tau: Tensor, b_m: Tensor, b_tau: Tensor) -> Tensor:
+    """The pivot of two blocks: the one with the larger maximum supplies it; on equal maxima
+    the larger ``tau`` (``lossspec.stats``' tie rule)."""
+    return torch.where(b_m > a_m, b_tau, torch.where(b_m == a_m, torch.maximum(a_tau, b_tau), a_tau))
+
+
+def combine(config: LossConfig, a: Any, b: Any) -> Any:
+    """Statistics of the union of two blocks of the same rows (online softmax; associative)."""
+    m = torch.maximum(a.m, b.m)
+    mt = None if a.mt is None else torch.maximum(a.mt, b.mt)
+    out = add(rescale(config, a, m, mt), rescale(config, b, m, mt))
+    if a.tau is not None:
+        tau = pivot(a.m, a.tau, b.m, b.tau)
+        out = out._replace(tau=tau, e_d=rescale_e_d(config, a, m, tau) + rescale_e_d(config, b, m, tau))
+    return out
+
+
+def empty_stats(config: LossConfig, rows: int, dtype: torch.dtype, device: torch.device) -> Any:
+    """The identity of :func:`combine`: nothing seen yet."""
+    neg = torch.full((rows,), NEG_INF, dtype=dtype, device=device)
+    zero = torch.zeros((rows,), dtype=dtype, device=device)
+    used = lossspec.stats_used(config)
+    return Stats(**{name: (neg if name in ("m", "mt", "tau") else zero) for name in used})
+
+
+def finalize(config: LossConfig, st: Any, vocab: int) -> Any:
+    """Per-token loss ``l`` ``[R]`` and what the gradient needs, from the global statistics
+    (``lossspec.stats``' formulas; NaN on bad rows)."""
+    c, ct = config.student_scale, config.teacher_scale
+    m = finite_max(st.m)
+    lse = torch.log(st.s)
+    if config.kind == "cross_entropy":
+        eps, lam = config.label_smoothing, config.z_loss
+        loss = lse - ((1.0 - eps) * c) * (st.x_y - m)
+        if eps > 0:
+            loss = loss - (eps / vocab * c) * st.sum_shift
+        q_coef = None
+        if lam > 0:
+            full_lse = lse + c * m
+            loss = loss + lam * full_lse * full_lse
+            q_coef = 1.0 + (2.0 * lam) * full_lse
+        loss = torch.where(torch.isnan(st.s), float("nan"), loss)
+        return Final(l=loss, m=m, s=st.s, lse=lse, q_coef=q_coef)
+    mt = finite_max(st.mt)
+    lse_t = torch.log(st.st)
+    tau = mean_d = None
+    if config.kind == "soft_cross_entropy":
+        loss = lse - c * st.a / st.st
+    elif config.kind == "forward_kl":
+        loss = (ct * st.b / st.st - lse_t) - (c * st.a / st.st - lse)
+    else:
+        tau, mean_d = st.tau, st.e_d / st.s
+        loss = mean_d + (lse_t - lse - ct * (st.tau - mt))
+    loss = torch.where(torch.isnan(st.s) | torch.isnan(st.st), float("nan"), loss)
+    return Final(l=loss, m=m, s=st.s, lse=lse, mt=mt, st=st.st, lse_t=lse_t, tau=tau, mean_d=mean_d)
+
+
+def _fill_rows(g: Tensor, rows: Tensor, value: float) -> None:
+    """Set whole rows of ``g`` where ``rows`` is True to ``value`` (NaN-proof, unlike
+    ``g * 0``). Such rows are rare: on the CPU they are found on the host (no device to
+    synchronise with) and only they are written; elsewhere ``masked_fill_``."""
+    if g.device.type == "cpu":
+        idx = rows.nonzero()
+        if idx.numel():
+            g.index_fill_(0, idx[:, 0], value)
+    else:
+        g.masked_fill_(rows[:, None], value)
+
+
+def block_grad(
+    config: LossConfig,
+    fin: Any,
+    coef: Tensor,
+    xb: Tensor,
+    tb: Optional[Tensor],
+    labels: Optional[Tensor],
+    v0: int,
+    vocab: int,
+    out: Tensor,
+    bufs: list[Tensor],
+    cache: Optional[Cache],
+) -> None:
+    """Write ``coef * c * dl/dz`` of the block ``[R, v0:v0+B]`` into ``out`` (logits dtype,
+    rounded once from the compute dtype)::
+
+        cross_entropy        q_coef q - (1 - eps) onehot(y) - eps / V
+        soft CE, forward KL  q - p
+        reverse KL           q (D - e_d / s), 0 where q == 0
+
+    ``cache``: this block's exponentials from :func:`block_stats` when it is the whole row;
+    ``None`` recomputes them from the final statistics (``bufs``, or ``out`` itself where it
+    has the compute dtype, as scratch). Rows with ``coef == 0`` are exact zeros, bad rows
+    (NaN / ``+inf``) NaN.
+    """
+    kind, c, ct = config.kind, config.student_scale, config.teacher_scale
+    scale = coef * c
+    acc = scale.dtype
+    direct = out.dtype == acc  # the gradient can be formed in out itself
+    bad = bad_rows(fin)
+    if cache is None:
+        u = out if direct and kind == "cross_entropy" else bufs[0]
+        e, _ = _exp_sum(_shifted(xb, fin.m, u), c, u)
+    else:
+        e = cache[0]
+    if kind == "cross_entropy":
+        factor = scale / fin.s if fin.q_coef is None else scale * fin.q_coef / fin.s
+        g = torch.mul(e, factor[:, None], out=out if direct else e)
+        local = labels - v0
+        owned = (local >= 0) & (local < xb.shape[1])
+        hit = torch.where(owned, (config.label_smoothing - 1.0) * scale, 0.0)
+        g.scatter_add_(1, local.clamp(0, xb.shape[1] - 1)[:, None], hit[:, None])
+        if config.label_smoothing > 0:
+            g.sub_((scale * (config.label_smoothing / vocab))[:, None])
+    elif kind == "reverse_kl":
+        if cache is None:
+            d = bufs[1]
+            _shifted(tb, fin.tau, d)
+            d.mul_(-ct).add_(_shifted(xb, fin.m, bufs[2]), alpha=c)
+        else:
+            d = cache[1]
+        g = d.sub_(fin.mean_d[:, None]).mul_(e)
+        # 0 * -inf at entries of probability 0 is NaN: those are 0 (bad rows are refilled below).
+        g.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+        g = torch.mul(g, (scale / fin.s)[:, None], out=out if direct else g)
+    else:
+        if cache is None:
+            et, _ = _exp_sum(_shifted(tb, fin.mt, bufs[1]), ct, bufs[1])
+        else:
+            et = cache[1]
+        g = torch.mul(e, (scale / fin.s)[:, None], out=out if direct else e)
+        g.addcmul_(et, (-scale / fin.st)[:, None])
+    dead = coef == 0
+    # Masked rows are exact zeros even where their statistics are NaN, inf or 0 (0 * NaN).
+    degenerate = bad | ~(fin.s > 0) | torch.isinf(fin.s)
+    if fin.st is not None:
+        degenerate = degenerate | ~(fin.st > 0) | torch.isinf(fin.st)
+    _fill_rows(g, dead & degenerate, 0.0)
+    _fill_rows(g, bad & ~dead, float("nan"))
+    if g.data_ptr() != out.data_ptr():
+        out.copy_(g)  # the one rounding to the logits' dtype
