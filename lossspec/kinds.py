@@ -24,6 +24,7 @@ class KindSpec:
     defaults, and the math of its docstring."""
 
     kind: str
+    module: str  # the module class name (jaxloss.nnx, torchloss.nn)
     target: str  # "labels" or "teacher_logits"
     title: str
     loss: str  # per-token loss formula
@@ -41,6 +42,7 @@ _DISTILL_OPTIONS = (("temperature", 1.0), ("logit_scale", 1.0), ("teacher_logit_
 KIND_SPECS: dict[str, KindSpec] = {
     "cross_entropy": KindSpec(
         "cross_entropy",
+        "CrossEntropyLoss",
         "labels",
         "Masked cross-entropy with integer labels, label smoothing and z-loss.",
         "l = lse - (1 - eps) z_y - (eps / V) sum_v z_v + lam lse^2",
@@ -49,6 +51,7 @@ KIND_SPECS: dict[str, KindSpec] = {
     ),
     "soft_cross_entropy": KindSpec(
         "soft_cross_entropy",
+        "SoftCrossEntropyLoss",
         "teacher_logits",
         "Masked cross-entropy against the teacher's distribution p.",
         "l = lse - sum_v p_v z_v",
@@ -57,6 +60,7 @@ KIND_SPECS: dict[str, KindSpec] = {
     ),
     "forward_kl": KindSpec(
         "forward_kl",
+        "ForwardKLLoss",
         "teacher_logits",
         "Masked forward KL, KL(p || q), of the student q from the teacher p (mean seeking).",
         "l = sum_v p_v (log p_v - log q_v)",
@@ -65,6 +69,7 @@ KIND_SPECS: dict[str, KindSpec] = {
     ),
     "reverse_kl": KindSpec(
         "reverse_kl",
+        "ReverseKLLoss",
         "teacher_logits",
         "Masked reverse KL, KL(q || p), of the student q from the teacher p (mode seeking).",
         "l = sum_v q_v (log q_v - log p_v)",
@@ -169,3 +174,16 @@ def public_function(
     loss.__doc__ = docstring(spec, extra)
     loss.__signature__ = signature  # type: ignore[attr-defined]
     return loss
+
+
+def module_docstring(spec: KindSpec, extra: FrameworkArgs, framework: str) -> str:
+    """The docstring of ``spec``'s module class: options fixed at construction, arrays per call."""
+    options = ", ".join(f"{name}={default!r}" for name, default in spec.options)
+    extras = ", ".join(f"{name}={default!r}" for name, default, _ in extra.args)
+    return (
+        f"Module form of :func:`{framework}.{spec.kind}`: {spec.title[0].lower()}{spec.title[1:]}\n\n"
+        f"Constructed with the keyword options ``{options}, normalization='valid_tokens', {extras}``\n"
+        "(validated at construction, with the function's errors); called as\n"
+        f"``module(logits, {spec.target}, loss_mask=None, *, denominator=None)``. It holds no parameters.\n\n"
+        f"    {spec.loss}\n    {spec.grad}\n"
+    )

@@ -14,7 +14,7 @@ from test_torchloss_helpers import FUNCTIONS, IMPLS, inputs, quiet, run
 
 import lossspec
 import torchloss
-from torchloss import _torch, api
+from torchloss import _cpu, _torch, api
 
 KINDS = lossspec.KINDS
 OPTIONS = {
@@ -48,7 +48,7 @@ def test_gradcheck(monkeypatch: pytest.MonkeyPatch, kind: str, normalization: st
     through the blocked (two-pass, vocab-parallel algebra) path."""
     if blocked:
         monkeypatch.setattr(_torch, "MAX_VOCAB_BLOCK", 3)
-        monkeypatch.setattr(_torch, "TILE_ELEMENTS", 6)
+        monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 6)
     gen = torch.Generator().manual_seed(1)
     logits = (torch.randn(4, 7, generator=gen, dtype=torch.float64) * 2).requires_grad_()
     target = _target(kind, 4, 7, torch.float64)
@@ -325,7 +325,7 @@ def test_micro_batches_with_a_global_denominator(impl: str) -> None:
 
 
 def test_auto_is_the_torch_path_on_cpu() -> None:
-    assert api._resolve_impl("auto", torch.zeros(1)) is _torch
+    assert api._backend("auto", torch.zeros(1)) is _torch
 
 
 def test_import_without_triton() -> None:
@@ -382,27 +382,33 @@ def test_triton_interpreter_setup() -> None:
 def test_scale_rows_matches_a_single_rounding(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     """The tiled per-row scaling of the backward ("none") is bit-identical to ``grad.mul_(factor)``
     (multiply in fp32, round once), on the worker threads too."""
-    monkeypatch.setattr(_torch, "TILE_ELEMENTS", 64)
+    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 64)
     gen = torch.Generator().manual_seed(3)
     grad = torch.randn(37, 29, generator=gen).to(dtype)
     factor = torch.randn(37, 1, generator=gen)
     expected = grad.clone().mul_(factor)
-    assert torch.equal(_torch.scale_rows_(grad, factor), expected)
+    assert torch.equal(_cpu.scale_rows_(grad, factor), expected)
 
 
-def test_first_max_index_matches_argmax() -> None:
-    """Reverse KL's pivot (the student's argmax) found by compare-multiply-max: the first maximal
-    column, as ``torch.argmax``, on ties too; the last column for rows without a finite maximum."""
+def test_reverse_kl_pivot_on_ties_matches_the_oracle() -> None:
+    """Reverse KL's pivot on ties of the student's maximum (the largest teacher logit among the
+    tying columns, lossspec.stats), also split over vocabulary blocks: the oracle's numbers."""
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(6, 50, generator=gen)
-    x[1, [3, 17, 40]] = 9.0  # a tie: the first one wins
-    x[2, 0] = 9.0
-    x[3, -1] = 9.0
-    x[4] = float("-inf")
-    x[5, 7] = float("nan")
-    _, ms = _torch._row_max(x, torch.float32)
-    u = x - ms[:, None]
-    index = _torch._first_max_index(u, torch.empty_like(u))[:, 0]
-    assert index[:4].tolist() == torch.argmax(x[:4], dim=1).tolist()
-    assert index[1].item() == 3 and index[2].item() == 0 and index[3].item() == 49
-    assert index[4:].tolist() == [49, 49]
+    x = torch.randn(4, 50, generator=gen, dtype=torch.float64).float()
+    t = torch.randn(4, 50, generator=gen, dtype=torch.float64).float()
+    x[1, [3, 17, 40]] = 9.0  # a tie inside one row
+    t[1, [3, 17, 40]] = torch.tensor([1.0, 5.0, -2.0])
+    x[2, [0, 49]] = 7.0  # a tie at both ends (two blocks of 25 below)
+    x[3, :] = 1.5  # every column ties
+    ref_loss, ref_grad = lossspec.oracle("reverse_kl", x.numpy(), t.numpy())
+    g0 = 1.0 / 4
+    for block in (50, 25):
+        old = _torch.MAX_VOCAB_BLOCK
+        _torch.MAX_VOCAB_BLOCK = block
+        try:
+            xx = x.clone().requires_grad_(True)
+            loss = torchloss.reverse_kl(xx, t, impl="torch")
+            loss.backward()
+        finally:
+            _torch.MAX_VOCAB_BLOCK = old
+        lossspec.assert_close_to_oracle(loss.item(), xx.grad.numpy(), ref_loss, ref_grad, dtype="float32", g0=g0)

@@ -16,7 +16,7 @@ import torch
 from test_torchloss_helpers import DTYPES, IMPLS, FUNCTIONS, check, inputs, quiet, run
 
 import lossspec
-from torchloss import _torch
+from torchloss import _cpu, _torch
 
 KINDS = lossspec.KINDS
 SCENARIOS = lossspec.SCENARIOS
@@ -244,7 +244,7 @@ def test_torch_path_vocab_blocks(monkeypatch: pytest.MonkeyPatch, kind: str, dty
     vocab-parallel), the gradient recomputed in a second pass; ragged last block; several row
     tiles with a ragged last tile."""
     monkeypatch.setattr(_torch, "MAX_VOCAB_BLOCK", 64)
-    monkeypatch.setattr(_torch, "TILE_ELEMENTS", 4 * 64)
+    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 4 * 64)
     options = BLOCK_OPTIONS[kind]
     for scenario in ("random", "huge", "neg_inf", "confident"):
         check(_case(kind, scenario, dtype, vocab=257, lead_shape=(9,)), "torch", **options)
@@ -255,7 +255,7 @@ def test_torch_path_vocab_blocks(monkeypatch: pytest.MonkeyPatch, kind: str, dty
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_torch_path_row_tiles(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
-    monkeypatch.setattr(_torch, "TILE_ELEMENTS", 300)  # 3 rows of 100 a tile, ragged last tile
+    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 300)  # 3 rows of 100 a tile, ragged last tile
     upstream = np.random.default_rng(3).uniform(-3, 3, size=(3, 5)).astype(np.float32)
     for dtype in DTYPES:
         case = _case(kind, "float_weights", dtype, vocab=100, lead_shape=(3, 5))
@@ -270,9 +270,9 @@ def test_torch_path_compact_tiles(monkeypatch: pytest.MonkeyPatch, kind: str) ->
     gradients without being computed), several tiles, runs split across tiles, an all-masked
     tail, in place too."""
     tiles: list = []
-    plan = _torch._compact_tiles
-    monkeypatch.setattr(_torch, "_compact_tiles", lambda *args: tiles.append(plan(*args)) or tiles[-1])
-    monkeypatch.setattr(_torch, "TILE_ELEMENTS", 400)  # 4 valid rows of 100 a tile
+    plan = _cpu.compact_tiles
+    monkeypatch.setattr(_cpu, "compact_tiles", lambda *args: tiles.append(plan(*args)) or tiles[-1])
+    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 400)  # 4 valid rows of 100 a tile
     for dtype in ("bfloat16", "float16"):
         for scenario in ("random", "heavy_mask", "float_weights", "all_masked"):
             case = _case(kind, scenario, dtype, vocab=100, lead_shape=(3, 7))

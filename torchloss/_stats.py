@@ -75,8 +75,10 @@ def _shifted(xb: Tensor, m: Tensor, out: Tensor) -> Tensor:
 
 def _exp_sum(u: Tensor, scale: float, out: Tensor) -> tuple[Tensor, Tensor]:
     """``(e, sum e)`` with ``e = exp(scale * u)`` written into ``out``."""
-    e = torch.mul(u, scale, out=out) if scale != 1.0 else (out.copy_(u) if out is not u else out)
-    e.exp_()
+    if scale != 1.0:
+        e = torch.mul(u, scale, out=out).exp_()
+    else:
+        e = u.exp_() if out is u else torch.exp(u, out=out)
     return e, e.sum(dim=1)
 
 
@@ -116,8 +118,8 @@ def block_stats(
     e, s = _exp_sum(u, c, e_buf)
     if kind == "reverse_kl":
         # The pivot: the teacher at the student's argmax, the largest teacher logit on ties.
-        at_max = torch.eq(xb, m[:, None])
-        tau = torch.where(at_max, tb, NEG_INF).amax(dim=1).to(acc)
+        # x - m is exactly 0 where x == m (xb itself may be the gradient buffer, overwritten).
+        tau = torch.where(u == 0, tb, NEG_INF).amax(dim=1).to(acc)
         et, st = _exp_sum(ut, ct, ut)  # ut is not needed past the teacher's exp-sum
         d = ut
         _shifted(tb, tau, d)  # t - tau

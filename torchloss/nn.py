@@ -1,4 +1,5 @@
-"""``nn.Module`` wrappers of the four losses, mirroring ``jaxloss.nnx``.
+"""``nn.Module`` wrappers of the four losses, mirroring ``jaxloss.nnx`` (both built from
+``lossspec``'s per-kind table).
 
 Built like ``torch.nn.CrossEntropyLoss``: the options are fixed at construction (keyword only,
 validated there with the same errors as the functions), the inputs are given per call::
@@ -11,11 +12,12 @@ The modules hold no parameters or buffers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-import lossspec
 import torch
 from torch import Tensor
+
+import lossspec
 
 from . import api
 
@@ -23,117 +25,42 @@ __all__ = ["CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "Reverse
 
 
 class _MaskedLoss(torch.nn.Module):
+    """Shared body: the kind's options (``lossspec.KIND_SPECS``) stored and checked once."""
+
     kind: str = ""
 
-    def __init__(self, *, normalization: str, vocab_parallel: Any, impl: str, inplace: bool, **options: Any) -> None:
+    def __init__(self, **options: Any) -> None:
         super().__init__()
+        spec = lossspec.KIND_SPECS[self.kind]
+        extra = {name: default for name, default, _ in api.FRAMEWORK_ARGS.args}
+        allowed = dict(spec.options, normalization="valid_tokens", **extra)
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unexpected option(s) {', '.join(unknown)}; it accepts {', '.join(allowed)}")
+        settings = {**allowed, **options}
         # Validate now, like torch.nn losses do, with the functions' own errors.
-        lossspec.make_config(self.kind, normalization=normalization, **options)
-        lossspec.check_impl(impl, lossspec.TORCH_IMPLS)
-        self.normalization = normalization
-        self.vocab_parallel = vocab_parallel
-        self.impl = impl
-        self.inplace = inplace
-        self.options = dict(options)
+        lossspec.make_config(self.kind, normalization=settings["normalization"], **{n: settings[n] for n in spec.option_names})
+        lossspec.check_impl(settings["impl"], lossspec.TORCH_IMPLS)
+        self.settings = settings
 
-    def _kwargs(self, denominator: api.Denominator) -> dict[str, Any]:
-        return dict(
-            self.options,
-            normalization=self.normalization,
-            denominator=denominator,
-            vocab_parallel=self.vocab_parallel,
-            impl=self.impl,
-            inplace=self.inplace,
-        )
+    def forward(self, logits: Tensor, target: Tensor, loss_mask: Optional[Tensor] = None, *, denominator: api.Denominator = None) -> Tensor:
+        """The loss of this module's kind: a 0-d fp32 tensor, or per-token losses ``[...]`` for
+        ``normalization="none"``; ``target`` is the labels or the teacher logits."""
+        function = getattr(api, self.kind)
+        return function(logits, target, loss_mask, denominator=denominator, **self.settings)
 
     def extra_repr(self) -> str:
-        items = dict(self.options, normalization=self.normalization, impl=self.impl)
-        if self.inplace:
-            items["inplace"] = True
-        return ", ".join(f"{k}={v!r}" for k, v in items.items())
+        shown = {k: v for k, v in self.settings.items() if k not in ("vocab_parallel", "inplace") or v}
+        return ", ".join(f"{k}={v!r}" for k, v in shown.items())
 
 
-class CrossEntropyLoss(_MaskedLoss):
-    """Module form of :func:`torchloss.cross_entropy`: ``module(logits, labels, loss_mask=None,
-    *, denominator=None)``."""
-
-    kind = "cross_entropy"
-
-    def __init__(
-        self,
-        *,
-        ignore_index: int = -100,
-        label_smoothing: float = 0.0,
-        z_loss: float = 0.0,
-        logit_scale: float = 1.0,
-        normalization: str = "valid_tokens",
-        vocab_parallel: Any = None,
-        impl: str = "auto",
-        inplace: bool = False,
-    ) -> None:
-        super().__init__(
-            normalization=normalization,
-            vocab_parallel=vocab_parallel,
-            impl=impl,
-            inplace=inplace,
-            ignore_index=ignore_index,
-            label_smoothing=label_smoothing,
-            z_loss=z_loss,
-            logit_scale=logit_scale,
-        )
-
-    def forward(
-        self, logits: Tensor, target: Tensor, loss_mask: Tensor | None = None, *, denominator: api.Denominator = None
-    ) -> Tensor:
-        return api.cross_entropy(logits, target, loss_mask, **self._kwargs(denominator))
+def _module(kind: str) -> type[_MaskedLoss]:
+    spec = lossspec.KIND_SPECS[kind]
+    doc = lossspec.kinds.module_docstring(spec, api.FRAMEWORK_ARGS, "torchloss")
+    return type(spec.module, (_MaskedLoss,), {"kind": kind, "__doc__": doc, "__module__": __name__})
 
 
-class _DistillLoss(_MaskedLoss):
-    def __init__(
-        self,
-        *,
-        temperature: float = 1.0,
-        logit_scale: float = 1.0,
-        teacher_logit_scale: float = 1.0,
-        normalization: str = "valid_tokens",
-        vocab_parallel: Any = None,
-        impl: str = "auto",
-        inplace: bool = False,
-    ) -> None:
-        super().__init__(
-            normalization=normalization,
-            vocab_parallel=vocab_parallel,
-            impl=impl,
-            inplace=inplace,
-            temperature=temperature,
-            logit_scale=logit_scale,
-            teacher_logit_scale=teacher_logit_scale,
-        )
-
-    def forward(
-        self, logits: Tensor, target: Tensor, loss_mask: Tensor | None = None, *, denominator: api.Denominator = None
-    ) -> Tensor:
-        """``target``: the teacher logits, same shape as ``logits`` (no gradient)."""
-        fn = {"soft_cross_entropy": api.soft_cross_entropy, "forward_kl": api.forward_kl, "reverse_kl": api.reverse_kl}[
-            self.kind
-        ]
-        return fn(logits, target, loss_mask, **self._kwargs(denominator))
-
-
-class SoftCrossEntropyLoss(_DistillLoss):
-    """Module form of :func:`torchloss.soft_cross_entropy`: ``module(logits, teacher_logits,
-    loss_mask=None, *, denominator=None)``."""
-
-    kind = "soft_cross_entropy"
-
-
-class ForwardKLLoss(_DistillLoss):
-    """Module form of :func:`torchloss.forward_kl` (KL(p || q), teacher ``p``)."""
-
-    kind = "forward_kl"
-
-
-class ReverseKLLoss(_DistillLoss):
-    """Module form of :func:`torchloss.reverse_kl` (KL(q || p), teacher ``p``)."""
-
-    kind = "reverse_kl"
+CrossEntropyLoss = _module("cross_entropy")
+SoftCrossEntropyLoss = _module("soft_cross_entropy")
+ForwardKLLoss = _module("forward_kl")
+ReverseKLLoss = _module("reverse_kl")

@@ -1,0 +1,181 @@
+"""Vocab-parallel losses (``vocab_parallel=<ProcessGroup>``): the vocabulary is split over the
+ranks of a group in contiguous shards in rank order (sizes may differ).
+
+Each rank holds ``x [N, V_local]`` (and the teacher's matching slice; labels are global ids).
+One call is three steps, every collective explicit (never autograd through one), the twin of
+``jaxloss._vocab_parallel``::
+
+    1. local statistics of the shard       _stats.block_stats per row tile / the Triton
+                                           kernel's shard-stats job
+    2. combine over the group              all_reduce(MAX) of the maxima (and of the reverse-KL
+                                           pivot among the shards holding the maximum), rescale
+                                           to them, one all_reduce(SUM) of the rescaled sums
+    3. finalize, then this shard's grad    the same Final on every rank; _stats.block_grad /
+                                           the Triton kernel's shard-grad job
+
+The algebra is that of :mod:`lossspec.stats`: shards are blocks of one row, combined exactly as
+the online softmax combines vocabulary blocks. NaN / ``+inf`` rows need no flag of their own:
+they make the owning shard's ``s`` (or ``st``) NaN, the sum carries it to every rank, and
+finalize marks the row bad there (NaN loss, NaN gradient on every shard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lossspec import LossConfig
+
+from . import _cpu, _stats
+from ._stats import NEG_INF, compute_dtype
+
+# The Stats fields that are sums over the vocabulary (summed once rescaled to the global maxima).
+SUM_FIELDS = ("s", "x_y", "sum_shift", "n", "st", "a", "b", "e_d")
+
+
+def shard_offset(vocab_local: int, group: Any, device: torch.device) -> tuple[int, int]:
+    """``(offset, global V)`` of this rank's contiguous shard: an ``all_gather`` of the local
+    vocabulary sizes (shards in rank order; sizes may differ)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    mine = torch.tensor([vocab_local], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(sizes, mine, group=group)
+    counts = [int(s.item()) for s in sizes]  # one host read (a synchronisation off the CPU)
+    return sum(counts[:rank]), sum(counts)
+
+
+def _tile_rows(rows: int, width: int) -> int:
+    return max(1, min(rows, _cpu.TILE_ELEMENTS // max(1, width)))
+
+
+def local_stats(config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, offset: int) -> Any:
+    """Step 1 on this rank's shard (global ids ``[offset, offset + V_local)``), no collective:
+    :class:`_stats.Stats` ``[N]`` relative to the shard's maxima; ``x_y`` is the label's raw
+    logit where this shard owns the label, else 0."""
+    rows, width = x.shape
+    acc = compute_dtype(x.dtype)
+    is_ce = config.kind == "cross_entropy"
+    tile_rows = _tile_rows(rows, width)
+    parts: dict[int, Any] = {}
+
+    def run(tiles: Iterable[_cpu.Tile]) -> None:
+        bufs_flat = [torch.empty(tile_rows * width, dtype=acc, device=x.device) for _ in range(_stats.buffers_needed(config.kind))]
+        with torch.no_grad():
+            for r0, r1, _ in tiles:
+                n = r1 - r0
+                x_y = None
+                if is_ce:
+                    local = target[r0:r1] - offset
+                    owned = (local >= 0) & (local < width)
+                    picked = x[r0:r1].gather(1, local.clamp(0, width - 1)[:, None])[:, 0].to(acc)
+                    x_y = torch.where(owned, picked, 0.0)
+                bufs = [f[: n * width].view(n, width) for f in bufs_flat]
+                tb = None if is_ce else target[r0:r1]
+                parts[r0], _ = _stats.block_stats(config, x[r0:r1], tb, bufs, x_y=x_y)
+
+    tiles = _cpu.row_tiles(rows, tile_rows)
+    _cpu.map_tiles(run, tiles, x.device)
+    ordered = [parts[r0] for r0, _, _ in tiles]
+    return _stats.Stats(**{name: torch.cat([getattr(p, name) for p in ordered]) for name in ordered[0]._fields if getattr(ordered[0], name) is not None})
+
+
+def combine_shards(config: LossConfig, local: Any, group: Any) -> Any:
+    """Step 2: the statistics of the whole row, identical on every rank (MAX, then SUM)."""
+    import torch.distributed as dist
+
+    inf = float("inf")
+    # A NaN maximum (NaN in the shard) competes as +inf; its NaN sums mark the row bad anyway.
+    maxima = [torch.where(torch.isnan(local.m), inf, local.m)]
+    if local.mt is not None:
+        maxima.append(torch.where(torch.isnan(local.mt), inf, local.mt))
+    packed = torch.stack(maxima)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    m = packed[0]
+    mt = packed[1] if local.mt is not None else None
+    glob = _stats.rescale(config, local, m, mt)
+    if local.tau is not None:
+        # The pivot of the shards holding the maximum, the largest on ties (lossspec.stats).
+        tau = torch.where(local.m == m, local.tau, NEG_INF)
+        dist.all_reduce(tau, op=dist.ReduceOp.MAX, group=group)
+        glob = glob._replace(tau=tau, e_d=_stats.rescale_e_d(config, local, m, tau))
+    names = [name for name in SUM_FIELDS if getattr(glob, name) is not None]
+    sums = torch.stack([getattr(glob, name) for name in names])
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    return glob._replace(**dict(zip(names, sums.unbind(0))))
+
+
+def shard_grad(
+    config: LossConfig, fin: Any, x: Tensor, target: Tensor, coef: Tensor, offset: int, vocab: int, out: Tensor
+) -> Tensor:
+    """Step 3: this shard's ``coef * c * dl/dz`` from the global :class:`_stats.Final` (no
+    collective), written into ``out`` and rounded once to its dtype. Labels are global ids."""
+    rows, width = x.shape
+    acc = compute_dtype(x.dtype)
+    is_ce = config.kind == "cross_entropy"
+    tile_rows = _tile_rows(rows, width)
+
+    def run(tiles: Iterable[_cpu.Tile]) -> None:
+        bufs_flat = [torch.empty(tile_rows * width, dtype=acc, device=x.device) for _ in range(_stats.buffers_needed(config.kind) + 1)]
+        with torch.no_grad():
+            for r0, r1, _ in tiles:
+                n = r1 - r0
+                part = _stats.Final(*(None if v is None else v[r0:r1] for v in fin))
+                bufs = [f[: n * width].view(n, width) for f in bufs_flat]
+                tb = None if is_ce else target[r0:r1]
+                y = target[r0:r1] if is_ce else None
+                _stats.block_grad(config, part, coef[r0:r1], x[r0:r1], tb, y, offset, vocab, out[r0:r1], bufs, None)
+
+    if rows and width:
+        _cpu.map_tiles(run, _cpu.row_tiles(rows, tile_rows), x.device)
+    return out
+
+
+class VocabParallel:
+    """The backend of one vocab-parallel call (the interface of ``_torch``: ``forward`` and
+    ``regrad_``). The forward keeps the global :class:`_stats.Final`, so the backward of 16-bit
+    logits recomputes this rank's gradient slice without another collective.
+
+    ``kernel``: ``torchloss._triton`` (its shard-stats / shard-grad jobs) or ``None`` for the
+    torch path."""
+
+    def __init__(self, group: Any, offset: int, vocab: int, kernel: Any = None) -> None:
+        self.group, self.offset, self.vocab, self.kernel = group, offset, vocab, kernel
+        self.fin: Optional[Any] = None
+
+    def _grad(self, config: LossConfig, fin: Any, x: Tensor, target: Tensor, coef: Tensor, out: Tensor) -> Tensor:
+        if self.kernel is None:
+            return shard_grad(config, fin, x, target, coef, self.offset, self.vocab, out)
+        return self.kernel.shard_grad(config, fin, x, target, coef, self.offset, self.vocab, out)
+
+    def forward(
+        self, config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, *, need_grad: bool = True, out: Optional[Tensor] = None
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        rows = x.shape[0]
+        grad = None
+        if need_grad:
+            grad = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if rows == 0:  # every rank holds the same (no) tokens: nothing to combine
+            return torch.zeros(0, dtype=compute_dtype(x.dtype), device=x.device), grad
+        with torch.no_grad():
+            if self.kernel is None:
+                local = local_stats(config, x, target, coef, self.offset)
+            else:
+                local = self.kernel.shard_stats(config, x, target, coef, self.offset)
+            fin = _stats.finalize(config, combine_shards(config, local, self.group), self.vocab)
+            self.fin = fin
+            loss = torch.where(coef != 0, fin.l, 0.0)
+            if grad is not None:
+                self._grad(config, fin, x, target, coef, grad)
+        return loss, grad
+
+    def regrad_(self, config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor) -> Tensor:
+        assert self.fin is not None
+        scaled = torch.where(coef != 0, coef * upstream, 0.0)
+        with torch.no_grad():
+            return self._grad(config, self.fin, x, target, scaled, grad)
