@@ -33,7 +33,6 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 import lossspec
 from lossspec import LossConfig
@@ -105,13 +104,16 @@ class _MaskedLossFunction(torch.autograd.Function):
         return contribution.sum() if ctx.reduced else contribution
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad_loss: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        if ctx.recompute:
-            grad = _recomputed_grad(ctx, grad_loss)
-        else:
-            grad = _scaled_grad(ctx, grad_loss)
-        return (_first_order_only(grad), None, None, None, None, None, None)
+        create_graph = torch.is_grad_enabled()  # backward(create_graph=True)
+        with torch.no_grad():
+            if ctx.recompute:
+                grad = _recomputed_grad(ctx, grad_loss)
+            else:
+                grad = _scaled_grad(ctx, grad_loss)
+        if create_graph:
+            grad = _first_order_only(grad)
+        return (grad, None, None, None, None, None, None)
 
 
 def _scaled_grad(ctx: Any, grad_loss: Tensor) -> Tensor:
@@ -157,7 +159,7 @@ _SECOND_ORDER = (
 def _first_order_only(grad: Optional[Tensor]) -> Optional[Tensor]:
     """With ``create_graph=True`` the returned gradient carries a node that raises a clear
     error if it is differentiated (autograd would otherwise treat it as a constant)."""
-    if grad is None or not torch.is_grad_enabled():
+    if grad is None:
         return grad
     marker = grad.detach().requires_grad_(True)
     return torch._C._functions.DelayedError(_SECOND_ORDER.encode(), 1)(marker)

@@ -1,0 +1,175 @@
+"""torchloss defects found in review, each pinned by a test that failed before the rebuild:
+accuracy on confident rows at large vocabularies, NaN gradient rows for NaN losses, no
+process-wide thread settings, in-place on a view of a leaf, second order and torch.func, the
+float-mask rule."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from test_torchloss_helpers import FUNCTIONS, inputs, quiet
+
+import lossspec
+import torchloss
+from torchloss import _cpu
+
+KINDS = lossspec.KINDS
+
+
+def _confident_rows(kind: str, vocab: int, margins: tuple[float, ...], seed: int = 0) -> lossspec.Case:
+    """Rows whose top probability is 0.997-0.99995 (margin over log V): where PyTorch's fused
+    CPU softmax, with its fast exponential, is off by up to ~1e-5."""
+    rng = np.random.default_rng(seed)
+    rows = len(margins)
+    logits = rng.normal(0.0, 2.0, size=(rows, vocab)).astype(np.float32)
+    teacher = rng.normal(0.0, 2.0, size=(rows, vocab)).astype(np.float32)
+    labels = rng.integers(0, vocab, size=rows)
+    for i, margin in enumerate(margins):
+        logits[i, labels[i]] = np.log(vocab) + margin
+        teacher[i, (labels[i] + 1) % vocab] = np.log(vocab) + margin  # the teacher confident elsewhere
+    target = labels.astype(np.int64) if kind == "cross_entropy" else teacher
+    return lossspec.Case(kind, "random", "float32", logits.astype(np.float64), target, None)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_confident_rows_at_a_large_vocabulary_meet_the_bound(kind: str) -> None:
+    case = _confident_rows(kind, 32768, (6.0, 8.0, 10.0, 12.0))
+    ref_loss, ref_grad = lossspec.oracle(kind, case.logits, case.target, case.loss_mask)
+    logits, target, mask = inputs(case)
+    loss = FUNCTIONS[kind](logits, target, mask, impl="torch")
+    loss.backward()
+    lossspec.assert_close_to_oracle(
+        loss.item(), logits.grad.double().numpy(), ref_loss, ref_grad, dtype="float32", g0=case.g0(), what=kind
+    )
+
+
+def _bad_row_inputs(kind: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 40, generator=gen).to(dtype)
+    t = torch.randn(6, 40, generator=gen).to(dtype)
+    x[0, 3] = float("nan")
+    x[1, 7] = float("inf")
+    t[2, 9] = float("nan")
+    x[3, 5] = float("nan")  # masked: zeros
+    mask = torch.tensor([True, True, True, False, True, True])
+    target = torch.randint(0, 40, (6,), generator=gen) if kind == "cross_entropy" else t
+    return x, target, mask
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_nan_loss_gives_a_nan_gradient_row(kind: str, dtype: torch.dtype) -> None:
+    """A valid row with NaN / +inf logits (or a NaN teacher) has a NaN loss and a NaN gradient
+    row, so ``clip_grad_norm_(error_if_nonfinite=True)`` fires; masked bad rows are zeros."""
+    x, target, mask = _bad_row_inputs(kind, dtype)
+    x.requires_grad_(True)
+    loss = FUNCTIONS[kind](x, target, mask, impl="torch", normalization="none")
+    loss.sum().backward()
+    bad = [0, 1] + ([2] if kind != "cross_entropy" else [])
+    grad = x.grad.float()
+    for row in bad:
+        assert torch.isnan(loss[row]), (kind, row)
+        assert torch.isnan(grad[row]).all(), (kind, row, grad[row])
+    assert torch.equal(grad[3], torch.zeros(40)) and loss[3].item() == 0.0
+    assert torch.isfinite(grad[4:]).all() and torch.isfinite(loss[4:]).all()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_([x], 1.0, error_if_nonfinite=True)
+
+
+def _new_thread_num_threads() -> int:
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_the_worker_pool_changes_no_process_wide_setting() -> None:
+    """The CPU workers run single-threaded ops without ``torch.set_num_threads(1)``, which would
+    set the count of every thread created afterwards; one bounded pool, whatever the caller's
+    thread count."""
+    before = torch.get_num_threads()
+    x = torch.randn(64, 8192, requires_grad=True)
+    labels = torch.randint(0, 8192, (64,))
+    old_tile = _cpu.TILE_ELEMENTS
+    _cpu.TILE_ELEMENTS = 8192 * 4  # several tiles: the pool is used
+    try:
+        for threads in (2, 8, 32):
+            torch.set_num_threads(threads)
+            torchloss.cross_entropy(x, labels, impl="torch").backward()
+            assert torch.get_num_threads() == threads
+    finally:
+        _cpu.TILE_ELEMENTS = old_tile
+        torch.set_num_threads(before)
+    assert _cpu.worker_count(torch.device("cpu"), 100) > 1 or _cpu.MAX_WORKERS == 1  # the pool is in use
+    assert _new_thread_num_threads() == before
+    pool_threads = [t for t in threading.enumerate() if t.name.startswith("torchloss")]
+    assert len(pool_threads) <= _cpu.MAX_WORKERS
+
+
+def test_inplace_on_a_view_of_a_leaf_raises() -> None:
+    weight = torch.nn.Parameter(torch.randn(4 * 10))
+    labels = torch.randint(0, 10, (4,))
+    kept = weight.detach().clone()
+    with pytest.raises(ValueError, match="view of a leaf tensor"):
+        torchloss.cross_entropy(weight.view(4, 10), labels, inplace=True)
+    assert torch.equal(weight.detach(), kept)
+    with pytest.raises(ValueError, match="a leaf tensor"):
+        torchloss.cross_entropy(weight.view(4, 10).detach().requires_grad_(True), labels, inplace=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_double_backward_raises_a_clear_error(kind: str) -> None:
+    case = lossspec.make_case(kind, "random", lead_shape=(5,), vocab=30)
+    logits, target, mask = inputs(case)
+    loss = FUNCTIONS[kind](logits, target, mask, impl="torch")
+    (grad,) = torch.autograd.grad(loss, logits, create_graph=True)
+    ref_loss, ref_grad = lossspec.oracle(kind, case.logits, case.target, case.loss_mask)
+    np.testing.assert_allclose(grad.detach().double().numpy(), ref_grad, atol=1e-6)  # first order still right
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        grad.square().sum().backward()
+
+
+def test_torch_func_transforms_raise_a_clear_error() -> None:
+    x = torch.randn(3, 7)
+    labels = torch.randint(0, 7, (3,))
+    with pytest.raises(NotImplementedError, match="torch.func transforms"):
+        torch.func.grad(lambda z: torchloss.cross_entropy(z, labels))(x)
+    with pytest.raises(NotImplementedError, match="torch.func transforms"):
+        torch.func.vmap(lambda z: torchloss.cross_entropy(z, labels))(x[None])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_float_mask_gets_no_gradient(kind: str) -> None:
+    """The documented rule, the same in jaxloss: the mask is data, no gradient flows to it."""
+    case = lossspec.make_case(kind, "float_weights", lead_shape=(6,), vocab=20)
+    logits, target, mask = inputs(case)
+    mask = mask.to(torch.float32).requires_grad_(True)
+    loss = FUNCTIONS[kind](logits, target, mask, impl="torch")
+    loss.backward()
+    assert mask.grad is None and logits.grad is not None
+
+
+@pytest.mark.parametrize("weights", ([3e38, 3e38, 1.0], [1e-40, 1.0, 0.0]))
+def test_overflowing_or_subnormal_weights_raise(weights: list[float]) -> None:
+    x = torch.randn(3, 5)
+    labels = torch.tensor([0, 1, 2])
+    mask = torch.tensor(weights, dtype=torch.float32)
+    with pytest.raises(ValueError, match="loss_mask"):
+        torchloss.cross_entropy(x, labels, mask)
+    with pytest.raises(ValueError, match="loss_mask"):
+        torchloss.count_denominator(labels, mask)
+
+
+def test_large_unsigned_labels_are_out_of_range_not_ignored() -> None:
+    x = torch.randn(2, 5)
+    labels = torch.tensor([2**32 - 100, 1], dtype=torch.uint32)
+    with pytest.raises(ValueError, match="labels"):
+        torchloss.cross_entropy(x, labels)
+    # ignore_index far outside the labels' range matches nothing, with no overflow.
+    ref, _ = lossspec.oracle("cross_entropy", x.numpy(), np.array([3, 1]), ignore_index=2**40)
+    got = torchloss.cross_entropy(x, torch.tensor([3, 1]), ignore_index=2**40)
+    assert abs(got.item() - ref) <= 4e-6 * max(1.0, abs(ref))
