@@ -29,16 +29,16 @@ stat           definition                                        kinds
 ``a``          ``sum et (x - m)``                                soft CE, forward KL
 ``b``          ``sum et (t - mt)``                               forward KL
 ``tau``        the pivot: the teacher's raw logit at the         reverse KL
-               student's argmax; on ties of the maximum the
-               *largest* teacher logit among the tying columns
+               student's argmax, the *first* column where
+               ``x == m`` on ties (``argmax`` semantics)
 ``e_d``        ``sum e D`` with ``D = c (x - m) - ct (t - tau)``  reverse KL
 =============  ================================================  ==========================
 
 Combine (two blocks, or shards, of the same rows; ``m' = max(m1, m2)``): exp-sums are
 multiplied by ``r = exp(c (m - m'))`` (teacher: ``exp(ct (mt - mt'))``), moments that carry
 ``(x - m)`` gain ``(m - m')`` times their weight sum, ``x_y`` and ``n`` add, and the pivot is
-the ``tau`` of the block with the larger ``m`` (on equal ``m`` the larger ``tau``, the tie rule
-above, so blocks, shards and a whole row agree); ``e_d`` is re-expressed on the new pivot:
+the ``tau`` of the block with the larger ``m`` (on equal ``m`` the earlier block's, the tie
+rule above, so blocks, shards and a whole row agree: shards in rank / axis-index order); ``e_d`` is re-expressed on the new pivot:
 ``r (e_d + s (c (m - m') - ct (tau - tau')))``. A block that saw nothing (``m = -inf``)
 contributes exactly 0.
 

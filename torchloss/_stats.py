@@ -101,7 +101,13 @@ def block_stats(
     kind, c, ct = config.kind, config.student_scale, config.teacher_scale
     acc = bufs[0].dtype
     u = bufs[0]
-    m = _row_max(xb, acc)
+    first = None
+    if kind == "reverse_kl":
+        # One pass gives the maximum and its first column (the pivot's column, lossspec.stats).
+        top, first = torch.max(xb, dim=1)
+        m = top.to(acc)
+    else:
+        m = _row_max(xb, acc)
     if kind == "cross_entropy":
         _shifted(xb, m, u)
         sum_shift = n = None
@@ -117,21 +123,24 @@ def block_stats(
     _shifted(tb, mt, ut)
     e, s = _exp_sum(u, c, e_buf)
     if kind == "reverse_kl":
-        # The pivot: the teacher at the student's argmax, the largest teacher logit on ties.
-        # x - m is exactly 0 where x == m (xb itself may be the gradient buffer, overwritten).
-        tau = torch.where(u == 0, tb, NEG_INF).amax(dim=1).to(acc)
         et, st = _exp_sum(ut, ct, ut)  # ut is not needed past the teacher's exp-sum
-        d = ut
-        _shifted(tb, tau, d)  # t - tau
-        d.mul_(-ct).add_(u, alpha=c)  # D = c (x - m) - ct (t - tau)
+        tau = tb.gather(1, first[:, None])[:, 0].to(acc)
+        d = _pivot_d(config, u, tb, tau, ut)
         e_d = pos_dot(e, d, u)
         return Stats(m=m, s=s, mt=mt, st=st, tau=tau, e_d=e_d), (e, d)
-    et = torch.mul(ut, ct, out=bufs[3]) if ct != 1.0 else bufs[3].copy_(ut)
-    et.exp_()
-    st = et.sum(dim=1)
+    et, st = _exp_sum(ut, ct, bufs[3])
     a = pos_dot(et, u, u)
     b = pos_dot(et, ut, ut) if kind == "forward_kl" else None
     return Stats(m=m, s=s, mt=mt, st=st, a=a, b=b), (e, et)
+
+
+def _pivot_d(config: LossConfig, u: Tensor, tb: Tensor, tau: Tensor, out: Tensor) -> Tensor:
+    """``D = c (x - m) - ct (t - tau)`` into ``out`` (``u = x - m``)."""
+    c, ct = config.student_scale, config.teacher_scale
+    d = _shifted(tb, tau, out)  # t - tau
+    if c == 1.0:
+        return torch.sub(u, d, alpha=ct, out=d)
+    return d.mul_(-ct).add_(u, alpha=c)
 
 
 def buffers_needed(kind: str) -> int:
@@ -181,9 +190,9 @@ def add(a: Any, b: Any) -> Any:
 
 
 def pivot(a_m: Tensor, a_tau: Tensor, b_m: Tensor, b_tau: Tensor) -> Tensor:
-    """The pivot of two blocks: the one with the larger maximum supplies it; on equal maxima
-    the larger ``tau`` (``lossspec.stats``' tie rule)."""
-    return torch.where(b_m > a_m, b_tau, torch.where(b_m == a_m, torch.maximum(a_tau, b_tau), a_tau))
+    """The pivot of two blocks, ``a`` before ``b`` in the row: the one with the larger maximum
+    supplies it; on equal maxima the first (``lossspec.stats``' tie rule)."""
+    return torch.where(b_m > a_m, b_tau, a_tau)
 
 
 def combine(config: LossConfig, a: Any, b: Any) -> Any:
@@ -295,9 +304,7 @@ def block_grad(
             g.sub_((scale * (config.label_smoothing / vocab))[:, None])
     elif kind == "reverse_kl":
         if cache is None:
-            d = bufs[1]
-            _shifted(tb, fin.tau, d)
-            d.mul_(-ct).add_(_shifted(xb, fin.m, bufs[2]), alpha=c)
+            d = _pivot_d(config, _shifted(xb, fin.m, bufs[2]), tb, fin.tau, bufs[1])
         else:
             d = cache[1]
         g = d.sub_(fin.mean_d[:, None]).mul_(e)
@@ -316,7 +323,9 @@ def block_grad(
     degenerate = bad | ~(fin.s > 0) | torch.isinf(fin.s)
     if fin.st is not None:
         degenerate = degenerate | ~(fin.st > 0) | torch.isinf(fin.st)
-    _fill_rows(g, dead & degenerate, 0.0)
-    _fill_rows(g, bad & ~dead, float("nan"))
+    zero, nan = dead & degenerate, bad & ~dead
+    if g.device.type != "cpu" or bool((zero | nan).any()):  # rare: one host check on the CPU
+        _fill_rows(g, zero, 0.0)
+        _fill_rows(g, nan, float("nan"))
     if g.data_ptr() != out.data_ptr():
         out.copy_(g)  # the one rounding to the logits' dtype
