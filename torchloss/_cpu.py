@@ -28,7 +28,7 @@ from torch import Tensor
 
 # Elements of one tile (rows x vocabulary block): 2**19 fp32 = 2 MiB, so a tile's scratch buffer
 # stays in a core's cache between the few passes made over it (measured best from 2**15 to 2**21).
-TILE_ELEMENTS: int = 1 << 19
+TILE_ELEMENTS: int = 1 << 20
 # 16-bit logits on the CPU skip masked rows (compact tiles) once this fraction of rows is masked.
 COMPACT_MIN_MASKED: float = 0.125
 # The pool never has more threads than this (the cores of the machine).
