@@ -7,9 +7,9 @@ One call is three steps, every collective explicit (never autograd through one),
 
     1. local statistics of the shard       _stats.block_stats per row tile / the Triton
                                            kernel's shard-stats job
-    2. combine over the group              all_reduce(MAX) of the maxima (and of the reverse-KL
-                                           pivot among the shards holding the maximum), rescale
-                                           to them, one all_reduce(SUM) of the rescaled sums
+    2. combine over the group              all_gather of the maxima (and reverse KL's pivots:
+                                           the first shard holding the maximum supplies it),
+                                           rescale to them, one all_reduce(SUM) of the sums
     3. finalize, then this shard's grad    the same Final on every rank; _stats.block_grad /
                                            the Triton kernel's shard-grad job
 
@@ -30,7 +30,7 @@ from torch import Tensor
 from lossspec import LossConfig
 
 from . import _cpu, _stats
-from ._stats import NEG_INF, compute_dtype
+from ._stats import compute_dtype
 
 # The Stats fields that are sums over the vocabulary (summed once rescaled to the global maxima).
 SUM_FIELDS = ("s", "x_y", "sum_shift", "n", "st", "a", "b", "e_d")
@@ -86,23 +86,28 @@ def local_stats(config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, off
 
 
 def combine_shards(config: LossConfig, local: Any, group: Any) -> Any:
-    """Step 2: the statistics of the whole row, identical on every rank (MAX, then SUM)."""
+    """Step 2: the statistics of the whole row, identical on every rank: one ``all_gather`` of
+    the shards' maxima (and pivots), one ``all_reduce(SUM)`` of the sums rescaled to the global
+    maxima."""
     import torch.distributed as dist
 
-    inf = float("inf")
     # A NaN maximum (NaN in the shard) competes as +inf; its NaN sums mark the row bad anyway.
-    maxima = [torch.where(torch.isnan(local.m), inf, local.m)]
+    heads = [torch.where(torch.isnan(local.m), float("inf"), local.m)]
     if local.mt is not None:
-        maxima.append(torch.where(torch.isnan(local.mt), inf, local.mt))
-    packed = torch.stack(maxima)
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-    m = packed[0]
-    mt = packed[1] if local.mt is not None else None
+        heads.append(torch.where(torch.isnan(local.mt), float("inf"), local.mt))
+    if local.tau is not None:
+        heads.append(local.tau)
+    mine = torch.stack(heads)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    every = torch.stack(gathered)  # [P, fields, N], shards in rank order
+    m = every[:, 0].amax(dim=0)
+    mt = every[:, 1].amax(dim=0) if local.mt is not None else None
     glob = _stats.rescale(config, local, m, mt)
     if local.tau is not None:
-        # The pivot of the shards holding the maximum, the largest on ties (lossspec.stats).
-        tau = torch.where(local.m == m, local.tau, NEG_INF)
-        dist.all_reduce(tau, op=dist.ReduceOp.MAX, group=group)
+        # The pivot of the first shard (in rank order) holding the maximum (lossspec.stats).
+        holder = torch.argmax((every[:, 0] == m).to(torch.uint8), dim=0)
+        tau = every[:, -1].gather(0, holder[None])[0]
         glob = glob._replace(tau=tau, e_d=_stats.rescale_e_d(config, local, m, tau))
     names = [name for name in SUM_FIELDS if getattr(glob, name) is not None]
     sums = torch.stack([getattr(glob, name) for name in names])
