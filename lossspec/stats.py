@@ -71,6 +71,9 @@ The gradient pass needs, per row, the :data:`FINAL_STATS`.
 
 from __future__ import annotations
 
+import collections
+from typing import Any, Optional
+
 from .config import LossConfig
 
 # The statistics of a block, in this order (the Triton kernels' buffer layout).
@@ -102,3 +105,120 @@ def stats_used(config: LossConfig) -> tuple[str, ...]:
     if config.kind == "cross_entropy" and config.label_smoothing > 0:
         used |= {"sum_shift", "n"}
     return tuple(name for name in ROW_STATS if name in used)
+
+
+# --------------------------------------------------------------------------------------------
+# The algebra between the blocks, written once for every array namespace ``xp`` (NumPy,
+# ``jax.numpy``, ``torch``: each has ``where``, ``exp``, ``log``, ``maximum``, ``isnan``). The
+# per-block work (block statistics, block gradient) is each backend's own, for speed.
+# --------------------------------------------------------------------------------------------
+
+NEG_INF = float("-inf")
+
+Stats = collections.namedtuple("Stats", ROW_STATS, defaults=(None,) * len(ROW_STATS))  # type: ignore[misc]
+Stats.__doc__ = "Per-row statistics ``[R]`` of a block (:data:`ROW_STATS`); ``None`` where unused."
+Final = collections.namedtuple("Final", FINAL_STATS, defaults=(None,) * len(FINAL_STATS))  # type: ignore[misc]
+Final.__doc__ = "What the gradient pass needs per row ``[R]`` (:data:`FINAL_STATS`)."
+
+SUM_STATS: tuple[str, ...] = ("s", "x_y", "sum_shift", "n", "st", "a", "b", "e_d")
+
+
+def finite_max(xp: Any, m: Any) -> Any:
+    """A row maximum usable as a shift: ``-inf`` (nothing but ``-inf`` seen) becomes 0."""
+    return xp.where(m == NEG_INF, 0.0, m)
+
+
+def _shift(xp: Any, m_old: Any, m_new: Any, scale: float) -> tuple[Any, Any]:
+    """``(exp(scale (m_old - m_new)), m_old - m_new)``, both 0 where ``m_old`` is ``-inf`` (a
+    block that saw nothing: its sums are 0 and ``exp`` must not see ``-inf - -inf``)."""
+    empty = m_old == NEG_INF
+    delta = xp.where(empty, 0.0, finite_max(xp, m_old) - finite_max(xp, m_new))
+    return xp.where(empty, 0.0, xp.exp(scale * delta)), delta
+
+
+def rescale(xp: Any, config: LossConfig, st: Any, m_new: Any, mt_new: Optional[Any] = None) -> Any:
+    """``st`` relative to the (larger) maxima ``m_new`` / ``mt_new``, except ``e_d``
+    (:func:`rescale_e_d`): exp-sums times ``r``, moments carrying ``(x - m)`` plus ``(m - m')``
+    times their weight sum."""
+    r, dm = _shift(xp, st.m, m_new, config.student_scale)
+    out = st._replace(m=m_new, s=r * st.s)
+    if st.sum_shift is not None:
+        out = out._replace(sum_shift=st.sum_shift + st.n * dm)
+    if mt_new is None:
+        return out
+    rt, dmt = _shift(xp, st.mt, mt_new, config.teacher_scale)
+    out = out._replace(mt=mt_new, st=rt * st.st)
+    if st.a is not None:
+        out = out._replace(a=rt * (st.a + st.st * dm))
+    if st.b is not None:
+        out = out._replace(b=rt * (st.b + st.st * dmt))
+    return out
+
+
+def rescale_e_d(xp: Any, config: LossConfig, st: Any, m_new: Any, tau_new: Any) -> Any:
+    """``e_d`` relative to ``(m_new, tau_new)``: ``D`` gains ``c (m - m') - ct (tau - tau')``. A
+    block with ``r == 0`` (empty, or far below) contributes exactly 0, even where ``tau`` is
+    ``-inf``."""
+    r, dm = _shift(xp, st.m, m_new, config.student_scale)
+    shift = config.student_scale * dm - config.teacher_scale * (st.tau - tau_new)
+    return xp.where(r > 0, r * (st.e_d + st.s * shift), 0.0)
+
+
+def add(a: Any, b: Any) -> Any:
+    """Sum of two :class:`Stats` relative to the same maxima (and pivot)."""
+    return a._replace(**{name: getattr(a, name) + getattr(b, name) for name in SUM_STATS if getattr(a, name) is not None})
+
+
+def pivot(xp: Any, a_m: Any, a_tau: Any, b_m: Any, b_tau: Any) -> Any:
+    """The pivot of two blocks, ``a`` before ``b`` in the row: the one with the larger maximum
+    supplies it; on equal maxima the first (the tie rule above)."""
+    return xp.where(b_m > a_m, b_tau, a_tau)
+
+
+def combine(xp: Any, config: LossConfig, a: Any, b: Any) -> Any:
+    """Statistics of the union of two blocks of the same rows, ``a`` before ``b`` (online
+    softmax; associative)."""
+    m = xp.maximum(a.m, b.m)
+    mt = None if a.mt is None else xp.maximum(a.mt, b.mt)
+    out = add(rescale(xp, config, a, m, mt), rescale(xp, config, b, m, mt))
+    if a.tau is not None:
+        tau = pivot(xp, a.m, a.tau, b.m, b.tau)
+        out = out._replace(tau=tau, e_d=rescale_e_d(xp, config, a, m, tau) + rescale_e_d(xp, config, b, m, tau))
+    return out
+
+
+def bad_rows(xp: Any, fin: Any) -> Any:
+    """Rows holding NaN or ``+inf`` (student or teacher): their exp-sums are NaN."""
+    bad = xp.isnan(fin.s)
+    return bad if fin.st is None else bad | xp.isnan(fin.st)
+
+
+def finalize(xp: Any, config: LossConfig, st: Any, vocab: int) -> Any:
+    """Per-token loss ``l`` ``[R]`` and what the gradient needs, from the global statistics
+    (the formulas above; NaN on bad rows)."""
+    c, ct = config.student_scale, config.teacher_scale
+    m = finite_max(xp, st.m)
+    lse = xp.log(st.s)
+    if config.kind == "cross_entropy":
+        eps, lam = config.label_smoothing, config.z_loss
+        loss = lse - ((1.0 - eps) * c) * (st.x_y - m)
+        if eps > 0:
+            loss = loss - (eps / vocab * c) * st.sum_shift
+        q_coef = None
+        if lam > 0:
+            full_lse = lse + c * m
+            loss = loss + lam * full_lse * full_lse
+            q_coef = 1.0 + (2.0 * lam) * full_lse
+        return Final(l=xp.where(xp.isnan(st.s), float("nan"), loss), m=m, s=st.s, lse=lse, q_coef=q_coef)
+    mt = finite_max(xp, st.mt)
+    lse_t = xp.log(st.st)
+    tau = mean_d = None
+    if config.kind == "soft_cross_entropy":
+        loss = lse - c * st.a / st.st
+    elif config.kind == "forward_kl":
+        loss = (ct * st.b / st.st - lse_t) - (c * st.a / st.st - lse)
+    else:
+        tau, mean_d = st.tau, st.e_d / st.s
+        loss = mean_d + (lse_t - lse - ct * (st.tau - mt))
+    loss = xp.where(xp.isnan(st.s) | xp.isnan(st.st), float("nan"), loss)
+    return Final(l=loss, m=m, s=st.s, lse=lse, mt=mt, st=st.st, lse_t=lse_t, tau=tau, mean_d=mean_d)

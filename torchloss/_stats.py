@@ -4,8 +4,9 @@ The formulation, its names and the pivot's tie rule are :mod:`lossspec.stats` (t
 ``jaxloss._stats``): statistics of a vocabulary block relative to its own maxima, an
 associative :func:`combine` (online softmax; the same algebra merges vocabulary shards in
 ``torchloss._vocab_parallel``), :func:`finalize` to the per-token loss, and :func:`block_grad`
-from the final statistics. :class:`Stats` and :class:`Final` are derived from
-``lossspec.ROW_STATS`` / ``lossspec.FINAL_STATS``.
+from the final statistics. :class:`Stats` and :class:`Final` are lossspec's records, derived from
+``lossspec.ROW_STATS`` / ``lossspec.FINAL_STATS``; the algebra between blocks (rescale,
+combine, finalize) is written once there for every array namespace and used here on tensors.
 
 Everything runs in the compute dtype (fp32; fp64 for fp64 logits) on tiles ``[R, B]``, with
 caller-owned scratch buffers ``bufs`` so that nothing ``[R, B]``-sized is allocated per tile.
@@ -16,38 +17,24 @@ one probability is close to 1.
 
 from __future__ import annotations
 
-import collections
+import functools
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 import lossspec
-from lossspec import LossConfig
+from lossspec import LossConfig, stats
+from lossspec.stats import NEG_INF
 
-NEG_INF = float("-inf")
-
-Stats = collections.namedtuple("Stats", lossspec.ROW_STATS, defaults=(None,) * len(lossspec.ROW_STATS))  # type: ignore[misc]
-Stats.__doc__ = "Per-row statistics ``[R]`` of a block (``lossspec.ROW_STATS``); ``None`` where unused."
-Final = collections.namedtuple("Final", lossspec.FINAL_STATS, defaults=(None,) * len(lossspec.FINAL_STATS))  # type: ignore[misc]
-Final.__doc__ = "What the gradient pass needs per row ``[R]`` (``lossspec.FINAL_STATS``)."
+Stats = stats.Stats
+Final = stats.Final
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for every logits dtype except fp64, which is computed in fp64 (so that
     ``torch.autograd.gradcheck`` can check the analytic gradient)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def finite_max(m: Tensor) -> Tensor:
-    """A row maximum usable as a shift: ``-inf`` (nothing but ``-inf`` seen) becomes 0."""
-    return torch.where(m == NEG_INF, 0.0, m)
-
-
-def bad_rows(fin: Any) -> Tensor:
-    """Rows holding NaN or ``+inf`` (student or teacher): their exp-sums are NaN."""
-    bad = torch.isnan(fin.s)
-    return bad if fin.st is None else bad | torch.isnan(fin.st)
 
 
 def pos_dot(weight: Tensor, value: Tensor, scratch: Tensor) -> Tensor:
@@ -148,64 +135,6 @@ def buffers_needed(kind: str) -> int:
     return {"cross_entropy": 1, "reverse_kl": 3}.get(kind, 4)
 
 
-def _shift(m_old: Tensor, m_new: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """``(exp(scale (m_old - m_new)), m_old - m_new)``, both 0 where ``m_old`` is ``-inf``
-    (a block that saw nothing: its sums are 0 and ``exp`` must not see ``-inf - -inf``)."""
-    empty = m_old == NEG_INF
-    delta = torch.where(empty, 0.0, finite_max(m_old) - finite_max(m_new))
-    return torch.where(empty, 0.0, torch.exp(scale * delta)), delta
-
-
-def rescale(config: LossConfig, st: Any, m_new: Tensor, mt_new: Optional[Tensor] = None) -> Any:
-    """``st`` relative to the (larger) maxima ``m_new`` / ``mt_new``, except ``e_d``
-    (:func:`rescale_e_d`): exp-sums times ``r``, moments carrying ``(x - m)`` plus
-    ``(m - m')`` times their weight sum."""
-    r, dm = _shift(st.m, m_new, config.student_scale)
-    out = st._replace(m=m_new, s=r * st.s)
-    if st.sum_shift is not None:
-        out = out._replace(sum_shift=st.sum_shift + st.n * dm)
-    if mt_new is None:
-        return out
-    rt, dmt = _shift(st.mt, mt_new, config.teacher_scale)
-    out = out._replace(mt=mt_new, st=rt * st.st)
-    if st.a is not None:
-        out = out._replace(a=rt * (st.a + st.st * dm))
-    if st.b is not None:
-        out = out._replace(b=rt * (st.b + st.st * dmt))
-    return out
-
-
-def rescale_e_d(config: LossConfig, st: Any, m_new: Tensor, tau_new: Tensor) -> Tensor:
-    """``e_d`` relative to ``(m_new, tau_new)``: ``D`` gains ``c (m - m') - ct (tau - tau')``.
-    A block with ``r == 0`` (empty, or far below) contributes exactly 0."""
-    r, dm = _shift(st.m, m_new, config.student_scale)
-    shift = config.student_scale * dm - config.teacher_scale * (st.tau - tau_new)
-    return torch.where(r > 0, r * (st.e_d + st.s * shift), 0.0)
-
-
-def add(a: Any, b: Any) -> Any:
-    """Sum of two :class:`Stats` relative to the same maxima (and pivot)."""
-    summed = {name: getattr(a, name) + getattr(b, name) for name in ("s", "x_y", "sum_shift", "n", "st", "a", "b", "e_d") if getattr(a, name) is not None}
-    return a._replace(**summed)
-
-
-def pivot(a_m: Tensor, a_tau: Tensor, b_m: Tensor, b_tau: Tensor) -> Tensor:
-    """The pivot of two blocks, ``a`` before ``b`` in the row: the one with the larger maximum
-    supplies it; on equal maxima the first (``lossspec.stats``' tie rule)."""
-    return torch.where(b_m > a_m, b_tau, a_tau)
-
-
-def combine(config: LossConfig, a: Any, b: Any) -> Any:
-    """Statistics of the union of two blocks of the same rows (online softmax; associative)."""
-    m = torch.maximum(a.m, b.m)
-    mt = None if a.mt is None else torch.maximum(a.mt, b.mt)
-    out = add(rescale(config, a, m, mt), rescale(config, b, m, mt))
-    if a.tau is not None:
-        tau = pivot(a.m, a.tau, b.m, b.tau)
-        out = out._replace(tau=tau, e_d=rescale_e_d(config, a, m, tau) + rescale_e_d(config, b, m, tau))
-    return out
-
-
 def empty_stats(config: LossConfig, rows: int, dtype: torch.dtype, device: torch.device) -> Any:
     """The identity of :func:`combine`: nothing seen yet."""
     neg = torch.full((rows,), NEG_INF, dtype=dtype, device=device)
@@ -214,36 +143,13 @@ def empty_stats(config: LossConfig, rows: int, dtype: torch.dtype, device: torch
     return Stats(**{name: (neg if name in ("m", "mt", "tau") else zero) for name in used})
 
 
-def finalize(config: LossConfig, st: Any, vocab: int) -> Any:
-    """Per-token loss ``l`` ``[R]`` and what the gradient needs, from the global statistics
-    (``lossspec.stats``' formulas; NaN on bad rows)."""
-    c, ct = config.student_scale, config.teacher_scale
-    m = finite_max(st.m)
-    lse = torch.log(st.s)
-    if config.kind == "cross_entropy":
-        eps, lam = config.label_smoothing, config.z_loss
-        loss = lse - ((1.0 - eps) * c) * (st.x_y - m)
-        if eps > 0:
-            loss = loss - (eps / vocab * c) * st.sum_shift
-        q_coef = None
-        if lam > 0:
-            full_lse = lse + c * m
-            loss = loss + lam * full_lse * full_lse
-            q_coef = 1.0 + (2.0 * lam) * full_lse
-        loss = torch.where(torch.isnan(st.s), float("nan"), loss)
-        return Final(l=loss, m=m, s=st.s, lse=lse, q_coef=q_coef)
-    mt = finite_max(st.mt)
-    lse_t = torch.log(st.st)
-    tau = mean_d = None
-    if config.kind == "soft_cross_entropy":
-        loss = lse - c * st.a / st.st
-    elif config.kind == "forward_kl":
-        loss = (ct * st.b / st.st - lse_t) - (c * st.a / st.st - lse)
-    else:
-        tau, mean_d = st.tau, st.e_d / st.s
-        loss = mean_d + (lse_t - lse - ct * (st.tau - mt))
-    loss = torch.where(torch.isnan(st.s) | torch.isnan(st.st), float("nan"), loss)
-    return Final(l=loss, m=m, s=st.s, lse=lse, mt=mt, st=st.st, lse_t=lse_t, tau=tau, mean_d=mean_d)
+# The algebra between blocks (and shards) is lossspec.stats', on torch tensors.
+rescale = functools.partial(stats.rescale, torch)
+rescale_e_d = functools.partial(stats.rescale_e_d, torch)
+combine = functools.partial(stats.combine, torch)
+finalize = functools.partial(stats.finalize, torch)
+bad_rows = functools.partial(stats.bad_rows, torch)
+finite_max = functools.partial(stats.finite_max, torch)
 
 
 def _fill_rows(g: Tensor, rows: Tensor, value: float) -> None:

@@ -33,7 +33,7 @@ from . import _cpu, _stats
 from ._stats import compute_dtype
 
 # The Stats fields that are sums over the vocabulary (summed once rescaled to the global maxima).
-SUM_FIELDS = ("s", "x_y", "sum_shift", "n", "st", "a", "b", "e_d")
+SUM_FIELDS = _stats.stats.SUM_STATS
 
 
 def shard_offset(vocab_local: int, group: Any, device: torch.device) -> tuple[int, int]:
