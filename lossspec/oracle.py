@@ -249,6 +249,14 @@ def oracle(
 # --------------------------------------------------------------------------------------------
 
 
+def _first_argmax_teacher(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """The teacher's logit at the first column of each row's maximum (``-inf`` for an empty
+    shard): reverse KL's pivot (``lossspec.stats``)."""
+    if x.shape[-1] == 0:
+        return np.full(x.shape[0], -np.inf)
+    return t[np.arange(x.shape[0]), np.argmax(x, axis=-1)]
+
+
 def per_token_vocab_parallel(
     config: LossConfig, logits: np.ndarray, target: np.ndarray, valid: np.ndarray, num_shards: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -311,30 +319,41 @@ def per_token_vocab_parallel(
             sum_exp_t = np.sum(rescale_t * st_k, axis=0)
             lse_t_shift = np.log(sum_exp_t)
             # Cross moments, each shard in its own coordinates, then rescaled to the global ones:
-            # sum_v p_v d_v, sum_v p_v dt_v, sum_v q_v d_v, sum_v q_v dt_v.
-            p_d = p_dt = q_d = q_dt = 0.0
+            # sum_v p_v d_v, sum_v p_v dt_v (lossspec.stats' a and b).
+            p_d = p_dt = 0.0
             for k in range(num_shards):
-                e_t, e_s = np.exp(dt_local[k]), np.exp(d_local[k])
+                e_t = np.exp(dt_local[k])
                 p_d = p_d + rescale_t[k] * (_where_positive(e_t, d_local[k]).sum(-1) + shift[k] * st_k[k])
                 p_dt = p_dt + rescale_t[k] * (_where_positive(e_t, dt_local[k]).sum(-1) + shift_t[k] * st_k[k])
-                q_d = q_d + rescale[k] * (_where_positive(e_s, d_local[k]).sum(-1) + shift[k] * s_k[k])
-                q_dt = q_dt + rescale[k] * (_where_positive(e_s, dt_local[k]).sum(-1) + shift_t[k] * s_k[k])
             p_d, p_dt = p_d / sum_exp_t, p_dt / sum_exp_t
-            q_d, q_dt = q_d / sum_exp, q_dt / sum_exp
             if config.kind == "soft_cross_entropy":
                 loss = lse_shift - p_d
             elif config.kind == "forward_kl":
                 loss = (p_dt - lse_t_shift) - (p_d - lse_shift)
             else:
-                loss = (q_d - lse_shift) - (q_dt - lse_t_shift)
-            for k in range(num_shards):
+                # Reverse KL pivoted as lossspec.stats says: tau_k, the teacher at the shard's first
+                # argmax; the global pivot from the first shard holding the maximum; each shard's
+                # e_d = sum e D moved onto it.
+                tau_k = np.stack([_first_argmax_teacher(x[:, s], t[:, s]) for s in slices])
+                holder = np.argmax(m_k == m[None, :], axis=0)
+                tau = tau_k[holder, np.arange(rows)]
+                e_d = 0.0
+                for k, s in enumerate(slices):
+                    d_k = d_local[k] - ct * (t[:, s] - tau_k[k][:, None])
+                    own = _where_positive(np.exp(d_local[k]), d_k).sum(-1)
+                    moved = np.where(rescale[k] > 0, rescale[k] * (own + s_k[k] * (shift[k] - ct * (tau_k[k] - tau))), 0.0)
+                    e_d = e_d + moved
+                mean_d = e_d / sum_exp
+                loss = mean_d + (lse_t_shift - lse_shift - ct * (tau - mt))
+            for k, s in enumerate(slices):
                 log_q = d_local[k] + shift[k][:, None] - lse_shift[:, None]
-                log_p = dt_local[k] + shift_t[k][:, None] - lse_t_shift[:, None]
-                q, p = np.exp(log_q), np.exp(log_p)
+                q = np.exp(log_q)
                 if config.kind == "reverse_kl":
-                    grads.append(_where_positive(q, log_q - log_p - loss[:, None]))
+                    d = c * (x[:, s] - m[:, None]) - ct * (t[:, s] - tau[:, None])
+                    grads.append(_where_positive(q, d - mean_d[:, None]))
                 else:
-                    grads.append(q - p)
+                    log_p = dt_local[k] + shift_t[k][:, None] - lse_t_shift[:, None]
+                    grads.append(q - np.exp(log_p))
         loss = np.where(bad, np.nan, loss)
     grad_z = np.concatenate(grads, axis=-1)
     return np.where(valid, loss, 0.0), np.where(valid[:, None], grad_z, 0.0)
