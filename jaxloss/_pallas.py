@@ -10,8 +10,8 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
   ``N`` are masked on every load and store. The kernel sees whole arrays and addresses a
   ``[block_rows, block_vocab]`` tile with row and column index vectors.
 * Pass 1 loops over vocabulary blocks of ``block_vocab`` columns and folds their statistics
-  with the online-softmax algebra of :mod:`jaxloss._xla` (:func:`~jaxloss._xla.block_stats`,
-  :func:`~jaxloss._xla.combine`); pass 2 loops again and writes ``coef * c * dl/dz``, fp32
+  with the online-softmax algebra of :mod:`jaxloss._stats` (:func:`~jaxloss._stats.block_stats`,
+  :func:`~jaxloss._stats.combine`); pass 2 loops again and writes ``coef * c * dl/dz``, fp32
   inside and cast once on store. Ragged vocabulary tails are masked loads/stores.
 * The label's logit is picked with a compare against the column ids (no gather), so the kernel
   needs nothing beyond loads, stores, elementwise math and row reductions.
@@ -22,9 +22,9 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
   ``CompilerParams(num_warps, num_stages)``, masked ``load``/``store``). On other backends
   the same kernel runs in Pallas interpret mode (``interpret=True``), which the tests use.
 * ``mode`` (static): ``"fused"`` (pass 1, finalize, pass 2) is what the losses use;
-  vocab-parallel calls run ``"stats"`` (pass 1 only: the per-row :class:`~jaxloss._xla.Stats`
+  vocab-parallel calls run ``"stats"`` (pass 1 only: the per-row :class:`~lossspec.stats.Stats`
   of this shard out, see :func:`shard_stats`) and, once the statistics are combined over the
-  mesh axis, ``"grad"`` (the global :class:`~jaxloss._xla.Final` in, pass 2 only:
+  mesh axis, ``"grad"`` (the global :class:`~lossspec.stats.Final` in, pass 2 only:
   :func:`shard_grad`). The collectives stay outside the kernel.
 """
 
@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._xla import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
+from ._stats import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
 
 Array = jax.Array
 MODES = ("fused", "stats", "grad")
@@ -149,7 +149,6 @@ def _kernel(
     coef = plgpu.load(refs[2].at[rows], mask=row_ok, other=0.0)
     if mode == "grad":
         values = {name: plgpu.load(ref.at[rows], mask=row_ok, other=0.0) for name, ref in zip(fields, refs[3:-1])}
-        values["bad"] = values["bad"] != 0
         pass2(Final(**values), coef, refs[-1])
         return
     loss_ref, grad_ref = refs[3], refs[4]

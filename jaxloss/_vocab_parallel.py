@@ -10,19 +10,20 @@ ids). One call is three steps, every collective explicit (never autograd through
     3. finalize, then this shard's grad    the same Final on every replica; grad_block /
                                            the Pallas kernel's "grad" mode on the local slice
 
-The algebra is that of :mod:`jaxloss._xla` (and ``lossspec.oracle_vocab_parallel``): the shards
+The algebra is that of :mod:`lossspec.stats` (and ``lossspec.oracle_vocab_parallel``): the shards
 are blocks of one row, combined exactly as the online softmax combines vocabulary blocks.
 
 Step 2 per row, with ``m_k`` the shard maxima: ``m = max_k m_k`` (``pmax``); every exp-sum of
 shard ``k`` is multiplied by ``exp(c (m_k - m))`` and the moments that carry ``(x - m_k)`` gain
-``(m_k - m)`` times their weight sum (:func:`jaxloss._xla.rescale`); reverse KL's pivot ``tau``
-(the teacher's logit at the student's argmax) is the one of the shard holding the global
-maximum (``pmax`` over the shards whose ``m_k == m``: ties take the largest, as blocks do), and
-each shard's ``e_d`` is moved to it (:func:`jaxloss._xla._rescale_rkl`); the cross-entropy
+``(m_k - m)`` times their weight sum (:func:`lossspec.stats.rescale`); reverse KL's pivot ``tau``
+(the teacher's logit at the student's argmax) is the one of the first shard, in axis-index
+order, holding the global maximum (``pmin`` of the holders' indices, then a ``psum``: the tie
+rule of the blocks), and each shard's ``e_d`` is moved to it
+(:func:`lossspec.stats.rescale_e_d`); the cross-entropy
 label's raw logit comes from the one shard that owns the label (others add 0).
 
 NaN / ``+inf`` rows need no flag of their own: they make the owning shard's ``s`` (or ``st``)
-NaN, the ``psum`` carries it to every replica and :func:`jaxloss._xla.finalize` marks the row
+NaN, the ``psum`` carries it to every replica and :func:`lossspec.stats.finalize` marks the row
 bad there (NaN loss and gradient on every shard).
 """
 
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _pallas
-from ._xla import F32, NEG_INF, Final, KernelConfig, Stats, _rescale_rkl, block_stats, finalize, grad_block, rescale, varying_like
+from ._stats import F32, NEG_INF, Final, KernelConfig, Stats, block_stats, finalize, grad_block, rescale, rescale_e_d, varying_like
 
 Array = jax.Array
 AxisName = Union[str, tuple]
@@ -100,8 +101,11 @@ def combine_shards(cfg: KernelConfig, local: Stats, x: Array, axes: Sequence[str
     mt = None if local.mt is None else lax.pmax(jnp.where(local.mt != local.mt, jnp.inf, local.mt), axis)
     glob = rescale(cfg, local, m, mt)
     if local.tau is not None:
-        tau = lax.pmax(jnp.where(local.m == m, local.tau, NEG_INF), axis)
-        glob = glob._replace(tau=tau, e_d=_rescale_rkl(cfg, local, m, tau))
+        # The pivot of the first shard (in axis-index order) holding the maximum (lossspec.stats).
+        index = lax.axis_index(axis)
+        first = lax.pmin(jnp.where(local.m == m, index, jnp.iinfo(jnp.int32).max), axis)
+        tau = lax.psum(jnp.where(index == first, local.tau, 0.0), axis)
+        glob = glob._replace(tau=tau, e_d=rescale_e_d(cfg, local, m, tau))
     sums = {name: getattr(glob, name) for name in SUM_FIELDS if getattr(glob, name) is not None}
     sums = lax.psum(varying_like(sums, x), axis)
     return glob._replace(**sums)
@@ -131,7 +135,7 @@ def losses(
     n = x.shape[0]
     if n == 0:
         empty = jnp.zeros((0,), F32)
-        fin = Final(empty, empty, empty, empty, jnp.zeros((0,), bool))
+        fin = Final(l=empty, m=empty, s=empty, lse=empty)
         return empty, (jnp.zeros(x.shape, x.dtype) if with_grad else None), fin
     fin = finalize(cfg, combine_shards(cfg, local_stats(cfg, x, target, impl, tuning), x, axes), vocab)
     loss = jnp.where(coef != 0, fin.l, 0.0)

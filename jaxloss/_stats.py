@@ -1,0 +1,225 @@
+"""The block math of the JAX paths: block statistics, combine, finalize, block gradient.
+
+The formulation, its names and the pivot's tie rule are :mod:`lossspec.stats` (the same in
+``torchloss._stats``): statistics of a vocabulary block ``[R, B]`` relative to its own maxima
+(:func:`block_stats`), the associative :func:`combine` of two blocks (online softmax; the same
+algebra merges vocabulary shards in :mod:`jaxloss._vocab_parallel`), :func:`finalize` to the
+per-token loss, and :func:`grad_block` from the final statistics. The algebra between blocks
+is written once in ``lossspec.stats`` for any array namespace and used here on ``jax.numpy``;
+:class:`Stats` and :class:`Final` are lossspec's records. Both the XLA driver
+(:mod:`jaxloss._xla`) and the Pallas kernels (:mod:`jaxloss._pallas`) call these functions on
+fp32 blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import lossspec
+from lossspec import stats
+from lossspec.stats import NEG_INF, Final, Stats
+
+Array = jax.Array
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """What a kernel needs to know of a call (hashable, static under ``jit``).
+
+    The normalisation and the denominator are *not* part of it: they only enter through the
+    per-token coefficient ``coef``, runtime data, so a new denominator never recompiles.
+    """
+
+    kind: str
+    scale: float = 1.0  # c = logit_scale / temperature
+    teacher_scale: float = 1.0  # ct = teacher_logit_scale / temperature
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+
+    @property
+    def is_ce(self) -> bool:
+        return self.kind == "cross_entropy"
+
+    @property
+    def student_scale(self) -> float:
+        """``c``, under the name ``lossspec.LossConfig`` gives it (the shared algebra reads it)."""
+        return self.scale
+
+
+def _pos_times(weight: Array, value: Array) -> Array:
+    """``weight * value`` with 0 where ``weight == 0`` (so ``0 * -inf`` is 0, never NaN)."""
+    return jnp.where(weight > 0, weight * value, 0.0)
+
+
+def block_stats(
+    cfg: KernelConfig,
+    x: Array,
+    t: Optional[Array] = None,
+    *,
+    x_y: Optional[Array] = None,
+    hit: Optional[Array] = None,
+    col_ok: Optional[Array] = None,
+) -> tuple[Stats, Array, Optional[Array]]:
+    """Statistics of one block ``x`` ``[R, B]`` (fp32) relative to the block's own maxima.
+
+    Args:
+      cfg: the kernel configuration.
+      x: student logits ``[R, B]`` fp32.
+      t: teacher logits ``[R, B]`` fp32 (distillation kinds).
+      x_y: the label's raw logit ``[R]`` when the caller gathered it (cross-entropy);
+        otherwise it is summed from ``hit``.
+      hit: ``[R, B]`` bool, the label's column (cross-entropy, when ``x_y`` is not given).
+      col_ok: ``[B]`` or ``[R, B]`` bool, columns that belong to this block (ragged tails,
+        overlapping blocks); ``None`` for all.
+
+    Returns:
+      ``(stats, e, et)``: the statistics and ``e = exp(c (x - m))``, ``et`` (0 outside
+      ``col_ok``), which a caller may reuse for the gradient when no other block follows.
+    """
+    c, ct = cfg.scale, cfg.teacher_scale
+    if col_ok is not None:
+        col_ok = jnp.broadcast_to(col_ok, x.shape)
+        xm = jnp.where(col_ok, x, NEG_INF)
+    else:
+        xm = x
+    m = jnp.max(xm, axis=-1)
+    dx = xm - finite_max(m)[:, None]  # -inf on -inf and masked columns
+    e = jnp.exp(c * dx)
+    s = jnp.sum(e, axis=-1)
+    if cfg.is_ce:
+        if x_y is None:
+            x_y = jnp.sum(jnp.where(hit, x, 0.0), axis=-1)
+        sum_shift = n = None
+        if cfg.label_smoothing > 0:
+            if col_ok is not None:
+                sum_shift = jnp.sum(jnp.where(col_ok, dx, 0.0), axis=-1)
+                n = jnp.sum(col_ok.astype(F32), axis=-1)
+            else:
+                sum_shift = jnp.sum(dx, axis=-1)
+                n = jnp.full(m.shape, x.shape[-1], F32)
+        return Stats(m=m, s=s, x_y=x_y, sum_shift=sum_shift, n=n), e, None
+    assert t is not None
+    tm = t if col_ok is None else jnp.where(col_ok, t, NEG_INF)
+    mt = jnp.max(tm, axis=-1)
+    dt = tm - finite_max(mt)[:, None]
+    et = jnp.exp(ct * dt)
+    st = jnp.sum(et, axis=-1)
+    a = b = tau = e_d = None
+    if cfg.kind in ("soft_cross_entropy", "forward_kl"):
+        a = jnp.sum(_pos_times(et, dx), axis=-1)
+    if cfg.kind == "forward_kl":
+        b = jnp.sum(_pos_times(et, dt), axis=-1)
+    if cfg.kind == "reverse_kl":
+        # The pivot's column: the first column of the maximum (lossspec.stats' tie rule), found
+        # with compares and row reductions only (no gather: Pallas kernels use this too).
+        cols = lax.broadcasted_iota(jnp.int32, xm.shape, 1)
+        first = jnp.min(jnp.where(xm == m[:, None], cols, xm.shape[-1]), axis=-1)
+        tau = jnp.max(jnp.where(cols == first[:, None], tm, NEG_INF), axis=-1)
+        e_d = jnp.sum(_pos_times(e, _pivot_d(cfg, dx, tm, tau)), axis=-1)
+    return Stats(m=m, s=s, mt=mt, st=st, a=a, b=b, tau=tau, e_d=e_d), e, et
+
+
+def _pivot_d(cfg: KernelConfig, dx: Array, t: Array, tau: Array) -> Array:
+    """``D = c (x - m) - ct (t - tau)``: ``log q - log p`` up to a per-row constant, 0 on the
+    student's argmax."""
+    return cfg.scale * dx - cfg.teacher_scale * (t - tau[:, None])
+
+
+def empty_stats(cfg: KernelConfig, rows: int) -> Stats:
+    """The identity of :func:`combine`: nothing seen yet."""
+    neg = jnp.full((rows,), NEG_INF, F32)
+    zero = jnp.zeros((rows,), F32)
+    return Stats(**{name: (neg if name in ("m", "mt", "tau") else zero) for name in lossspec.stats_used(cfg)})
+
+
+# The algebra between blocks (and shards) is lossspec.stats', on jax.numpy arrays.
+finite_max = functools.partial(stats.finite_max, jnp)
+rescale = functools.partial(stats.rescale, jnp)
+rescale_e_d = functools.partial(stats.rescale_e_d, jnp)
+combine = functools.partial(stats.combine, jnp)
+finalize = functools.partial(stats.finalize, jnp)
+bad_rows = functools.partial(stats.bad_rows, jnp)
+
+
+def grad_block(
+    cfg: KernelConfig,
+    fin: Final,
+    coef: Array,
+    x: Array,
+    t: Optional[Array] = None,
+    *,
+    hit: Optional[Array] = None,
+    vocab: int,
+    e: Optional[Array] = None,
+    et: Optional[Array] = None,
+) -> Array:
+    """Gradient ``coef * c * dl/dz`` ``[R, B]`` (fp32) of one block w.r.t. the logits ``x``.
+
+    ``dl/dz`` (SPEC section 1): cross-entropy ``(1 + 2 lam lse) q - (1-eps) onehot - eps/V``;
+    soft CE and forward KL ``q - p``; reverse KL ``q (log q - log p - l) = q (D - E_q[D])``
+    (pivoted form, lossspec.stats), with
+    ``q = exp(c (x - m) - lse')`` and ``p = exp(ct (t - mt) - log st)``. ``e``/``et``, when
+    given, are the block's ``exp(c (x - m))`` relative to the *final* maxima (single-block
+    rows), which saves recomputing the exponentials. Rows with ``coef == 0`` are exactly 0,
+    bad rows (NaN / ``+inf``) NaN.
+    """
+    c, ct = cfg.scale, cfg.teacher_scale
+    dx = x - fin.m[:, None]
+    if e is None:
+        q = jnp.exp(c * dx - fin.lse[:, None])
+    else:
+        q = e * (1.0 / fin.s)[:, None]
+    if cfg.is_ce:
+        eps = cfg.label_smoothing
+        gq = q if fin.q_coef is None else fin.q_coef[:, None] * q
+        gz = jnp.where(hit, gq - (1.0 - eps), gq)
+        if eps > 0:
+            gz = gz - eps / vocab
+    else:
+        if cfg.kind == "reverse_kl":
+            gz = _pos_times(q, _pivot_d(cfg, dx, t, fin.tau) - fin.mean_d[:, None])
+        else:
+            dt = t - fin.mt[:, None]
+            p = jnp.exp(ct * dt - fin.lse_t[:, None]) if et is None else et * (1.0 / fin.st)[:, None]
+            gz = q - p
+    scale = (coef * c)[:, None]
+    grad = scale * gz
+    grad = jnp.where(bad_rows(fin)[:, None], jnp.nan, grad)
+    return jnp.where(scale != 0, grad, 0.0)
+
+
+
+
+def varying_axes(*refs: Any) -> frozenset:
+    """The manual mesh axes (``shard_map``) over which any of ``refs`` varies."""
+    axes: set = set()
+    for ref in refs:
+        aval = jax.typeof(ref)
+        mat = getattr(aval, "mat", None)  # jax 0.10: ManualAxisType(varying=...)
+        axes |= set(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+    return frozenset(axes)
+
+
+def varying_like(value: Any, *refs: Any) -> Any:
+    """``value`` (a pytree) marked as varying over the manual mesh axes of ``refs``.
+
+    Inside ``shard_map`` a loop carry must have the varying-axes type of what the loop body
+    produces from the (sharded) inputs; fresh zeros are invariant until cast."""
+    axes = varying_axes(*refs)
+    if not axes:
+        return value
+
+    def cast(leaf: Array) -> Array:
+        missing = axes - varying_axes(leaf)
+        return lax.pcast(leaf, tuple(sorted(missing)), to="varying") if missing else leaf
+
+    return jax.tree.map(cast, value)
+
+
