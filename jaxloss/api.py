@@ -46,135 +46,38 @@ __all__ = ["cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl", "c
 # --------------------------------------------------------------------------------------------
 
 
-def cross_entropy(
-    logits: Any,
-    labels: Any,
-    loss_mask: Any = None,
-    *,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    logit_scale: float = 1.0,
-    normalization: str = "valid_tokens",
-    denominator: Any = None,
-    vocab_parallel: Any = None,
-    impl: str = "auto",
-) -> Array:
-    """Masked cross-entropy with integer labels.
+def _masked_loss(kind: str, **args: Any) -> Array:
+    """Body of the four public functions (their signatures: ``lossspec.KIND_SPECS``)."""
+    spec = lossspec.KIND_SPECS[kind]
+    options = {name: args[name] for name in spec.option_names}
+    config = lossspec.make_config(kind, normalization=args["normalization"], **options)
+    return _loss(config, args["logits"], args[spec.target], args["loss_mask"], args["denominator"], args["vocab_parallel"], args["impl"])
 
-    Per token, with ``z = logit_scale * x``, ``lse = log sum_v exp(z_v)``::
 
-        l = lse - (1 - eps) z_y - (eps / V) sum_v z_v + lam lse^2
-        dl/dz = (1 + 2 lam lse) softmax(z) - (1 - eps) onehot(y) - eps / V
-
-    Args:
-      logits: ``[..., V]`` floating point (computed in fp32).
-      labels: ``[...]`` integers; a token whose label equals ``ignore_index`` is masked.
-        Labels of masked tokens are never read as indices.
-      loss_mask: ``[...]`` boolean or float weights ``>= 0``, or ``None``.
-      ignore_index: label value of masked tokens.
-      label_smoothing: ``eps`` in ``[0, 1]``.
-      z_loss: ``lam >= 0``.
-      logit_scale: ``s > 0``, multiplies the logits.
-      normalization: ``"valid_tokens" | "tokens" | "sum" | "none"`` (SPEC section 2).
-      denominator: overrides ``D`` of the reduced modes (``"valid_tokens"``, ``"tokens"``,
-        ``"sum"``): the global count of SPEC section 4 (Python number or 0-d array, may be
-        traced; runtime data, never a recompilation). ``None`` counts this call's own tokens.
-        Not accepted with ``"none"``.
-      vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the
-        vocabulary is split, inside ``shard_map`` / ``pmap``: ``logits`` is this replica's
-        contiguous slice ``[..., V_local]`` (shards in axis-index order, ``V = V_local * P``),
-        labels are global ids. The loss is the same on every replica and the gradient is the
-        replica's slice; the statistics are combined with explicit ``pmax`` / ``psum``.
-      impl: ``"auto" | "xla" | "pallas"``.
-
-    Returns:
-      The fp32 scalar loss, or ``[...]`` per-token losses ``w_i l_i`` for ``"none"``.
-    """
-    config = lossspec.make_config(
-        "cross_entropy",
-        normalization=normalization,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        logit_scale=logit_scale,
+FRAMEWORK_ARGS = lossspec.FrameworkArgs(
+    (
+        (
+            "vocab_parallel",
+            None,
+            "``None``, or the mesh axis name (or a tuple of names) over which the vocabulary is split, "
+            "inside ``shard_map`` / ``pmap``: ``logits`` is this replica's contiguous slice ``[..., V_local]`` "
+            "(shards in axis-index order, ``V = V_local * P``), labels are global ids. The loss is the same on "
+            "every replica and the gradient is the replica's slice; the statistics are combined with explicit "
+            "collectives.",
+        ),
+        ("impl", "auto", '``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``.'),
     )
-    return _loss(config, logits, labels, loss_mask, denominator, vocab_parallel, impl)
+)
 
 
-def soft_cross_entropy(
-    logits: Any,
-    teacher_logits: Any,
-    loss_mask: Any = None,
-    *,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    teacher_logit_scale: float = 1.0,
-    normalization: str = "valid_tokens",
-    denominator: Any = None,
-    vocab_parallel: Any = None,
-    impl: str = "auto",
-) -> Array:
-    """Cross-entropy against the teacher's distribution ``p = softmax(s_t t / T)``.
-
-    Per token, ``z = s x / T``: ``l = lse(z) - sum_v p_v z_v``, ``dl/dz = softmax(z) - p``.
-    No ``T**2`` factor. The teacher gets no gradient. Arguments as :func:`forward_kl`.
-    """
-    return _distill("soft_cross_entropy", **locals())
+def _public(kind: str) -> Any:
+    return lossspec.public_function(lossspec.KIND_SPECS[kind], FRAMEWORK_ARGS, _masked_loss, __name__)
 
 
-def forward_kl(
-    logits: Any,
-    teacher_logits: Any,
-    loss_mask: Any = None,
-    *,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    teacher_logit_scale: float = 1.0,
-    normalization: str = "valid_tokens",
-    denominator: Any = None,
-    vocab_parallel: Any = None,
-    impl: str = "auto",
-) -> Array:
-    """Forward KL, ``KL(p || q)``, of the student ``q = softmax(s x / T)`` from the teacher
-    ``p = softmax(s_t t / T)``.
-
-    Per token: ``l = sum_v p_v (log p_v - log q_v)``, ``dl/dz = q - p`` (``z = s x / T``).
-
-    Args:
-      logits: student logits ``[..., V]`` floating point.
-      teacher_logits: ``[..., V]`` floating point (any float dtype; no gradient).
-      loss_mask: ``[...]`` boolean or float weights ``>= 0``, or ``None``.
-      temperature: ``T > 0``, divides student and teacher alike; no ``T**2`` factor.
-      logit_scale: ``s > 0`` (student).
-      teacher_logit_scale: ``s_t > 0``.
-      normalization, denominator, vocab_parallel, impl: as :func:`cross_entropy`.
-
-    Returns:
-      The fp32 scalar loss, or ``[...]`` per-token losses for ``"none"``.
-    """
-    return _distill("forward_kl", **locals())
-
-
-def reverse_kl(
-    logits: Any,
-    teacher_logits: Any,
-    loss_mask: Any = None,
-    *,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    teacher_logit_scale: float = 1.0,
-    normalization: str = "valid_tokens",
-    denominator: Any = None,
-    vocab_parallel: Any = None,
-    impl: str = "auto",
-) -> Array:
-    """Reverse KL, ``KL(q || p)`` (mode seeking).
-
-    Per token: ``l = sum_v q_v (log q_v - log p_v)``, ``dl/dz = q (log q - log p - l)``.
-    Arguments as :func:`forward_kl`.
-    """
-    return _distill("reverse_kl", **locals())
+cross_entropy = _public("cross_entropy")
+soft_cross_entropy = _public("soft_cross_entropy")
+forward_kl = _public("forward_kl")
+reverse_kl = _public("reverse_kl")
 
 
 def count_denominator(
@@ -218,25 +121,6 @@ def resolve_impl(impl: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Argument handling
 # --------------------------------------------------------------------------------------------
-
-
-def _distill(kind: str, **args: Any) -> Array:
-    config = lossspec.make_config(
-        kind,
-        normalization=args["normalization"],
-        temperature=args["temperature"],
-        logit_scale=args["logit_scale"],
-        teacher_logit_scale=args["teacher_logit_scale"],
-    )
-    return _loss(
-        config,
-        args["logits"],
-        args["teacher_logits"],
-        args["loss_mask"],
-        args["denominator"],
-        args["vocab_parallel"],
-        args["impl"],
-    )
 
 
 def _as_array(value: Any) -> Any:

@@ -16,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import lossspec
@@ -28,27 +28,29 @@ __all__ = ["CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "Reverse
 
 
 class _Loss(_nnx.Module):
-    """Shared body: keyword options stored as static attributes, checked once."""
+    """Shared body: the kind's options (``lossspec.KIND_SPECS``) stored as static attributes,
+    checked once."""
 
     kind: str = ""
-    _fn: Callable[..., jax.Array]
 
-    def __init__(self, *, normalization: str = "valid_tokens", vocab_parallel: Any = None, impl: str = "auto", **options: Any):
-        lossspec.make_config(self.kind, normalization=normalization, **options)
-        lossspec.check_impl(impl, lossspec.JAX_IMPLS)
-        if vocab_parallel is not None:
+    def __init__(self, **options: Any):
+        spec = lossspec.KIND_SPECS[self.kind]
+        settings = lossspec.kinds.module_settings(spec, api.FRAMEWORK_ARGS, options, type(self).__name__)
+        lossspec.check_impl(settings["impl"], lossspec.JAX_IMPLS)
+        if settings["vocab_parallel"] is not None:
             from ._vocab_parallel import axis_names
 
-            axis_names(vocab_parallel)  # a bad value fails here, not at the first call
-        self.normalization = normalization
-        self.vocab_parallel = vocab_parallel
-        self.impl = impl
-        self.options = dict(options)
+            axis_names(settings["vocab_parallel"])  # a bad value fails here, not at the first call
+        self.normalization = settings.pop("normalization")
+        self.vocab_parallel = settings.pop("vocab_parallel")
+        self.impl = settings.pop("impl")
+        self.options = settings
 
     def __call__(self, logits: Any, target: Any, loss_mask: Any = None, *, denominator: Any = None) -> jax.Array:
         """The loss of this module's kind: an fp32 scalar, or per-token losses ``[...]`` for
-        ``normalization="none"``."""
-        return type(self)._fn(
+        ``normalization="none"``; ``target`` is the labels or the teacher logits."""
+        function = getattr(api, self.kind)
+        return function(
             logits,
             target,
             loss_mask,
@@ -60,80 +62,13 @@ class _Loss(_nnx.Module):
         )
 
 
-class CrossEntropyLoss(_Loss):
-    """:func:`jaxloss.cross_entropy` as a module.
-
-    ``CrossEntropyLoss(*, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_scale=1.0,
-    normalization="valid_tokens", vocab_parallel=None, impl="auto")``, called as
-    ``loss(logits [..., V], labels [...], loss_mask=None, *, denominator=None)``.
-    """
-
-    kind = "cross_entropy"
-    _fn = staticmethod(api.cross_entropy)
-
-    def __init__(
-        self,
-        *,
-        ignore_index: int = -100,
-        label_smoothing: float = 0.0,
-        z_loss: float = 0.0,
-        logit_scale: float = 1.0,
-        normalization: str = "valid_tokens",
-        vocab_parallel: Any = None,
-        impl: str = "auto",
-    ):
-        super().__init__(
-            normalization=normalization,
-            vocab_parallel=vocab_parallel,
-            impl=impl,
-            ignore_index=ignore_index,
-            label_smoothing=label_smoothing,
-            z_loss=z_loss,
-            logit_scale=logit_scale,
-        )
+def _module(kind: str) -> type[_Loss]:
+    spec = lossspec.KIND_SPECS[kind]
+    doc = lossspec.kinds.module_docstring(spec, api.FRAMEWORK_ARGS, "jaxloss")
+    return type(spec.module, (_Loss,), {"kind": kind, "__doc__": doc, "__module__": __name__})
 
 
-class _DistillLoss(_Loss):
-    def __init__(
-        self,
-        *,
-        temperature: float = 1.0,
-        logit_scale: float = 1.0,
-        teacher_logit_scale: float = 1.0,
-        normalization: str = "valid_tokens",
-        vocab_parallel: Any = None,
-        impl: str = "auto",
-    ):
-        super().__init__(
-            normalization=normalization,
-            vocab_parallel=vocab_parallel,
-            impl=impl,
-            temperature=temperature,
-            logit_scale=logit_scale,
-            teacher_logit_scale=teacher_logit_scale,
-        )
-
-
-class SoftCrossEntropyLoss(_DistillLoss):
-    """:func:`jaxloss.soft_cross_entropy` as a module: ``SoftCrossEntropyLoss(*, temperature=1.0,
-    logit_scale=1.0, teacher_logit_scale=1.0, normalization="valid_tokens", vocab_parallel=None,
-    impl="auto")``, called as ``loss(logits, teacher_logits, loss_mask=None, *, denominator=None)``."""
-
-    kind = "soft_cross_entropy"
-    _fn = staticmethod(api.soft_cross_entropy)
-
-
-class ForwardKLLoss(_DistillLoss):
-    """:func:`jaxloss.forward_kl` (``KL(p || q)``) as a module; options as
-    :class:`SoftCrossEntropyLoss`."""
-
-    kind = "forward_kl"
-    _fn = staticmethod(api.forward_kl)
-
-
-class ReverseKLLoss(_DistillLoss):
-    """:func:`jaxloss.reverse_kl` (``KL(q || p)``) as a module; options as
-    :class:`SoftCrossEntropyLoss`."""
-
-    kind = "reverse_kl"
-    _fn = staticmethod(api.reverse_kl)
+CrossEntropyLoss = _module("cross_entropy")
+SoftCrossEntropyLoss = _module("soft_cross_entropy")
+ForwardKLLoss = _module("forward_kl")
+ReverseKLLoss = _module("reverse_kl")

@@ -187,3 +187,18 @@ def module_docstring(spec: KindSpec, extra: FrameworkArgs, framework: str) -> st
         f"``module(logits, {spec.target}, loss_mask=None, *, denominator=None)``. It holds no parameters.\n\n"
         f"    {spec.loss}\n    {spec.grad}\n"
     )
+
+
+def module_settings(spec: KindSpec, extra: FrameworkArgs, options: dict[str, Any], owner: str) -> dict[str, Any]:
+    """A module's settings: ``options`` over the defaults of ``spec``'s options,
+    ``normalization`` and the framework's arguments, validated with the functions' own errors
+    (an unknown name is a ``TypeError`` naming ``owner``)."""
+    from .config import make_config
+
+    defaults = dict(spec.options, normalization="valid_tokens", **{name: default for name, default, _ in extra.args})
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise TypeError(f"{owner} got unexpected option(s) {', '.join(unknown)}; it accepts {', '.join(defaults)}")
+    settings = {**defaults, **options}
+    make_config(spec.kind, normalization=settings["normalization"], **{name: settings[name] for name in spec.option_names})
+    return settings

@@ -32,16 +32,9 @@ class _MaskedLoss(torch.nn.Module):
     def __init__(self, **options: Any) -> None:
         super().__init__()
         spec = lossspec.KIND_SPECS[self.kind]
-        extra = {name: default for name, default, _ in api.FRAMEWORK_ARGS.args}
-        allowed = dict(spec.options, normalization="valid_tokens", **extra)
-        unknown = sorted(set(options) - set(allowed))
-        if unknown:
-            raise TypeError(f"{type(self).__name__} got unexpected option(s) {', '.join(unknown)}; it accepts {', '.join(allowed)}")
-        settings = {**allowed, **options}
-        # Validate now, like torch.nn losses do, with the functions' own errors.
-        lossspec.make_config(self.kind, normalization=settings["normalization"], **{n: settings[n] for n in spec.option_names})
-        lossspec.check_impl(settings["impl"], lossspec.TORCH_IMPLS)
-        self.settings = settings
+        # Validated now, like torch.nn losses do, with the functions' own errors.
+        self.settings = lossspec.kinds.module_settings(spec, api.FRAMEWORK_ARGS, options, type(self).__name__)
+        lossspec.check_impl(self.settings["impl"], lossspec.TORCH_IMPLS)
 
     def forward(self, logits: Tensor, target: Tensor, loss_mask: Optional[Tensor] = None, *, denominator: api.Denominator = None) -> Tensor:
         """The loss of this module's kind: a 0-d fp32 tensor, or per-token losses ``[...]`` for
