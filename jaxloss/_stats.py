@@ -14,7 +14,6 @@ fp32 blocks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Optional
 
 import jax
@@ -140,12 +139,7 @@ def empty_stats(cfg: KernelConfig, rows: int) -> Stats:
 
 
 # The algebra between blocks (and shards) is lossspec.stats', on jax.numpy arrays.
-finite_max = functools.partial(stats.finite_max, jnp)
-rescale = functools.partial(stats.rescale, jnp)
-rescale_e_d = functools.partial(stats.rescale_e_d, jnp)
-combine = functools.partial(stats.combine, jnp)
-finalize = functools.partial(stats.finalize, jnp)
-bad_rows = functools.partial(stats.bad_rows, jnp)
+finite_max, rescale, rescale_e_d, combine, finalize, bad_rows = stats.bind(jnp)
 
 
 def grad_block(

@@ -62,10 +62,8 @@ class _Loss(_nnx.Module):
         )
 
 
-def _module(kind: str) -> type[_Loss]:
-    spec = lossspec.KIND_SPECS[kind]
-    doc = lossspec.kinds.module_docstring(spec, api.FRAMEWORK_ARGS, "jaxloss")
-    return type(spec.module, (_Loss,), {"kind": kind, "__doc__": doc, "__module__": __name__})
+def _module(kind: str) -> type:
+    return lossspec.kinds.module_class(kind, _Loss, api.FRAMEWORK_ARGS, "jaxloss", __name__)
 
 
 CrossEntropyLoss = _module("cross_entropy")

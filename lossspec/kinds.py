@@ -202,3 +202,10 @@ def module_settings(spec: KindSpec, extra: FrameworkArgs, options: dict[str, Any
     settings = {**defaults, **options}
     make_config(spec.kind, normalization=settings["normalization"], **{name: settings[name] for name in spec.option_names})
     return settings
+
+
+def module_class(kind: str, base: type, extra: FrameworkArgs, framework: str, module: str) -> type:
+    """The module class of ``kind`` (named ``KIND_SPECS[kind].module``) on a framework's shared
+    ``base`` class, with the table's docstring."""
+    spec = KIND_SPECS[kind]
+    return type(spec.module, (base,), {"kind": kind, "__doc__": module_docstring(spec, extra, framework), "__module__": module})

@@ -222,3 +222,11 @@ def finalize(xp: Any, config: LossConfig, st: Any, vocab: int) -> Any:
         loss = mean_d + (lse_t - lse - ct * (st.tau - mt))
     loss = xp.where(xp.isnan(st.s) | xp.isnan(st.st), float("nan"), loss)
     return Final(l=loss, m=m, s=st.s, lse=lse, mt=mt, st=st.st, lse_t=lse_t, tau=tau, mean_d=mean_d)
+
+
+def bind(xp: Any) -> tuple[Any, ...]:
+    """``(finite_max, rescale, rescale_e_d, combine, finalize, bad_rows)`` on the namespace
+    ``xp``: what a backend's ``_stats`` module exports."""
+    import functools
+
+    return tuple(functools.partial(f, xp) for f in (finite_max, rescale, rescale_e_d, combine, finalize, bad_rows))

@@ -149,6 +149,7 @@ rescale_e_d = functools.partial(stats.rescale_e_d, torch)
 combine = functools.partial(stats.combine, torch)
 finalize = functools.partial(stats.finalize, torch)
 bad_rows = functools.partial(stats.bad_rows, torch)
+finite_max, rescale, rescale_e_d, combine, finalize, bad_rows = stats.bind(torch)
 finite_max = functools.partial(stats.finite_max, torch)
 
 

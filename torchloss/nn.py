@@ -47,10 +47,8 @@ class _MaskedLoss(torch.nn.Module):
         return ", ".join(f"{k}={v!r}" for k, v in shown.items())
 
 
-def _module(kind: str) -> type[_MaskedLoss]:
-    spec = lossspec.KIND_SPECS[kind]
-    doc = lossspec.kinds.module_docstring(spec, api.FRAMEWORK_ARGS, "torchloss")
-    return type(spec.module, (_MaskedLoss,), {"kind": kind, "__doc__": doc, "__module__": __name__})
+def _module(kind: str) -> type:
+    return lossspec.kinds.module_class(kind, _MaskedLoss, api.FRAMEWORK_ARGS, "torchloss", __name__)
 
 
 CrossEntropyLoss = _module("cross_entropy")
