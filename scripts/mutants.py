@@ -1,0 +1,189 @@
+"""Mutation check: apply curated one-line bugs to the library and report which tests catch each.
+
+    .venv/bin/python scripts/mutants.py                  # every mutant, report to docs/mutants.md
+    .venv/bin/python scripts/mutants.py --only local_count,z_loss_grad
+
+Each mutant replaces one exact line (it must occur exactly once: a mutant that no longer applies
+is reported as such, never skipped silently), runs the tests named for it (pytest ``-x``, the
+first failure is enough), and restores the file. A mutant is *caught* when the tests fail.
+Not part of CI (it runs the suites once per mutant); its last report is committed as
+``docs/mutants.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str  # the bug, in words
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest arguments (files, -k expressions)
+
+
+TORCH_ORACLE = ("parity_tests/test_torchloss_oracle.py", "-m", "not slow")
+JAX_ORACLE = ("parity_tests/test_jaxloss_oracle.py", "-m", "not slow")
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "z_loss_grad",
+        "the z-loss term dropped from the cross-entropy gradient (shared algebra)",
+        "lossspec/stats.py",
+        "            q_coef = 1.0 + (2.0 * lam) * full_lse",
+        "            q_coef = 1.0 + 0.0 * full_lse",
+        TORCH_ORACLE,
+    ),
+    Mutant(
+        "rescale_e_d_sign",
+        "reverse KL's pivot moved with the wrong sign when blocks or shards combine",
+        "lossspec/stats.py",
+        "    shift = config.student_scale * dm - config.teacher_scale * (st.tau - tau_new)",
+        "    shift = config.student_scale * dm + config.teacher_scale * (st.tau - tau_new)",
+        ("parity_tests/test_torchloss_oracle.py", "-k", "vocab_blocks", "parity_tests/test_jaxloss_kernels.py"),
+    ),
+    Mutant(
+        "local_count_torch",
+        "torchloss.accumulate divides by the local count (no all_reduce over the replicas)",
+        "torchloss/distributed.py",
+        "            dist.all_reduce(denominator, op=dist.ReduceOp.SUM, group=group)",
+        "            pass",
+        ("parity_tests/test_distributed_torch.py",),
+    ),
+    Mutant(
+        "local_count_jax",
+        "jaxloss.global_denominator does not psum over the data axes",
+        "jaxloss/distributed.py",
+        "    return jax.lax.psum(count, axes) if axes else count",
+        "    return count",
+        ("parity_tests/test_distributed_jax.py", "-m", "not slow"),
+    ),
+    Mutant(
+        "ignored_denominator_torch",
+        "torchloss ignores a Python-number denominator= (counts its own tokens)",
+        "torchloss/api.py",
+        "            denom = float(denominator)",
+        "            denom = weight.sum()",
+        ("parity_tests/test_torchloss_oracle.py", "parity_tests/test_torchloss_autograd.py", "-m", "not slow"),
+    ),
+    Mutant(
+        "skipped_16bit_recompute_torch",
+        "torchloss scales the rounded 16-bit gradient instead of recomputing it (two roundings)",
+        "torchloss/api.py",
+        "        ctx.recompute = need_grad and not inplace and logits.dtype in (torch.bfloat16, torch.float16)",
+        "        ctx.recompute = False",
+        ("parity_tests/test_torchloss_oracle.py", "parity_tests/test_torchloss_autograd.py", "-m", "not slow"),
+    ),
+    Mutant(
+        "truncated_bf16_store_torch",
+        "the torch path truncates the fp32 gradient to bf16 instead of rounding to nearest",
+        "torchloss/_stats.py",
+        "        out.copy_(g)  # the one rounding to the logits' dtype",
+        "        out.copy_(g.view(torch.int32).bitwise_and_(-65536).view(g.dtype) if out.dtype == torch.bfloat16 else g)",
+        ("parity_tests/test_torchloss_oracle.py", "parity_tests/test_rounding_16bit.py", "-m", "not slow"),
+    ),
+    Mutant(
+        "nan_row_hidden_torch",
+        "the torch path leaves a NaN-loss row's gradient finite",
+        "torchloss/_stats.py",
+        '        _fill_rows(g, nan, float("nan"))',
+        "        pass",
+        ("parity_tests/test_torchloss_reliability.py",),
+    ),
+    Mutant(
+        "label_smoothing_sign_oracle",
+        "the oracle's label-smoothing term with a flipped sign",
+        "lossspec/oracle.py",
+        "                loss = loss - (eps / vocab) * d.sum(axis=-1)",
+        "                loss = loss + (eps / vocab) * d.sum(axis=-1)",
+        ("parity_tests/test_lossspec_oracle.py",),
+    ),
+    Mutant(
+        "pallas_tail_mask",
+        "the Pallas kernel's ragged vocabulary tail mask off by one",
+        "jaxloss/_pallas.py",
+        "        col_ok = (cols < n_cols)[None, :]",
+        "        col_ok = (cols < n_cols - 1)[None, :]",
+        ("parity_tests/test_jaxloss_kernels.py", "-m", "not slow"),
+    ),
+    Mutant(
+        "first_order_silent_torch",
+        "a create_graph=True gradient silently treated as a constant again",
+        "torchloss/api.py",
+        "        if create_graph:\n            grad = _first_order_only(grad)",
+        "        if False:\n            grad = _first_order_only(grad)",
+        ("parity_tests/test_torchloss_reliability.py", "parity_tests/test_torchloss_autograd.py", "-m", "not slow"),
+    ),
+)
+
+
+def run(mutant: Mutant, timeout_s: int) -> dict:
+    path = ROOT / mutant.path
+    original = path.read_text()
+    count = original.count(mutant.old)
+    if count != 1:
+        return {"name": mutant.name, "status": f"NOT APPLIED (the line occurs {count} times)", "seconds": 0.0, "failed": ""}
+    path.write_text(original.replace(mutant.old, mutant.new))
+    start = time.monotonic()
+    try:
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "2", "-p", "no:cacheprovider", *mutant.tests]
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        failed = [line.split(" ", 1)[1].split(" - ")[0] for line in result.stdout.splitlines() if line.startswith("FAILED ")]
+        caught = result.returncode != 0
+        status = "caught" if caught else "MISSED"
+        if caught and not failed:
+            status = f"caught (pytest exit {result.returncode})"
+    except subprocess.TimeoutExpired:
+        status, failed = f"TIMEOUT after {timeout_s} s", []
+    finally:
+        path.write_text(original)
+    return {"name": mutant.name, "status": status, "seconds": time.monotonic() - start, "failed": failed[0] if failed else ""}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="comma list of mutant names")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per mutant")
+    parser.add_argument("--report", default=str(ROOT / "docs" / "mutants.md"))
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only.split(",")]
+    rows = []
+    for i, mutant in enumerate(chosen, 1):
+        print(f"[{i}/{len(chosen)}] {mutant.name}: {mutant.what} ...", flush=True)
+        row = run(mutant, args.timeout)
+        print(f"    {row['status']} in {row['seconds']:.0f} s {row['failed']}", flush=True)
+        rows.append((mutant, row))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    clean = not subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    lines = [
+        "# Mutation check",
+        "",
+        f"`scripts/mutants.py` applied {len(rows)} one-line bugs at commit `{commit}` (tree {'clean' if clean else 'with uncommitted changes'})"
+        f" on {time.strftime('%Y-%m-%d')}; each ran the tests listed for it.",
+        "",
+        "| mutant | the bug | file | tests run | result | first failing test |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mutant, row in rows:
+        tests = " ".join(t for t in mutant.tests if t.endswith(".py")).replace("parity_tests/", "")
+        lines.append(f"| `{mutant.name}` | {mutant.what} | `{mutant.path}` | {tests} | {row['status']} | `{row['failed']}` |")
+    caught = sum(row["status"].startswith("caught") for _, row in rows)
+    lines += ["", f"{caught} of {len(rows)} caught."]
+    Path(args.report).write_text("\n".join(lines) + "\n")
+    print(f"{caught} of {len(rows)} caught; report: {args.report}")
+    if caught != len(rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
