@@ -1,11 +1,18 @@
-"""The small model and batch of the torch equivalence tests (shared by the test and its worker)."""
+"""The small model and batch of the torch equivalence tests (shared by the tests and their
+workers), and its float64 reference (_tiny_lm_oracle.py)."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import numpy as np
 import torch
 
 import torchloss
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _tiny_lm_oracle  # noqa: E402
 
 KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
 NORMALIZATIONS = ("valid_tokens", "tokens", "sum")
@@ -38,15 +45,15 @@ def make_model() -> TinyLM:
 def make_problem(kind: str, seed: int = 0, float_weights: bool = False) -> dict[str, torch.Tensor]:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, VOCAB_IN, (BATCH, SEQ))
-    valid_per_row = [5, 1, 3, 2, 0, 0, 0, 0]  # rows 4-7 (replica 1 of 2) all masked
-    mask = np.zeros((BATCH, SEQ), bool)
-    for row, count in enumerate(valid_per_row):
-        mask[row, :count] = True
+    # Valid counts per row (4, 1, 5, 2, 0, 0, 3, 1): 2 replicas hold 12 / 4, 4 replicas hold
+    # 5 / 7 / 0 / 4 (replica 2 all masked); see _tiny_lm_oracle.VALID_PER_ROW.
+    mask, ignored = _tiny_lm_oracle.mask_and_ignored(rng, SEQ)
     weights = np.where(mask, rng.uniform(0.5, 2.0, mask.shape), 0.0).astype(np.float32)
     batch = {"tokens": torch.tensor(tokens), "loss_mask": torch.tensor(weights if float_weights else mask)}
     if kind == "cross_entropy":
         labels = rng.integers(0, VOCAB, (BATCH, SEQ))
-        labels[2, 0] = -100
+        for position in ignored:  # an ignored label among the valid positions of each half
+            labels[position] = -100
         batch["labels"] = torch.tensor(labels)
     else:
         batch["teacher"] = torch.tensor(rng.normal(0, 2, (BATCH, SEQ, VOCAB)), dtype=torch.float32)
@@ -63,3 +70,15 @@ def loss_fn_for(kind: str, normalization: str):
                     **KIND_OPTIONS[kind])
 
     return loss_fn
+
+
+def oracle(kind: str, normalization: str) -> tuple[float, dict[str, np.ndarray]]:
+    """The float64 full-batch loss and ``emb`` / ``head`` gradients of :func:`make_model` on
+    :func:`make_problem`'s batch (the same ``float_weights`` rule as the tests: float weights for
+    ``"sum"``)."""
+    model = make_model()
+    batch = make_problem(kind, float_weights=(normalization == "sum"))
+    target = batch["labels"] if kind == "cross_entropy" else batch["teacher"]
+    return _tiny_lm_oracle.reference(kind, normalization, model.emb.detach().numpy(), model.head.detach().numpy(),
+                                     batch["tokens"].numpy(), target.numpy(), batch["loss_mask"].numpy(),
+                                     **KIND_OPTIONS[kind])

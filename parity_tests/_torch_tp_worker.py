@@ -19,10 +19,11 @@ Scenarios (``SCENARIOS``):
 * ``p2``: P=2, the whole batch, one plain loss call with ``denominator=None`` (each TP pair
   runs it on its own: two independent copies);
 * ``p2_k2``: P=2, ``accumulate`` with K=2 on a plain module and no data-parallel group
-  (the second micro-batch, rows 4-7, is all masked);
+  (12 and 4 valid tokens in the two micro-batches);
 * ``d2p2`` / ``d2p2_k2`` / ``d2p2_k5_empty``: D=2 x P=2, ``DistributedDataParallel(model,
   process_group=dp_group)`` and ``accumulate`` with K=1 / 2 / 5 (4 local rows in 5 micro-batches:
-  one is empty); data replica 1 holds rows 4-7, all masked;
+  one is empty); data replica 0 holds rows 0-3 (12 valid), replica 1 rows 4-7 (4 valid, its
+  first micro-batch of 2 all masked);
 * ``d2p2_plain_k2``: D=2 x P=2 without DDP: ``accumulate`` on the plain module with
   ``group=dp_group`` (counts and gradients summed over the data-parallel group only).
 

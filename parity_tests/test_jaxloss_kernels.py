@@ -249,6 +249,7 @@ def test_auto_picks_xla_off_gpu_and_pallas_on_gpu(monkeypatch: pytest.MonkeyPatc
     auto = jaxloss.forward_kl(case.logits, case.target, case.loss_mask)
     xla = jaxloss.forward_kl(case.logits, case.target, case.loss_mask, impl="xla")
     assert np.asarray(auto).tobytes() == np.asarray(xla).tobytes()
+    compare_loss(np.asarray(auto), case.reference().loss, "impl='auto'").check()  # and the value is right
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert jaxloss.resolve_impl("auto") == "pallas"
     assert jaxloss.resolve_impl("xla") == "xla"

@@ -3,8 +3,10 @@
 float64 oracle of the whole vocabulary at the SPEC bounds.
 
 Every kind x normalisation {valid_tokens, none (non-unit upstream gradient)} x dtype
-{float32, bfloat16} x case {random, huge, neg_inf} x options runs on the XLA path; the Pallas
-kernels' "stats" / "grad" modes (interpreted on the CPU: slow) on a subset. The mirror of
+{float32, bfloat16} x case {random, huge, neg_inf} x options runs on the XLA path, and every kind
+with "tokens", "sum" and ``denominator=`` (a constant and a traced value) on masked and
+float-weighted batches; the Pallas kernels' "stats" / "grad" modes (interpreted on the CPU:
+slow) on a subset, the XLA path's gradient beside them. The mirror of
 test_torchloss_vocab_parallel.py.
 """
 
@@ -35,10 +37,25 @@ VOCAB = 100  # P = 2: 50 + 50, P = 4: 25 x 4
 LEAD = (4, 6)
 PALLAS_CONFIGS = {
     ("cross_entropy", "valid_tokens", "bfloat16", "huge", "smooth_z"),
+    ("cross_entropy", "tokens", "float32", "random", "plain"),
     ("soft_cross_entropy", "none", "float32", "random", "temp"),
     ("forward_kl", "valid_tokens", "float32", "neg_inf", "temp"),
     ("reverse_kl", "none", "bfloat16", "huge", "temp"),
+    ("reverse_kl", "sum", "float32", "random", "temp"),
 }
+# The reduced modes beside valid_tokens, and denominator= (SPEC section 2): (scenario, dtype,
+# normalization, denominator, options); "traced" passes D = 7.5 as a runtime (traced) scalar.
+REDUCED_CONFIGS = (
+    ("random", "float32", "tokens", None, "plain"),
+    ("float_weights", "float32", "tokens", None, "opts"),
+    ("float_weights", "float32", "sum", None, "plain"),
+    ("random", "float32", "sum", None, "opts"),
+    ("random", "float32", "valid_tokens", 3.0, "opts"),
+    ("float_weights", "float32", "valid_tokens", "traced", "plain"),
+    ("float_weights", "float32", "tokens", 40.0, "plain"),
+    ("random", "bfloat16", "tokens", "traced", "opts"),
+    ("float_weights", "bfloat16", "sum", 2.5, "opts"),
+)
 FNS = {"cross_entropy": jaxloss.cross_entropy, "soft_cross_entropy": jaxloss.soft_cross_entropy,
        "forward_kl": jaxloss.forward_kl, "reverse_kl": jaxloss.reverse_kl}
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -141,6 +158,43 @@ def test_vocab_parallel_shard_map_matches_oracle(kind: str, shards: int) -> None
     assert checked >= (24 if shards == 2 else 12)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_vocab_parallel_reduced_modes_and_denominator_match_oracle(kind: str) -> None:
+    """"tokens", "sum" and ``denominator=`` (constant, or traced inside the shard_map) over P = 2
+    shards, against the oracle with the same normalisation and denominator."""
+    shards = 2
+    mesh = Mesh(np.array(jax.devices()[:shards]), ("model",))
+    vocab_spec = P(None, None, "model")
+    target_spec = P() if kind == "cross_entropy" else vocab_spec
+    options_of = {"plain": {}, "opts": _options(kind, "random")["smooth_z" if kind == "cross_entropy" else "temp"]}
+    for scenario, dtype, norm, denominator, opt_name in REDUCED_CONFIGS:
+        case = _case(kind, scenario, dtype)
+        logits, target, mask, _ = _inputs(case, dtype)
+        options = dict(options_of[opt_name])
+        traced = denominator == "traced"
+        if denominator is not None and not traced:
+            options["denominator"] = denominator
+        ref_denominator = 7.5 if traced else denominator
+
+        def run(x, t, m, d, options=options, norm=norm, traced=traced):
+            def objective(x):
+                extra = {"denominator": d} if traced else {}
+                return FNS[kind](x, t, m, normalization=norm, vocab_parallel="model", impl="xla", **options, **extra)
+
+            return jax.value_and_grad(objective)(x)
+
+        fn = shard_map(run, mesh=mesh, in_specs=(vocab_spec, target_spec, P(), P()), out_specs=(P(), vocab_spec))
+        loss, grad = jax.jit(fn)(logits, target, mask, jnp.float32(7.5))
+        assert grad.shape == case.logits.shape and grad.dtype == JNP_DTYPES[dtype]
+        ref_options = {k: v for k, v in options.items() if k != "denominator"}
+        if ref_denominator is not None:
+            ref_options["denominator"] = ref_denominator
+        ref = case.reference(normalization=norm, **ref_options)
+        lossspec.assert_close_to_oracle(np.asarray(loss, np.float64), np.asarray(grad.astype(jnp.float32), np.float64),
+                                        ref.loss, ref.grad, dtype=dtype, g0=ref.g0,
+                                        what=f"P=2/{kind}/{norm}/D={denominator}/{dtype}/{scenario}/{opt_name}")
+
+
 @pytest.mark.parametrize("config", sorted(PALLAS_CONFIGS), ids=lambda c: "/".join(c))
 def test_vocab_parallel_pallas_matches_oracle(config: tuple[str, ...]) -> None:
     kind, norm, dtype, scenario, opt_name = config
@@ -148,8 +202,10 @@ def test_vocab_parallel_pallas_matches_oracle(config: tuple[str, ...]) -> None:
     case = _case(kind, scenario, dtype)
     loss, grad = _shard_map_call(case, dtype, kind, norm, options, "pallas", 2)
     _check(kind, norm, dtype, scenario, options, loss, grad, "pallas/" + "/".join(config))
-    # The same numbers as the XLA path's (both use the same algebra, in the same order per block).
+    # The XLA path on the same call: its loss and gradient against the oracle too, and the loss
+    # the same as the kernel's (both use the same algebra, in the same order per block).
     loss_xla, grad_xla = _shard_map_call(case, dtype, kind, norm, options, "xla", 2)
+    _check(kind, norm, dtype, scenario, options, loss_xla, grad_xla, "xla beside pallas/" + "/".join(config))
     np.testing.assert_allclose(np.asarray(loss), np.asarray(loss_xla), rtol=lossspec.LOSS_RTOL, atol=0)
 
 
@@ -181,3 +237,5 @@ def test_vocab_parallel_loss_is_identical_on_every_shard() -> None:
     spec = P(None, None, "model")
     losses = shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, P()), out_specs=P("model"))(logits, target, mask)
     assert losses.shape == (4,) and len(set(np.asarray(losses).tolist())) == 1
+    # ... and the value those copies agree on is the oracle's.
+    lossspec.compare_loss(np.asarray(losses)[0], _reference(case, "valid_tokens", {}).loss, "every shard's loss").check()

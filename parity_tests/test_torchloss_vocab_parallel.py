@@ -3,8 +3,9 @@
 The module fixture runs this file as a script in 3 processes (launched by _ranks.py), which run world size 3
 (uneven shards 20/50/30 of V = 100) on the whole group and world size 2 (even shards) on a
 sub-group of the first two ranks; every rank runs all kinds x normalisations
-{valid_tokens, none} x options x dtypes {float32, bfloat16} x cases {random, huge, neg_inf} on its
-vocabulary shard and saves its loss and gradient slice to an .npz. The tests concatenate the
+{valid_tokens, none} x options x dtypes {float32, bfloat16} x cases {random, huge, neg_inf}, and
+every kind with "tokens", "sum" and ``denominator=`` (REDUCED_CONFIGS), on its vocabulary shard and
+saves its loss and gradient slice to an .npz. The tests concatenate the
 slices and check them against the float64 oracle at the SPEC bounds, and that every rank returns
 bit-identical losses.
 """
@@ -40,6 +41,20 @@ TRITON_CONFIGS = {
 }
 
 
+# The reduced modes beside valid_tokens, and denominator= (SPEC section 2): (scenario, dtype,
+# normalization, denominator, options name, impls).
+REDUCED_CONFIGS = (
+    ("random", "float32", "tokens", None, "plain", ("torch", "triton")),
+    ("float_weights", "float32", "tokens", None, "opts", ("torch",)),
+    ("float_weights", "float32", "sum", None, "plain", ("torch",)),
+    ("random", "float32", "sum", None, "opts", ("torch", "triton")),
+    ("random", "float32", "valid_tokens", 3.0, "opts", ("torch",)),
+    ("float_weights", "float32", "tokens", 40.0, "plain", ("torch",)),
+    ("random", "bfloat16", "tokens", 7.5, "opts", ("torch",)),
+    ("float_weights", "bfloat16", "sum", 2.5, "opts", ("torch",)),
+)
+
+
 def _options(kind: str, scenario: str) -> dict[str, dict[str, Any]]:
     if kind == "cross_entropy":
         extra = {"z_loss": 1e-3} if scenario == "neg_inf" else {"label_smoothing": 0.1, "z_loss": 1e-3}
@@ -56,6 +71,15 @@ def _configs() -> list[tuple[str, str, str, str, str, dict[str, Any], str]]:
             impls = ("torch", "triton") if (kind, norm, dtype, scenario, opt_name) in TRITON_CONFIGS else ("torch",)
             for impl in impls:
                 out.append((f"{kind}/{norm}/{dtype}/{scenario}/{opt_name}/{impl}", kind, norm, dtype, scenario, options, impl))
+    for kind in KINDS:
+        for scenario, dtype, norm, denominator, opt_name, impls in REDUCED_CONFIGS:
+            named = _options(kind, "random")
+            options = dict(named["smooth_z" if kind == "cross_entropy" else "temp"] if opt_name == "opts" else {})
+            if denominator is not None:
+                options["denominator"] = denominator
+            for impl in impls:
+                key = f"{kind}/{norm}/D={denominator}/{dtype}/{scenario}/{opt_name}/{impl}"
+                out.append((key, kind, norm, dtype, scenario, options, impl))
     return out
 
 
@@ -155,7 +179,7 @@ def test_vocab_parallel_matches_oracle(results, world: int, kind: str) -> None:
         assert [r[key + "/grad"].shape[-1] for r in ranks] == list(SHARDS[world])
         lossspec.assert_close_to_oracle(losses[0], grad, ref.loss, ref.grad, dtype=dtype, g0=ref.g0, what=f"w{world}/{key}")
         checked += 1
-    assert checked >= 24
+    assert checked >= 24 + len(REDUCED_CONFIGS)
 
 
 def test_vocab_parallel_rejects_non_group() -> None:
