@@ -41,9 +41,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._stats import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
+from ._xla import no_derivatives
 
 Array = jax.Array
 MODES = ("fused", "stats", "grad")
+HIGHER_ORDER_MESSAGE = (
+    "jaxloss: impl='pallas' supports first-order reverse-mode derivatives only (jax.grad, jax.vjp, "
+    "jax.value_and_grad): the Pallas kernels have no derivative rules of their own. For higher-order "
+    "derivatives (grad of grad, jax.hessian, jax.jvp of a gradient) use impl='xla' with float32 logits."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +182,7 @@ def _call(
     inputs = varying_like(inputs, *inputs)
     mat = jax.sharding.ManualAxisType(varying=axes)
 
-    def call(interpret: bool) -> Callable[..., tuple[Array, ...]]:
+    def call(interpret: bool, typed: bool = True) -> Callable[..., tuple[Array, ...]]:
         block_rows, block_vocab = _blocks(tuning, n, n_cols, on_gpu=not interpret)
         kernel = functools.partial(
             _kernel, cfg=cfg, n_rows=n, n_cols=n_cols, vocab=vocab, block_rows=block_rows,
@@ -184,7 +190,9 @@ def _call(
         )
         return pl.pallas_call(
             kernel,
-            out_shape=tuple(jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat) for shape, dtype in out_shapes),
+            out_shape=tuple(
+                jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat if typed else None) for shape, dtype in out_shapes
+            ),
             grid=(pl.cdiv(n, block_rows),),
             interpret=interpret,
             debug=tuning.debug,
@@ -192,11 +200,45 @@ def _call(
             name=f"jaxloss_{cfg.kind}_{mode}",
         )
 
-    if tuning.interpret is not None:
-        return tuple(call(tuning.interpret)(*inputs))
-    # Decided when lowering, per platform: the Triton kernel for CUDA/ROCm, interpret mode
-    # elsewhere. So a CPU host can also export or cross-compile the GPU kernel.
-    return tuple(lax.platform_dependent(*inputs, cuda=call(False), rocm=call(False), default=call(True)))
+    def interpreted(*inputs: Array) -> tuple[Array, ...]:
+        if not axes:
+            return tuple(call(True)(*inputs))
+        return _interpret_in_shard_map(call(True, typed=False), inputs, axes)
+
+    def run(*inputs: Array) -> tuple[Array, ...]:
+        if tuning.interpret is not None:
+            return tuple(interpreted(*inputs) if tuning.interpret else call(False)(*inputs))
+        # Decided when lowering, per platform: the Triton kernel for CUDA/ROCm, interpret mode
+        # elsewhere. So a CPU host can also export or cross-compile the GPU kernel.
+        return tuple(lax.platform_dependent(*inputs, cuda=call(False), rocm=call(False), default=interpreted))
+
+    # The kernels are never differentiated by the losses' first-order custom_vjp; a higher-order
+    # derivative would differentiate pallas_call (a bare AssertionError in JAX 0.10): refuse.
+    return tuple(no_derivatives(run, HIGHER_ORDER_MESSAGE)(*inputs))
+
+
+def _interpret_in_shard_map(kernel: Callable[..., tuple[Array, ...]], inputs: tuple[Array, ...], axes: frozenset) -> tuple[Array, ...]:
+    """Run an interpret-mode ``kernel`` on operands that vary over the manual mesh ``axes``.
+
+    Pallas' interpreter evaluates the kernel's jaxpr (traced without varying-axes types) on
+    the varying operands, which ``shard_map``'s default ``check_vma=True`` rejects (JAX 0.10.2:
+    "Primitive gather requires varying manual axes to match ... open an issue"). The kernel is
+    per device and needs no collective, so it runs inside a nested ``shard_map`` over no further
+    axes with ``check_vma=False`` (operands re-typed as device-local by a no-op add there),
+    and its results are typed as varying over ``axes`` again (``pcast``, a no-op at run time).
+    The Triton lowering (GPU) needs none of this: it takes the typed operands directly.
+    """
+    from jax.sharding import PartitionSpec
+
+    def local(*args: Array) -> tuple[Array, ...]:
+        # Under check_vma=False a primitive's result carries no varying axes.
+        return tuple(kernel(*(a + jnp.zeros((), a.dtype) for a in args)))
+
+    outs = jax.shard_map(
+        local, mesh=jax.sharding.get_abstract_mesh(), in_specs=PartitionSpec(), out_specs=PartitionSpec(),
+        axis_names=frozenset(), check_vma=False,
+    )(*inputs)
+    return tuple(lax.pcast(out, tuple(sorted(axes)), to="varying") for out in outs)
 
 
 def fused(

@@ -11,7 +11,7 @@ combination and the gradient of a block are :mod:`jaxloss._stats` (the formulati
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -41,12 +41,40 @@ class XlaTuning:
 TUNING = XlaTuning()
 
 
+HIGHER_ORDER_16BIT_MESSAGE = (
+    "jaxloss: higher-order derivatives (grad of grad, jax.hessian, jax.jvp of a gradient) need float32 or "
+    "float64 logits: bfloat16/float16 logits travel through impl='xla' as raw bits, which carry no derivative "
+    "(the result would be silently 0). Cast the logits to float32 before the loss, e.g. "
+    "loss(logits.astype(jnp.float32), ...), and use impl='xla'."
+)
+
+
+def no_derivatives(fn: Callable[..., Any], message: str) -> Callable[..., Any]:
+    """``fn`` (arrays in, a pytree of arrays out) unchanged, but differentiating *through* it
+    raises ``NotImplementedError(message)`` instead of failing obscurely or returning a silent
+    zero. The losses' own first-order ``custom_vjp`` never differentiates its kernels, so this
+    only fires for higher-order derivatives (the custom_vjp's forward is then differentiated)."""
+    wrapped = jax.custom_jvp(fn)
+
+    def refuse(primals: Any, tangents: Any) -> Any:
+        raise NotImplementedError(message)
+
+    wrapped.defjvp(refuse)
+    return wrapped
+
+
+def _to_bits(x: Array) -> Array:
+    return lax.bitcast_convert_type(x, jnp.uint16)
+
+
 def _storage(x: Array) -> tuple[Array, Optional[jnp.dtype]]:
     """16-bit arrays travel through the loops as ``uint16``: XLA's CPU backend upcasts bf16 /
     fp16 dynamic-slices and dynamic-update-slices to fp32, which would convert the whole
-    ``[N, V]`` array (or the gradient buffer, once per chunk). Bit patterns are exact."""
+    ``[N, V]`` array (or the gradient buffer, once per chunk). Bit patterns are exact. A
+    bitcast has no derivative: differentiating through it (only higher-order derivatives do)
+    raises a clear ``NotImplementedError`` (:data:`HIGHER_ORDER_16BIT_MESSAGE`)."""
     if x.dtype.itemsize == 2:
-        return lax.bitcast_convert_type(x, jnp.uint16), x.dtype
+        return no_derivatives(_to_bits, HIGHER_ORDER_16BIT_MESSAGE)(x), x.dtype
     return x, None
 
 

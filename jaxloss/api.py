@@ -17,6 +17,27 @@ Flow of one call:
    the backward multiplies it by the upstream gradient. The kernel is compiled per kind,
    options, shapes and impl, never per normalisation or denominator;
 4. ``_finish`` (jitted): sum or reshape; NaN when a traced call saw a bad value.
+
+Rules shared with ``torchloss`` (the ``lossspec`` docstrings hold the exact conditions):
+
+- ``loss_mask`` and ``denominator`` are data, like the labels: no gradient flows to them
+  (``jax.lax.stop_gradient``; ``jax.grad`` w.r.t. them is exactly 0). ``count_denominator``
+  likewise.
+- Weights are used in float32: besides NaN / inf / negative weights, a positive weight below
+  the smallest normal float32, a weight above the float32 range and a weight set whose sum
+  overflows float32 are rejected (:func:`lossspec.check_weights`); a denominator must be 0 or a
+  normal float32 number (:func:`lossspec.check_denominator_value`). Under tracing the same
+  conditions make the loss (and ``count_denominator``) NaN.
+- Labels are compared with ``ignore_index`` and with ``[0, V)`` exactly, in their own dtype:
+  no wrapping (a ``uint32`` label ``2**32 - 100`` is an out-of-range label, not ``-100``), and
+  an ``ignore_index`` the labels' dtype cannot hold masks nothing.
+- Derivatives: first-order reverse mode (``jax.grad``, ``jax.vjp``, ``jax.value_and_grad``)
+  everywhere. Higher order (grad of grad, ``jax.hessian``, ``jax.jvp`` of a gradient) only with
+  ``impl="xla"``, float32/float64 logits and no ``vocab_parallel``; elsewhere a
+  ``NotImplementedError`` that says so. Forward mode on the loss itself (``jax.jvp``,
+  ``jax.jacfwd``, ``jax.linearize``) is not supported (the losses are ``jax.custom_vjp``s):
+  eager calls raise ``NotImplementedError``; inside ``jit`` JAX reports "can't apply
+  forward-mode autodiff (jvp) to a custom_vjp function".
 """
 
 from __future__ import annotations
@@ -36,7 +57,18 @@ from ._xla import KernelConfig
 
 Array = jax.Array
 F32 = jnp.float32
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+FORWARD_MODE_MESSAGE = (
+    "jaxloss: forward-mode differentiation of the loss (jax.jvp, jax.jacfwd, jax.linearize) is not supported: "
+    "the losses are jax.custom_vjp functions, differentiated in reverse mode (jax.grad, jax.vjp, "
+    "jax.value_and_grad, jax.jacrev). For second derivatives use forward-over-reverse (jax.hessian, or "
+    "jax.jvp of jax.grad) with impl='xla' and float32 logits."
+)
+VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE = (
+    "jaxloss: higher-order derivatives (grad of grad, jax.hessian, jax.jvp of a gradient) are not supported "
+    "with vocab_parallel: the shards' statistics are combined with explicit pmax/psum collectives, which are "
+    "never differentiated. Compute them on the whole vocabulary (vocab_parallel=None) with impl='xla' and "
+    "float32 logits."
+)
 
 __all__ = ["cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl", "count_denominator", "resolve_impl"]
 
@@ -65,7 +97,12 @@ FRAMEWORK_ARGS = lossspec.FrameworkArgs(
             "every replica and the gradient is the replica's slice; the statistics are combined with explicit "
             "collectives.",
         ),
-        ("impl", "auto", '``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``.'),
+        (
+            "impl",
+            "auto",
+            '``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives '
+            'need ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).',
+        ),
     )
 )
 
@@ -93,6 +130,11 @@ def count_denominator(
     are given, label ``!= ignore_index``); ``"tokens"``: the number of token positions.
     Counts add up over micro-batches and data-parallel replicas (``jax.lax.psum``).
     ``"sum"`` and ``"none"`` have no count and raise ``ValueError``.
+
+    Labels are compared with ``ignore_index`` exactly (an ``ignore_index`` that the labels'
+    dtype cannot hold matches no label). The weights are checked as in the losses
+    (:func:`lossspec.check_weights`: ``ValueError`` for concrete inputs, a NaN count under
+    tracing). The count is data: no gradient flows to ``loss_mask``.
     """
     labels = None if labels is None else _as_array(labels)
     loss_mask = None if loss_mask is None else _as_array(loss_mask)
@@ -101,13 +143,20 @@ def count_denominator(
         None if labels is None else _meta(labels),
         None if loss_mask is None else _meta(loss_mask),
     )
+    config = LossConfig(kind="cross_entropy", ignore_index=ignore_index)
     if loss_mask is not None and _concrete(loss_mask):
         lossspec.check_weights(np.asarray(loss_mask))
     ref = labels if labels is not None else loss_mask
     if normalization == "tokens":
         return jnp.asarray(float(np.prod(ref.shape, dtype=np.int64)), F32)
-    config = LossConfig(kind="cross_entropy", ignore_index=int(ignore_index))
-    return _count(config, _device(labels) if labels is not None else None, _device(loss_mask) if loss_mask is not None else None)
+    ignored = None
+    if isinstance(labels, np.ndarray):
+        # NumPy labels may not fit JAX's int32 (x64 off: int64 / uint64 would wrap on the way,
+        # and 2**32 - 100 would become -100): compare them with ignore_index here, exactly.
+        ignored, labels = labels == config.ignore_index, None
+    return _count(
+        config, None if labels is None else _device(labels), None if loss_mask is None else _device(loss_mask), ignored
+    )
 
 
 def resolve_impl(impl: str) -> str:
@@ -163,6 +212,19 @@ def _device(value: Any) -> Any:
     return value
 
 
+def _host_labels(labels: np.ndarray, ignore_index: int, vocab: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """NumPy labels, compared on the host: ``(safe int32 labels, (ignored, out_of_range))``.
+
+    NumPy compares exactly, whatever the dtype; JAX without x64 would narrow int64 / uint64
+    labels to 32 bits on the way (``2**40 -> 0``, ``2**32 - 100 -> -100``, the ignore_index).
+    So the device gets int32 labels (0 where ignored or out of range) and the two flags; it
+    combines them with the mask (which may be traced) as it would the labels themselves."""
+    ignored = labels == ignore_index
+    out_of_range = (labels < 0) | (labels >= vocab)
+    safe = np.where(ignored | out_of_range, 0, labels).astype(np.int32)
+    return safe, (ignored, out_of_range)
+
+
 def _loss(
     config: LossConfig,
     logits: Any,
@@ -179,12 +241,18 @@ def _loss(
     lossspec.check_inputs(config, _meta(logits), _meta(target), None if loss_mask is None else _meta(loss_mask))
     lossspec.check_denominator_allowed(config, denominator)
     if denominator is not None:
-        denominator = _as_array(denominator)
+        host = not isinstance(denominator, jax.Array)  # a Python / NumPy number: check it as given
+        denominator = np.asarray(denominator) if host else denominator
         lossspec.check_denominator_shape(tuple(denominator.shape))
-        if _concrete(denominator):
+        concrete = _concrete(denominator)
+        if concrete:
             lossspec.check_denominator_value(np.asarray(denominator))
-        # Always the same abstract value (fp32, not weak): any number reuses one compilation.
-        denominator = jnp.asarray(denominator, F32).reshape(())
+        if concrete or denominator.dtype != jnp.float64:
+            # Always the same abstract value (fp32, not weak): any number reuses one
+            # compilation. (A traced float64 denominator, x64 on, is checked before its
+            # conversion in _prepare: a value that float32 flushes to 0 must not pass as 0.)
+            denominator = jnp.asarray(denominator, F32)
+        denominator = denominator.reshape(())
     if loss_mask is not None and _concrete(loss_mask):
         lossspec.check_weights(np.asarray(loss_mask))
     lead, vocab = tuple(logits.shape[:-1]), int(logits.shape[-1])
@@ -192,15 +260,14 @@ def _loss(
     if vocab_parallel is not None:
         axes = _vocab_parallel.axis_names(vocab_parallel)
         vocab = vocab * _vocab_parallel.axis_size(axes)  # the global V (labels are global ids)
+    host_flags = None
     if config.kind == "cross_entropy" and _concrete(target) and (loss_mask is None or _concrete(loss_mask)):
         labels_host = np.asarray(target)
         mask_host = None if loss_mask is None else np.asarray(loss_mask)
         valid, _ = lossspec.token_weights(config, labels_host, mask_host, lead)
         lossspec.check_labels(labels_host, valid, vocab)
-        if isinstance(target, np.ndarray) and _INT32_MIN <= config.ignore_index <= _INT32_MAX:
-            # Masked labels may hold any value, also one outside int32 (x64 off): never send
-            # them. ignore_index keeps the tokens it masks invalid on the device side.
-            target = np.where(valid, labels_host, config.ignore_index)
+    if config.kind == "cross_entropy" and isinstance(target, np.ndarray):
+        target, host_flags = _host_labels(target, config.ignore_index, vocab)
     if config.kind != "cross_entropy":
         target = jax.lax.stop_gradient(_device(target))
     # Only what the coefficients depend on is static here: a new option value (label
@@ -212,6 +279,7 @@ def _loss(
         _device(target),
         None if loss_mask is None else _device(loss_mask),
         None if denominator is None else _device(denominator),
+        host_flags,
     )
     kcfg = KernelConfig(
         kind=config.kind,
@@ -221,10 +289,15 @@ def _loss(
         z_loss=config.z_loss,
     )
     tuning = _xla.TUNING if impl == "xla" else _pallas.TUNING
-    if axes is None:
-        tokens = _tokens((kcfg, impl, tuning), _device(logits), safe_target, coef)
-    else:
-        tokens = _tokens_vocab_parallel((kcfg, impl, tuning, axes, vocab), _device(logits), safe_target, coef)
+    try:
+        if axes is None:
+            tokens = _tokens((kcfg, impl, tuning), _device(logits), safe_target, coef)
+        else:
+            tokens = _tokens_vocab_parallel((kcfg, impl, tuning, axes, vocab), _device(logits), safe_target, coef)
+    except TypeError as err:
+        if "forward-mode" not in str(err):
+            raise
+        raise NotImplementedError(FORWARD_MODE_MESSAGE) from err
     return _finish(config.normalization, lead, tokens, bad)
 
 
@@ -233,59 +306,114 @@ def _loss(
 # --------------------------------------------------------------------------------------------
 
 
-def _labels_int(labels: Array) -> Array:
-    """Labels in a signed type wide enough to compare with ``ignore_index`` (int32, or
-    int64 under x64)."""
-    if labels.dtype == jnp.int64:
-        return labels
-    return labels.astype(jnp.int32)
+def _ignored(labels: Array, ignore_index: int) -> Array:
+    """``labels == ignore_index``, exactly: compared in the labels' own dtype, and all False
+    when that dtype cannot hold ``ignore_index`` (no wrapping, no overflow)."""
+    if not lossspec.ignore_index_in_dtype(ignore_index, labels.dtype):
+        return jnp.zeros(labels.shape, bool)
+    return labels == jnp.asarray(ignore_index, labels.dtype)
 
 
-def _weights(config: LossConfig, labels: Optional[Array], loss_mask: Optional[Array], lead: tuple[int, ...]) -> tuple[Array, Array, Array]:
+def _out_of_range(labels: Array, vocab: int) -> Array:
+    """``(labels < 0) | (labels >= vocab)``, exactly, in the labels' own dtype."""
+    info = jnp.iinfo(labels.dtype)
+    out = jnp.zeros(labels.shape, bool)
+    if int(info.min) < 0:
+        out = out | (labels < 0)
+    if vocab <= int(info.max):
+        out = out | (labels >= jnp.asarray(vocab, labels.dtype))
+    return out
+
+
+def _subnormal(values: Array) -> Array:
+    """Non-zero values with a zero exponent field, read from the bits (a device that flushes
+    subnormals to zero still sees them)."""
+    dtype = jnp.dtype(values.dtype)
+    nbits = dtype.itemsize * 8
+    mant = (1 << int(jnp.finfo(dtype).nmant)) - 1
+    expo = ((1 << (nbits - 1)) - 1) & ~mant
+    bits = jax.lax.bitcast_convert_type(values, jnp.dtype(f"uint{nbits}"))
+    return ((bits & expo) == 0) & ((bits & mant) != 0)
+
+
+def _bad_weights(loss_mask: Array, weight: Array) -> Array:
+    """The traced twin of :func:`lossspec.check_weights` on ``loss_mask`` and its float32
+    ``weight``: any weight NaN, infinite (also after the float32 conversion), negative,
+    positive but below the smallest normal float32, or a float32 sum that is not finite."""
+    bad = ~(jnp.isfinite(weight) & (weight >= 0))
+    if jnp.issubdtype(loss_mask.dtype, jnp.floating):
+        # Positive weights below the smallest normal float32: subnormal in float32, lost in
+        # the conversion (float64), or subnormal in a dtype of float32's exponent range.
+        bad = bad | _subnormal(weight) | ((loss_mask != 0) & (weight == 0))
+        if jnp.finfo(loss_mask.dtype).minexp <= jnp.finfo(F32).minexp:
+            bad = bad | _subnormal(loss_mask)
+    return jnp.any(bad) | ~jnp.isfinite(jnp.sum(weight))
+
+
+def _weights(
+    config: LossConfig, labels: Optional[Array], loss_mask: Optional[Array], lead: tuple[int, ...], ignored: Optional[Array] = None
+) -> tuple[Array, Array, Array]:
     """``(valid, weight, bad_weight)``: valid tokens, fp32 weights (0 where invalid), and
-    whether any weight is negative or non-finite (under tracing: makes the loss NaN)."""
+    whether any weight breaks :func:`lossspec.check_weights` (under tracing: makes the loss
+    NaN). The mask is data: ``stop_gradient``, no gradient flows to it. ``ignored``: labels
+    equal to ``ignore_index``, compared on the host (then ``labels`` is not read)."""
     valid = jnp.ones(lead, bool)
     weight = jnp.ones(lead, F32)
     bad = jnp.zeros((), bool)
     if loss_mask is not None:
+        loss_mask = jax.lax.stop_gradient(loss_mask)
         valid = loss_mask != 0
         weight = loss_mask.astype(F32)
         if loss_mask.dtype != jnp.bool_:
-            bad = jnp.any(~(jnp.isfinite(weight) & (weight >= 0)))
-    if labels is not None:
-        valid = valid & (_labels_int(labels) != config.ignore_index)
+            bad = _bad_weights(loss_mask, weight)
+    if ignored is not None:
+        valid = valid & ~ignored
+    elif labels is not None:
+        valid = valid & ~_ignored(labels, config.ignore_index)
     return valid, jnp.where(valid, weight, 0.0), bad
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _count(config: LossConfig, labels: Optional[Array], loss_mask: Optional[Array]) -> Array:
-    lead = (labels if labels is not None else loss_mask).shape
-    _, weight, bad = _weights(config, labels, loss_mask, lead)
+def _count(config: LossConfig, labels: Optional[Array], loss_mask: Optional[Array], ignored: Optional[Array] = None) -> Array:
+    lead = next(a for a in (labels, loss_mask, ignored) if a is not None).shape
+    _, weight, bad = _weights(config, labels, loss_mask, lead, ignored)
     return jnp.sum(weight) + jnp.where(bad, jnp.nan, 0.0)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _prepare(
-    config: LossConfig, vocab: int, target: Array, loss_mask: Optional[Array], denominator: Optional[Array]
+    config: LossConfig,
+    vocab: int,
+    target: Array,
+    loss_mask: Optional[Array],
+    denominator: Optional[Array],
+    host_flags: Optional[tuple[Array, Array]] = None,
 ) -> tuple[Array, Array, Array]:
     """``(coef [N], target, bad)``: the per-token coefficient, the safe target (labels 0 where
-    invalid, int32, flattened; teacher ``[N, V]``) and the bad-value flag."""
+    invalid, int32, flattened; teacher ``[N, V]``) and the bad-value flag. ``host_flags``:
+    ``(ignored, out_of_range)`` of NumPy labels, compared on the host (:func:`_host_labels`)."""
     ce = config.kind == "cross_entropy"
     lead = target.shape if ce else target.shape[:-1]
     n = int(np.prod(lead, dtype=np.int64))
-    valid, weight, bad = _weights(config, target if ce else None, loss_mask, lead)
+    ignored, out_of_range = host_flags if host_flags is not None else (None, None)
+    valid, weight, bad = _weights(config, target if ce else None, loss_mask, lead, ignored)
     if ce:
-        labels = _labels_int(target)
-        bad = bad | jnp.any(valid & ((labels < 0) | (labels >= vocab)))
-        target = jnp.where(valid, labels, 0).astype(jnp.int32).reshape(n)
+        # Exact, in the labels' dtype: a uint32 2**32 - 100 is out of range, never -100.
+        if out_of_range is None:
+            out_of_range = _out_of_range(target, vocab)
+        bad = bad | jnp.any(valid & out_of_range)
+        target = jnp.where(valid, target, 0).astype(jnp.int32).reshape(n)
     else:
         target = target.reshape(n, target.shape[-1])  # this replica's slice under vocab_parallel
     weight = weight.reshape(n)
     if config.normalization == "none":
         return weight, target, bad
     if denominator is not None:
-        denom = jnp.asarray(denominator, F32).reshape(())
-        bad = bad | ~(jnp.isfinite(denom) & (denom >= 0))
+        # Data, like the mask: no gradient. 0 or a normal float32 number (lossspec's
+        # check_denominator_value), else NaN: also a value that float32 turns into 0 or inf.
+        given = jax.lax.stop_gradient(denominator).reshape(())
+        denom = given.astype(F32)
+        bad = bad | ~(jnp.isfinite(denom) & (denom >= 0)) | _subnormal(denom) | ((given != 0) & (denom == 0))
     elif config.normalization == "valid_tokens":
         denom = jnp.sum(weight)
     elif config.normalization == "tokens":
@@ -326,19 +454,20 @@ def _weighted_loss_fwd(spec: Spec, x: Array, target: Array, coef: Array) -> tupl
     loss, grad = _kernel(spec, x, target, coef, with_grad=True)
     # Residuals: the gradient (one logits-sized buffer, logits' dtype), [N] vectors, and a
     # reference to the logits (no copy) for the 16-bit recompute below.
-    return jnp.where(coef != 0, coef * loss, 0.0), (grad, loss, coef, target, x)
+    return jnp.where(coef != 0, coef * loss, 0.0), (grad, coef, target, x)
 
 
-def _weighted_loss_bwd(spec: Spec, res: tuple[Array, ...], g: Array) -> tuple[Any, Any, Array]:
-    grad, loss, coef, target, x = res
-    return _backward(grad, loss, coef, target, g, lambda scaled: _kernel(spec, x, target, scaled, with_grad=True)[1])
+def _weighted_loss_bwd(spec: Spec, res: tuple[Array, ...], g: Array) -> tuple[Any, Any, Any]:
+    grad, coef, target, x = res
+    return _backward(grad, coef, g, lambda scaled: _kernel(spec, x, target, scaled, with_grad=True)[1])
 
 
-def _backward(
-    grad: Array, loss: Array, coef: Array, target: Array, g: Array, recompute: Any
-) -> tuple[Array, Any, Array]:
+def _backward(grad: Array, coef: Array, g: Array, recompute: Any) -> tuple[Array, None, None]:
     """Cotangents of ``(x, target, coef)`` from the forward's gradient buffer ``grad`` and the
-    upstream ``g`` ``[N]``; ``recompute(coef')`` recomputes the gradient with coefficient ``coef'``."""
+    upstream ``g`` ``[N]``; ``recompute(coef')`` recomputes the gradient with coefficient ``coef'``.
+
+    The target (labels, or the teacher: stop-gradient) and ``coef`` (from the mask and the
+    denominator, which are data: stop-gradient) get no cotangent (``None``: zero)."""
     if jnp.dtype(grad.dtype).itemsize >= 4:
         # fp32/fp64: one more rounding stays far inside the 4e-6 bound (exact when g == 1).
         dx = (grad.astype(F32) * g[:, None]).astype(grad.dtype)
@@ -348,12 +477,7 @@ def _backward(
         # and round once; the common g == 1 case reuses the forward's buffer.
         unit = jnp.all(jnp.where(coef != 0, g == 1, True))
         dx = jax.lax.cond(unit, lambda: grad, lambda: recompute(jnp.where(coef != 0, coef * g, 0.0)))
-    if jnp.issubdtype(target.dtype, jnp.integer):
-        dtarget = np.zeros(target.shape, dtype=jax.dtypes.float0)
-    else:
-        dtarget = jnp.zeros_like(target)  # the teacher gets no gradient
-    dcoef = jnp.where(coef != 0, loss * g, 0.0)
-    return dx, dtarget, dcoef
+    return dx, None, None
 
 
 _weighted_loss.defvjp(_weighted_loss_fwd, _weighted_loss_bwd)
@@ -371,7 +495,12 @@ VpSpec = tuple  # (KernelConfig, impl, tuning, axis names, global V): static, ha
 
 def _vp_losses(spec: VpSpec, x: Array, target: Array, coef: Array, with_grad: bool) -> tuple[Array, Optional[Array], Any]:
     cfg, impl, tuning, axes, vocab = spec
-    return _vocab_parallel.losses(cfg, x, target, coef, axes=axes, vocab=vocab, impl=impl, tuning=tuning, with_grad=with_grad)
+
+    def losses(x: Array, target: Array, coef: Array) -> tuple[Array, Optional[Array], Any]:
+        return _vocab_parallel.losses(cfg, x, target, coef, axes=axes, vocab=vocab, impl=impl, tuning=tuning, with_grad=with_grad)
+
+    # Higher-order derivatives would differentiate pmax (no rule in JAX) and psum: refuse clearly.
+    return _xla.no_derivatives(losses, VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE)(x, target, coef)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -385,17 +514,17 @@ def _weighted_loss_vp(spec: VpSpec, x: Array, target: Array, coef: Array) -> Arr
 def _weighted_loss_vp_fwd(spec: VpSpec, x: Array, target: Array, coef: Array) -> tuple[Array, tuple[Any, ...]]:
     loss, grad, fin = _vp_losses(spec, x, target, coef, with_grad=True)
     # The global statistics ([N] vectors) are kept: a 16-bit recompute needs no collective.
-    return jnp.where(coef != 0, coef * loss, 0.0), (grad, loss, coef, target, x, fin)
+    return jnp.where(coef != 0, coef * loss, 0.0), (grad, coef, target, x, fin)
 
 
-def _weighted_loss_vp_bwd(spec: VpSpec, res: tuple[Any, ...], g: Array) -> tuple[Any, Any, Array]:
-    grad, loss, coef, target, x, fin = res
+def _weighted_loss_vp_bwd(spec: VpSpec, res: tuple[Any, ...], g: Array) -> tuple[Any, Any, Any]:
+    grad, coef, target, x, fin = res
     cfg, impl, tuning, _, vocab = spec
 
     def recompute(scaled: Array) -> Array:
         return _vocab_parallel.shard_grad(cfg, fin, x, target, scaled, vocab=vocab, impl=impl, tuning=tuning)
 
-    return _backward(grad, loss, coef, target, g, recompute)
+    return _backward(grad, coef, g, recompute)
 
 
 _weighted_loss_vp.defvjp(_weighted_loss_vp_fwd, _weighted_loss_vp_bwd)

@@ -10,6 +10,8 @@
 """
 
 from .checks import (
+    FP32_MAX,
+    FP32_TINY,
     ArrayMeta,
     check_count_args,
     check_denominator_allowed,
@@ -18,6 +20,7 @@ from .checks import (
     check_inputs,
     check_labels,
     check_weights,
+    ignore_index_in_dtype,
     meta,
     numpy_meta,
 )
@@ -29,6 +32,7 @@ from .config import (
     NORMALIZATIONS,
     TORCH_IMPLS,
     LossConfig,
+    check_ignore_index,
     check_impl,
     check_kind,
     check_normalization,

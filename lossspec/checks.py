@@ -108,11 +108,33 @@ def check_denominator_allowed(config: LossConfig, denominator: Any) -> None:
         )
 
 
+FP32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32, 2**-126 ~ 1.17549e-38
+FP32_MAX = float(np.finfo(np.float32).max)  # ~ 3.40282e+38
+
+
 def check_denominator_value(denominator: Any) -> None:
-    """Value check of an eager (host) denominator: a finite number >= 0."""
+    """Value check of an eager (host) denominator.
+
+    ``D`` is used in float32 (SPEC section 2; ``D == 0`` means loss 0 and gradient 0), so the
+    value, read as float64, must be:
+
+    - finite and ``>= 0``, else ``ValueError("denominator must be a finite number >= 0; got X")``;
+    - ``0`` or a *normal* float32 number, ``FP32_TINY <= D <= FP32_MAX`` (``np.finfo(np.float32)
+      .tiny`` / ``.max``), else ``ValueError("denominator must be 0 or a normal float32 number
+      in [1.1754944e-38, 3.4028235e+38] (D is used in float32); got X")``. A subnormal ``D``
+      would be flushed to 0 on some devices (loss 0) and kept on others (a huge loss); one above
+      the float32 range would become ``inf`` (loss 0).
+
+    Under tracing the frameworks cannot raise: the same conditions make the loss NaN.
+    """
     value = float(np.asarray(denominator, dtype=np.float64).reshape(()))
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"denominator must be a finite number >= 0; got {value}")
+    if value != 0 and not FP32_TINY <= value <= FP32_MAX:
+        raise ValueError(
+            f"denominator must be 0 or a normal float32 number in [{FP32_TINY:.8g}, {FP32_MAX:.8g}] "
+            f"(D is used in float32); got {value:.8g}"
+        )
 
 
 def check_denominator_shape(shape: tuple[int, ...]) -> None:
@@ -121,7 +143,27 @@ def check_denominator_shape(shape: tuple[int, ...]) -> None:
 
 
 def check_weights(loss_mask: np.ndarray) -> None:
-    """Value check of float weights: finite and >= 0 (SPEC section 5)."""
+    """Value check of a ``loss_mask`` on the host (SPEC section 5). Weights are used in float32.
+
+    Boolean masks always pass. Otherwise (float or integer weights), in this order, each
+    failure a ``ValueError`` that names ``loss_mask``:
+
+    1. every weight finite (read as float64):
+       ``"loss_mask weights must be finite; got NaN or inf"``;
+    2. every weight ``>= 0``: ``"loss_mask weights must be >= 0; got minimum X"``;
+    3. every weight finite once converted to float32 (``<= FP32_MAX`` up to float32 rounding):
+       ``"loss_mask weights must be finite in float32 (at most 3.4028235e+38); got X"``;
+    4. every positive weight a normal float32 number (``>= FP32_TINY = np.finfo(np.float32).tiny``):
+       ``"loss_mask weights must be 0 or at least 1.1754944e-38 (the smallest normal float32;
+       smaller weights are flushed to zero on some devices); got X"``;
+    5. the sum of all weights (the float32 values, summed in float64; every token of the mask,
+       also those that ``ignore_index`` masks) at most ``FP32_MAX``:
+       ``"loss_mask weights must have a sum that is finite in float32 (at most 3.4028235e+38);
+       got a sum of X"`` (the float32 ``valid_tokens`` denominator would be ``inf``).
+
+    ``count_denominator`` applies the same check. Under tracing the frameworks cannot raise:
+    the same conditions make the loss (and the count) NaN.
+    """
     weights = np.asarray(loss_mask)
     if weights.dtype.kind == BOOL_KIND or weights.size == 0:
         return
@@ -130,6 +172,36 @@ def check_weights(loss_mask: np.ndarray) -> None:
         raise ValueError("loss_mask weights must be finite; got NaN or inf")
     if np.any(weights < 0):
         raise ValueError(f"loss_mask weights must be >= 0; got minimum {weights.min()}")
+    with np.errstate(over="ignore"):
+        weights32 = weights.astype(np.float32)
+    if not np.all(np.isfinite(weights32)):
+        raise ValueError(
+            f"loss_mask weights must be finite in float32 (at most {FP32_MAX:.8g}); got {float(weights.max()):.8g}"
+        )
+    tiny = (weights > 0) & (weights < FP32_TINY)
+    if np.any(tiny):
+        raise ValueError(
+            f"loss_mask weights must be 0 or at least {FP32_TINY:.8g} (the smallest normal float32; smaller "
+            f"weights are flushed to zero on some devices); got {float(weights[tiny].min()):.8g}"
+        )
+    total = float(np.sum(weights32, dtype=np.float64))
+    if total > FP32_MAX:
+        raise ValueError(
+            f"loss_mask weights must have a sum that is finite in float32 (at most {FP32_MAX:.8g}); "
+            f"got a sum of {total:.8g}"
+        )
+
+
+def ignore_index_in_dtype(ignore_index: int, dtype: Any) -> bool:
+    """Whether a label of integer ``dtype`` (a NumPy dtype or its name) can equal ``ignore_index``.
+
+    Labels are compared with ``ignore_index`` exactly, never after a conversion that wraps or
+    overflows: when this is ``False`` no label is ignored (e.g. ``uint32`` labels with the
+    default ``-100``, or ``int32`` labels with ``2**40``); when ``True`` the comparison is done in
+    the labels' own dtype.
+    """
+    info = np.iinfo(np.dtype(dtype))
+    return int(info.min) <= int(ignore_index) <= int(info.max)
 
 
 def check_labels(labels: np.ndarray, valid: np.ndarray, vocab_size: int) -> None:

@@ -39,6 +39,31 @@ def _is_numpy_scalar(value: Any) -> bool:
     return isinstance(value, np.generic) and np.issubdtype(type(value), np.number)
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_ignore_index(ignore_index: Any) -> int:
+    """``ignore_index`` as a Python ``int``.
+
+    Accepted: a Python ``int`` or a NumPy integer scalar (not ``bool``, not a float, even an
+    integral one), in the int64 range ``[-2**63, 2**63 - 1]``. Otherwise a ``TypeError``
+    (wrong type) or ``ValueError`` (out of range) that names ``ignore_index``.
+
+    Labels are compared with it exactly (no wrapping): a label equals ``ignore_index`` only
+    when the labels' dtype can represent it and the values are equal, so with ``uint32``
+    labels the default ``-100`` masks nothing, and with ``int32`` labels ``2**40`` masks
+    nothing.
+    """
+    import numpy as np
+
+    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(ignore_index, (int, np.integer)):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    value = int(ignore_index)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"ignore_index must be an integer in the int64 range [-2**63, 2**63 - 1]; got {value}")
+    return value
+
+
 def check_kind(kind: str) -> str:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}; got {kind!r}")
@@ -81,10 +106,7 @@ class LossConfig:
     def __post_init__(self) -> None:
         check_kind(self.kind)
         check_normalization(self.normalization)
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
-            if not (_is_numpy_scalar(self.ignore_index) and float(self.ignore_index).is_integer()):
-                raise TypeError(f"ignore_index must be an int, got {type(self.ignore_index).__name__}")
-        object.__setattr__(self, "ignore_index", int(self.ignore_index))
+        object.__setattr__(self, "ignore_index", check_ignore_index(self.ignore_index))
         eps = _finite_number("label_smoothing", self.label_smoothing)
         if not 0.0 <= eps <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {eps}")

@@ -97,10 +97,14 @@ _ARG_DOCS: dict[str, str] = {
     "labels": "``[...]`` integers; labels of masked tokens are never read as indices (any value is legal there).",
     "teacher_logits": "``[..., V]`` floating point, the shape of ``logits``; gets no gradient.",
     "loss_mask": (
-        "``[...]`` boolean, or float weights ``>= 0`` (normal fp32 numbers or 0), or ``None``. "
-        "The mask is data, like the labels: no gradient flows to it."
+        "``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal "
+        "float32 numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the "
+        "labels: no gradient flows to it."
     ),
-    "ignore_index": "label value of ignored tokens (an int; no label matches one outside the labels' dtype).",
+    "ignore_index": (
+        "label value of ignored tokens: an ``int`` in the int64 range, compared exactly (a label equals it "
+        "only if the labels' dtype can hold it)."
+    ),
     "label_smoothing": "``eps`` in ``[0, 1]``.",
     "z_loss": "``lam >= 0``.",
     "logit_scale": "``> 0``, multiplies the student's logits (before the temperature).",
@@ -113,7 +117,8 @@ _ARG_DOCS: dict[str, str] = {
     "denominator": (
         "the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced "
         'modes; ``None`` counts this call\'s own tokens (``D = 1`` for ``"sum"``). Pass the sum of '
-        '``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``.'
+        '``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a '
+        "normal float32 number; data (no gradient flows to it)."
     ),
 }
 

@@ -83,6 +83,18 @@ BAD_CALLS = [
     ("denominator-negative", "cross_entropy", X, Y, None, {"denominator": -1.0}),
     ("denominator-nan", "reverse_kl", X, T, None, {"denominator": float("nan")}),
     ("denominator-inf", "cross_entropy", X, Y, M, {"normalization": "tokens", "denominator": float("inf")}),
+    # Weights and D are used in float32 (lossspec.check_weights / check_denominator_value).
+    ("weight-sum-overflows-float32", "cross_entropy", X, Y, np.array([3e38, 3e38, 0.0, 1.0], np.float32), {}),
+    ("weight-sum-overflows-float32-distill", "forward_kl", X, T, np.array([3e38, 0.0, 3e38, 1.0], np.float32), {"normalization": "sum"}),
+    ("weight-subnormal", "cross_entropy", X, Y, np.array([1.0, 1e-40, 0.0, 1.0], np.float32), {}),
+    ("weight-subnormal-distill", "reverse_kl", X, T, np.array([1e-45, 1.0, 0.0, 1.0], np.float32), {"normalization": "none"}),
+    ("denominator-subnormal", "cross_entropy", X, Y, None, {"denominator": 1e-40}),
+    ("denominator-above-float32", "soft_cross_entropy", X, T, None, {"denominator": 1e39}),
+    # Labels and ignore_index are compared exactly (no wrapping).
+    ("label-uint32-near-2**32", "cross_entropy", X, np.array([1, 2**32 - 100, 2, 3], np.uint32), None, {}),
+    ("ignore-index-beyond-int64", "cross_entropy", X, Y, None, {"ignore_index": 2**64}),
+    ("ignore-index-bool", "cross_entropy", X, Y, None, {"ignore_index": True}),
+    ("ignore-index-integral-float", "cross_entropy", X, Y, None, {"ignore_index": np.float64(-100.0)}),
 ]
 
 
@@ -172,6 +184,11 @@ BAD_COUNTS = [
     ("shape", dict(labels=Y, loss_mask=M[:3])),
     ("negative-weight", dict(loss_mask=np.array([1.0, -1.0], np.float32))),
     ("nan-weight", dict(labels=Y[:2], loss_mask=np.array([1.0, np.nan], np.float32))),
+    ("weight-sum-overflows-float32", dict(loss_mask=np.array([3e38, 3e38], np.float32))),
+    ("weight-subnormal", dict(labels=Y[:2], loss_mask=np.array([1e-40, 1.0], np.float32))),
+    ("weight-float64-beyond-float32", dict(loss_mask=np.array([1.0, 1e39]))),
+    ("ignore-index-beyond-int64", dict(labels=Y, ignore_index=-(2**63) - 1)),
+    ("ignore-index-float", dict(labels=Y, ignore_index=-100.0)),
 ]
 
 
@@ -201,6 +218,28 @@ def test_count_denominator_values() -> None:
     # Under jit a bad weight cannot raise: the count is NaN instead of a plausible number.
     bad = jax.jit(jaxloss.count_denominator)(None, jnp.array([1.0, -2.0]))
     assert np.isnan(float(bad))
+    for weights in ([3e38, 3e38, 1.0], [1.0, 1e-40, 1.0], [1e-45, 0.0, 0.0]):
+        assert np.isnan(float(jax.jit(jaxloss.count_denominator)(labels[0], jnp.array(weights, jnp.float32))))
+    assert np.isnan(float(jax.jit(jaxloss.count_denominator)(None, jnp.array([1e-40, 1.0], jnp.bfloat16))))
+
+
+def test_float64_weights_are_checked_as_float32() -> None:
+    """NumPy float64 weights that float32 turns into inf or (nearly) 0: lossspec's error."""
+    for weights in (np.array([1.0, 1e39, 0.0, 1.0]), np.array([1.0, 1e-50, 0.0, 1.0]), np.array([1e-40, 1.0, 0.0, 1.0])):
+        for kind, fn in FNS.items():
+            target = Y if kind == "cross_entropy" else T
+            for impl in ("xla", "pallas"):
+                assert_same_error(lambda: fn(X, target, weights, impl=impl), lambda: lossspec.oracle(kind, X, target, weights))
+        assert_same_error(lambda: jaxloss.count_denominator(Y, weights), lambda: lossspec.count_denominator(Y, weights))
+
+
+def test_bfloat16_subnormal_weight_is_rejected() -> None:
+    weights = jnp.array([1.0, 1e-40, 0.0, 1.0], jnp.bfloat16)
+    assert float(weights[1]) > 0  # a bfloat16 subnormal, not 0
+    with pytest.raises(ValueError, match="loss_mask weights must be 0 or at least 1.1754944e-38"):
+        jaxloss.cross_entropy(X, Y, weights)
+    with pytest.raises(ValueError, match="loss_mask weights must be 0 or at least 1.1754944e-38"):
+        jaxloss.count_denominator(Y, weights)
 
 
 def test_module_options_are_checked_on_construction() -> None:

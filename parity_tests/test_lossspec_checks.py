@@ -160,3 +160,76 @@ def test_numpy_meta_counts_ml_dtypes_floats_as_floats() -> None:
                               lossspec.numpy_meta(np.zeros((3,), np.int64)), None)
     lossspec.check_inputs(lossspec.make_config("cross_entropy"), lossspec.numpy_meta(logits),
                           lossspec.numpy_meta(np.zeros((3,), np.int64)), None)
+
+
+# --------------------------------------------------------------------------------------------
+# Weights and denominators are used in float32 (the rules both frameworks share).
+# --------------------------------------------------------------------------------------------
+
+TINY = float(np.finfo(np.float32).tiny)
+FMAX = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize(
+    "weights, match",
+    [
+        (np.array([3e38, 3e38, 1.0], np.float32), r"loss_mask weights must have a sum that is finite in float32 \(at most 3.4028235e\+38\); got a sum of 6e\+38"),
+        (np.array([1.0, 1e-40, 0.0], np.float32), r"loss_mask weights must be 0 or at least 1.1754944e-38 \(the smallest normal float32"),
+        (np.array([1.0, 1e-50], np.float64), r"loss_mask weights must be 0 or at least 1.1754944e-38.*got 1e-50"),
+        (np.array([1.0, 1e39], np.float64), r"loss_mask weights must be finite in float32 \(at most 3.4028235e\+38\); got 1e\+39"),
+        (np.array([1.0, np.nan], np.float64), r"loss_mask weights must be finite; got NaN or inf"),
+        (np.array([1.0, -TINY / 4], np.float32), r"loss_mask weights must be >= 0"),
+    ],
+)
+def test_check_weights_float32_rules(weights: np.ndarray, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        lossspec.check_weights(weights)
+    # The oracle (and so every framework, which raises lossspec's error) applies it too.
+    with pytest.raises(ValueError, match=match):
+        oracle("cross_entropy", np.zeros((len(weights), 3), np.float32), np.zeros(len(weights), np.int64), weights)
+    with pytest.raises(ValueError, match=match):
+        lossspec.count_denominator(loss_mask=weights)
+
+
+def test_check_weights_accepts_the_float32_edges() -> None:
+    lossspec.check_weights(np.array([TINY, 0.0, 1.0], np.float32))  # the smallest normal float32
+    lossspec.check_weights(np.array([FMAX, 0.0], np.float32))  # a sum of exactly float32 max
+    lossspec.check_weights(np.array([2**62, 3], np.int64))  # integer weights
+    lossspec.check_weights(np.array([True, False]))
+
+
+def test_check_denominator_value_float32_rules() -> None:
+    for bad in (1e-40, TINY / 2, 1e39, 2 * FMAX):
+        with pytest.raises(ValueError, match=r"denominator must be 0 or a normal float32 number in \[1.1754944e-38, 3.4028235e\+38\]"):
+            lossspec.check_denominator_value(bad)
+        with pytest.raises(ValueError, match="denominator must be 0 or a normal float32 number"):
+            oracle("forward_kl", X, X, denominator=bad)
+    for good in (0.0, TINY, 1.0, FMAX, np.float32(3.0)):
+        lossspec.check_denominator_value(good)
+
+
+def test_ignore_index_is_an_int64_int() -> None:
+    for value in (-100, 0, 2**40, -(2**63), 2**63 - 1, np.int64(7), np.uint32(5)):
+        assert lossspec.make_config("cross_entropy", ignore_index=value).ignore_index == int(value)
+    for value in (2**63, -(2**63) - 1, 2**64):
+        with pytest.raises(ValueError, match=r"ignore_index must be an integer in the int64 range"):
+            lossspec.make_config("cross_entropy", ignore_index=value)
+    for value in (True, np.bool_(False), 1.0, np.float64(-100.0), "x", None):
+        with pytest.raises(TypeError, match="ignore_index must be an int"):
+            lossspec.make_config("cross_entropy", ignore_index=value)
+    with pytest.raises(ValueError, match="ignore_index must be an integer in the int64 range"):
+        lossspec.count_denominator(LABELS, ignore_index=2**64)
+
+
+def test_ignore_index_is_compared_exactly() -> None:
+    assert lossspec.ignore_index_in_dtype(-100, np.int32)
+    assert not lossspec.ignore_index_in_dtype(-100, np.uint32)
+    assert not lossspec.ignore_index_in_dtype(2**40, "int32")
+    assert lossspec.ignore_index_in_dtype(2**40, "int64")
+    assert not lossspec.ignore_index_in_dtype(2**63 - 1, np.uint8)
+    # The oracle never wraps: uint32 2**32 - 100 is a (bad) label, not -100.
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 5\).*got 4294967196"):
+        oracle("cross_entropy", X[0], np.array([0, 2**32 - 100, 1], np.uint32))
+    assert lossspec.count_denominator(np.array([1, 2**32 - 100], np.uint32)) == 2.0
+    assert lossspec.count_denominator(np.array([1, 2**40], np.int64), ignore_index=2**40) == 1.0
+    assert lossspec.count_denominator(np.array([1, -100], np.int32), ignore_index=2**40) == 2.0
