@@ -173,3 +173,18 @@ def test_large_unsigned_labels_are_out_of_range_not_ignored() -> None:
     ref, _ = lossspec.oracle("cross_entropy", x.numpy(), np.array([3, 1]), ignore_index=2**40)
     got = torchloss.cross_entropy(x, torch.tensor([3, 1]), ignore_index=2**40)
     assert abs(got.item() - ref) <= 4e-6 * max(1.0, abs(ref))
+
+
+@pytest.mark.parametrize("weights", ([3e38, 3e38, 1.0], [1e-40, 1.0, 0.0], [1.0, -1.0, 1.0]))
+def test_unchecked_path_gives_nan_for_bad_weights(monkeypatch: pytest.MonkeyPatch, weights: list[float]) -> None:
+    """Where values cannot be read for free (CUDA tensors, compiled code), the same rules make
+    the loss and the count NaN (the twin of lossspec.check_weights)."""
+    from torchloss import api
+
+    monkeypatch.setattr(api, "_host_readable", lambda *tensors: False)
+    x = torch.randn(3, 5)
+    labels = torch.tensor([0, 1, 2])
+    mask = torch.tensor(weights, dtype=torch.float32)
+    assert torch.isnan(torchloss.cross_entropy(x, labels, mask))
+    assert torch.isnan(torchloss.count_denominator(labels, mask))
+    assert torch.isnan(torchloss.cross_entropy(x, labels, denominator=torch.tensor(1e-40)))

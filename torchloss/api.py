@@ -55,7 +55,6 @@ __all__ = [
 Denominator = Union[int, float, Tensor, None]
 
 _UNSIGNED = {torch.uint8, getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None)}
-_FP32_TINY = float(np.finfo(np.float32).tiny)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,12 +376,14 @@ def _weights(config: LossConfig, labels: Optional[Tensor], loss_mask: Optional[T
     return valid, valid.to(acc)
 
 
-def _bad_weights(loss_mask: Tensor, weight: Tensor) -> Tensor:
-    """On-device twin of ``lossspec.check_weights``: negative, non-finite or subnormal weights,
-    or a weight sum that overflows fp32."""
+def _bad_weights(loss_mask: Tensor) -> Tensor:
+    """On-device twin of ``lossspec.check_weights`` (0-d bool): a negative, non-finite,
+    non-finite-in-float32 or subnormal weight, or float32 weights whose sum (in float64)
+    overflows float32."""
     w = loss_mask.detach().to(torch.float64)
-    bad = (~torch.isfinite(w) | (w < 0) | ((w > 0) & (w < _FP32_TINY))).any()
-    return bad | ~torch.isfinite(weight.sum())
+    w32 = loss_mask.detach().to(torch.float32).to(torch.float64)
+    bad = (~torch.isfinite(w) | (w < 0) | ~torch.isfinite(w32) | ((w32 > 0) & (w32 < lossspec.FP32_TINY))).any()
+    return bad | (w32.sum() > lossspec.FP32_MAX)
 
 
 def _labels_int64(labels: Tensor) -> Tensor:
@@ -427,14 +428,14 @@ def _prepare(call: _Call) -> _Prepared:
         if in_range is not None:
             bad = bad | (valid & ~in_range).any()
         if float_mask:
-            bad = bad | _bad_weights(loss_mask, weight)
+            bad = bad | _bad_weights(loss_mask)
     if config.normalization == "none":
         coef = weight
     else:
         if isinstance(denominator, Tensor):
             denom: Union[Tensor, float] = denominator.detach().to(device=device, dtype=acc).reshape(())
-            if bad is not None:
-                bad = bad | ~torch.isfinite(denom) | (denom < 0)
+            if bad is not None:  # the on-device twin of lossspec.check_denominator_value
+                bad = bad | ~torch.isfinite(denom) | (denom < 0) | ((denom > 0) & (denom < lossspec.FP32_TINY))
         elif denominator is not None:
             denom = float(denominator)
         elif config.normalization == "valid_tokens":
@@ -564,5 +565,5 @@ def count_denominator(
     _, weight = _weights(config, None if labels is None else _labels_int64(labels), loss_mask, tuple(ref.shape), device, torch.float32)
     count = weight.sum()
     if float_mask and not host:
-        count = count + torch.where(_bad_weights(loss_mask, weight), float("nan"), 0.0)
+        count = count + torch.where(_bad_weights(loss_mask), float("nan"), 0.0)
     return count
