@@ -67,12 +67,18 @@ _INTERPRETER_LOCK = threading.Lock()
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
+# Let the compiler contract a * b + c into FMAs (Triton 3.9's default, stated so that 3.10's
+# new default does not change the numbers): an FMA rounds once where a multiply-add rounds
+# twice, e.g. at the label's entry of the cross-entropy gradient, e * (coef c / s) - coef c.
+FP_FUSION: bool = True
+
 
 def num_warps(block_v: int) -> int:
-    """Warps of one program (one row): 4 up to 2048 columns per block, 8 above (a 4096-column
-    block is 16 fp32 values per thread and tensor; the AOT report shows no spills, see
-    ``scripts/triton_aot_report.py``)."""
-    return 4 if block_v <= 2048 else 8
+    """Warps of one program (one row): ``block_v / 256`` within ``[4, 16]``, i.e. 8 values per
+    thread and tensor from 1024 columns on. With 8 warps at 4096 columns (16 values per thread)
+    ptxas capped the reverse-KL regrad kernel at 64 registers and spilled on sm_90; with 16 warps
+    no kernel uses more than ~60 registers or spills (``scripts/triton_aot_report.py``)."""
+    return max(4, min(16, block_v // 256))
 
 
 def block_size(width: int) -> int:
@@ -145,7 +151,7 @@ def _launch(job: str, config: LossConfig, logits: Tensor, args: tuple, *, write_
         guard.enter_context(np.errstate(all="ignore"))
         guard.enter_context(_INTERPRETER_LOCK)
     with guard:
-        kernel[(rows,)](*args, **meta, num_warps=num_warps(block_v))
+        kernel[(rows,)](*args, **meta, num_warps=num_warps(block_v), enable_fp_fusion=FP_FUSION)
 
 
 def _teacher_and_labels(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor) -> tuple[Tensor, Tensor]:

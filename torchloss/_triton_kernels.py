@@ -399,10 +399,11 @@ def _regrad_kernel(
         t_row = t_ptr + row * stride_t
         g_row = grad_ptr + row * stride_g
         c, ct, eps, lam = _load_params(params_ptr)
+        scale = (coef * up) * c  # one value live across pass 1, not two
         loss, m, s, mt, st, q_coef, tau, mean_d, bad, y = _row_forward(
             x_row, t_row, y_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, BLOCK_V, ACC
         )
-        _row_grad(x_row, t_row, g_row, y, (coef * up) * c, m, s, mt, st, q_coef, tau, mean_d, bad, V, V, c, ct, eps,
+        _row_grad(x_row, t_row, g_row, y, scale, m, s, mt, st, q_coef, tau, mean_d, bad, V, V, c, ct, eps,
                   KIND, SMOOTHING, BLOCK_V, ACC, GRAD_BF16)
 
 
