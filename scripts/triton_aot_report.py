@@ -1,0 +1,200 @@
+"""Compile every Triton kernel of ``torchloss`` ahead of time for sm_80 / sm_90 and report the
+registers, shared memory and spills of each (no GPU needed: Triton's own ``ptxas``).
+
+Usage::
+
+    python scripts/triton_aot_report.py [--arch 80 90] [--jobs N] [--json PATH]
+
+Each kernel is compiled exactly as ``torchloss._triton`` would launch it on a GPU: the
+constexprs of :func:`torchloss._triton.constexprs` at the GPU block size (4096 columns, the
+default ``MAX_BLOCK_V`` on a GPU) and :func:`torchloss._triton.num_warps`, for fp32 and bf16
+logits and every kind (cross-entropy plain and with label smoothing + z-loss). Compilation runs
+with ``TRITON_INTERPRET=0`` in worker processes; ``ptxas -v`` on the generated PTX gives the
+registers and spill bytes, Triton's metadata the shared memory. Exit status 1 if anything spills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+GPU_BLOCK_V = 4096  # MAX_BLOCK_V of torchloss._triton when compiled for a GPU
+JOBS = ("fused", "regrad", "shard_stats", "shard_grad")
+DTYPES = ("float32", "bfloat16")
+# (label, kind, options): every kind; cross-entropy also with its optional terms compiled in.
+VARIANTS = (
+    ("cross_entropy", "cross_entropy", {}),
+    ("cross_entropy+ls+z", "cross_entropy", {"label_smoothing": 0.1, "z_loss": 1e-4}),
+    ("soft_cross_entropy", "soft_cross_entropy", {}),
+    ("forward_kl", "forward_kl", {}),
+    ("reverse_kl", "reverse_kl", {}),
+)
+ARCHS = (80, 90)
+
+_TL_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+
+
+@dataclasses.dataclass
+class Row:
+    job: str
+    variant: str
+    dtype: str
+    arch: int
+    num_warps: int
+    registers: int
+    shared: int
+    stack: int
+    spill_stores: int
+    spill_loads: int
+
+
+def _signature(job: str, kind: str, dtype: str) -> tuple[dict[str, str], dict]:
+    """Argument types and alignment attributes of ``job``'s kernel, as a launch on a GPU
+    specialises them: pointer element types by role, 16-byte aligned pointers, 32-bit integers
+    divisible by 16."""
+    from torchloss import _triton
+
+    kernel = _triton.KERNELS[job]
+    logits = "*" + _TL_NAMES[dtype]
+    pointer_types = {
+        "x_ptr": logits,
+        "t_ptr": logits,  # teacher logits, or the logits as a dummy (cross-entropy)
+        "y_ptr": "*i64" if kind == "cross_entropy" else "*fp32",  # labels, or coef as a dummy
+        "grad_ptr": logits,
+    }
+    signature: dict[str, str] = {}
+    attrs = {}
+    for i, param in enumerate(kernel.params):
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointer_types.get(name, "*fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
+        else:
+            signature[name] = "i32"
+            if name != "stride_up":  # 0 or 1 (1 is specialised to a constant)
+                # Like a launch with V, strides and offsets multiples of 16 (32000, 128256, ...):
+                # Triton specialises such integers, which lets it vectorise the row loads.
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
+def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
+    """Compile one kernel (in a worker process with ``TRITON_INTERPRET=0``) and read its resources."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import lossspec
+    from torchloss import _triton
+
+    assert not _triton.INTERPRETED, "the AOT report must run with TRITON_INTERPRET=0"
+    label, kind, options = next(v for v in VARIANTS if v[0] == variant)
+    config = lossspec.make_config(kind, **options)
+    constants = _triton.constexprs(job, config, getattr(torch, dtype), GPU_BLOCK_V)
+    signature, attrs = _signature(job, kind, dtype)
+    warps = _triton.num_warps(GPU_BLOCK_V)
+    kernel = _triton.KERNELS[job]
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": _triton.FP_FUSION})
+    # ptxas -v as Triton runs it (same binary, architecture name and flags), for its resource report.
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    ptxas = get_ptxas(arch).path
+    flags = ["--regAllocOptLevel=2"] + ([] if _triton.FP_FUSION else ["--fmad=false"])
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        cmd = [ptxas, "-v", *flags, f"--gpu-name={sm_arch_from_capability(arch)}", str(ptx), "-o", str(Path(tmp) / "kernel.cubin")]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr}")
+    info = out.stderr + out.stdout
+
+    def number(pattern: str) -> int:
+        found = re.search(pattern, info)
+        return int(found.group(1)) if found else 0
+
+    return Row(job, variant, dtype, arch, warps, number(r"Used (\d+) registers"), int(compiled.metadata.shared),
+               number(r"(\d+) bytes stack frame"), number(r"(\d+) bytes spill stores"), number(r"(\d+) bytes spill loads"))
+
+
+def _worker_init() -> None:
+    os.environ["TRITON_INTERPRET"] = "0"
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # this checkout's torchloss, not an installed one
+
+
+def report(archs: tuple[int, ...] = ARCHS, jobs: int = 2) -> list[Row]:
+    """Compile every (kernel, kind, dtype, arch) in ``jobs`` processes; rows in a fixed order."""
+    tasks = [(job, variant[0], dtype, arch) for arch in archs for job in JOBS for variant in VARIANTS for dtype in DTYPES]
+    # Fresh processes (spawn): triton must be imported with TRITON_INTERPRET=0.
+    env_before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init) as pool:
+            return list(pool.map(compile_one, *zip(*tasks)))
+    finally:
+        if env_before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = env_before
+
+
+def markdown(rows: list[Row]) -> str:
+    """The table of ``docs/triton_kernels.md``: one line per (kernel, kind, dtype), both archs."""
+    archs = sorted({r.arch for r in rows})
+    head = "| kernel | kind | logits | warps | " + " | ".join(f"sm_{a} regs / smem / spill st+ld" for a in archs) + " |"
+    lines = [head, "|" + "---|" * (4 + len(archs))]
+    index = {(r.job, r.variant, r.dtype, r.arch): r for r in rows}
+    for job in JOBS:
+        for variant, _, _ in VARIANTS:
+            for dtype in DTYPES:
+                cells = []
+                warps = None
+                for a in archs:
+                    r = index.get((job, variant, dtype, a))
+                    if r is None:
+                        cells.append("-")
+                        continue
+                    warps = r.num_warps
+                    cells.append(f"{r.registers} / {r.shared} B / {r.spill_stores}+{r.spill_loads} B")
+                lines.append(f"| `{job}` | {variant} | {dtype} | {warps} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON to this file")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    rows = report(tuple(args.arch), args.jobs)
+    if args.json:
+        args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+    print(f"BLOCK_V = {GPU_BLOCK_V}, Triton's ptxas; spill = spill stores + spill loads (bytes)\n")
+    print(markdown(rows))
+    spilled = [r for r in rows if r.spill_stores or r.spill_loads]
+    for r in spilled:
+        print(f"SPILL: {r}", file=sys.stderr)
+    return 1 if spilled else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

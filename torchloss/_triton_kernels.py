@@ -1,0 +1,503 @@
+"""The Triton kernels of ``impl="triton"``: four kernels, one per job, over shared ``@triton.jit`` helpers.
+
+The formulation is :mod:`lossspec.stats` (the same in ``torchloss._stats`` and ``jaxloss``): per
+row, in the compute dtype ``ACC`` (fp32; fp64 for fp64 logits), with ``c = logit_scale / T``,
+``ct = teacher_logit_scale / T``, ``m = max x``, ``mt = max t``, ``e = exp(c (x - m))``,
+``et = exp(ct (t - mt))`` (subtract the maximum, *then* scale: huge logits lose nothing)::
+
+    m, s = sum e                      all kinds
+    x_y, sum_shift = sum (x - m), n   cross-entropy (the last two with label smoothing)
+    mt, st = sum et                   distillation
+    a = sum et (x - m)                soft cross-entropy, forward KL
+    b = sum et (t - mt)               forward KL
+    tau, e_d = sum e D                reverse KL, D = c (x - m) - ct (t - tau)
+
+``tau`` (the pivot) is the teacher's raw logit at the student's argmax; on ties of the maximum the
+*largest* teacher logit among the tying columns. ``D`` is exactly 0 on the argmax, the entry that
+carries the probability mass, so the gradient ``q (D - e_d / s)`` never subtracts large numbers.
+
+Kernels (one program per row; ``row`` offsets are int64; the vocabulary is walked in blocks of
+``BLOCK_V`` columns with a masked ragged tail)::
+
+    _fused_kernel        pass 1 (online statistics), finalize, pass 2 (gradient): the forward
+    _regrad_kernel       the same for rows whose upstream gradient (read on the device) is not
+                         exactly 1, gradient only, with coef * upstream (16-bit backward)
+    _shard_stats_kernel  pass 1 of a vocabulary shard: lossspec statistics out (vocab-parallel)
+    _shard_grad_kernel   pass 2 of a shard from the global final statistics (vocab-parallel)
+
+Helpers: :func:`_row_stats` (pass 1), :func:`_finalize` (loss and what pass 2 needs),
+:func:`_row_grad` (pass 2), :func:`_zero_row`, :func:`_round_for_store`, :func:`_shift`.
+
+Rows with ``coef == 0`` are skipped (loss 0, gradient 0, empty statistics). NaN or ``+inf`` in a
+row (student or teacher) is detected explicitly (a GPU ``max`` may drop NaN) and makes ``s`` NaN:
+the loss is NaN and, where ``coef != 0``, the whole gradient row is NaN.
+
+Constants shared with Python are ``tl.constexpr`` globals derived from :mod:`lossspec`: the kind
+ids (:data:`lossspec.KIND_IDS`), the row index of each statistic in the shard-statistics buffer
+(:data:`lossspec.ROW_STAT_INDEX`) and in the final-statistics buffer
+(:data:`lossspec.FINAL_STAT_INDEX`), and the slots of the scalar parameters (:data:`PARAMS`).
+Both buffers are statistic-major, ``[len(ROW_STATS), N]`` and ``[len(FINAL_STATS), N]``, so
+every statistic is a contiguous ``[N]`` tensor (what collectives and ``torchloss._stats`` use).
+
+Import this module only after ``TRITON_INTERPRET`` is decided (``torchloss._triton`` does it).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+import lossspec
+
+# --- Kinds (``if KIND == REVERSE_KL``, never a bare number) -------------------------------------
+CROSS_ENTROPY = tl.constexpr(lossspec.KIND_IDS["cross_entropy"])
+SOFT_CROSS_ENTROPY = tl.constexpr(lossspec.KIND_IDS["soft_cross_entropy"])
+FORWARD_KL = tl.constexpr(lossspec.KIND_IDS["forward_kl"])
+REVERSE_KL = tl.constexpr(lossspec.KIND_IDS["reverse_kl"])
+
+# --- Scalar parameters: a tiny tensor in the compute dtype (exact for fp64) ----------------------
+PARAMS: tuple[str, ...] = ("c", "ct", "eps", "lam")  # scale, teacher scale, label smoothing, z-loss
+P_C = tl.constexpr(PARAMS.index("c"))
+P_CT = tl.constexpr(PARAMS.index("ct"))
+P_EPS = tl.constexpr(PARAMS.index("eps"))
+P_LAM = tl.constexpr(PARAMS.index("lam"))
+
+# --- Shard statistics out: buffer [len(ROW_STATS), N], row ROW_<name> holds stat <name> ----------
+_ROW = lossspec.ROW_STAT_INDEX
+ROW_M = tl.constexpr(_ROW["m"])
+ROW_S = tl.constexpr(_ROW["s"])
+ROW_X_Y = tl.constexpr(_ROW["x_y"])
+ROW_SUM_SHIFT = tl.constexpr(_ROW["sum_shift"])
+ROW_N = tl.constexpr(_ROW["n"])
+ROW_MT = tl.constexpr(_ROW["mt"])
+ROW_ST = tl.constexpr(_ROW["st"])
+ROW_A = tl.constexpr(_ROW["a"])
+ROW_B = tl.constexpr(_ROW["b"])
+ROW_TAU = tl.constexpr(_ROW["tau"])
+ROW_E_D = tl.constexpr(_ROW["e_d"])
+
+# --- Final statistics in: buffer [len(FINAL_STATS), N] -------------------------------------------
+_FIN = lossspec.FINAL_STAT_INDEX
+FIN_M = tl.constexpr(_FIN["m"])
+FIN_S = tl.constexpr(_FIN["s"])
+FIN_MT = tl.constexpr(_FIN["mt"])
+FIN_ST = tl.constexpr(_FIN["st"])
+FIN_Q_COEF = tl.constexpr(_FIN["q_coef"])
+FIN_TAU = tl.constexpr(_FIN["tau"])
+FIN_MEAN_D = tl.constexpr(_FIN["mean_d"])
+
+_KIND_NAMES = ("CROSS_ENTROPY", "SOFT_CROSS_ENTROPY", "FORWARD_KL", "REVERSE_KL")
+assert sorted(lossspec.KIND_IDS.values()) == sorted(globals()[n].value for n in _KIND_NAMES), "kind ids drifted"
+
+
+# ================================================================================================
+# Shared helpers
+# ================================================================================================
+
+
+@triton.jit
+def _finite(m):
+    """A maximum usable as a shift (``lossspec``'s ``finite_max``): ``-inf`` (nothing but ``-inf``
+    seen) becomes 0, so ``x - m`` is ``-inf`` there instead of NaN."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def _shift(m_old, m_new, scale):
+    """``(r, delta)`` for moving statistics from the maximum ``m_old`` to ``m_new >= m_old``:
+    ``delta = m_old - m_new``, ``r = exp(scale * delta)``; both 0 where ``m_old == -inf`` (nothing
+    seen: the sums are 0, and ``-inf - -inf`` must not make them NaN)."""
+    empty = m_old == float("-inf")
+    delta = tl.where(empty, 0.0, _finite(m_old) - _finite(m_new))
+    r = tl.where(empty, 0.0, tl.exp(scale * delta))
+    return r, delta
+
+
+@triton.jit
+def _is_bad(v):
+    """1 where ``v`` is NaN or ``+inf`` (int32, reduces with ``max``)."""
+    return tl.where((v != v) | (v == float("inf")), 1, 0)
+
+
+@triton.jit
+def _load_params(params_ptr):
+    """``(c, ct, eps, lam)`` from the parameter tensor (compute dtype)."""
+    c = tl.load(params_ptr + P_C)
+    ct = tl.load(params_ptr + P_CT)
+    eps = tl.load(params_ptr + P_EPS)
+    lam = tl.load(params_ptr + P_LAM)
+    return c, ct, eps, lam
+
+
+@triton.jit
+def _row_stats(x_row, t_row, V, c, ct, KIND: tl.constexpr, SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
+    """Pass 1: the :mod:`lossspec.stats` statistics of one row ``x_row[0:V]`` (teacher ``t_row``),
+    online over blocks of ``BLOCK_V`` columns.
+
+    Returns ``(m, s, sum_shift, mt, st, a, b, tau, e_d, bad)`` in ``ACC`` with raw maxima
+    (``-inf`` when nothing was seen, as lossspec hands them out); statistics the kind does not use
+    stay 0. ``bad`` (int32) is 1 when the row holds NaN or ``+inf`` (student, or teacher); ``s`` is
+    then NaN.
+
+    Each block is folded in directly relative to the new maxima ``m' = max(m, max block)``,
+    ``mt'`` and pivot ``tau'`` (the combine of lossspec with the block's own statistics already
+    rebased): with ``(r, dm) = _shift(m, m', c)`` and ``(rt, dmt) = _shift(mt, mt', ct)``::
+
+        s         <- r s + sum e'                       e'  = exp(c (x - m'))
+        sum_shift <- sum_shift + n dm + sum (x - m')    n   = columns seen before the block
+        a         <- rt (a + st dm) + sum et' (x - m')  et' = exp(ct (t - mt'))
+        b         <- rt (b + st dmt) + sum et' (t - mt')
+        st        <- rt st + sum et'
+        e_d       <- r (e_d + s (c dm - ct (tau - tau'))) + sum e' (c (x - m') - ct (t - tau'))
+
+    ``tau'``: the block's pivot (largest teacher logit where ``x`` equals the block's maximum)
+    when the block's maximum exceeds ``m``, the larger of both pivots when it equals ``m``, else
+    ``tau``. Products weighted by an exponential are taken only where the weight is > 0, so an
+    entry of probability 0 adds 0, not ``0 * -inf``.
+    """
+    neg_inf = tl.full((), float("-inf"), ACC)
+    zero = tl.full((), 0.0, ACC)
+    m = neg_inf
+    s = zero
+    sum_shift = zero
+    mt = neg_inf
+    st = zero
+    a = zero
+    b = zero
+    tau = neg_inf
+    e_d = zero
+    bad = tl.full((), 0, tl.int32)
+    offs = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        inside = cols < V
+        # The ragged tail reads -inf: probability 0, never a maximum, never a pivot.
+        x = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(ACC)
+        bad = bad | tl.max(tl.where(inside, _is_bad(x), 0), axis=0)
+        block_m = tl.max(x, axis=0)
+        m_new = tl.maximum(m, block_m)
+        r, dm = _shift(m, m_new, c)
+        u = x - _finite(m_new)  # -inf on -inf logits and on the tail
+        e = tl.exp(c * u)
+        if KIND == CROSS_ENTROPY:
+            if SMOOTHING:
+                sum_shift = sum_shift + (v0 * 1.0) * dm + tl.sum(tl.where(inside, u, 0.0), axis=0)
+        else:
+            t = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(ACC)
+            bad = bad | tl.max(tl.where(inside, _is_bad(t), 0), axis=0)
+            mt_new = tl.maximum(mt, tl.max(t, axis=0))
+            rt, dmt = _shift(mt, mt_new, ct)
+            ut = t - _finite(mt_new)
+            et = tl.exp(ct * ut)
+            if KIND == SOFT_CROSS_ENTROPY or KIND == FORWARD_KL:
+                a = rt * (a + st * dm) + tl.sum(tl.where(et > 0, et * u, 0.0), axis=0)
+            if KIND == FORWARD_KL:
+                b = rt * (b + st * dmt) + tl.sum(tl.where(et > 0, et * ut, 0.0), axis=0)
+            if KIND == REVERSE_KL:
+                # The pivot rule of lossspec.stats (ties of the maximum: the larger teacher logit).
+                block_tau = tl.max(tl.where(inside & (x == block_m), t, float("-inf")), axis=0)
+                tau_new = tl.where(block_m > m, block_tau, tl.where(block_m == m, tl.maximum(tau, block_tau), tau))
+                # Old e_d re-expressed on (m', tau'): D gains c (m - m') - ct (tau - tau'); a prefix
+                # with r == 0 (empty, or far below) contributes exactly 0.
+                e_d = tl.where(r > 0, r * (e_d + s * (c * dm - ct * (tau - tau_new))), 0.0)
+                d = c * u - ct * (t - tau_new)
+                e_d = e_d + tl.sum(tl.where(e > 0, e * d, 0.0), axis=0)
+                tau = tau_new
+            st = rt * st + tl.sum(et, axis=0)
+            mt = mt_new
+        s = r * s + tl.sum(e, axis=0)
+        m = m_new
+    # The explicit flag, not max(), decides: a GPU max may have dropped a NaN.
+    s = tl.where(bad != 0, float("nan"), s)
+    return m, s, sum_shift, mt, st, a, b, tau, e_d, bad
+
+
+@triton.jit
+def _finalize(
+    m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, bad, V, c, ct, eps, lam,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
+):
+    """Per-token loss and what pass 2 needs, from whole-row statistics (``lossspec.stats``;
+    ``lse = log s``, ``lse_t = log st``, ``m``/``mt`` made finite)::
+
+        cross_entropy      l = lse - (1-eps) c (x_y - m) - (eps/V) c sum_shift + lam (lse + c m)^2
+        soft_cross_entropy l = lse - c a / st
+        forward_kl         l = (ct b / st - lse_t) - (c a / st - lse)
+        reverse_kl         l = e_d / s + (lse_t - lse - ct (tau - mt))
+
+    Returns ``(l, m, mt, q_coef, mean_d)`` with ``q_coef = 1 + 2 lam (lse + c m)`` (1 without
+    z-loss) and ``mean_d = e_d / s``; ``l`` is NaN on a bad row.
+    """
+    m = _finite(m)
+    mt = _finite(mt)
+    lse = tl.log(s)
+    q_coef = lse * 0.0 + 1.0
+    mean_d = lse * 0.0
+    if KIND == CROSS_ENTROPY:
+        loss = lse - ((1.0 - eps) * c) * (x_y - m)
+        if SMOOTHING:
+            loss = loss - (eps / V * c) * sum_shift
+        if Z_LOSS:
+            full_lse = lse + c * m
+            loss = loss + lam * full_lse * full_lse
+            q_coef = 1.0 + (2.0 * lam) * full_lse
+    else:
+        lse_t = tl.log(st)
+        if KIND == SOFT_CROSS_ENTROPY:
+            loss = lse - c * a / st
+        elif KIND == FORWARD_KL:
+            loss = (ct * b / st - lse_t) - (c * a / st - lse)
+        else:
+            mean_d = e_d / s
+            loss = mean_d + (lse_t - lse - ct * (tau - mt))
+    loss = tl.where(bad != 0, float("nan"), loss)
+    return loss, m, mt, q_coef, mean_d
+
+
+@triton.jit
+def _round_for_store(g, GRAD_BF16: tl.constexpr):
+    """Round fp32 to bf16, to nearest even, by hand: the interpreter's fp32 -> bf16 cast truncates
+    (and its ``rtne`` mode rounds half up). The cast on store is then exact, on the GPU (where
+    this is what ``cvt.rn`` would do) as in the interpreter. NaN and inf pass unchanged. fp16
+    needs nothing: both the interpreter (NumPy) and the GPU round it to nearest even."""
+    if GRAD_BF16:
+        bits = g.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        g = tl.where(g != g, g, bits.to(tl.float32, bitcast=True))
+    return g
+
+
+@triton.jit
+def _row_grad(
+    x_row, t_row, g_row, y, scale, m, s, mt, st, q_coef, tau, mean_d, bad, V, V_total, c, ct, eps,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr, GRAD_BF16: tl.constexpr,
+):
+    """Pass 2: ``g_row[0:V] = scale * dl/dz`` (``scale = coef * c``) from the row's final
+    statistics (finite maxima ``m``, ``mt``), formed in ``ACC`` and rounded once on store::
+
+        cross_entropy        q_coef q - (1 - eps) onehot(y) - eps / V_total
+        soft CE, forward KL  q - p
+        reverse KL           q (D - e_d / s),  D = c (x - m) - ct (t - tau); 0 where q == 0
+
+    with ``q = e / s``, ``p = et / st``. ``y`` is the label's column in this row (out of
+    ``[0, V)`` when another shard owns it), ``V_total`` the global vocabulary. A bad row
+    (``bad != 0``) is NaN everywhere: a NaN loss never comes with a plausible gradient.
+    """
+    offs = tl.arange(0, BLOCK_V)
+    p_scale = scale / s
+    if KIND == CROSS_ENTROPY:
+        p_scale = p_scale * q_coef
+    if KIND != CROSS_ENTROPY and KIND != REVERSE_KL:
+        t_scale = scale / st
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        inside = cols < V
+        x = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(ACC)
+        u = x - m
+        e = tl.exp(c * u)
+        if KIND == CROSS_ENTROPY:
+            g = e * p_scale + tl.where(cols == y, (eps - 1.0) * scale, 0.0)
+            if SMOOTHING:
+                g = g - scale * (eps / V_total)
+        else:
+            t = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(ACC)
+            if KIND == REVERSE_KL:
+                d = c * u - ct * (t - tau)
+                # q == 0 (a -inf logit) is exactly 0: not 0 * inf, not 0 * NaN.
+                g = tl.where(e > 0, e * (d - mean_d), 0.0) * p_scale
+            else:
+                g = e * p_scale - tl.exp(ct * (t - mt)) * t_scale
+        g = tl.where(bad != 0, float("nan"), g)
+        g = _round_for_store(g, GRAD_BF16)
+        tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _zero_row(g_row, V, BLOCK_V: tl.constexpr):
+    """``g_row[0:V] = 0`` (rows with ``coef == 0``: exact zeros, whatever their logits hold)."""
+    offs = tl.arange(0, BLOCK_V)
+    zeros = tl.zeros((BLOCK_V,), tl.float32).to(g_row.dtype.element_ty)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        tl.store(g_row + cols, zeros, mask=cols < V)
+
+
+@triton.jit
+def _row_forward(
+    x_row, t_row, y_ptr, row, V, c, ct, eps, lam,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):
+    """Pass 1 and finalize of one whole row: ``(loss, m, s, mt, st, q_coef, tau, mean_d, bad, y)``
+    (``y``: the label, cross-entropy; 0 otherwise)."""
+    m, s, sum_shift, mt, st, a, b, tau, e_d, bad = _row_stats(x_row, t_row, V, c, ct, KIND, SMOOTHING, BLOCK_V, ACC)
+    y = tl.full((), 0, tl.int64)
+    x_y = s * 0.0
+    if KIND == CROSS_ENTROPY:
+        # The caller passes safe labels (0 where the token is masked; this row has coef != 0).
+        y = tl.load(y_ptr + row).to(tl.int64)
+        x_y = tl.load(x_row + y).to(ACC)
+    loss, m, mt, q_coef, mean_d = _finalize(
+        m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, bad, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS
+    )
+    return loss, m, s, mt, st, q_coef, tau, mean_d, bad, y
+
+
+# ================================================================================================
+# Kernels, one per job (grid: one program per row)
+# ================================================================================================
+
+
+@triton.jit
+def _fused_kernel(
+    x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr,
+    V, stride_x, stride_t, stride_g,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    GRAD_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):
+    """The forward: ``loss[row] = l`` (0 where ``coef == 0``, not multiplied by ``coef``) and, with
+    ``WRITE_GRAD``, ``grad[row, :] = coef * c * dl/dz`` (0 where ``coef == 0``).
+
+    Pass 2 reads a block of the logits before it writes the same block of the gradient, so
+    ``grad`` may alias the logits (``inplace=True``)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    t_row = t_ptr + row * stride_t
+    g_row = grad_ptr + row * stride_g
+    coef = tl.load(coef_ptr + row)
+    if coef != 0:
+        c, ct, eps, lam = _load_params(params_ptr)
+        loss, m, s, mt, st, q_coef, tau, mean_d, bad, y = _row_forward(
+            x_row, t_row, y_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, BLOCK_V, ACC
+        )
+        tl.store(loss_ptr + row, loss)
+        if WRITE_GRAD:
+            _row_grad(x_row, t_row, g_row, y, coef * c, m, s, mt, st, q_coef, tau, mean_d, bad, V, V, c, ct, eps,
+                      KIND, SMOOTHING, BLOCK_V, ACC, GRAD_BF16)
+    else:
+        tl.store(loss_ptr + row, coef * 0.0)
+        if WRITE_GRAD:
+            _zero_row(g_row, V, BLOCK_V)
+
+
+@triton.jit
+def _regrad_kernel(
+    x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr,
+    V, stride_x, stride_t, stride_g, stride_up,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
+    GRAD_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):
+    """The backward of 16-bit logits for an upstream gradient ``g = up[row * stride_up]`` read on
+    the device (no host synchronisation): rows with ``g != 1`` and ``coef != 0`` are recomputed
+    (pass 1, finalize, pass 2) and rewritten as ``(coef * g) * c * dl/dz``, rounded once. Rows
+    with ``g == 1`` hold the forward's gradient already, rows with ``coef == 0`` its zeros:
+    both are left alone. No loss is written."""
+    row = tl.program_id(0).to(tl.int64)
+    coef = tl.load(coef_ptr + row)
+    up = tl.load(up_ptr + row * stride_up)
+    if (coef != 0) & (up != 1):
+        x_row = x_ptr + row * stride_x
+        t_row = t_ptr + row * stride_t
+        g_row = grad_ptr + row * stride_g
+        c, ct, eps, lam = _load_params(params_ptr)
+        scale = (coef * up) * c  # one value live across pass 1, not two
+        loss, m, s, mt, st, q_coef, tau, mean_d, bad, y = _row_forward(
+            x_row, t_row, y_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, BLOCK_V, ACC
+        )
+        _row_grad(x_row, t_row, g_row, y, scale, m, s, mt, st, q_coef, tau, mean_d, bad, V, V, c, ct, eps,
+                  KIND, SMOOTHING, BLOCK_V, ACC, GRAD_BF16)
+
+
+@triton.jit
+def _shard_stats_kernel(
+    x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, stats_ptr,
+    V, offset, stride_x, stride_t, stride_stat,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):
+    """Vocab-parallel pass 1: the statistics of this shard (global columns ``[offset, offset + V)``)
+    into ``stats[ROW_<name>, row]`` for the statistics the kind uses (``lossspec.stats_used``).
+
+    ``x_y`` is the label's raw logit where this shard owns the (global) label, else 0; ``n = V``
+    with label smoothing. Rows with ``coef == 0`` hold the empty statistics (``m = mt = tau =
+    -inf``, sums 0), the identity of the combine. A bad row's ``s`` is NaN."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    t_row = t_ptr + row * stride_t
+    coef = tl.load(coef_ptr + row)
+    neg_inf = tl.full((), float("-inf"), ACC)
+    zero = tl.full((), 0.0, ACC)
+    m, s, sum_shift, mt, st, a, b, tau, e_d = neg_inf, zero, zero, neg_inf, zero, zero, zero, neg_inf, zero
+    x_y = zero
+    n = zero
+    if coef != 0:
+        c, ct, eps, lam = _load_params(params_ptr)
+        m, s, sum_shift, mt, st, a, b, tau, e_d, bad = _row_stats(x_row, t_row, V, c, ct, KIND, SMOOTHING, BLOCK_V, ACC)
+        if KIND == CROSS_ENTROPY:
+            y_local = tl.load(y_ptr + row).to(tl.int64) - offset
+            owned = (y_local >= 0) & (y_local < V)
+            x_y = tl.where(owned, tl.load(x_row + tl.where(owned, y_local, 0)).to(ACC), 0.0)
+            n = zero + V
+    out = stats_ptr + row
+    tl.store(out + ROW_M * stride_stat, m)
+    tl.store(out + ROW_S * stride_stat, s)
+    if KIND == CROSS_ENTROPY:
+        tl.store(out + ROW_X_Y * stride_stat, x_y)
+        if SMOOTHING:
+            tl.store(out + ROW_SUM_SHIFT * stride_stat, sum_shift)
+            tl.store(out + ROW_N * stride_stat, n)
+    else:
+        tl.store(out + ROW_MT * stride_stat, mt)
+        tl.store(out + ROW_ST * stride_stat, st)
+        if KIND == SOFT_CROSS_ENTROPY or KIND == FORWARD_KL:
+            tl.store(out + ROW_A * stride_stat, a)
+        if KIND == FORWARD_KL:
+            tl.store(out + ROW_B * stride_stat, b)
+        if KIND == REVERSE_KL:
+            tl.store(out + ROW_TAU * stride_stat, tau)
+            tl.store(out + ROW_E_D * stride_stat, e_d)
+
+
+@triton.jit
+def _shard_grad_kernel(
+    x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, final_ptr, grad_ptr,
+    V, V_total, offset, stride_x, stride_t, stride_g, stride_fin,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
+    GRAD_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):
+    """Vocab-parallel pass 2: ``grad[row, :] = coef * c * dl/dz`` of this shard from the global
+    final statistics ``final[FIN_<name>, row]`` (``torchloss._stats.finalize``; ``m``/``mt``
+    finite). Labels are global ids, shifted by ``offset`` here; ``eps / V_total`` uses the
+    global vocabulary. A row is bad where the global ``s`` (or ``st``) is NaN; rows with
+    ``coef == 0`` are zeros."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    t_row = t_ptr + row * stride_t
+    g_row = grad_ptr + row * stride_g
+    coef = tl.load(coef_ptr + row)
+    if coef != 0:
+        c, ct, eps, lam = _load_params(params_ptr)
+        fin = final_ptr + row
+        m = tl.load(fin + FIN_M * stride_fin)
+        s = tl.load(fin + FIN_S * stride_fin)
+        bad = tl.where(s != s, 1, 0)
+        zero = s * 0.0
+        mt = zero
+        st = zero
+        q_coef = zero + 1.0
+        tau = zero
+        mean_d = zero
+        y = tl.full((), 0, tl.int64)
+        if KIND == CROSS_ENTROPY:
+            y = tl.load(y_ptr + row).to(tl.int64) - offset
+            if Z_LOSS:
+                q_coef = tl.load(fin + FIN_Q_COEF * stride_fin)
+        else:
+            mt = tl.load(fin + FIN_MT * stride_fin)
+            st = tl.load(fin + FIN_ST * stride_fin)
+            bad = bad | tl.where(st != st, 1, 0)
+            if KIND == REVERSE_KL:
+                tau = tl.load(fin + FIN_TAU * stride_fin)
+                mean_d = tl.load(fin + FIN_MEAN_D * stride_fin)
+        _row_grad(x_row, t_row, g_row, y, coef * c, m, s, mt, st, q_coef, tau, mean_d, bad, V, V_total, c, ct, eps,
+                  KIND, SMOOTHING, BLOCK_V, ACC, GRAD_BF16)
+    else:
+        _zero_row(g_row, V, BLOCK_V)
