@@ -52,17 +52,17 @@ def _shard(config: lossspec.LossConfig, x: torch.Tensor, target: torch.Tensor, a
 
 def combine_like_collectives(config: lossspec.LossConfig, parts: list) -> _stats.Stats:
     """What the all-reduces compute: max of the maxima, the pivot of the shards holding the
-    student's maximum (the largest tau on ties), each shard rescaled to them, then one sum."""
+    student's maximum (the first such shard on ties), each shard rescaled to them, then one sum."""
     m = torch.stack([p.m for p in parts]).amax(0)
     mt = None if parts[0].mt is None else torch.stack([p.mt for p in parts]).amax(0)
     rescaled = [_stats.rescale(config, p, m, mt) for p in parts]
-    out = functools.reduce(_stats.add, rescaled)
+    out = functools.reduce(lossspec.stats.add, rescaled)
     if parts[0].tau is not None:
         # The pivot over the shards (pivot() returns tau; the running maximum goes alongside).
         tau = parts[0].tau
         run_m = parts[0].m
         for p in parts[1:]:
-            tau = _stats.pivot(run_m, tau, p.m, p.tau)
+            tau = lossspec.stats.pivot(torch, run_m, tau, p.m, p.tau)
             run_m = torch.maximum(run_m, p.m)
         e_d = functools.reduce(torch.add, [_stats.rescale_e_d(config, p, m, tau) for p in parts])
         out = out._replace(tau=tau, e_d=e_d)

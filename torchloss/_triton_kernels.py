@@ -13,7 +13,7 @@ row, in the compute dtype ``ACC`` (fp32; fp64 for fp64 logits), with ``c = logit
     tau, e_d = sum e D                reverse KL, D = c (x - m) - ct (t - tau)
 
 ``tau`` (the pivot) is the teacher's raw logit at the student's argmax; on ties of the maximum the
-*largest* teacher logit among the tying columns. ``D`` is exactly 0 on the argmax, the entry that
+*first* tying column (``argmax`` semantics; an earlier block keeps its pivot). ``D`` is exactly 0 on the argmax, the entry that
 carries the probability mass, so the gradient ``q (D - e_d / s)`` never subtracts large numbers.
 
 Kernels (one program per row; ``row`` offsets are int64; the vocabulary is walked in blocks of
@@ -150,8 +150,8 @@ def _row_stats(x_row, t_row, V, c, ct, KIND: tl.constexpr, SMOOTHING: tl.constex
         st        <- rt st + sum et'
         e_d       <- r (e_d + s (c dm - ct (tau - tau'))) + sum e' (c (x - m') - ct (t - tau'))
 
-    ``tau'``: the block's pivot (largest teacher logit where ``x`` equals the block's maximum)
-    when the block's maximum exceeds ``m``, the larger of both pivots when it equals ``m``, else
+    ``tau'``: the block's pivot (the teacher at the first column where ``x`` equals the block's maximum)
+    when the block's maximum exceeds ``m``, else (ties included: the earlier column wins)
     ``tau``. Products weighted by an exponential are taken only where the weight is > 0, so an
     entry of probability 0 adds 0, not ``0 * -inf``.
     """
@@ -194,9 +194,11 @@ def _row_stats(x_row, t_row, V, c, ct, KIND: tl.constexpr, SMOOTHING: tl.constex
             if KIND == FORWARD_KL:
                 b = rt * (b + st * dmt) + tl.sum(tl.where(et > 0, et * ut, 0.0), axis=0)
             if KIND == REVERSE_KL:
-                # The pivot rule of lossspec.stats (ties of the maximum: the larger teacher logit).
-                block_tau = tl.max(tl.where(inside & (x == block_m), t, float("-inf")), axis=0)
-                tau_new = tl.where(block_m > m, block_tau, tl.where(block_m == m, tl.maximum(tau, block_tau), tau))
+                # The pivot rule of lossspec.stats: the first column of the maximum (an earlier
+                # block keeps it on ties), found with a min over the tying columns' ids.
+                first = tl.min(tl.where(inside & (x == block_m), cols, V), axis=0)
+                block_tau = tl.max(tl.where(cols == first, t, float("-inf")), axis=0)
+                tau_new = tl.where(block_m > m, block_tau, tau)
                 # Old e_d re-expressed on (m', tau'): D gains c (m - m') - ct (tau - tau'); a prefix
                 # with r == 0 (empty, or far below) contributes exactly 0.
                 e_d = tl.where(r > 0, r * (e_d + s * (c * dm - ct * (tau - tau_new))), 0.0)
