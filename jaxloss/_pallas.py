@@ -133,7 +133,7 @@ def _kernel(
     def pass1() -> Stats:
         def body(j: Array, acc: Stats) -> Stats:
             _, col_ok, _, x, t, hit = load(j)
-            blk, _, _ = block_stats(cfg, x, t, hit=hit, col_ok=col_ok)
+            blk, _, _ = block_stats(cfg, x, t, hit=hit, col_ok=col_ok, gather=False)
             return combine(cfg, acc, blk)
 
         return lax.fori_loop(0, num_blocks, body, empty_stats(cfg, block_rows))

@@ -65,6 +65,7 @@ def block_stats(
     x_y: Optional[Array] = None,
     hit: Optional[Array] = None,
     col_ok: Optional[Array] = None,
+    gather: bool = True,
 ) -> tuple[Stats, Array, Optional[Array]]:
     """Statistics of one block ``x`` ``[R, B]`` (fp32) relative to the block's own maxima.
 
@@ -77,6 +78,8 @@ def block_stats(
       hit: ``[R, B]`` bool, the label's column (cross-entropy, when ``x_y`` is not given).
       col_ok: ``[B]`` or ``[R, B]`` bool, columns that belong to this block (ragged tails,
         overlapping blocks); ``None`` for all.
+      gather: reverse KL may gather the pivot (``False`` inside Pallas kernels, which lower to
+        Triton without gathers).
 
     Returns:
       ``(stats, e, et)``: the statistics and ``e = exp(c (x - m))``, ``et`` (0 outside
@@ -116,11 +119,15 @@ def block_stats(
     if cfg.kind == "forward_kl":
         b = jnp.sum(_pos_times(et, dt), axis=-1)
     if cfg.kind == "reverse_kl":
-        # The pivot's column: the first column of the maximum (lossspec.stats' tie rule), found
-        # with compares and row reductions only (no gather: Pallas kernels use this too).
+        # The pivot's column: the first column of the maximum (lossspec.stats' tie rule), a
+        # min-reduce that fuses with the others; then one gather of R values (XLA), or a
+        # compare and max-reduce inside a Pallas kernel (``gather=False``: no gathers there).
         cols = lax.broadcasted_iota(jnp.int32, xm.shape, 1)
         first = jnp.min(jnp.where(xm == m[:, None], cols, xm.shape[-1]), axis=-1)
-        tau = jnp.max(jnp.where(cols == first[:, None], tm, NEG_INF), axis=-1)
+        if gather:
+            tau = jnp.take_along_axis(tm, jnp.minimum(first, xm.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+        else:
+            tau = jnp.max(jnp.where(cols == first[:, None], tm, NEG_INF), axis=-1)
         e_d = jnp.sum(_pos_times(e, _pivot_d(cfg, dx, tm, tau)), axis=-1)
     return Stats(m=m, s=s, mt=mt, st=st, a=a, b=b, tau=tau, e_d=e_d), e, et
 
