@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _pallas
-from ._stats import F32, NEG_INF, Final, KernelConfig, Stats, block_stats, finalize, grad_block, rescale, rescale_e_d, varying_like
+from ._stats import F32, Final, KernelConfig, Stats, block_stats, finalize, grad_block, rescale, rescale_e_d, varying_like
 
 Array = jax.Array
 AxisName = Union[str, tuple]

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._stats import F32, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
+from ._stats import F32, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, varying_like
 
 Array = jax.Array
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 import lossspec
 
-from ._xla import varying_axes
+from ._stats import varying_axes
 from .api import count_denominator
 
 AxisNames = str | Sequence[str] | None

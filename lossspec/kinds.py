@@ -13,7 +13,7 @@ import dataclasses
 import inspect
 from typing import Any, Callable
 
-from .config import KINDS
+from .config import KINDS, make_config
 
 _P = inspect.Parameter
 
@@ -198,8 +198,6 @@ def module_settings(spec: KindSpec, extra: FrameworkArgs, options: dict[str, Any
     """A module's settings: ``options`` over the defaults of ``spec``'s options,
     ``normalization`` and the framework's arguments, validated with the functions' own errors
     (an unknown name is a ``TypeError`` naming ``owner``)."""
-    from .config import make_config
-
     defaults = dict(spec.options, normalization="valid_tokens", **{name: default for name, default, _ in extra.args})
     unknown = sorted(set(options) - set(defaults))
     if unknown:

@@ -72,6 +72,7 @@ The gradient pass needs, per row, the :data:`FINAL_STATS`.
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any, Optional
 
 from .config import LossConfig
@@ -227,6 +228,4 @@ def finalize(xp: Any, config: LossConfig, st: Any, vocab: int) -> Any:
 def bind(xp: Any) -> tuple[Any, ...]:
     """``(finite_max, rescale, rescale_e_d, combine, finalize, bad_rows)`` on the namespace
     ``xp``: what a backend's ``_stats`` module exports."""
-    import functools
-
     return tuple(functools.partial(f, xp) for f in (finite_max, rescale, rescale_e_d, combine, finalize, bad_rows))

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from test_torchloss_helpers import FUNCTIONS, inputs, quiet
+from test_torchloss_helpers import FUNCTIONS, inputs
 
 import lossspec
 import torchloss
