@@ -188,3 +188,26 @@ def test_unchecked_path_gives_nan_for_bad_weights(monkeypatch: pytest.MonkeyPatc
     assert torch.isnan(torchloss.cross_entropy(x, labels, mask))
     assert torch.isnan(torchloss.count_denominator(labels, mask))
     assert torch.isnan(torchloss.cross_entropy(x, labels, denominator=torch.tensor(1e-40)))
+
+
+@pytest.mark.parametrize("width", [700, 1024, 1300])
+def test_first_max_is_numpy_max_and_argmax(width: int) -> None:
+    """The blocked first-maximum of the reverse-KL pivot: the same values and first columns as
+    ``np.max``/``np.argmax`` (first occurrence) on ties inside a block, across blocks, in the
+    partial last block, on all -inf rows and on NaN rows."""
+    from torchloss._stats import FIRST_MAX_BLOCK, first_max
+
+    rng = np.random.default_rng(width)
+    x = rng.standard_normal((9, width)).astype(np.float32)
+    x[0, [5, 9]] = 7.0  # tie inside the first block
+    x[1, [FIRST_MAX_BLOCK - 1, FIRST_MAX_BLOCK]] = 7.0  # tie across a block boundary
+    x[2, [3, width - 1]] = 7.0  # tie with the last column (the partial block when there is one)
+    x[3, width - 2] = 9.0  # maximum in the last block alone
+    x[4] = -np.inf
+    x[5, [4, 600]] = np.nan  # NaN: its first column
+    x[6, [650, 20]] = [np.inf, np.inf]
+    x[7, 2 * FIRST_MAX_BLOCK] = 5.0
+    x[7, [2 * FIRST_MAX_BLOCK + 1, 10]] = 5.0
+    top, column = first_max(torch.from_numpy(x))
+    np.testing.assert_array_equal(top.numpy(), np.max(x, axis=1))
+    np.testing.assert_array_equal(column.numpy(), np.argmax(x, axis=1))
