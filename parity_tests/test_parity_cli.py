@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -159,7 +160,7 @@ BAD_CASES = {
     "not_npz": (lambda d: ["--inputs", str(d / "junk.npz")], "not an .npz file (an .npz is a zip archive"),
     "empty_npz": (lambda d: ["--inputs", str(d / "empty.npz")], "empty.npz: empty file"),
     "npy_named_npz": (lambda d: ["--inputs", str(d / "npy.npz")], "a .npy file (one array), not an .npz"),
-    "truncated_npz": (lambda d: ["--inputs", str(d / "truncated.npz")], "damaged .npz archive"),
+    "truncated_npz": (lambda d: ["--inputs", str(d / "truncated.npz")], "unreadable .npz archive (BadZipFile: File is not a zip file)"),
     "short_safetensors": (lambda d: ["--inputs", str(d / "short.safetensors")], "not a safetensors file (too short)"),
     "list_header_safetensors": (lambda d: ["--inputs", str(d / "list_header.safetensors")],
                                 "not a safetensors file (the header is not a JSON object)"),
@@ -223,18 +224,32 @@ def test_bad_files_and_arguments_give_one_line_errors(case: str, tmp_path: Path,
     _assert_one_line_error(code, captured.out, captured.err, expected.replace("{d}", str(tmp_path)))
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_unwritable_out_is_a_one_line_error(tmp_path: Path, capfd: pytest.CaptureFixture, no_backend_may_run: None) -> None:
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
+def _unwritable_folder(tmp_path: Path) -> Path:
+    """A folder this process cannot create files in: a read-only one of ours, or for root (who
+    writes anywhere chmod allows) /sys, when it refuses too."""
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        return locked
     try:
-        code = main(["--kinds", "cross_entropy", "--no-plot", "--out", str(locked / "reports")])
+        with tempfile.TemporaryFile(dir="/sys"):
+            pass
+    except OSError:
+        return Path("/sys")
+    pytest.skip("no folder here refuses writes to root")
+
+
+def test_unwritable_out_is_a_one_line_error(tmp_path: Path, capfd: pytest.CaptureFixture, no_backend_may_run: None) -> None:
+    folder = _unwritable_folder(tmp_path)
+    try:
+        code = main(["--kinds", "cross_entropy", "--no-plot", "--out", str(folder / "lossparity-reports")])
     finally:
-        locked.chmod(0o700)
+        if folder != Path("/sys"):
+            folder.chmod(0o700)
     captured = capfd.readouterr()
-    _assert_one_line_error(code, captured.out, captured.err, "cannot write there (")
-    assert not (locked / "reports").exists()
+    _assert_one_line_error(code, captured.out, captured.err, f"--out {folder}/lossparity-reports: cannot write there (")
+    assert not (folder / "lossparity-reports").exists()
 
 
 def _imported_modules(importtime_log: str) -> set[str]:
