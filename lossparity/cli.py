@@ -1,9 +1,12 @@
 """``lossparity``: prove that every backend computes the same masked losses and gradients.
 
 With no arguments it runs the built-in matrix (kinds x normalisations x dtypes x scenarios x
-backends), prints one line per case as it goes, writes ``parity_report.json`` and
-``parity_report.png`` and exits 1 if any comparison exceeds its SPEC bound. ``--inputs FILE``
-checks every backend on a user's own batch instead.
+backends), prints one line per case as it goes (the oracle's loss, each backend's loss and its
+error in units of the bound), writes ``parity_report.json`` and ``parity_report.png`` and exits
+with a status from ``EXIT``. ``--inputs FILE`` checks every backend on a user's own batch instead.
+
+Arguments, the file and ``--out`` are all checked, with NumPy alone, before JAX and torch are
+imported: a bad one costs a one-line error, not the seconds of those imports.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import math
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,11 +31,20 @@ import numpy as np  # noqa: E402
 import lossspec  # noqa: E402
 
 from .backends import BACKENDS, Inputs, available  # noqa: E402
-from .inputs import InputError, read_inputs  # noqa: E402
+from .inputs import InputError, found_keys, read_inputs  # noqa: E402
 from .matrix import CaseSpec, Result, builtin_cases, run_matrix  # noqa: E402
 
 DEFAULT_BACKENDS = ["jax-xla", "jax-pallas", "torch", "torch-triton"]
 DEFAULT_DTYPES = ["float32", "bfloat16", "float16"]
+EXIT = {"pass": 0, "fail": 1, "usage": 2, "nonfinite": 3}
+# The loss options of --inputs runs, their defaults, and the kinds they apply to.
+CE_OPTIONS = {"ignore_index": -100, "label_smoothing": 0.0, "z_loss": 0.0}
+SHARED_OPTIONS = {"logit_scale": 1.0}
+DISTILL_OPTIONS = {"temperature": 1.0, "teacher_logit_scale": 1.0}
+DISTILL_KINDS = [kind for kind in lossspec.KINDS if kind != "cross_entropy"]
+# The array a file needs for each kind.
+TARGET_KEY = {kind: "labels" if kind == "cross_entropy" else "teacher_logits" for kind in lossspec.KINDS}
+BUILTIN_SHAPE = ((2, 9), 300)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,79 +74,187 @@ def _shape(text: str) -> tuple[tuple[int, ...], int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The options; those whose use depends on the run (``--inputs`` or not, the kinds checked)
+    default to None so that an explicit one that does not apply can be warned about."""
     parser = _Parser(
         prog="lossparity",
-        description=__doc__.split("\n\n")[0] + " Exit status: 0 all pass, 1 a comparison failed, 2 bad arguments or file.",
+        description=__doc__.split("\n\n")[0] + " Exit status: 0 all pass; 1 a comparison failed; 2 bad arguments, "
+                    "file or --out (one line, before any work); 3 non-finite values that match the oracle's "
+                    "(NaN or +inf in the inputs) and no failure.",
     )
-    parser.add_argument("--kinds", type=_csv(lossspec.KINDS, "kind"), default=list(lossspec.KINDS),
-                        help="comma list of loss kinds (default: all four)")
+    parser.add_argument("--kinds", type=_csv(lossspec.KINDS, "kind"), default=None,
+                        help="comma list of loss kinds (default: all four; with --inputs, those the file has arrays for)")
     parser.add_argument("--backends", type=_csv(list(BACKENDS), "backend"), default=DEFAULT_BACKENDS,
                         help=f"comma list of backends to compare with the oracle (default: {','.join(DEFAULT_BACKENDS)})")
     parser.add_argument("--dtypes", type=_csv(DEFAULT_DTYPES, "dtype"), default=None,
                         help="logit dtypes of the built-in matrix (default: float32,bfloat16,float16); with --inputs, "
-                             "the dtype to run the file's logits in (default: the file's own)")
+                             "the one dtype to run the file's logits in (default: the file's own)")
     parser.add_argument("--normalizations", type=_csv(lossspec.NORMALIZATIONS, "normalization"), default=None,
                         help="only cases with these normalisations (default: all)")
-    parser.add_argument("--shape", type=_shape, default=((2, 9), 300), metavar="AxBx...xV",
-                        help="leading shape and vocabulary of the built-in cases (default: 2x9x300)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
+    parser.add_argument("--shape", type=_shape, default=None, metavar="AxBx...xV",
+                        help="built-in matrix only: leading shape and vocabulary (default: 2x9x300)")
+    parser.add_argument("--seed", type=int, default=None, help="built-in matrix only: seed of the generated inputs (default: 0)")
     parser.add_argument("--inputs", metavar="FILE",
                         help="check every backend on your own batch: .npz or .safetensors with 'logits', 'labels' "
                              "and/or 'teacher_logits', optional 'loss_mask'")
-    parser.add_argument("--ignore-index", type=int, default=-100)
-    parser.add_argument("--label-smoothing", type=float, default=0.0)
-    parser.add_argument("--z-loss", type=float, default=0.0)
-    parser.add_argument("--logit-scale", type=float, default=1.0)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--teacher-logit-scale", type=float, default=1.0)
-    parser.add_argument("--out", default=".", help="folder for parity_report.json and parity_report.png (default: .)")
+    with_inputs = "with --inputs only (the built-in matrix runs its own variants)"
+    parser.add_argument("--ignore-index", type=int, default=None, help=f"cross_entropy, {with_inputs} (default: -100)")
+    parser.add_argument("--label-smoothing", type=float, default=None, help=f"cross_entropy, {with_inputs} (default: 0)")
+    parser.add_argument("--z-loss", type=float, default=None, help=f"cross_entropy, {with_inputs} (default: 0)")
+    parser.add_argument("--logit-scale", type=float, default=None, help=f"every kind, {with_inputs} (default: 1)")
+    parser.add_argument("--temperature", type=float, default=None, help=f"distillation kinds, {with_inputs} (default: 1)")
+    parser.add_argument("--teacher-logit-scale", type=float, default=None,
+                        help=f"distillation kinds, {with_inputs} (default: 1)")
+    parser.add_argument("--out", default=".", help="folder for parity_report.json and parity_report.png, created if "
+                                                   "missing; must not be a file (default: .)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
-    parser.add_argument("--quiet", action="store_true", help="print only failures and the summary")
+    parser.add_argument("--quiet", action="store_true", help="print only failures, non-finite cases and the summary")
     return parser
 
 
-def _file_cases(args: argparse.Namespace) -> list[CaseSpec]:
+def _flag(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def _given(args: argparse.Namespace, options: dict[str, Any]) -> list[str]:
+    """The options of ``options`` set on the command line."""
+    return [option for option in options if getattr(args, option) is not None]
+
+
+def _value(args: argparse.Namespace, option: str, defaults: dict[str, Any]) -> Any:
+    value = getattr(args, option)
+    return defaults[option] if value is None else value
+
+
+def check_out(text: str) -> Path:
+    """``--out`` as a Path, checked without creating anything: not a file, and a file can be
+    created in it or, when it does not exist yet, in its nearest existing parent folder."""
+    out = Path(text)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file; --out names the folder for parity_report.json and parity_report.png")
+    existing = out
+    while not existing.exists():  # Path(".").parent is ".", which exists: the loop ends
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(f"--out {out}: cannot write there ({existing} is a file)")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise InputError(f"--out {out}: cannot write there ({error.strerror or error})") from None
+    return out
+
+
+def _builtin_cases(args: argparse.Namespace) -> tuple[list[CaseSpec], list[str]]:
+    """The built-in matrix, and a warning per loss option given (they apply to --inputs runs)."""
+    lead, vocab = args.shape or BUILTIN_SHAPE
+    specs = builtin_cases(args.kinds or list(lossspec.KINDS), args.dtypes or DEFAULT_DTYPES, lead, vocab,
+                          0 if args.seed is None else args.seed)
+    if args.normalizations:
+        specs = [s for s in specs if s.normalization in args.normalizations]
+    warnings = [f"{_flag(option)} applies only with --inputs; ignored (the built-in matrix runs its own option variants)"
+                for option in _given(args, {**CE_OPTIONS, **SHARED_OPTIONS, **DISTILL_OPTIONS})]
+    return specs, warnings
+
+
+def _file_warnings(args: argparse.Namespace, kinds: list[str]) -> list[str]:
+    """One line per option given that this --inputs run does not use."""
+    checks = ", ".join(kinds)
+    warnings = []
+    if "cross_entropy" not in kinds:
+        warnings += [f"{_flag(o)} applies only to cross_entropy; ignored (this run checks {checks})"
+                     for o in _given(args, CE_OPTIONS)]
+    if not set(kinds) & set(DISTILL_KINDS):
+        warnings += [f"{_flag(o)} applies only to {', '.join(DISTILL_KINDS)}; ignored (this run checks {checks})"
+                     for o in _given(args, DISTILL_OPTIONS)]
+    warnings += [f"{_flag(o)} applies only to the built-in matrix; ignored with --inputs"
+                 for o in ("shape", "seed") if getattr(args, o) is not None]
+    if args.dtypes and len(args.dtypes) > 1:
+        warnings.append(f"--dtypes: with --inputs the file runs in one dtype; using {args.dtypes[0]}, "
+                        f"ignoring {', '.join(args.dtypes[1:])}")
+    return warnings
+
+
+def _file_cases(args: argparse.Namespace) -> tuple[list[CaseSpec], list[str]]:
+    """The cases of a user's file (every kind it has arrays for, or those of --kinds), each
+    checked by the oracle's own argument checks, and the warnings of the run."""
     arrays, dtypes = read_inputs(args.inputs)
+    requested = args.kinds or list(lossspec.KINDS)
+    kinds = [kind for kind in requested if TARGET_KEY[kind] in arrays]
+    skipped = [kind for kind in requested if kind not in kinds]
+    found = f"(found: {found_keys(arrays)})"
+    if not kinds:  # every requested kind lacks the same array (the file has labels or teacher logits)
+        need = "needs" if len(skipped) == 1 else "need"
+        raise InputError(f"{args.inputs}: {', '.join(skipped)} {need} {TARGET_KEY[skipped[0]]!r} {found}")
+    warnings = []
+    if skipped and args.kinds:  # by default a file checks the kinds it has arrays for, silently
+        who = "it needs" if len(skipped) == 1 else "they need"
+        warnings.append(f"skipping {', '.join(skipped)}: {who} {TARGET_KEY[skipped[0]]!r} {found}")
+    warnings += _file_warnings(args, kinds)
+
     dtype = (args.dtypes or [None])[0] or {"float64": "float32"}.get(dtypes["logits"], dtypes["logits"])
     logits = lossspec.round_to_dtype(arrays["logits"], dtype)
     mask = arrays.get("loss_mask")
     label = Path(args.inputs).name
-    normalizations = args.normalizations or list(lossspec.NORMALIZATIONS)
     specs = []
-    for kind in args.kinds:
+    for kind in kinds:
         if kind == "cross_entropy":
-            if "labels" not in arrays:
-                continue
             target = arrays["labels"]
-            options = {"ignore_index": args.ignore_index, "label_smoothing": args.label_smoothing,
-                       "z_loss": args.z_loss, "logit_scale": args.logit_scale}
+            options = {o: _value(args, o, CE_OPTIONS) for o in CE_OPTIONS}
         else:
-            if "teacher_logits" not in arrays:
-                continue
             target = lossspec.round_to_dtype(arrays["teacher_logits"], dtype)
-            options = {"temperature": args.temperature, "logit_scale": args.logit_scale,
-                       "teacher_logit_scale": args.teacher_logit_scale}
+            options = {o: _value(args, o, DISTILL_OPTIONS) for o in DISTILL_OPTIONS}
+        options["logit_scale"] = _value(args, "logit_scale", SHARED_OPTIONS)
         inputs = Inputs(logits, target, mask, dtype)
-        for normalization in normalizations:
+        for normalization in args.normalizations or list(lossspec.NORMALIZATIONS):
             spec = CaseSpec(kind, label, inputs, normalization, options)
             try:  # the file's shapes, dtypes and values, checked once, with lossspec's messages
                 lossspec.oracle(kind, logits, target, mask, **spec.call_options())
             except (TypeError, ValueError) as error:
                 raise InputError(f"{args.inputs}: {error}") from None
             specs.append(spec)
-    if not specs:
-        raise InputError(f"{args.inputs}: nothing to check for kinds {', '.join(args.kinds)}")
-    return specs
+    return specs, warnings
 
 
-def _format_row(spec: CaseSpec, row: list[Result]) -> str:
-    cells = []
+def _name(result: Result) -> str:
+    return result.backend if result.reference == "oracle" else f"{result.backend}~{result.reference}"
+
+
+def row_status(row: list[Result]) -> str:
+    """FAIL if any comparison failed, else NONFINITE if any is non-finite, else PASS."""
+    statuses = {r.status for r in row}
+    return "FAIL" if "fail" in statuses else "NONFINITE" if "nonfinite" in statuses else "PASS"
+
+
+def _format_row(spec: CaseSpec, row: list[Result], oracle_loss: float) -> str:
+    """``STATUS case  oracle loss=L  backend loss=L err=E ...  twin~twin err=E``: losses to 9
+    digits (for "none", the sum over tokens), errors in units of the bound; ``!`` marks a
+    failed comparison, ``(non-finite)`` a non-finite one that matches its reference."""
+    what = "sum(loss)" if spec.normalization == "none" else "loss"
+    cells = [f"oracle {what}={oracle_loss:.9g}"]
     for result in row:
-        name = result.backend if result.reference == "oracle" else f"{result.backend}~{result.reference}"
+        mark = {"pass": "", "fail": "!", "nonfinite": " (non-finite)"}[result.status]
         worst = max(result.loss_error, result.grad_error)
-        cells.append(f"{name} {worst:.2g}" + ("" if result.ok else "!"))
-    status = "PASS" if all(r.ok for r in row) else "FAIL"
-    return f"{status} {spec.name}  " + "  ".join(cells)
+        if result.reference != "oracle":
+            cells.append(f"{_name(result)} err={worst:.2g}{mark}")
+        elif result.loss is None:
+            cells.append(f"{result.backend} crashed!")
+        else:
+            cells.append(f"{result.backend} {what}={result.loss:.9g} err={worst:.2g}{mark}")
+    return f"{row_status(row)} {spec.name}  " + "  ".join(cells)
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as the strings "nan", "inf", "-inf": strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, np.generic):
+        return json_safe(value.item())
+    return value
 
 
 def _environment() -> dict[str, Any]:
@@ -152,13 +274,12 @@ def write_plot(results: list[Result], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted({r.backend if r.reference == "oracle" else f"{r.backend}~{r.reference}" for r in results})
+    names = sorted({_name(r) for r in results})
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     floor = 1e-4
     for ax, field, title in ((axes[0], "loss_error", "loss"), (axes[1], "grad_error", "gradient")):
         for i, name in enumerate(names):
-            values = [max(getattr(r, field), floor) for r in results
-                      if (r.backend if r.reference == "oracle" else f"{r.backend}~{r.reference}") == name]
+            values = [max(getattr(r, field), floor) for r in results if _name(r) == name]
             jitter = np.random.default_rng(i).uniform(-0.25, 0.25, len(values))
             ax.scatter(np.full(len(values), i) + jitter, values, s=10, alpha=0.6)
         ax.axhline(1.0, color="red", linestyle="--", label="SPEC bound")
@@ -172,46 +293,51 @@ def write_plot(results: list[Result], path: Path) -> None:
     plt.close(fig)
 
 
+def _summary(results: list[Result]) -> dict[str, dict[str, Any]]:
+    summary = {}
+    for name in sorted({_name(r) for r in results}):
+        rows = [r for r in results if _name(r) == name]
+        summary[name] = {"cases": len(rows), "failed": sum(r.status == "fail" for r in rows),
+                         "nonfinite": sum(r.status == "nonfinite" for r in rows),
+                         "max_loss_error": max(r.loss_error for r in rows), "max_grad_error": max(r.grad_error for r in rows),
+                         "seconds": round(sum(r.seconds for r in rows), 3)}
+    return summary
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
-    try:
+    try:  # everything the user gave, checked with NumPy only: no JAX or torch import yet
         args = build_parser().parse_args(argv)
-        backends, missing = available(args.backends)
-        for name, why in missing.items():
-            print(f"lossparity: skipping {name}: {why}", file=sys.stderr)
-        if args.inputs:
-            specs = _file_cases(args)
-        else:
-            lead, vocab = args.shape
-            specs = builtin_cases(args.kinds, args.dtypes or DEFAULT_DTYPES, lead, vocab, args.seed)
-            if args.normalizations:
-                specs = [s for s in specs if s.normalization in args.normalizations]
+        out = check_out(args.out)
+        specs, warnings = _file_cases(args) if args.inputs else _builtin_cases(args)
     except InputError as error:
         print(f"lossparity: error: {error}", file=sys.stderr)
-        return 2
+        return EXIT["usage"]
+    for warning in warnings:
+        print(f"lossparity: warning: {warning}", file=sys.stderr)
+    backends, missing = available(args.backends)  # imports jaxloss / torchloss
+    for name, why in missing.items():
+        print(f"lossparity: skipping {name}: {why}", file=sys.stderr)
 
     print(f"lossparity: {len(specs)} cases x {len(backends)} backends ({', '.join(backends)}); "
-          f"errors in units of the SPEC bound, <= 1 passes")
+          f"losses to 9 digits, errors in units of the SPEC bound, <= 1 passes")
     counter = {"done": 0}
 
-    def progress(spec: CaseSpec, row: list[Result]) -> None:
+    def progress(spec: CaseSpec, row: list[Result], oracle_loss: float) -> None:
         counter["done"] += 1
-        line = _format_row(spec, row)
+        line = _format_row(spec, row, oracle_loss)
         if not args.quiet or not line.startswith("PASS"):
             print(f"[{counter['done']:>{len(str(len(specs)))}}/{len(specs)}] {line}", flush=True)
 
     results = run_matrix(specs, backends, on_result=progress)
-    failures = [r for r in results if not r.ok]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    summary = {}
-    for name in sorted({r.backend if r.reference == "oracle" else f"{r.backend}~{r.reference}" for r in results}):
-        rows = [r for r in results if (r.backend if r.reference == "oracle" else f"{r.backend}~{r.reference}") == name]
-        summary[name] = {"cases": len(rows), "failed": sum(not r.ok for r in rows),
-                         "max_loss_error": max(r.loss_error for r in rows), "max_grad_error": max(r.grad_error for r in rows),
-                         "seconds": round(sum(r.seconds for r in rows), 3)}
+    failures = [r for r in results if r.status == "fail"]
+    nonfinite = [r for r in results if r.status == "nonfinite"]
+    status = "fail" if failures else "nonfinite" if nonfinite else "pass"
+    summary = _summary(results)
     report = {
-        "passed": not failures,
+        "passed": status == "pass",
+        "status": status,
+        "exit_status": EXIT[status],
         "bounds": {"LOSS_RTOL": lossspec.LOSS_RTOL, "GRAD_RTOL": lossspec.GRAD_RTOL, "GRAD_ULPS_16BIT": lossspec.GRAD_ULPS_16BIT},
         "environment": _environment(),
         "inputs": args.inputs,
@@ -220,10 +346,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - start, 2),
     }
     json_path = out / "parity_report.json"
-    json_path.write_text(json.dumps(report, indent=1, default=float))
-    print("\nbackend (vs reference)          cases  failed  max loss err  max grad err")
+    try:  # checked before the run; this only fails if the folder changed meanwhile
+        out.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(json_safe(report), indent=1, allow_nan=False))
+    except OSError as error:
+        print(f"lossparity: error: --out {out}: cannot write there ({error.strerror or error})", file=sys.stderr)
+        return EXIT["usage"]
+    print("\nbackend (vs reference)          cases  failed  nonfinite  max loss err  max grad err")
     for name, row in summary.items():
-        print(f"{name:32s} {row['cases']:5d}  {row['failed']:6d}  {row['max_loss_error']:12.3g}  {row['max_grad_error']:12.3g}")
+        print(f"{name:32s} {row['cases']:5d}  {row['failed']:6d}  {row['nonfinite']:9d}  "
+              f"{row['max_loss_error']:12.3g}  {row['max_grad_error']:12.3g}")
     if not args.no_plot:
         write_plot(results, out / "parity_report.png")
         print(f"wrote {json_path} and {out / 'parity_report.png'}")
@@ -233,9 +365,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nFAILED: {len(failures)} comparison(s):", file=sys.stderr)
         for failure in failures[:20]:
             print(f"  {failure.case} [{failure.backend} vs {failure.reference}]: {failure.message}", file=sys.stderr)
-        return 1
-    print(f"all {len(results)} comparisons within the SPEC bounds ({time.perf_counter() - start:.0f} s)")
-    return 0
+    if nonfinite:
+        print(f"\nNONFINITE: {len(nonfinite)} comparison(s) with NaN or inf that the reference has too (not a pass: "
+              "those values prove nothing; look for NaN or +inf in the inputs):", file=sys.stderr)
+        for flagged in nonfinite[:20]:
+            print(f"  {flagged.case} [{flagged.backend} vs {flagged.reference}]: {flagged.message}", file=sys.stderr)
+    if status == "pass":
+        print(f"all {len(results)} comparisons within the SPEC bounds ({time.perf_counter() - start:.0f} s)")
+    return EXIT[status]
 
 
 if __name__ == "__main__":

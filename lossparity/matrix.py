@@ -1,5 +1,15 @@
 """The parity matrix: cases x backends, each compared with the oracle and with its twin in the
-other framework at the bounds of SPEC section 6 (errors in units of the bound; <= 1 passes)."""
+other framework at the bounds of SPEC section 6 (errors in units of the bound; <= 1 passes).
+
+Each comparison ends in one of three statuses:
+
+- ``"pass"``: within the bounds, and every loss and gradient value is finite;
+- ``"fail"``: outside a bound, a crash, or a non-finite value where the reference's is finite
+  (or the reverse, or a different non-finite value: NaN for +inf);
+- ``"nonfinite"``: within the bounds, but some values are non-finite, exactly where (and as) the
+  reference's are: the backend agrees with the oracle (SPEC gives NaN for a NaN or +inf in a valid
+  row), yet those values prove nothing about precision, so this is flagged, never a pass.
+"""
 
 from __future__ import annotations
 
@@ -49,8 +59,17 @@ class CaseSpec:
         return case.g0(**self.call_options(), grad_output=self.grad_output)
 
 
+STATUSES = ("pass", "fail", "nonfinite")
+
+
 @dataclasses.dataclass
 class Result:
+    """One comparison of ``backend`` with ``reference`` (the oracle or the backend's twin).
+
+    ``loss`` and ``reference_loss`` are the two losses compared: the scalar loss, or for
+    normalisation ``"none"`` the sum of the per-token losses; ``loss`` is None when the backend
+    crashed. ``ok`` is ``status == "pass"``."""
+
     case: str
     kind: str
     dtype: str
@@ -62,6 +81,29 @@ class Result:
     ok: bool
     seconds: float
     message: str = ""
+    status: str = "pass"
+    loss: float | None = None
+    reference_loss: float | None = None
+
+
+def reported_loss(loss: Any) -> float:
+    """The loss as one number: itself, or the sum over tokens of a per-token loss (``"none"``)."""
+    return float(np.sum(np.asarray(loss, dtype=np.float64)))
+
+
+def _nonfinite_mismatch(what: str, got: Any, ref: Any, reference: str) -> str:
+    """A message when ``got`` is non-finite where ``ref`` is finite, else ``""``."""
+    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    wrong = ~np.isfinite(got) & np.isfinite(ref)
+    if not wrong.any():
+        return ""
+    first = tuple(int(i) for i in np.argwhere(wrong)[0])
+    return (f"{what} is non-finite ({float(got[first])!r}) where the {reference}'s is finite "
+            f"({int(wrong.sum())} of {got.size} values; first at {first})")
+
+
+def _count_nonfinite(values: Any) -> int:
+    return int(np.size(values) - np.count_nonzero(np.isfinite(np.asarray(values, dtype=np.float64))))
 
 
 def builtin_cases(
@@ -98,13 +140,27 @@ def builtin_cases(
 
 
 def _compare(spec: CaseSpec, backend: str, reference: str, got: tuple, ref: tuple, g0: float, seconds: float) -> Result:
+    """Compare ``got = (loss, grad)`` with ``ref`` at the SPEC bounds; see the module docstring
+    for the three statuses."""
     loss_cmp = lossspec.compare_loss(got[0], ref[0], "loss")
     grad_cmp = lossspec.compare_grad(got[1], ref[1], spec.inputs.dtype, g0, "grad")
-    ok = loss_cmp.ok and grad_cmp.ok
-    message = "" if ok else "; ".join(c.message() for c in (loss_cmp, grad_cmp) if not c.ok)
+    nonfinite = {"loss": _count_nonfinite(got[0]), "grad": _count_nonfinite(got[1])}
+    if not (loss_cmp.ok and grad_cmp.ok):
+        status = "fail"
+        # A non-finite value where the reference is finite is named as such, not as "inf x bound".
+        message = "; ".join(_nonfinite_mismatch(c.what, value, ref_value, reference) or c.message()
+                            for c, value, ref_value in ((loss_cmp, got[0], ref[0]), (grad_cmp, got[1], ref[1])) if not c.ok)
+    elif any(nonfinite.values()):
+        status = "nonfinite"
+        message = (f"non-finite where the {reference}'s is too: loss {nonfinite['loss']} of {np.size(got[0])}, "
+                   f"grad {nonfinite['grad']} of {np.size(got[1])} values (NaN or +inf in the inputs?); "
+                   "the finite values are within the bounds")
+    else:
+        status, message = "pass", ""
     return Result(
         spec.name, spec.kind, spec.inputs.dtype, spec.normalization, backend, reference,
-        loss_cmp.error_units, grad_cmp.error_units, ok, seconds, message,
+        loss_cmp.error_units, grad_cmp.error_units, status == "pass", seconds, message,
+        status=status, loss=reported_loss(got[0]), reference_loss=reported_loss(ref[0]),
     )
 
 
@@ -112,10 +168,11 @@ def run_matrix(
     specs: list[CaseSpec],
     backends: list[str],
     *,
-    on_result: Callable[[CaseSpec, list[Result]], None] | None = None,
+    on_result: Callable[[CaseSpec, list[Result], float], None] | None = None,
 ) -> list[Result]:
     """Run every case on every backend; compare each with the oracle and the cross-framework
-    pairs with each other. A backend that raises is a failure with its error as the message."""
+    pairs with each other. A backend that raises is a failure with its error as the message.
+    ``on_result(spec, row, oracle_loss)`` is called after each case."""
     results: list[Result] = []
     for spec in specs:
         g0 = spec.g0()
@@ -132,7 +189,8 @@ def run_matrix(
             except Exception as error:  # a crash is a failure of that backend, reported, not fatal
                 detail = traceback.format_exception_only(type(error), error)[-1].strip()
                 row.append(Result(spec.name, spec.kind, spec.inputs.dtype, spec.normalization, name, "oracle",
-                                  float("inf"), float("inf"), False, time.perf_counter() - start, detail))
+                                  float("inf"), float("inf"), False, time.perf_counter() - start, detail,
+                                  status="fail", loss=None, reference_loss=reported_loss(reference[0])))
                 continue
             row.append(_compare(spec, name, "oracle", outputs[name], reference, g0, time.perf_counter() - start))
         for first, second in CROSS_PAIRS:
@@ -140,5 +198,5 @@ def run_matrix(
                 row.append(_compare(spec, first, second, outputs[first], outputs[second], g0, 0.0))
         results += row
         if on_result is not None:
-            on_result(spec, row)
+            on_result(spec, row, reported_loss(reference[0]))
     return results

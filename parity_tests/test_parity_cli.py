@@ -4,13 +4,16 @@ torch programs, and one-line errors for bad files and arguments."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import lossspec
 from lossparity import backends as backends_module
 from lossparity.backends import Backend
 from lossparity.cli import main
@@ -124,22 +127,65 @@ def test_inputs_from_jax_and_torch_programs(tmp_path: Path, capsys: pytest.Captu
 
 def _write_bad_files(folder: Path) -> None:
     (folder / "junk.npz").write_bytes(b"not a zip")
+    (folder / "empty.npz").write_bytes(b"")
+    with open(folder / "npy.npz", "wb") as handle:  # np.save to a handle keeps the .npz name
+        np.save(handle, np.zeros((3, 5), np.float32))
+    np.savez(folder / "whole.npz", logits=np.zeros((3, 5), np.float32), labels=np.zeros(3, np.int64))
+    whole = (folder / "whole.npz").read_bytes()
+    (folder / "truncated.npz").write_bytes(whole[: len(whole) // 2])  # starts like a zip, is not one
+    (folder / "short.safetensors").write_bytes(b"\x05")
+    _write_safetensors(folder / "list_header.safetensors", [1, 2])
+    _write_safetensors(folder / "past_end.safetensors",
+                       {"logits": {"dtype": "F32", "shape": [3, 5], "data_offsets": [0, 60]}}, body=b"\0" * 8)
+    _write_safetensors(folder / "no_dtype.safetensors", {"logits": {"shape": [2], "data_offsets": [0, 8]}}, body=b"\0" * 8)
+    _write_safetensors(folder / "wrong_size.safetensors",
+                       {"logits": {"dtype": "F32", "shape": [3, 5], "data_offsets": [0, 8]}}, body=b"\0" * 8)
     np.savez(folder / "no_logits.npz", labels=np.zeros(3, np.int64))
+    np.savez(folder / "no_target.npz", logits=np.zeros((3, 5), np.float32), loss_mask=np.ones(3, bool))
+    np.savez(folder / "teacher_only.npz", logits=np.zeros((3, 5), np.float32), teacher_logits=np.zeros((3, 5), np.float32))
     np.savez(folder / "bad_shapes.npz", logits=np.zeros((3, 5), np.float32), labels=np.zeros(4, np.int64))
     np.savez(folder / "bad_label.npz", logits=np.zeros((3, 5), np.float32), labels=np.array([0, 7, 1]))
+    (folder / "a_file").write_text("")
+
+
+def _write_safetensors(path: Path, header: object, body: bytes = b"") -> None:
+    """A safetensors file by hand: 8-byte little-endian header size, JSON header, raw bytes."""
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + body)
 
 
 # (arguments, given the folder holding the files of _write_bad_files; a piece of the one-line error)
 BAD_CASES = {
     "missing_file": (lambda d: ["--inputs", str(d / "missing.npz")], "no such file"),
-    "not_npz": (lambda d: ["--inputs", str(d / "junk.npz")], "not a readable .npz file"),
+    "not_npz": (lambda d: ["--inputs", str(d / "junk.npz")], "not an .npz file (an .npz is a zip archive"),
+    "empty_npz": (lambda d: ["--inputs", str(d / "empty.npz")], "empty.npz: empty file"),
+    "npy_named_npz": (lambda d: ["--inputs", str(d / "npy.npz")], "a .npy file (one array), not an .npz"),
+    "truncated_npz": (lambda d: ["--inputs", str(d / "truncated.npz")], "unreadable .npz archive (BadZipFile: File is not a zip file)"),
+    "short_safetensors": (lambda d: ["--inputs", str(d / "short.safetensors")], "not a safetensors file (too short)"),
+    "list_header_safetensors": (lambda d: ["--inputs", str(d / "list_header.safetensors")],
+                                "not a safetensors file (the header is not a JSON object)"),
+    "past_end_safetensors": (lambda d: ["--inputs", str(d / "past_end.safetensors")],
+                             "tensor 'logits': data_offsets [0, 60] run past the end of the data (8 bytes)"),
+    "no_dtype_safetensors": (lambda d: ["--inputs", str(d / "no_dtype.safetensors")],
+                             "tensor 'logits': header entry needs 'dtype', 'shape' and 'data_offsets'"),
+    "wrong_size_safetensors": (lambda d: ["--inputs", str(d / "wrong_size.safetensors")],
+                               "tensor 'logits': shape [3, 5] of F32 needs 60 bytes; data_offsets hold 8"),
     "no_logits": (lambda d: ["--inputs", str(d / "no_logits.npz")], "no 'logits' array (found: labels)"),
+    "no_target": (lambda d: ["--inputs", str(d / "no_target.npz")],
+                  "needs 'labels' (cross-entropy) or 'teacher_logits' (distillation) beside 'logits' (found: logits, loss_mask)"),
+    "kind_without_its_array": (lambda d: ["--inputs", str(d / "teacher_only.npz"), "--kinds", "cross_entropy"],
+                               "cross_entropy needs 'labels' (found: logits, teacher_logits)"),
     "bad_shapes": (lambda d: ["--inputs", str(d / "bad_shapes.npz")], "labels must have the leading shape of logits [3]"),
     "bad_label": (lambda d: ["--inputs", str(d / "bad_label.npz")], "labels must lie in [0, 5)"),
     "unknown_kind": (lambda d: ["--kinds", "crossentropy"], "unknown kind crossentropy"),
     "bad_shape": (lambda d: ["--shape", "12"], "shape needs at least one leading dim"),
     "unknown_backend": (lambda d: ["--backends", "jax-xla,cuda"], "unknown backend cuda"),
     "unknown_option": (lambda d: ["--bogus"], "unrecognized arguments: --bogus"),
+    # --out: checked before anything runs (a valid built-in run otherwise).
+    "out_is_a_file": (lambda d: ["--kinds", "cross_entropy", "--out", str(d / "a_file")],
+                      f"--out {{d}}/a_file is a file; --out names the folder for parity_report.json"),
+    "out_under_a_file": (lambda d: ["--kinds", "cross_entropy", "--out", str(d / "a_file" / "reports")],
+                         "cannot write there ("),
 }
 
 
@@ -150,30 +196,232 @@ def _assert_one_line_error(code: object, out: str, err: str, expected: str) -> N
     assert err.startswith("lossparity: error:") and expected in err, err
 
 
+@pytest.fixture
+def no_backend_may_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every backend (the oracle too) replaced by one that fails the test: a bad argument, file or
+    --out must be found before any case runs."""
+    def ran(kind, inputs, options, grad_output):
+        raise AssertionError("a backend ran before the bad argument was reported")
+
+    for name, backend in list(backends_module.BACKENDS.items()):
+        monkeypatch.setitem(backends_module.BACKENDS, name, Backend(name, backend.framework, ran))
+
+
 @pytest.mark.parametrize("case", list(BAD_CASES))
-def test_bad_files_and_arguments_give_one_line_errors(case: str, tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+def test_bad_files_and_arguments_give_one_line_errors(case: str, tmp_path: Path, capfd: pytest.CaptureFixture,
+                                                      no_backend_may_run: None) -> None:
     """Every bad case through the command's own entry function, in this process (a fresh
     interpreter per case cost seconds of JAX and torch imports each); the console entry point
-    itself is tested by test_console_entry_point_gives_one_line_error_and_status_2."""
+    itself is tested by test_bad_file_fails_before_jax_and_torch_are_imported."""
     _write_bad_files(tmp_path)
     make_argv, expected = BAD_CASES[case]
     capfd.readouterr()  # only what this call writes; capfd also sees output at the file-descriptor level
-    try:
-        code = main([*make_argv(tmp_path), "--no-plot", "--out", str(tmp_path)])
+    try:  # the case's own --out, when it has one, comes last and wins
+        code = main(["--no-plot", "--out", str(tmp_path), *make_argv(tmp_path)])
     except SystemExit as exit_:  # as `python -m lossparity` would turn it into a status
         code = 0 if exit_.code is None else exit_.code
     captured = capfd.readouterr()
-    _assert_one_line_error(code, captured.out, captured.err, expected)
+    _assert_one_line_error(code, captured.out, captured.err, expected.replace("{d}", str(tmp_path)))
 
 
-def test_console_entry_point_gives_one_line_error_and_status_2(tmp_path: Path) -> None:
-    """`python -m lossparity` in a fresh interpreter: a bad file passes the argument parsing and
-    the JAX and torch imports, so stderr must hold the one error line and nothing those print."""
+def _unwritable_folder(tmp_path: Path) -> Path:
+    """A folder this process cannot create files in: a read-only one of ours, or for root (who
+    writes anywhere chmod allows) /sys, when it refuses too."""
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        return locked
+    try:
+        with tempfile.TemporaryFile(dir="/sys"):
+            pass
+    except OSError:
+        return Path("/sys")
+    pytest.skip("no folder here refuses writes to root")
+
+
+def test_unwritable_out_is_a_one_line_error(tmp_path: Path, capfd: pytest.CaptureFixture, no_backend_may_run: None) -> None:
+    folder = _unwritable_folder(tmp_path)
+    try:
+        code = main(["--kinds", "cross_entropy", "--no-plot", "--out", str(folder / "lossparity-reports")])
+    finally:
+        if folder != Path("/sys"):
+            folder.chmod(0o700)
+    captured = capfd.readouterr()
+    _assert_one_line_error(code, captured.out, captured.err, f"--out {folder}/lossparity-reports: cannot write there (")
+    assert not (folder / "lossparity-reports").exists()
+
+
+def _imported_modules(importtime_log: str) -> set[str]:
+    """Module names from `python -X importtime` lines: 'import time: self | cumulative | name'."""
+    return {line.rsplit("|", 1)[1].strip() for line in importtime_log.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("bad", ["junk.npz", "bad_label.npz", "wrong_size.safetensors"])
+def test_bad_file_fails_before_jax_and_torch_are_imported(bad: str, tmp_path: Path) -> None:
+    """`python -m lossparity` in a fresh interpreter with `-X importtime`, which logs every module
+    the interpreter imports on stderr: a bad file is reported (status 2, one line) with neither
+    JAX nor torch in that log, i.e. before the seconds their imports take."""
     _write_bad_files(tmp_path)
-    make_argv, expected = BAD_CASES["bad_label"]
-    result = subprocess.run([sys.executable, "-m", "lossparity", *make_argv(tmp_path), "--no-plot", "--out", str(tmp_path)],
-                            capture_output=True, text=True)
-    _assert_one_line_error(result.returncode, result.stdout, result.stderr, expected)
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "lossparity", "--inputs", str(tmp_path / bad),
+                             "--backends", "jax-xla,torch", "--no-plot", "--out", str(tmp_path)],
+                            capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    imported = _imported_modules(result.stderr)
+    assert "lossparity.cli" in imported and "numpy" in imported, result.stderr[-2000:]  # the log is read right
+    frameworks = sorted(m for m in imported if m.split(".")[0] in ("jax", "jaxlib", "torch", "jaxloss", "torchloss"))
+    assert frameworks == [], frameworks[:10]
+    error = "\n".join(line for line in result.stderr.splitlines() if not line.startswith("import time:"))
+    _assert_one_line_error(result.returncode, result.stdout, error, f"{tmp_path / bad}:")
+
+
+def _user_files(folder: Path) -> dict[str, Path]:
+    """Small user batches: cross-entropy only, distillation only, both."""
+    rng = np.random.default_rng(3)
+    logits = (3 * rng.normal(size=(2, 3, 11))).astype(np.float32)
+    labels = rng.integers(0, 11, (2, 3))
+    teacher = (3 * rng.normal(size=(2, 3, 11))).astype(np.float32)
+    files = {"ce": folder / "ce.npz", "distill": folder / "distill.npz", "both": folder / "both.npz"}
+    np.savez(files["ce"], logits=logits, labels=labels)
+    np.savez(files["distill"], logits=logits, teacher_logits=teacher)
+    np.savez(files["both"], logits=logits, labels=labels, teacher_logits=teacher)
+    return files
+
+
+# (file of _user_files or None for the built-in matrix, extra arguments, the warning or None)
+WARN_CASES = {
+    "label_smoothing_distill_file": ("distill", ["--label-smoothing", "0.1"],
+                                     "--label-smoothing applies only to cross_entropy; ignored (this run checks "
+                                     "soft_cross_entropy, forward_kl, reverse_kl)"),
+    "ignore_index_distill_file": ("distill", ["--kinds", "reverse_kl", "--ignore-index", "0"],
+                                  "--ignore-index applies only to cross_entropy; ignored (this run checks reverse_kl)"),
+    "temperature_ce_file": ("ce", ["--temperature", "2"],
+                            "--temperature applies only to soft_cross_entropy, forward_kl, reverse_kl; ignored "
+                            "(this run checks cross_entropy)"),
+    "kind_without_its_array": ("ce", ["--kinds", "cross_entropy,reverse_kl"],
+                               "skipping reverse_kl: it needs 'teacher_logits' (found: labels, logits)"),
+    "shape_with_inputs": ("ce", ["--shape", "2x3x4"], "--shape applies only to the built-in matrix; ignored with --inputs"),
+    "seed_with_inputs": ("ce", ["--seed", "4"], "--seed applies only to the built-in matrix; ignored with --inputs"),
+    "two_dtypes_with_inputs": ("ce", ["--dtypes", "float16,bfloat16"],
+                               "--dtypes: with --inputs the file runs in one dtype; using float16, ignoring bfloat16"),
+    "z_loss_builtin": (None, ["--kinds", "cross_entropy", "--dtypes", "float32", "--shape", "2x6", "--z-loss", "0.1"],
+                       "--z-loss applies only with --inputs; ignored (the built-in matrix runs its own option variants)"),
+    "all_options_apply": ("both", ["--label-smoothing", "0.1", "--temperature", "2", "--logit-scale", "1.5"], None),
+}
+
+
+@pytest.mark.parametrize("case", list(WARN_CASES))
+def test_options_that_do_not_apply_warn(case: str, tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    file, extra, warning = WARN_CASES[case]
+    source = [] if file is None else ["--inputs", str(_user_files(tmp_path)[file])]
+    capfd.readouterr()
+    code = main([*source, "--backends", "torch", "--normalizations", "sum", "--no-plot", "--out", str(tmp_path), *extra])
+    captured = capfd.readouterr()
+    assert code == 0, captured
+    expected = [] if warning is None else [f"lossparity: warning: {warning}"]
+    assert captured.err.splitlines() == expected
+
+
+def test_loss_values_are_printed_and_reported(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Each backend's loss and the oracle's, as numbers, in the line of the case and in the JSON;
+    for "none" the sum of the per-token losses."""
+    import torch
+
+    import torchloss
+
+    code = main(["--kinds", "cross_entropy", "--dtypes", "float32", "--backends", "jax-xla,torch",
+                 "--normalizations", "valid_tokens,none", "--out", str(tmp_path), *SMALL])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    made = lossspec.make_case("cross_entropy", "random", lead_shape=(3,), vocab=40, dtype="float32", seed=0)
+    results = json.loads((tmp_path / "parity_report.json").read_text())["results"]
+    for normalization in ("valid_tokens", "none"):
+        oracle_loss = float(np.sum(lossspec.oracle("cross_entropy", made.logits, made.target, made.loss_mask,
+                                                   normalization=normalization)[0]))
+        torch_loss = float(torchloss.cross_entropy(torch.from_numpy(made.logits), torch.from_numpy(made.target),
+                                                   torch.from_numpy(made.loss_mask), normalization=normalization).double().sum())
+        name = f"cross_entropy/random/{normalization}/float32/3x40"
+        rows = {(r["backend"], r["reference"]): r for r in results if r["case"] == name}
+        assert rows[("torch", "oracle")]["reference_loss"] == oracle_loss
+        assert rows[("jax-xla", "oracle")]["reference_loss"] == oracle_loss
+        assert rows[("torch", "oracle")]["loss"] == torch_loss  # the backend's own number, not the oracle's
+        assert rows[("jax-xla", "torch")]["reference_loss"] == torch_loss
+        assert abs(rows[("jax-xla", "oracle")]["loss"] - oracle_loss) <= lossspec.LOSS_RTOL * max(1, abs(oracle_loss))
+        line = next(line for line in out.splitlines() if f"PASS {name}" in line)
+        what = "loss" if normalization != "none" else "sum(loss)"
+        assert f"oracle {what}={oracle_loss:.9g}" in line and f"torch {what}={torch_loss:.9g}" in line, line
+        assert f"jax-xla {what}={rows[('jax-xla', 'oracle')]['loss']:.9g}" in line, line
+
+
+def _nan_batch(path: Path) -> None:
+    """A cross-entropy batch with one NaN logit in a valid row: SPEC gives that token a NaN loss."""
+    rng = np.random.default_rng(5)
+    logits = (2 * rng.normal(size=(2, 3, 13))).astype(np.float32)
+    logits[1, 2, 4] = np.nan
+    np.savez(path, logits=logits, labels=rng.integers(0, 13, (2, 3)))
+
+
+def test_nan_that_the_oracle_shares_is_flagged_nonfinite_not_pass(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _nan_batch(tmp_path / "nan.npz")
+    code = main(["--inputs", str(tmp_path / "nan.npz"), "--backends", "jax-xla,torch", "--normalizations", "valid_tokens,none",
+                 "--out", str(tmp_path), "--no-plot"])
+    captured = capsys.readouterr()
+    assert code == 3, captured
+    assert "PASS" not in captured.out
+    assert "NONFINITE cross_entropy/nan.npz/valid_tokens/float32/2x3x13" in captured.out
+    assert "oracle loss=nan" in captured.out
+    assert "NONFINITE: 6 comparison(s)" in captured.err
+    report = json.loads((tmp_path / "parity_report.json").read_text())
+    assert report["passed"] is False and report["status"] == "nonfinite"
+    assert {r["status"] for r in report["results"]} == {"nonfinite"}
+    assert all(r["ok"] is False for r in report["results"])
+    # per-token: the NaN token alone; its gradient row NaN, the other rows finite and compared.
+    none = next(r for r in report["results"] if r["case"].startswith("cross_entropy/nan.npz/none") and r["backend"] == "torch")
+    assert none["loss"] == "nan" and none["reference_loss"] == "nan"
+    assert 0 < none["grad_error"] <= 1
+
+
+def _poisoned(where: str):
+    honest = backends_module.BACKENDS["torch"].run
+
+    def run(kind, inputs, options, grad_output):
+        loss, grad = honest(kind, inputs, options, grad_output)
+        if where == "loss":
+            loss = np.full_like(loss, np.inf)
+        else:
+            grad = grad.copy()
+            grad.flat[3] = np.nan
+        return loss, grad
+
+    return run
+
+
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_nonfinite_backend_where_the_oracle_is_finite_fails(where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setitem(backends_module.BACKENDS, "torch", Backend("torch", "torch", _poisoned(where)))
+    code = main(["--kinds", "forward_kl", "--dtypes", "float32", "--backends", "torch", "--normalizations", "sum",
+                 "--out", str(tmp_path), *SMALL])
+    captured = capsys.readouterr()
+    assert code == 1, captured
+    assert "FAIL forward_kl/random/sum/float32/3x40" in captured.out
+    value = "inf" if where == "loss" else "nan"
+    assert f"[torch vs oracle]: {where} is non-finite ({value}) where the oracle's is finite" in captured.err
+    report = json.loads((tmp_path / "parity_report.json").read_text())
+    assert report["status"] == "fail" and {r["status"] for r in report["results"]} == {"fail"}
+
+
+def test_report_is_strict_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN and inf (a crash's error, a NaN loss) are written as strings: any JSON reader takes it."""
+    monkeypatch.setitem(backends_module.BACKENDS, "torch", Backend("torch", "torch", _poisoned("loss")))
+    main(["--kinds", "forward_kl", "--dtypes", "float32", "--backends", "torch", "--normalizations", "sum",
+          "--out", str(tmp_path), *SMALL])
+    text = (tmp_path / "parity_report.json").read_text()
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {constant}")
+
+    report = json.loads(text, parse_constant=refuse)
+    assert report["results"][0]["loss"] == "inf" and report["results"][0]["loss_error"] == "inf"
 
 
 def test_help_documents_the_options() -> None:
@@ -181,3 +429,4 @@ def test_help_documents_the_options() -> None:
     assert result.returncode == 0
     for option in ("--inputs", "--kinds", "--backends", "--dtypes", "--shape", "--normalizations", "--out"):
         assert option in result.stdout
+    assert "3 non-finite" in " ".join(result.stdout.split())
