@@ -314,13 +314,16 @@ def test_trainer_with_our_loss_trains_like_transformers(tmp_path: Path) -> None:
     losses, params = train_with_trainer(tmp_path / "ours", recording_loss)
     assert len(calls) == 2 * STEPS and all(torch.is_tensor(count) for count in calls), calls
     assert len(losses) == len(reference_losses) == STEPS
-    for mine, reference in zip(losses, reference_losses):  # Trainer logs rounded sums of fp32 losses
-        assert abs(mine - reference) <= 1e-4 * max(1.0, abs(reference)), (losses, reference_losses)
+    for step, (mine, reference) in enumerate(zip(losses, reference_losses)):
+        lossspec.compare_loss(mine, reference, f"Trainer step {step} loss").check()
+    # Each step's gradients agree within GRAD_RTOL * S; three SGD steps on slightly different
+    # trajectories: the parameters agree within 25 GRAD_RTOL of the size of their total update
+    # (measured: 2.4 GRAD_RTOL).
     initial = tiny_llama().state_dict()
     for name, reference in reference_params.items():
-        scale = float((reference - initial[name]).abs().max()) or 1.0  # the size of the update
+        update = float((reference - initial[name]).abs().max())
         error = float((params[name] - reference).abs().max())
-        assert error <= 1e-4 * scale, (name, error, scale)
+        assert update > 0 and error <= 25 * lossspec.GRAD_RTOL * update, (name, error, update)
 
 
 @pytest.mark.slow
