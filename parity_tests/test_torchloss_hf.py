@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -345,6 +347,13 @@ def test_replacing_loss_mapping_breaks_trainers_count(tmp_path: Path, monkeypatc
     train_with_trainer(tmp_path / "b", None)
     assert counts["loss_function"] and len(counts["LOSS_MAPPING"]) == len(counts["loss_function"])
     assert any(b > a for a, b in zip(counts["loss_function"], counts["LOSS_MAPPING"])), counts
+
+
+@pytest.mark.slow
+def test_importing_torchloss_does_not_import_transformers() -> None:
+    code = "import sys, torchloss, torchloss.hf; assert 'transformers' not in sys.modules, 'imported'"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------------------------
