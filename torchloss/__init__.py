@@ -2,7 +2,8 @@
 
 Public API (SPEC section 3): :func:`cross_entropy`, :func:`soft_cross_entropy`,
 :func:`forward_kl`, :func:`reverse_kl`, :func:`count_denominator`; one autograd Function per
-kind; ``nn.Module`` wrappers in :mod:`torchloss.nn`. Two implementations: ``impl="torch"``
+kind; ``nn.Module`` wrappers in :mod:`torchloss.nn`; a drop-in for ``transformers``' causal-LM
+loss in :mod:`torchloss.hf`. Two implementations: ``impl="torch"``
 (tiled PyTorch ops, the default off-GPU) and ``impl="triton"`` (Triton kernels, the default on
 CUDA tensors; interpreted on CPU tensors). ``import torchloss`` does not need triton.
 """
@@ -26,7 +27,7 @@ def _default_to_the_triton_interpreter() -> None:
 
 _default_to_the_triton_interpreter()
 
-from . import nn  # noqa: E402
+from . import hf, nn  # noqa: E402  (hf does not import transformers)
 from .api import (  # noqa: E402
     CrossEntropyFunction,
     ForwardKLFunction,
@@ -53,6 +54,7 @@ __all__ = [
     "ForwardKLFunction",
     "ReverseKLFunction",
     "nn",
+    "hf",
 ]
 
 __version__ = "0.1.0"
