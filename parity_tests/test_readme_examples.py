@@ -1,6 +1,7 @@
 """The README and the guide pages are true: every ```python block runs as written (in a fresh
 interpreter, from the repository root), the README starts with the commands that set up and run
-the project, and every relative link points to a file of the repository.
+the project, every relative link points to a file of the repository, and the benchmark figures it
+quotes are those of a recorded run on a clean tree.
 
 Signatures and other text that is not meant to run go in ```text blocks. A guide page with
 runnable examples is added to ``EXAMPLE_PAGES``.
@@ -63,3 +64,21 @@ def test_relative_links_resolve() -> None:
             if not (page.parent / target.split("#")[0]).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_quoted_benchmark_numbers_come_from_a_recorded_clean_run() -> None:
+    """The README's performance paragraph quotes benchmarks/results/cpu_quick.json: the commit it
+    names is the run's, the tree was clean, and every "N ms" is one of that run's medians."""
+    import json
+
+    readme = (ROOT / "README.md").read_text()
+    paragraph = readme.split("## Performance", 1)[1].split("\n## ", 1)[0]
+    run = json.loads((ROOT / "benchmarks" / "results" / "cpu_quick.json").read_text())
+    git = run["meta"]["machine"]["git"]
+    quoted_commit = re.search(r"commit `([0-9a-f]{7,40})`, clean tree", paragraph)
+    assert quoted_commit and git["commit"].startswith(quoted_commit.group(1)) and git["dirty"] is False, (
+        f"README quotes {quoted_commit and quoted_commit.group(1)}; cpu_quick.json is from {git}: update the paragraph")
+    measured = {round(1000 * seconds) for row in run["summary"]
+                for seconds in (row["ours_s"], row["sol_s"], *row["peers"].values()) if seconds is not None}
+    quoted = [int(ms) for ms in re.findall(r"(\d+) ms", paragraph)]
+    assert quoted and set(quoted) <= measured, f"not in cpu_quick.json: {sorted(set(quoted) - measured)}"
