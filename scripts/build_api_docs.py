@@ -4,9 +4,9 @@
     python scripts/build_api_docs.py --check    # exit 1, naming the stale pages, if they differ
 
 One page per package (:data:`PAGES`); each page documents the modules listed for it, in order.
-A module that does not exist (``importlib.util.find_spec`` finds nothing, e.g. an optional module
-that has not landed yet) is skipped without error; a module that exists but fails to import is an
-error, so that a broken module never silently drops out of the reference.
+A module that does not exist (e.g. an optional module that has not landed yet; a submodule is
+looked for only inside its imported parent package) is skipped without error; a module that exists
+but fails to import is an error, so that a broken module never silently drops out of the reference.
 
 Public names: the module's ``__all__`` in its order; without ``__all__``, the names without a
 leading underscore that the module defines (a package: that any of its submodules defines), in
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import re
@@ -61,10 +62,17 @@ def existing_modules(names: tuple[str, ...]) -> list[types.ModuleType]:
     """The modules of ``names`` that exist, imported; missing ones are left out."""
     present = []
     for name in names:
-        parent, _, _ = name.rpartition(".")
-        if parent and importlib.util.find_spec(parent) is None:
+        parent, _, leaf = name.rpartition(".")
+        if not parent:
+            if importlib.util.find_spec(name) is not None:
+                present.append(importlib.import_module(name))
             continue
-        if importlib.util.find_spec(name) is None:
+        if importlib.util.find_spec(parent) is None:
+            continue
+        # Look only inside the imported parent package: an editable install's finder would
+        # otherwise supply a submodule from another checkout of the project.
+        search_path = getattr(importlib.import_module(parent), "__path__", None)
+        if search_path is None or importlib.machinery.PathFinder.find_spec(name, list(search_path)) is None:
             continue
         present.append(importlib.import_module(name))
     return present
