@@ -549,8 +549,9 @@ def _bars(plt: Any, ok: list[dict[str, Any]], kinds: list[str], columns: list[tu
                 hi = [max(r.get("max_s", r["time_s"]) * scale - v, 0.0) for v, (_, r) in zip(values, rows)]
                 ax.errorbar(values, range(len(rows)), xerr=[lo, hi], fmt="none", ecolor="black", lw=0.7, capsize=1.5)
             ax.set_yticks(range(len(rows)), labels)
-            for bar, value in zip(bars, values):
-                ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value:.0f}", va="center", fontsize=5.5)
+            for bar, value, (_, r) in zip(bars, values, rows):
+                right = max(value, r.get("max_s", 0.0) * scale) if metric == "time_s" else value  # past the spread
+                ax.text(right, bar.get_y() + bar.get_height() / 2, f" {value:.0f}", va="center", fontsize=5.5)
             top = max(values + [r.get("max_s", 0) * scale for _, r in rows] if metric == "time_s" else values)
             ax.set_xlim(0, top * 1.3)
             ax.tick_params(labelsize=6.5)
