@@ -7,7 +7,6 @@ beyond k times its slowest, and "within noise" otherwise."""
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
@@ -569,4 +568,5 @@ def _bars(plt: Any, ok: list[dict[str, Any]], kinds: list[str], columns: list[tu
     return path
 
 
-__all__ = ["annotate", "summarize", "summary_table", "summary_notes", "detail_table", "plot", "nominal_hbm_bandwidth"]
+__all__ = ["annotate", "summarize", "summary_table", "summary_notes", "detail_table", "markdown", "plot", "verdict",
+           "ratio_range", "spread_of", "sol_floors", "nominal_hbm_bandwidth"]

@@ -19,7 +19,7 @@ the report gives min / median / max and says "within noise" where the spreads ov
 ``<out-dir>/<name>.json`` (commit, clean tree or not, load average before and after, machine,
 versions, every repetition), ``<name>.md`` and ``<name>_time.png`` / ``<name>_memory.png``.
 
-    python -m benchmarks.run --quick --name cpu_quick   # N=4096, V=32768: all kinds, fp32 and bf16 (~13 min, 2 cores)
+    python -m benchmarks.run --quick --name cpu_quick   # N=4096, V=32768: all kinds, fp32 and bf16 (~15 min, 2 idle cores)
     python -m benchmarks.run --max-minutes 90           # the full matrix, stopping cleanly at the budget
     python -m benchmarks.run --gpu-quick                # on a GPU: N=16384, V=131072, bf16, all kinds
 """
