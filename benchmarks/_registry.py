@@ -15,7 +15,11 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 FULL_SHAPES = [(n, v) for n in (1024, 4096, 16384) for v in (32768, 131072)]
 QUICK_SHAPES = [(4096, 32768)]
 GPU_QUICK_SHAPES = [(16384, 131072)]
-MASKED_FRACTION = 0.3
+MASKED_FRACTION = 0.3  # the headline: 30% of the tokens masked (padding, prompts)
+# Both ways: torchloss skips the masked rows of 16-bit logits on the CPU (the peers compute them),
+# so in those cells every contender is also timed with no token masked (elsewhere, with --all-masks).
+MASKED_FRACTIONS = (MASKED_FRACTION, 0.0)
+MIN_REPS = 7  # fewer repetitions than this cannot show a spread worth a verdict (the report says so)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +44,15 @@ class Backend:
     # what cannot fit the machine (an out-of-memory kill on a shared machine hits others too).
     mem: tuple[float, float] = (3.0, 5.0)
     mem_16bit: tuple[float, float] | None = None
+    # Rough CPU time of one forward+backward in ns per logits element (teacher elements counted
+    # too), measured at 4096 x 32768 on an idle 2-core machine: only for the expected run time.
+    cpu_ns: float = 3.0
+    # Devices where this path skips the work on masked rows of 16-bit logits (the peers compute
+    # them): its cells are measured at 0% masked too.
+    skips_masked_16bit: tuple[str, ...] = ()
+
+    def skips_masked(self, dtype: str, device: str) -> bool:
+        return device in self.skips_masked_16bit and ITEMSIZE[dtype] == 2
 
     def applies(self, kind: str, device: str) -> bool:
         return kind in self.kinds and device in self.devices
@@ -51,44 +64,48 @@ BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in [
         # ---- JAX --------------------------------------------------------------------------
-        Backend("jaxloss-xla", "jax", "ours", "loss", _ALL, _CPU_GPU, 'jaxloss impl="xla"', ("cpu",), mem=(1.3, 1.3), mem_16bit=(2.3, 3.8)),
+        Backend("jaxloss-xla", "jax", "ours", "loss", _ALL, _CPU_GPU, 'jaxloss impl="xla"', ("cpu",), mem=(1.3, 1.3), mem_16bit=(2.3, 3.8), cpu_ns=2.0),
         Backend("jaxloss-pallas", "jax", "ours", "loss", _ALL, ("gpu",), 'jaxloss impl="pallas"', ("gpu",), mem=(1.3, 1.3)),
         Backend("optax", "jax", "peer", "loss", _ALL, _CPU_GPU,
-                "optax softmax_cross_entropy(_with_integer_labels) / kl_divergence under jax.grad", mem=(4.0, 6.0), mem_16bit=(4.0, 11.0)),
+                "optax softmax_cross_entropy(_with_integer_labels) / kl_divergence under jax.grad", mem=(4.0, 6.0), mem_16bit=(4.0, 11.0), cpu_ns=4.5),
         Backend("jax-sol", "jax", "sol", "loss", _ALL, _CPU_GPU,
-                "jitted elementwise pass: reads the logits (and teacher), writes one logits-sized output", mem=(1.1, 1.1)),
+                "jitted elementwise pass: reads the logits (and teacher), writes a pre-faulted (donated) logits-sized buffer", mem=(1.1, 1.1), cpu_ns=0.3),
         # ---- torch ------------------------------------------------------------------------
-        Backend("torchloss", "torch", "ours", "loss", _ALL, _CPU_GPU, 'torchloss impl="torch"', ("cpu",), mem=(1.3, 1.3)),
+        Backend("torchloss", "torch", "ours", "loss", _ALL, _CPU_GPU, 'torchloss impl="torch"', ("cpu",), mem=(1.3, 1.3), cpu_ns=1.5,
+                skips_masked_16bit=("cpu",)),
         Backend("torchloss-triton", "torch", "ours", "loss", _ALL, ("gpu",), 'torchloss impl="triton"', ("gpu",),
                 mem=(1.3, 1.3)),
         Backend("torch-eager", "torch", "peer", "loss", _ALL, _CPU_GPU,
-                "F.cross_entropy (int or soft targets) / F.kl_div(log_target=True)", mem=(3.5, 5.5)),
+                "F.cross_entropy (int or soft targets) / F.kl_div(log_target=True)", mem=(3.5, 5.5), cpu_ns=5.0),
         Backend("torch-compile", "torch", "peer", "loss", _ALL, _CPU_GPU, "torch.compile of the torch-eager expression",
-                mem=(2.0, 2.0)),
+                mem=(2.0, 2.0), cpu_ns=1.8),
         Backend("liger", "torch", "peer", "loss", ("cross_entropy", "forward_kl"), ("gpu",),
                 "Liger-Kernel liger_cross_entropy / liger_kl_div", needs="liger_kernel", mem=(1.5, 5.0)),
         Backend("flash-attn-ce", "torch", "peer", "loss", ("cross_entropy",), ("gpu",),
                 "flash-attn Triton cross_entropy_loss", needs="flash_attn_ce", mem=(2.0, 2.0)),
         Backend("torch-sol", "torch", "sol", "loss", _ALL, _CPU_GPU,
-                "elementwise pass: reads the logits (and teacher), writes one logits-sized output", mem=(1.1, 1.1)),
+                "elementwise pass: reads the logits (and teacher), writes a pre-faulted logits-sized buffer (out=)", mem=(1.1, 1.1), cpu_ns=0.3),
         # ---- torch, LM head + cross-entropy (the fused-head peers) ------------------------------
         Backend("head-torchloss", "torch", "ours", "head", ("cross_entropy",), _CPU_GPU,
-                "F.linear + torchloss.cross_entropy(inplace=True)", ("cpu", "gpu"), mem=(1.3, 1.3)),
+                "F.linear + torchloss.cross_entropy(inplace=True)", ("cpu", "gpu"), mem=(1.3, 1.3), cpu_ns=5.0,
+                skips_masked_16bit=("cpu",)),
         Backend("head-eager", "torch", "peer", "head", ("cross_entropy",), _CPU_GPU, "F.linear + F.cross_entropy",
-                mem=(3.5, 3.5)),
+                mem=(3.5, 3.5), cpu_ns=7.0),
         Backend("head-linear_ce", "torch", "peer", "head", ("cross_entropy",), _CPU_GPU,
-                "F.linear_cross_entropy (chunked, LinearCrossEntropyOptions())", mem=(1.0, 1.0)),
+                "F.linear_cross_entropy (chunked, LinearCrossEntropyOptions())", mem=(1.0, 1.0), cpu_ns=25.0),
         Backend("head-liger", "torch", "peer", "head", ("cross_entropy",), ("gpu",),
                 "Liger-Kernel liger_fused_linear_cross_entropy", needs="liger_kernel", mem=(1.0, 1.0)),
         Backend("head-matmul-sol", "torch", "sol", "head", ("cross_entropy",), _CPU_GPU,
-                "the three head matmuls alone (forward, grad of input, grad of weight)", mem=(1.1, 1.1)),
+                "the three head matmuls alone (forward, grad of input, grad of weight), into pre-faulted buffers", mem=(1.1, 1.1), cpu_ns=4.0),
     ]
 }
 
 
 @dataclasses.dataclass
 class Spec:
-    """One measurement: a backend on one (N, V, dtype, kind), in a fresh process by default."""
+    """One measurement: a backend on one (N, V, dtype, kind) with a fraction ``masked`` of the
+    tokens masked (None for the speed-of-light passes, which read no mask). The contenders of
+    one cell share a process and are timed in interleaved rounds (see ``_worker.py``)."""
 
     backend: str
     kind: str
@@ -97,10 +114,10 @@ class Spec:
     dtype: str
     device: str = "cpu"
     hidden: int = 256
-    warmup: int = 2
-    min_reps: int = 3
-    max_reps: int = 7
-    rep_seconds: float = 4.0
+    masked: float | None = MASKED_FRACTION
+    warmup: int = 1
+    reps: int = MIN_REPS
+    sol_reps: int = 3  # the speed-of-light pass runs this many times per round: its floor is the best of all
     seed: int = 0
 
     def to_json(self) -> dict[str, Any]:

@@ -1,13 +1,17 @@
-"""Summaries, tables (plain text and Markdown) and plots of a benchmark run's results."""
+"""Summaries, tables (plain text and Markdown) and plots of a benchmark run's results.
+
+Every time is a spread of interleaved repetitions (min / median / max). A verdict on a target
+(``met`` / ``MISS``) is given only where the spreads say it: ``ours <= k * ref`` is met when even
+our slowest repetition is within k times the reference's fastest, missed when even our fastest is
+beyond k times its slowest, and "within noise" otherwise."""
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from benchmarks._registry import BACKENDS, DISTILL, ITEMSIZE, KINDS, SHORT_KIND, nominal_hbm_bandwidth
+from benchmarks._registry import BACKENDS, DISTILL, ITEMSIZE, KINDS, MIN_REPS, SHORT_KIND, nominal_hbm_bandwidth
 
 # Targets of the issue (measured, not asserted).
 CPU_PEER_RATIO = 0.6
@@ -16,18 +20,28 @@ MEM_UNITS = 1.0
 MEM_SLACK = (0.02, 16 << 20)  # allocator/page rounding: 2% of a logits buffer or 16 MiB, whichever is larger
 GPU_HBM_FRACTION = 0.85
 LOSS_TOL = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
+NOISE = "within noise"
 
-CellKey = tuple[str, int, int, str, str, str, str]  # device, n, v, dtype, kind, framework, group
+RowKey = tuple[Any, ...]  # device, n, v, dtype, kind, framework, group, masked
 
 
-def cell_key(result: dict[str, Any]) -> CellKey:
-    s = result["spec"]
-    info = BACKENDS[s["backend"]]
-    return (s["device"], s["n"], s["v"], s["dtype"], s["kind"], info.framework, info.group)
+def _spec_row_key(spec: dict[str, Any]) -> RowKey:
+    info = BACKENDS[spec["backend"]]
+    return (spec["device"], spec["n"], spec["v"], spec["dtype"], spec["kind"], info.framework, info.group, spec.get("masked"))
+
+
+def _sol_key(spec: dict[str, Any]) -> tuple[Any, ...]:
+    """The speed-of-light passes that bound a row: both frameworks' (the hardware's floor does
+    not depend on the framework that measures it)."""
+    return (spec["device"], spec["n"], spec["v"], spec["dtype"], spec["kind"], BACKENDS[spec["backend"]].group)
 
 
 def _ok(result: dict[str, Any] | None) -> bool:
     return result is not None and result.get("status") == "ok" and result.get("time_s") is not None
+
+
+def _role(result: dict[str, Any]) -> str:
+    return BACKENDS[result["spec"]["backend"]].role
 
 
 def logits_bytes(spec: dict[str, Any]) -> int:
@@ -40,27 +54,72 @@ def bytes_moved(spec: dict[str, Any]) -> int | None:
     return logits_bytes(spec) * (3 if spec["kind"] in DISTILL else 2)
 
 
+def spread_of(result: dict[str, Any] | None) -> tuple[float, float, float] | None:
+    """(min, median, max) seconds of a measured result."""
+    if not _ok(result):
+        return None
+    return (result.get("min_s", result["time_s"]), result["time_s"], result.get("max_s", result["time_s"]))
+
+
+def verdict(ours: tuple[float, float, float], ref: tuple[float, float, float], factor: float, reps_ok: bool) -> str:
+    """Whether ``ours <= factor * ref`` holds beyond the noise: ``met`` when ours' max is within
+    factor x ref's min, ``MISS`` when ours' min is beyond factor x ref's max, else within noise."""
+    if not reps_ok:
+        return f"too few reps (< {MIN_REPS})"
+    if ours[2] <= factor * ref[0]:
+        return "met"
+    if ours[0] > factor * ref[2]:
+        return "MISS"
+    return NOISE
+
+
+def ratio_range(ours: tuple[float, float, float], ref: tuple[float, float, float]) -> tuple[float, float, float]:
+    """ours / ref: (fastest ours / slowest ref, median / median, slowest ours / fastest ref)."""
+    return ours[0] / ref[2], ours[1] / ref[1], ours[2] / ref[0]
+
+
+def sol_floors(results: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """Per (device, shape, dtype, kind, group): the speed-of-light pass with the lowest best time."""
+    floors: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in results:
+        if _ok(r) and _role(r) == "sol":
+            key = _sol_key(r["spec"])
+            if key not in floors or r["min_s"] < floors[key]["min_s"]:
+                floors[key] = r
+    return floors
+
+
+def _rows(results: list[dict[str, Any]]) -> dict[RowKey, list[dict[str, Any]]]:
+    rows: dict[RowKey, list[dict[str, Any]]] = defaultdict(list)
+    for r in results:
+        if _role(r) != "sol":
+            rows[_spec_row_key(r["spec"])].append(r)
+    return rows
+
+
 def annotate(results: list[dict[str, Any]], hbm_bandwidth: float | None = None) -> None:
-    """Adds, per result: memory in logits buffers, ratios to the cell's best peer and to its
-    speed-of-light pass, achieved bandwidth (GPU), loss agreement with our default path."""
-    cells: dict[CellKey, list[dict[str, Any]]] = defaultdict(list)
-    for result in results:
-        cells[cell_key(result)].append(result)
-    for key, members in cells.items():
+    """Adds, per result: memory in logits buffers, median ratios to the row's best peer and to
+    the speed-of-light floor, whether its best time lies below that floor (it must not), achieved
+    bandwidth (GPU), loss agreement with our default path at the same mask."""
+    floors = sol_floors(results)
+    for r in results:
+        if r.get("mem_extra_bytes") is not None:
+            r["mem_logits_buffers"] = r["mem_extra_bytes"] / logits_bytes(r["spec"])
+    for key, members in _rows(results).items():
         device = key[0]
-        peers = [r for r in members if _ok(r) and BACKENDS[r["spec"]["backend"]].role == "peer"]
+        peers = [r for r in members if _ok(r) and _role(r) == "peer"]
         best = min(peers, key=lambda r: r["time_s"]) if peers else None
-        sol = next((r for r in members if _ok(r) and BACKENDS[r["spec"]["backend"]].role == "sol"), None)
         ours = default_ours(members, device)
         for r in members:
-            spec = r["spec"]
-            if r.get("mem_extra_bytes") is not None:
-                r["mem_logits_buffers"] = r["mem_extra_bytes"] / logits_bytes(spec)
             if not _ok(r):
                 continue
+            spec = r["spec"]
+            floor = floors.get(_sol_key(spec))
             r["best_peer"] = best["spec"]["backend"] if best else None
             r["vs_best_peer"] = r["time_s"] / best["time_s"] if best else None
-            r["vs_sol"] = r["time_s"] / sol["time_s"] if sol else None
+            r["sol_floor_backend"] = floor["spec"]["backend"] if floor else None
+            r["vs_sol"] = r["time_s"] / floor["min_s"] if floor else None
+            r["below_sol_floor"] = bool(floor and r.get("min_s", r["time_s"]) < floor["min_s"])
             moved = bytes_moved(spec)
             if moved is not None:
                 r["bytes_moved"] = moved
@@ -68,7 +127,7 @@ def annotate(results: list[dict[str, Any]], hbm_bandwidth: float | None = None) 
                 if device == "gpu" and hbm_bandwidth:
                     r["hbm_fraction"] = moved / r["time_s"] / hbm_bandwidth
                     r["hbm_bound_s"] = moved / hbm_bandwidth
-            if ours is not None and _ok(ours) and r.get("loss") is not None and ours.get("loss") is not None:
+            if _ok(ours) and r.get("loss") is not None and ours.get("loss") is not None:
                 ref = ours["loss"]
                 rel = abs(r["loss"] - ref) / max(1.0, abs(ref))
                 r["loss_rel_diff_vs_ours"] = rel
@@ -83,56 +142,72 @@ def default_ours(members: Iterable[dict[str, Any]], device: str) -> dict[str, An
     return None
 
 
-def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per cell: our default path against the best peer and the speed-of-light pass,
-    with the verdict on each target."""
-    cells: dict[CellKey, list[dict[str, Any]]] = defaultdict(list)
-    for result in results:
-        cells[cell_key(result)].append(result)
+def summarize(results: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One row per (cell, masked fraction): our default path against the best peer (by median)
+    and the speed-of-light floor, with spreads and the verdict on each target."""
+    floors = sol_floors(results)
     rows = []
-    for key in sorted(cells, key=_cell_order):
-        device, n, v, dtype, kind, framework, group = key
-        members = cells[key]
+    for key, members in sorted(_rows(results).items(), key=lambda item: _row_order(item[0])):
+        device, n, v, dtype, kind, framework, group, masked = key
         ours = default_ours(members, device)
-        peers = [r for r in members if _ok(r) and BACKENDS[r["spec"]["backend"]].role == "peer"]
+        peers = [r for r in members if _ok(r) and _role(r) == "peer"]
         best = min(peers, key=lambda r: r["time_s"]) if peers else None
-        sol = next((r for r in members if _ok(r) and BACKENDS[r["spec"]["backend"]].role == "sol"), None)
+        floor = floors.get((device, n, v, dtype, kind, group))
         liger_name = "head-liger" if group == "head" else "liger"  # Liger is torch-only: JAX rows compare to it too
-        liger = next((r for r in results if _ok(r) and r["spec"]["backend"] == liger_name
-                      and cell_key(r)[:5] == key[:5]), None)
+        liger = next((r for r in results if _ok(r) and r["spec"]["backend"] == liger_name and r["spec"].get("masked") == masked
+                      and _spec_row_key(r["spec"])[:5] == key[:5]), None)
         row: dict[str, Any] = {
             "device": device, "n": n, "v": v, "dtype": dtype, "kind": kind, "framework": framework, "group": group,
+            "masked": masked,
             "ours": ours["spec"]["backend"] if ours else None,
             "ours_status": _status_text(ours),
-            "ours_s": ours.get("time_s") if ours else None,
+            "ours_spread_s": spread_of(ours),
+            "ours_s": ours.get("time_s") if _ok(ours) else None,
             "ours_mem_buffers": ours.get("mem_logits_buffers") if ours else None,
             "best_peer": best["spec"]["backend"] if best else None,
+            "best_peer_spread_s": spread_of(best),
             "best_peer_s": best["time_s"] if best else None,
             "best_peer_mem_buffers": best.get("mem_logits_buffers") if best else None,
             "min_peer_mem_buffers": min((p["mem_logits_buffers"] for p in peers if p.get("mem_logits_buffers") is not None),
                                         default=None),
-            "sol_s": sol["time_s"] if sol else None,
-            "peers": {p["spec"]["backend"]: p["time_s"] for p in peers},
+            "sol_backend": floor["spec"]["backend"] if floor else None,
+            "sol_spread_s": spread_of(floor),
+            "sol_s": floor["min_s"] if floor else None,  # the floor: the best repetition
+            "peers": {p["spec"]["backend"]: spread_of(p) for p in peers},
+            "below_sol_floor": sorted(r["spec"]["backend"] for r in members if r.get("below_sol_floor")),
         }
         if _ok(ours):
-            row["vs_best_peer"] = ours["time_s"] / best["time_s"] if best else None
-            row["vs_sol"] = ours["time_s"] / sol["time_s"] if sol and group == "loss" else None
+            o = spread_of(ours)
+            reps_ok = all(r.get("reps", 0) >= MIN_REPS for r in (ours, best) if r is not None)
+            if best is not None:
+                row["vs_best_peer_range"] = ratio_range(o, spread_of(best))
+                row["vs_best_peer"] = row["vs_best_peer_range"][1]
+            if floor is not None and group == "loss":
+                sol = spread_of(floor)
+                row["vs_sol_range"] = ratio_range(o, sol)
+                row["vs_sol"] = o[1] / sol[0]  # the median against the floor
             row["hbm_fraction"] = ours.get("hbm_fraction")
             if liger is not None:
                 row["vs_liger"] = ours["time_s"] / liger["time_s"]
+                row["liger_verdict"] = verdict(o, spread_of(liger), 1.0, reps_ok and liger.get("reps", 0) >= MIN_REPS)
             mem = ours.get("mem_extra_bytes")
             lb = n * v * ITEMSIZE[dtype]
             if device == "cpu":
-                row["meets_peer_target"] = row["vs_best_peer"] is not None and row["vs_best_peer"] <= CPU_PEER_RATIO
-                # 0.6x the fastest peer can lie below the speed-of-light pass itself (the peer is
-                # within 1 / 0.6 = 1.67x of it): then no implementation on this backend meets it.
-                row["peer_target_below_sol"] = (best is not None and sol is not None and group == "loss"
-                                                and CPU_PEER_RATIO * best["time_s"] < sol["time_s"])
-                row["meets_sol_target"] = row["vs_sol"] is not None and row["vs_sol"] <= CPU_SOL_RATIO
-            else:
-                if group == "loss":
-                    row["meets_hbm_target"] = row["hbm_fraction"] is not None and row["hbm_fraction"] >= GPU_HBM_FRACTION
-                row["faster_than_liger"] = row.get("vs_liger") is not None and row["vs_liger"] < 1.0
+                if best is not None:
+                    row["peer_verdict"] = verdict(o, spread_of(best), CPU_PEER_RATIO, reps_ok)
+                    # 0.6x the peer's slowest repetition still below the floor: nothing on this
+                    # machine can meet that target.
+                    row["peer_target_below_sol"] = bool(floor is not None and group == "loss"
+                                                        and CPU_PEER_RATIO * spread_of(best)[2] < floor["min_s"])
+                if floor is not None and group == "loss":
+                    row["sol_verdict"] = verdict(o, spread_of(floor), CPU_SOL_RATIO,
+                                                 reps_ok and floor.get("reps", 0) >= MIN_REPS)
+            elif group == "loss" and row["hbm_fraction"] is not None:
+                moved = bytes_moved(ours["spec"])
+                hbm = moved / ours["time_s"] / row["hbm_fraction"]
+                fractions = (moved / o[2] / hbm, moved / o[0] / hbm)  # slowest, fastest repetition
+                row["hbm_verdict"] = ("met" if fractions[0] >= GPU_HBM_FRACTION else
+                                      "MISS" if fractions[1] < GPU_HBM_FRACTION else NOISE) if reps_ok else "too few reps"
             allowed = MEM_UNITS * lb + max(MEM_SLACK[0] * lb, MEM_SLACK[1])
             if group == "head":  # the head's own gradients (hidden states and weight) are outputs too
                 allowed += (n + v) * ours["spec"]["hidden"] * ITEMSIZE[dtype]
@@ -151,9 +226,9 @@ def _status_text(result: dict[str, Any] | None) -> str:
     return status
 
 
-def _cell_order(key: CellKey) -> tuple[Any, ...]:
-    device, n, v, dtype, kind, framework, group = key
-    return (device, n * v, n, dtype != "float32", KINDS.index(kind), group != "loss", framework)
+def _row_order(key: RowKey) -> tuple[Any, ...]:
+    device, n, v, dtype, kind, framework, group, masked = key
+    return (device, n * v, n, dtype != "float32", KINDS.index(kind), group != "loss", framework, -(masked or 0.0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,82 +242,144 @@ def _ms(seconds: float | None) -> str:
     return f"{seconds * 1e3:.1f}" if seconds < 10 else f"{seconds * 1e3:.0f}"
 
 
+def _ms3(spread: tuple[float, float, float] | None) -> str:
+    """min / median / max in ms."""
+    return "-" if spread is None else " / ".join(_ms(t) for t in spread)
+
+
 def _x(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _mark(ok: bool | None) -> str:
-    return "" if ok is None else (" ok" if ok else " MISS")
+def _ratio(rng: tuple[float, float, float] | None) -> str:
+    """The median ratio with its range: 0.72 [0.65-0.80]."""
+    return "-" if rng is None else f"{rng[1]:.2f} [{rng[0]:.2f}-{rng[2]:.2f}]"
 
 
-def _out_of_reach(row: dict[str, Any]) -> bool:
-    """A missed peer target that lies below the speed-of-light pass (marked ``MISS*``)."""
-    return bool(row.get("peer_target_below_sol")) and not row.get("meets_peer_target")
+def _pct(masked: float | None) -> str:
+    return "-" if masked is None else f"{100 * masked:.0f}%"
+
+
+def _peer_word(row: dict[str, Any]) -> str:
+    word = row.get("peer_verdict")
+    if word == "MISS" and row.get("peer_target_below_sol"):
+        return "MISS*"  # out of reach: below the floor
+    return word or ""
 
 
 def summary_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
     gpu = any(r["device"] == "gpu" for r in rows)
-    head = ["shape NxV", "dtype", "kind", "fw", "ours", "ours ms", "best peer", "peer ms", "ours/peer",
-            "SOL ms", "ours/SOL", "mem ours", "mem peer"]
+    head = ["shape NxV", "dtype", "kind", "fw", "masked", "ours", "ours ms min/med/max", "best peer", "peer ms min/med/max",
+            "ours/peer [range]", "SOL floor ms min/med/max", "ours/floor [range]", "mem ours", "mem peer"]
     if gpu:
         head += ["%HBM", "ours/liger"]
     lines = []
     for r in rows:
         fw = r["framework"] + ("+head" if r["group"] == "head" else "")
+        loss_group = r["group"] == "loss"
+        sol = _ms3(r["sol_spread_s"]) if loss_group else "-"
         if not r.get("ours_s"):
             ours_cell = r["ours_status"] if r["ours_status"] != "ok" else "-"
-            cells = [f"{r['n']}x{r['v']}", r["dtype"], SHORT_KIND[r["kind"]], fw, r["ours"] or "-", ours_cell,
-                     r["best_peer"] or "-", _ms(r["best_peer_s"]), "-", _ms(r["sol_s"]), "-", "-",
+            cells = [f"{r['n']}x{r['v']}", r["dtype"], SHORT_KIND[r["kind"]], fw, _pct(r["masked"]), r["ours"] or "-",
+                     ours_cell, r["best_peer"] or "-", _ms3(r["best_peer_spread_s"]), "-", sol, "-", "-",
                      _x(r["best_peer_mem_buffers"])]
             if gpu:
                 cells += ["-", "-"]
             lines.append(cells)
             continue
         cpu = r["device"] == "cpu"
+        peer_word = (" " + _peer_word(r)) if cpu and _peer_word(r) else ""
+        sol_word = (" " + r["sol_verdict"]) if cpu and r.get("sol_verdict") else ""
         cells = [
-            f"{r['n']}x{r['v']}", r["dtype"], SHORT_KIND[r["kind"]], fw, r["ours"], _ms(r["ours_s"]),
-            r["best_peer"] or "-", _ms(r["best_peer_s"]),
-            _x(r.get("vs_best_peer")) + (_mark(r.get("meets_peer_target")) if cpu else "")
-            + ("*" if cpu and _out_of_reach(r) else ""),
-            _ms(r["sol_s"]) if r["group"] == "loss" else "-",
-            _x(r.get("vs_sol")) + (_mark(r.get("meets_sol_target")) if cpu and r["group"] == "loss" else ""),
-            _x(r.get("ours_mem_buffers")) + _mark(r.get("meets_mem_target")),
+            f"{r['n']}x{r['v']}", r["dtype"], SHORT_KIND[r["kind"]], fw, _pct(r["masked"]), r["ours"],
+            _ms3(r["ours_spread_s"]), r["best_peer"] or "-", _ms3(r["best_peer_spread_s"]),
+            _ratio(r.get("vs_best_peer_range")) + peer_word,
+            sol, (_ratio(r.get("vs_sol_range")) + sol_word) if loss_group else "-",
+            _x(r.get("ours_mem_buffers")) + ("" if r.get("meets_mem_target") is None else
+                                             " ok" if r["meets_mem_target"] else " MISS"),
             _x(r.get("best_peer_mem_buffers")),
         ]
         if gpu:
             frac = r.get("hbm_fraction")
-            cells += [("-" if frac is None else f"{100 * frac:.0f}%") + _mark(r.get("meets_hbm_target")),
-                      _x(r.get("vs_liger"))]
+            cells += [("-" if frac is None else f"{100 * frac:.0f}%") + (f" {r['hbm_verdict']}" if r.get("hbm_verdict") else ""),
+                      _x(r.get("vs_liger")) + (f" {r['liger_verdict']}" if r.get("liger_verdict") else "")]
         if r.get("loss_disagreements"):
-            cells[4] += " (loss differs: " + ",".join(r["loss_disagreements"]) + ")"
+            cells[5] += " (loss differs: " + ",".join(r["loss_disagreements"]) + ")"
         lines.append(cells)
     return _render(head, lines, markdown)
 
 
-def summary_notes(rows: list[dict[str, Any]]) -> str:
-    """The footnote of :func:`summary_table`'s marks, and the tally of each target."""
-    cpu = [r for r in rows if r["device"] == "cpu" and r.get("ours_s")]
-    if not cpu:
+def _tally(rows: list[dict[str, Any]], field: str) -> str:
+    words = [r[field] for r in rows if r.get(field)]
+    counts = {w: words.count(w) for w in dict.fromkeys(words)}
+    return ", ".join(f"{w} {c}" for w, c in counts.items()) + f" (of {len(words)} rows)"
+
+
+def summary_notes(rows: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> str:
+    """How to read :func:`summary_table`: the floor, the verdict words, what our code skips, the
+    tally of each target, and anything that contradicts the method (a contender below the floor)."""
+    measured = [r for r in rows if r.get("ours_s")]
+    if not measured:
         return ""
-    loss_rows = [r for r in cpu if r["group"] == "loss"]
-    below = [r for r in loss_rows if _out_of_reach(r)]
+    sol_reps = (meta or {}).get("settings", {}).get("sol_reps")
+    reps = (meta or {}).get("settings", {}).get("reps")
     lines = [
-        f"Targets (CPU): ours/peer <= {CPU_PEER_RATIO} met in {sum(bool(r.get('meets_peer_target')) for r in cpu)} of "
-        f"{len(cpu)} rows; ours/SOL <= {CPU_SOL_RATIO} in {sum(bool(r.get('meets_sol_target')) for r in loss_rows)} of "
-        f"{len(loss_rows)}; memory <= 1 logits buffer in {sum(bool(r.get('meets_mem_target')) for r in cpu)} of {len(cpu)}.",
+        f"Times: min / median / max of {reps or 'the'} interleaved repetitions per contender. SOL floor: the best of "
+        f"{'the ' + str(reps * sol_reps) if reps and sol_reps else 'all'} calls of an elementwise pass that reads the logits "
+        "(and teacher) and writes a pre-faulted logits-sized buffer, the faster framework's: no contender can beat it, "
+        "since each writes a fresh gradient. Ratios: median / median (ours/floor: median / floor), with [fastest ours / "
+        "slowest reference - slowest ours / fastest reference]. A target verdict (`met`, `MISS`) is given only where "
+        f"these spreads do not overlap the target; otherwise `{NOISE}`.",
     ]
+    cpu = [r for r in measured if r["device"] == "cpu"]
+    if cpu:
+        lines.append(f"Targets (CPU): ours/peer <= {CPU_PEER_RATIO}: {_tally(cpu, 'peer_verdict')}; ours/floor <= "
+                     f"{CPU_SOL_RATIO}: {_tally(cpu, 'sol_verdict')}; memory <= 1 logits buffer: "
+                     f"ok {sum(bool(r.get('meets_mem_target')) for r in cpu)} of {len(cpu)}.")
+        if any(_peer_word(r) == "MISS*" for r in cpu):
+            lines.append(f"`MISS*`: {CPU_PEER_RATIO}x the peer's slowest repetition is below the floor, so nothing on this "
+                         "machine can meet that target.")
+    gpu = [r for r in measured if r["device"] == "gpu"]
+    if gpu:
+        lines.append(f"Targets (GPU): >= {100 * GPU_HBM_FRACTION:.0f}% of nominal HBM bandwidth: {_tally(gpu, 'hbm_verdict')}; "
+                     f"faster than Liger: {_tally(gpu, 'liger_verdict')}.")
+    masks = sorted({r["masked"] for r in measured if r["masked"] is not None}, reverse=True)
+    if len(masks) > 1:
+        pairs = []
+        for r in measured:
+            if r["masked"] != masks[0]:
+                continue
+            other = next((o for o in measured if o["masked"] == masks[-1] and
+                          all(o[k] == r[k] for k in ("device", "n", "v", "dtype", "kind", "framework", "group"))), None)
+            if other is not None:
+                pairs.append(f"{r['framework']}{'+head' if r['group'] == 'head' else ''} {r['dtype']} {SHORT_KIND[r['kind']]} "
+                             f"{other['ours_s'] / r['ours_s']:.2f}")
+        lines.append(f"Masking, both ways: torchloss skips the masked rows of 16-bit logits on the CPU (once >= 12.5% of the "
+                     f"rows are masked); the peers, and jaxloss, compute every row. Where one of our paths skips, every "
+                     f"contender is measured with {' and '.join(_pct(m) for m in masks)} of the tokens masked (elsewhere "
+                     f"all do the same work at any mask: {_pct(masks[0])} only, unless `--all-masks`). Our median at "
+                     f"{_pct(masks[-1])} / at {_pct(masks[0])}: " + "; ".join(pairs) + ".")
+    below = [f"{r['n']}x{r['v']} {r['dtype']} {SHORT_KIND[r['kind']]} {_pct(r['masked'])}: {', '.join(r['below_sol_floor'])}"
+             for r in rows if r.get("below_sol_floor")]
     if below:
-        lines.append(f"`MISS*`: {CPU_PEER_RATIO}x the fastest peer is less than the speed-of-light pass itself (the peer "
-                     f"runs within {1 / CPU_PEER_RATIO:.2f}x of the bound), so nothing on this backend can meet that target "
-                     f"({len(below)} of the {sum(not r.get('meets_peer_target') for r in cpu)} misses).")
-    return "\n".join(lines)
+        lines.append("WARNING: measured below the SOL floor (the floor is then not a floor; distrust this run): "
+                     + "; ".join(below) + ".")
+    if meta is not None:
+        git = meta.get("machine", {}).get("git", {})
+        if git.get("dirty") or not git.get("commit"):
+            lines.append("WARNING: the tree was not clean (or no commit known): these figures belong to no commit.")
+        if meta.get("settings", {}).get("reps", MIN_REPS) < MIN_REPS:
+            lines.append(f"WARNING: fewer than {MIN_REPS} repetitions: no verdicts.")
+    return "\n\n".join(lines)
 
 
 def detail_table(results: list[dict[str, Any]], markdown: bool = False) -> str:
-    head = ["shape NxV", "dtype", "kind", "backend", "role", "ms (median)", "reps", "x best peer", "x SOL",
+    head = ["shape NxV", "dtype", "kind", "masked", "backend", "role", "ms min/med/max", "reps", "x best peer", "x SOL floor",
             "mem MiB", "mem (logits)", "XLA temp+out MiB", "loss", "status"]
     lines = []
-    for r in sorted(results, key=lambda r: (_cell_order(cell_key(r)), list(BACKENDS).index(r["spec"]["backend"]))):
+    order = list(BACKENDS)
+    for r in sorted(results, key=lambda r: (_row_order(_spec_row_key(r["spec"])[:7] + (None,)), order.index(r["spec"]["backend"]),
+                                            -(r["spec"].get("masked") or 0.0))):
         s = r["spec"]
         info = BACKENDS[s["backend"]]
         mem = r.get("mem_extra_bytes")
@@ -251,14 +388,35 @@ def detail_table(results: list[dict[str, Any]], markdown: bool = False) -> str:
         if status != "ok":
             status = f"{status}: {r.get('error', '')}"[:70]
         lines.append([
-            f"{s['n']}x{s['v']}", s["dtype"], SHORT_KIND[s["kind"]], s["backend"], info.role,
-            _ms(r.get("time_s")), str(r.get("reps", "-")), _x(r.get("vs_best_peer")), _x(r.get("vs_sol")),
+            f"{s['n']}x{s['v']}", s["dtype"], SHORT_KIND[s["kind"]], _pct(s.get("masked")), s["backend"], info.role,
+            _ms3(spread_of(r)), str(r.get("reps", "-")), _x(r.get("vs_best_peer")), _x(r.get("vs_sol")),
             "-" if mem is None else f"{mem / 2**20:.0f}", _x(r.get("mem_logits_buffers")),
             "-" if not analysis else f"{(analysis['temp_bytes'] + analysis['output_bytes']) / 2**20:.0f}",
             "-" if r.get("loss") is None else f"{r['loss']:.5g}" + ("" if r.get("loss_agrees", True) else " !"),
             status,
         ])
     return _render(head, lines, markdown)
+
+
+def markdown(meta: dict[str, Any], summary: list[dict[str, Any]], results: list[dict[str, Any]]) -> str:
+    """The results file in Markdown: provenance, summary, notes, every measurement."""
+    git = meta["machine"].get("git", {})
+    tree = "clean tree" if git.get("dirty") is False else "DIRTY tree (" + ", ".join((git.get("changed") or [])[:8]) + ")"
+    env = f"; worker environment {' '.join(meta['worker_env'])}" if meta.get("worker_env") else ""
+    lines = [
+        f"Machine: {meta['machine_text']}", "",
+        f"Command: `{meta['command']}`; commit `{git.get('commit')}` ({tree}); started {meta['started']}, "
+        f"{meta.get('wall_s', 0) / 60:.1f} min (expected {meta.get('expected_s', 0) / 60:.1f}); load average "
+        f"{_load(meta.get('load_average_start'))} -> {_load(meta.get('load_average_end'))}{env}", "",
+        "Summary (ms: forward+backward, min / median / max; mem: peak extra memory in logits-sized buffers):", "",
+        summary_table(summary, markdown=True), "", summary_notes(summary, meta), "", "All measurements:", "",
+        detail_table(results, markdown=True), "",
+    ]
+    return "\n".join(lines)
+
+
+def _load(value: Any) -> str:
+    return "-" if not value else "(" + ", ".join(f"{x:.2f}" for x in value) + ")"
 
 
 def _render(head: list[str], rows: list[list[str]], markdown: bool) -> str:
@@ -288,6 +446,7 @@ def plot(results: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:
     ok = [r for r in results if _ok(r)]
     if not ok:
         return []
+    masks = sorted({r["spec"].get("masked") for r in ok if r["spec"].get("masked") is not None}, reverse=True)
     kinds = [k for k in KINDS if any(r["spec"]["kind"] == k for r in ok)]
     columns = []
     for dtype in ("float32", "bfloat16", "float16"):
@@ -309,10 +468,14 @@ def plot(results: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:
     linestyle = {"ours": "-", "peer": "--", "sol": ":"}
     single_shape = len({(r["spec"]["n"], r["spec"]["v"]) for r in ok}) == 1
     written = []
-    for metric, label in (("time_s", "forward+backward time (ms)"), ("mem_extra_bytes", "peak extra memory (MiB)")):
-        if single_shape:  # one shape (--quick): bars per backend read better than lone points
+    for metric, label in (("time_s", "forward+backward time (ms): median, bar min-max"),
+                          ("mem_extra_bytes", "peak extra memory (MiB)")):
+        if single_shape:  # one shape (--quick): bars per backend and mask read better than lone points
             written.append(_bars(plt, ok, kinds, columns, names, colors, metric, label, stem, title))
             continue
+        # Lines: the headline mask only (the JSON and tables have the others).
+        headline = masks[0] if masks else None
+        line_ok = [r for r in ok if r["spec"].get("masked") in (None, headline)]
         fig, axes = plt.subplots(len(kinds), len(columns), figsize=(3.6 * len(columns), 2.9 * len(kinds)), squeeze=False)
         for i, kind in enumerate(kinds):
             for j, (dtype, fw, group) in enumerate(columns):
@@ -323,9 +486,9 @@ def plot(results: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:
                     if info.framework != fw or info.group != group:
                         continue
                     for k, v in enumerate(vocabs):
-                        pts = sorted((r["spec"]["n"], r[metric]) for r in ok if r["spec"]["backend"] == name
-                                     and r["spec"]["kind"] == kind and r["spec"]["dtype"] == dtype
-                                     and r["spec"]["v"] == v and r.get(metric) is not None)
+                        pts = sorted((r["spec"]["n"], r[metric], r.get("min_s"), r.get("max_s")) for r in line_ok
+                                     if r["spec"]["backend"] == name and r["spec"]["kind"] == kind
+                                     and r["spec"]["dtype"] == dtype and r["spec"]["v"] == v and r.get(metric) is not None)
                         if not pts:
                             continue
                         xs = [p[0] for p in pts]
@@ -334,6 +497,10 @@ def plot(results: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:
                         width = 2.4 if info.role == "ours" else 1.2
                         ax.plot(xs, ys, linestyle[info.role], marker=markers[k % len(markers)], ms=4, lw=width,
                                 color=colors[name], label=f"{name} V={v}")
+                        if metric == "time_s" and all(p[2] is not None for p in pts):
+                            lo = [max(y - p[2] * scale, 0.0) for y, p in zip(ys, pts)]
+                            hi = [max(p[3] * scale - y, 0.0) for y, p in zip(ys, pts)]
+                            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="none", ecolor=colors[name], lw=0.8, capsize=2)
                         drew = True
                 if drew:
                     ax.set_xscale("log", base=2)
@@ -343,7 +510,7 @@ def plot(results: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:
                 else:
                     ax.axis("off")
                 if i == 0:
-                    ax.set_title(f"{fw}{' LM head' if group == 'head' else ''}, {dtype}", fontsize=9)
+                    ax.set_title(f"{fw}{' LM head' if group == 'head' else ''}, {dtype}, {_pct(headline)} masked", fontsize=9)
                 if j == 0:
                     ax.set_ylabel(f"{SHORT_KIND[kind]}\n{label}", fontsize=8)
                 if i == len(kinds) - 1:
@@ -360,23 +527,32 @@ def plot(results: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:
 def _bars(plt: Any, ok: list[dict[str, Any]], kinds: list[str], columns: list[tuple[str, str, str]], names: list[str],
           colors: dict[str, Any], metric: str, label: str, stem: Path, title: str) -> Path:
     n, v = ok[0]["spec"]["n"], ok[0]["spec"]["v"]
-    fig, axes = plt.subplots(len(kinds), len(columns), figsize=(3.4 * len(columns), 2.2 * len(kinds)), squeeze=False)
+    fig, axes = plt.subplots(len(kinds), len(columns), figsize=(3.6 * len(columns), 2.8 * len(kinds)), squeeze=False)
     scale = 1e3 if metric == "time_s" else 1 / 2**20
     for i, kind in enumerate(kinds):
         for j, (dtype, fw, group) in enumerate(columns):
             ax = axes[i][j]
-            rows = [(name, r[metric] * scale) for name in names for r in ok
+            rows = [(name, r) for name in names
+                    for r in sorted(ok, key=lambda r: -(r["spec"].get("masked") or 0.0))
                     if r["spec"]["backend"] == name and r["spec"]["kind"] == kind and r["spec"]["dtype"] == dtype
                     and BACKENDS[name].framework == fw and BACKENDS[name].group == group and r.get(metric) is not None]
             if not rows:
                 ax.axis("off")
                 continue
-            labels = [name for name, _ in rows][::-1]
-            values = [value for _, value in rows][::-1]
-            bars = ax.barh(labels, values, color=[colors[name] for name in labels])
-            for bar, value in zip(bars, values):
-                ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value:.0f}", va="center", fontsize=6)
-            ax.set_xlim(0, max(values) * 1.25)
+            rows = rows[::-1]
+            labels = [name + ("" if r["spec"].get("masked") is None else f" {_pct(r['spec']['masked'])}") for name, r in rows]
+            values = [r[metric] * scale for _, r in rows]
+            bars = ax.barh(range(len(rows)), values, color=[colors[name] for name, _ in rows])
+            if metric == "time_s":
+                lo = [max(v - r.get("min_s", r["time_s"]) * scale, 0.0) for v, (_, r) in zip(values, rows)]
+                hi = [max(r.get("max_s", r["time_s"]) * scale - v, 0.0) for v, (_, r) in zip(values, rows)]
+                ax.errorbar(values, range(len(rows)), xerr=[lo, hi], fmt="none", ecolor="black", lw=0.7, capsize=1.5)
+            ax.set_yticks(range(len(rows)), labels)
+            for bar, value, (_, r) in zip(bars, values, rows):
+                right = max(value, r.get("max_s", 0.0) * scale) if metric == "time_s" else value  # past the spread
+                ax.text(right, bar.get_y() + bar.get_height() / 2, f" {value:.0f}", va="center", fontsize=5.5)
+            top = max(values + [r.get("max_s", 0) * scale for _, r in rows] if metric == "time_s" else values)
+            ax.set_xlim(0, top * 1.3)
             ax.tick_params(labelsize=6.5)
             if i == 0:
                 ax.set_title(f"{fw}{' LM head' if group == 'head' else ''}, {dtype}", fontsize=9)
@@ -392,4 +568,5 @@ def _bars(plt: Any, ok: list[dict[str, Any]], kinds: list[str], columns: list[tu
     return path
 
 
-__all__ = ["annotate", "summarize", "summary_table", "summary_notes", "detail_table", "plot", "nominal_hbm_bandwidth"]
+__all__ = ["annotate", "summarize", "summary_table", "summary_notes", "detail_table", "markdown", "plot", "verdict",
+           "ratio_range", "spread_of", "sol_floors", "nominal_hbm_bandwidth"]

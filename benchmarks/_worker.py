@@ -1,21 +1,32 @@
 """One benchmark process: ``python benchmarks/_worker.py '<json list of specs>'``.
 
-For each spec it builds the inputs, compiles and warms up the backend, then
+The specs are the contenders of one cell (one framework, shape, dtype and loss kind; every
+backend, at each masked fraction, and the speed-of-light pass). They share the inputs. The
+process
 
-1. memory: records the resident set (``VmRSS``) with the warm-up's outputs freed, resets the
-   peak (``/proc/self/clear_refs`` <- 5 resets ``VmHWM``), runs one forward+backward and reads
-   the peak (``VmHWM``): the extra memory of one call, its outputs (the gradient) included.
-   On a GPU: torch's ``max_memory_allocated`` after ``reset_peak_memory_stats``; JAX's compiled
-   ``memory_analysis()`` (temp + output bytes).
-2. time: that call plus more, as many as fit ``rep_seconds`` (between ``min_reps`` and
-   ``max_reps``), each blocked on its results; the median is the figure.
+1. builds every contender and warms it up (``warmup`` calls; the first one compiles);
+2. memory, one contender after the other: frees the previous outputs, hands freed heap pages back
+   to the system (``malloc_trim``), records the resident set (``VmRSS``), resets the peak
+   (``/proc/self/clear_refs`` <- 5 resets ``VmHWM``), runs one forward+backward and reads the
+   peak (``VmHWM``): the extra memory of one call, its outputs (the gradient) included. On a GPU:
+   torch's ``max_memory_allocated`` after ``reset_peak_memory_stats``; JAX's compiled
+   ``memory_analysis()`` (temp + output bytes);
+3. time: ``reps`` rounds; each round runs every contender once (the speed-of-light pass
+   ``sol_reps`` times), in an order rotated from round to round, so that a load that comes and
+   goes slows every contender alike. Each call is blocked on its results. The JSON keeps every
+   repetition; the report shows min / median / max.
 
-Prints one ``RESULT {json}`` line per spec. The runner starts one process per spec, so that
-each memory figure starts from a clean heap.
+The speed-of-light pass writes into a buffer faulted in beforehand (torch ``out=``, a donated
+buffer in JAX), while every contender returns a fresh gradient: with the best of its many
+repetitions it is a floor, not an estimate.
+
+Prints one ``RESULT {json}`` line per spec (in the order given), after all rounds.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import json
 import math
@@ -31,7 +42,7 @@ from typing import Any, Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._registry import DISTILL, MASKED_FRACTION, Spec  # noqa: E402
+from benchmarks._registry import DISTILL, Spec  # noqa: E402
 
 BLOCK_ROWS = 256  # inputs are a random [256, V] block tiled over the N rows (cheap at 16384 x 131072)
 
@@ -46,13 +57,12 @@ class Unavailable(Exception):
 
 
 def numpy_inputs(spec: Spec) -> dict[str, np.ndarray]:
+    """The cell's inputs: labels, logits (or hidden states and head weight), teacher. The same
+    seed gives the same values in both frameworks and for every contender."""
     rng = np.random.default_rng(spec.seed)
     rows = min(spec.n, BLOCK_ROWS)
     out: dict[str, np.ndarray] = {}
     out["labels"] = rng.integers(0, spec.v, spec.n, dtype=np.int64)
-    mask = np.ones(spec.n, dtype=bool)
-    mask[rng.permutation(spec.n)[: int(round(MASKED_FRACTION * spec.n))]] = False
-    out["mask"] = mask
     if spec.info.group == "head":
         out["hidden"] = rng.normal(0.0, 1.0, (spec.n, spec.hidden)).astype(np.float32)
         out["weight"] = rng.normal(0.0, 2.0 / math.sqrt(spec.hidden), (spec.v, spec.hidden)).astype(np.float32)
@@ -61,6 +71,15 @@ def numpy_inputs(spec: Spec) -> dict[str, np.ndarray]:
         if spec.kind in DISTILL:
             out["teacher_block"] = rng.normal(0.0, 2.0, (rows, spec.v)).astype(np.float32)
     return out
+
+
+def token_mask(n: int, masked: float | None, seed: int) -> np.ndarray:
+    """[n] bool, True = counted: exactly round(masked * n) tokens masked, at random places."""
+    mask = np.ones(n, dtype=bool)
+    if masked:
+        rng = np.random.default_rng(seed + 1)
+        mask[rng.permutation(n)[: int(round(masked * n))]] = False
+    return mask
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,6 +93,18 @@ def _status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise KeyError(field)
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
+
+
+def _malloc_trim() -> None:
+    """Hands the heap's free pages back to the system (glibc), so that an earlier contender's
+    freed memory is not in the resident set when the next one's baseline is read (it would be
+    reused uncounted). Large buffers are mmapped and unmapped on free anyway."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 class HostMemory:
@@ -92,6 +123,7 @@ class HostMemory:
 
     def start(self) -> None:
         gc.collect()
+        _malloc_trim()
         if self.ok:
             self.base = _status_kib("VmRSS") * 1024
             with open("/proc/self/clear_refs", "w") as f:
@@ -166,23 +198,32 @@ class Bench:
     reset: Callable[[], None] = staticmethod(lambda: None)
 
 
-def jax_bench(spec: Spec) -> Bench:
+def jax_inputs(spec: Spec) -> dict[str, Any]:
+    """The cell's JAX arrays: logits ``x`` [N, V], ``teacher`` [N, V] (distillation), int32
+    labels [N]; masks are made per contender (:func:`token_mask`)."""
     import jax
     import jax.numpy as jnp
 
-    bench = Bench()
-    device = jax.devices()[0]
     dtype = jnp.dtype(spec.dtype)
     raw = numpy_inputs(spec)
     n, rows = spec.n, raw["logits_block"].shape[0]
     copies = -(-n // rows)
     tile = jax.jit(lambda b: jnp.tile(b.astype(dtype), (copies, 1))[:n])
-    x = tile(raw["logits_block"])
-    teacher = tile(raw["teacher_block"]) if spec.kind in DISTILL else None
-    labels = jnp.asarray(raw["labels"].astype(np.int32))
-    mask = jnp.asarray(raw["mask"])
-    del raw
+    shared = {"x": tile(raw["logits_block"]), "labels": jnp.asarray(raw["labels"].astype(np.int32))}
+    shared["teacher"] = tile(raw["teacher_block"]) if spec.kind in DISTILL else None
+    return shared
+
+
+def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
+    import jax
+    import jax.numpy as jnp
+
+    bench = Bench()
+    device = jax.devices()[0]
+    x, teacher, labels = shared["x"], shared["teacher"], shared["labels"]
+    mask = jnp.asarray(token_mask(spec.n, spec.masked, spec.seed))
     target = labels if spec.kind == "cross_entropy" else teacher
+    donate: tuple[int, ...] = ()
 
     if spec.backend in ("jaxloss-xla", "jaxloss-pallas"):
         import jaxloss
@@ -213,15 +254,20 @@ def jax_bench(spec: Spec) -> Bench:
 
         program, args = jax.value_and_grad(loss), (x, target, mask)
     elif spec.backend == "jax-sol":
+        # The output goes into a donated buffer that already holds pages (XLA aliases it to the
+        # result; keep_unused stops jit from dropping the unread argument): no allocation and no
+        # page faults, unlike every contender's fresh gradient. Each call donates the last result.
+        out = jnp.zeros_like(x)
         if spec.kind in DISTILL:
-            program, args = (lambda x, t: x + t), (x, teacher)
+            program, args = (lambda x, t, out: x + t), (x, teacher, out)
         else:
-            program, args = (lambda x: x * jnp.asarray(2, x.dtype)), (x,)
+            program, args = (lambda x, out: x * jnp.asarray(2, x.dtype)), (x, out)
+        donate = (len(args) - 1,)
     else:
         raise ValueError(f"unknown JAX backend {spec.backend}")
 
     start = time.perf_counter()
-    compiled = jax.jit(program).lower(*args).compile()
+    compiled = jax.jit(program, donate_argnums=donate, keep_unused=bool(donate)).lower(*args).compile()
     bench.compile_s = time.perf_counter() - start
     try:
         stats = compiled.memory_analysis()
@@ -229,12 +275,23 @@ def jax_bench(spec: Spec) -> Bench:
             "temp_bytes": int(stats.temp_size_in_bytes),
             "output_bytes": int(stats.output_size_in_bytes),
             "argument_bytes": int(stats.argument_size_in_bytes),
+            # Outputs written into a donated argument (the speed-of-light pass) take no new memory.
+            "alias_bytes": int(getattr(stats, "alias_size_in_bytes", 0) or 0),
         }
     except Exception:  # noqa: BLE001 - not every backend reports it
         bench.analysis = None
 
-    def step() -> Any:
-        return jax.block_until_ready(compiled(*args))
+    if donate:
+        state = list(args)
+
+        def step() -> Any:
+            state[-1] = jax.block_until_ready(compiled(*state))  # the result is the next call's buffer
+            return None
+
+    else:
+
+        def step() -> Any:
+            return jax.block_until_ready(compiled(*args))
 
     def release(out: Any) -> None:
         # JAX frees a dropped array's buffer asynchronously: delete it now, so that it is not
@@ -282,22 +339,15 @@ def _liger() -> Any:
     return functional
 
 
-def torch_bench(spec: Spec) -> Bench:
+def torch_inputs(spec: Spec) -> dict[str, Any]:
+    """The cell's torch tensors: logits ``x`` [N, V] (requires grad; or hidden states ``h`` [N, H]
+    and head weight ``w`` [V, H]), ``teacher`` [N, V] (distillation), labels [N] (int64)."""
     import torch
-    import torch.nn.functional as F
 
-    bench = Bench()
-    gpu = spec.device == "gpu"
-    device = torch.device("cuda" if gpu else "cpu")
+    device = torch.device("cuda" if spec.device == "gpu" else "cpu")
     dtype = getattr(torch, spec.dtype)
     raw = numpy_inputs(spec)
-    labels = torch.from_numpy(raw["labels"]).to(device)
-    mask = torch.from_numpy(raw["mask"]).to(device)
-    labels_ignore = torch.where(mask, labels, -100)
-    weight = mask.to(torch.float32)
-    count = weight.sum()
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
-    leaves: list[Any] = []
+    shared: dict[str, Any] = {"labels": torch.from_numpy(raw["labels"]).to(device), "teacher": None}
 
     def tiled(block: np.ndarray) -> Any:
         small = torch.from_numpy(block).to(device=device, dtype=dtype)
@@ -307,10 +357,34 @@ def torch_bench(spec: Spec) -> Bench:
             out[start:stop] = small[: stop - start]
         return out
 
+    if spec.info.group == "head":
+        shared["h"] = torch.from_numpy(raw["hidden"]).to(device=device, dtype=dtype).requires_grad_(True)
+        shared["w"] = torch.from_numpy(raw["weight"]).to(device=device, dtype=dtype).requires_grad_(True)
+    else:
+        shared["x"] = tiled(raw["logits_block"]).requires_grad_(True)
+        if spec.kind in DISTILL:
+            shared["teacher"] = tiled(raw["teacher_block"])
+    return shared
+
+
+def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
+    import torch
+    import torch.nn.functional as F
+
+    bench = Bench()
+    gpu = spec.device == "gpu"
+    device = torch.device("cuda" if gpu else "cpu")
+    labels, teacher = shared["labels"], shared["teacher"]
+    mask = torch.from_numpy(token_mask(spec.n, spec.masked, spec.seed)).to(device)
+    labels_ignore = torch.where(mask, labels, -100)
+    weight = mask.to(torch.float32)
+    count = weight.sum()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    leaves: list[Any] = []
+
     forward: Callable[[], Any]
     if spec.info.group == "head":
-        h = torch.from_numpy(raw["hidden"]).to(device=device, dtype=dtype).requires_grad_(True)
-        w = torch.from_numpy(raw["weight"]).to(device=device, dtype=dtype).requires_grad_(True)
+        h, w = shared["h"], shared["w"]
         leaves += [h, w]
         if spec.backend == "head-torchloss":
             import torchloss
@@ -333,21 +407,25 @@ def torch_bench(spec: Spec) -> Bench:
                 return functional.liger_fused_linear_cross_entropy(h, w, labels_ignore)
         elif spec.backend == "head-matmul-sol":
             hd, wd = h.detach(), w.detach()
+            # Outputs faulted in beforehand (zeros), as for the loss group's pass.
+            logits, grad_h, grad_w = (torch.zeros(shape, dtype=hd.dtype, device=device)
+                                      for shape in ((spec.n, spec.v), tuple(hd.shape), tuple(wd.shape)))
 
             def sol_step() -> Any:
                 with torch.no_grad():
-                    logits = F.linear(hd, wd)  # [N, V], stands in for the gradient of the logits too
-                    grad_h = logits @ wd
-                    grad_w = logits.t() @ hd
+                    torch.mm(hd, wd.t(), out=logits)  # [N, V], stands in for the gradient of the logits too
+                    torch.mm(logits, wd, out=grad_h)
+                    torch.mm(logits.t(), hd, out=grad_w)
                 sync()
-                return grad_h, grad_w
+                return None
 
             forward = None  # type: ignore[assignment]
         else:
             raise ValueError(f"unknown head backend {spec.backend}")
     else:
-        x = tiled(raw["logits_block"]).requires_grad_(True)
-        teacher = tiled(raw["teacher_block"]) if spec.kind in DISTILL else None
+        x = shared["x"]
+        if spec.backend == "liger" and spec.kind == "cross_entropy":
+            x = x.detach().clone().requires_grad_(True)  # Liger writes the gradient into the logits: a copy of its own
         leaves.append(x)
         target = labels if spec.kind == "cross_entropy" else teacher
 
@@ -400,11 +478,15 @@ def torch_bench(spec: Spec) -> Bench:
                 return losses.sum() / count
         elif spec.backend == "torch-sol":
             xd = x.detach()
+            out = torch.zeros_like(xd)  # faulted in now: the pass only reads and writes memory
 
             def sol_step() -> Any:
-                out = torch.add(xd, teacher) if teacher is not None else torch.mul(xd, 2.0)
+                if teacher is not None:
+                    torch.add(xd, teacher, out=out)
+                else:
+                    torch.mul(xd, 2.0, out=out)
                 sync()
-                return out
+                return None
 
             forward = None  # type: ignore[assignment]
         else:
@@ -438,74 +520,126 @@ def torch_bench(spec: Spec) -> Bench:
 # ----------------------------------------------------------------------------------------------
 
 
-def measure(spec: Spec) -> dict[str, Any]:
-    result: dict[str, Any] = {"spec": spec.to_json(), "status": "ok", "pid": os.getpid()}
-    start = time.perf_counter()
-    try:
-        bench = jax_bench(spec) if spec.info.framework == "jax" else torch_bench(spec)
-    except Unavailable as reason:
-        return dict(result, status="unavailable", error=str(reason))
-    result["setup_s"] = time.perf_counter() - start
-    result["compile_s"] = bench.compile_s
-    result["xla_memory_analysis"] = bench.analysis
-
-    # Warm-up: the first call compiles (torch.compile, the Triton/Pallas kernels) and faults pages in.
-    warm: list[float] = []
-    loss = None
-    for i in range(max(1, spec.warmup)):
-        t0 = time.perf_counter()
-        out = bench.step()
-        warm.append(time.perf_counter() - t0)
-        if i == 0:
-            loss = bench.loss_value(out)
-        bench.release(out)
-        del out
-    result["first_call_s"] = warm[0]
-    result["loss"] = loss
-
-    # Memory of one call (its time is the first timed repetition).
-    bench.reset()
-    time.sleep(0.2)  # let frees still in flight (allocator threads, munmap) land before the baseline
-    bench.memory.start()
+def _call(bench: Bench) -> float:
+    """One blocked call; its outputs freed at once. Returns the seconds it took."""
     t0 = time.perf_counter()
     out = bench.step()
-    times = [time.perf_counter() - t0]
-    extra = bench.memory.stop()
+    seconds = time.perf_counter() - t0
     bench.release(out)
     del out
-    result["mem_method"] = bench.memory.method
-    result["mem_baseline_bytes"] = bench.memory.baseline()
-    if isinstance(bench.memory, JaxDeviceMemory) and bench.analysis is not None:
-        result["mem_peak_upper_bound_bytes"] = extra
-        extra = bench.analysis["temp_bytes"] + bench.analysis["output_bytes"]
-    result["mem_extra_bytes"] = extra
+    return seconds
 
-    estimate = statistics.median(warm[1:] + times) if len(warm) > 1 else times[0]
-    reps = int(min(spec.max_reps, max(spec.min_reps, math.ceil(spec.rep_seconds / max(estimate, 1e-9)))))
-    for _ in range(reps - 1):
+
+def round_order(count: int, round_index: int) -> list[int]:
+    """The contenders' order in one round: rotated by one each round, so that each runs first,
+    second, ... in turn (a contender that always followed a slow one would inherit its heat)."""
+    return [(round_index + k) % count for k in range(count)]
+
+
+def spread(times: list[float]) -> dict[str, float]:
+    """min / median / max of the repetitions (the figures of the report)."""
+    return {"min_s": min(times), "time_s": statistics.median(times), "max_s": max(times)}
+
+
+def measure_cell(specs: list[Spec]) -> list[dict[str, Any]]:
+    """Builds, warms up, measures the memory of and times every contender of one cell (the
+    module docstring has the method). A contender that fails is reported and left out; the
+    others go on."""
+    results = [{"spec": s.to_json(), "status": "ok", "pid": os.getpid()} for s in specs]
+    start = time.perf_counter()
+    first = specs[0]
+    shared = jax_inputs(first) if first.info.framework == "jax" else torch_inputs(first)
+    benches: dict[int, Bench] = {}
+    for i, spec in enumerate(specs):
         t0 = time.perf_counter()
-        out = bench.step()
-        times.append(time.perf_counter() - t0)
-        bench.release(out)
-        del out
-    result["times_s"] = times
-    result["time_s"] = statistics.median(times)
-    result["reps"] = len(times)
-    result["total_s"] = time.perf_counter() - start
-    return result
+        try:
+            benches[i] = jax_bench(spec, shared) if spec.info.framework == "jax" else torch_bench(spec, shared)
+        except Unavailable as reason:
+            results[i].update(status="unavailable", error=str(reason))
+            continue
+        except Exception as error:  # noqa: BLE001 - reported per contender, the cell goes on
+            _fail(results[i], error)
+            continue
+        results[i]["setup_s"] = time.perf_counter() - t0
+        results[i]["compile_s"] = benches[i].compile_s
+        results[i]["xla_memory_analysis"] = benches[i].analysis
+
+    def attempt(i: int, action: Callable[[], Any]) -> Any:
+        try:
+            return action()
+        except Exception as error:  # noqa: BLE001
+            _fail(results[i], error)
+            del benches[i]
+            return None
+
+    # Warm-up: the first call compiles (torch.compile, the Triton/Pallas kernels, XLA).
+    for i in list(benches):
+        bench = benches[i]
+
+        def warm_up() -> None:
+            t0 = time.perf_counter()
+            out = bench.step()
+            results[i]["first_call_s"] = time.perf_counter() - t0
+            results[i]["loss"] = bench.loss_value(out)
+            bench.release(out)
+            for _ in range(specs[i].warmup - 1):
+                _call(bench)
+
+        attempt(i, warm_up)
+
+    # Memory of one call per contender, one after the other, from a trimmed heap.
+    for i in list(benches):
+        bench = benches[i]
+
+        def memory() -> None:
+            bench.reset()
+            time.sleep(0.2)  # let frees still in flight (allocator threads, munmap) land before the baseline
+            bench.memory.start()
+            out = bench.step()
+            extra = bench.memory.stop()
+            bench.release(out)
+            results[i]["mem_method"] = bench.memory.method
+            results[i]["mem_baseline_bytes"] = bench.memory.baseline()
+            if isinstance(bench.memory, JaxDeviceMemory) and bench.analysis is not None:
+                results[i]["mem_peak_upper_bound_bytes"] = extra
+                extra = bench.analysis["temp_bytes"] + bench.analysis["output_bytes"] - bench.analysis["alias_bytes"]
+            results[i]["mem_extra_bytes"] = extra
+
+        attempt(i, memory)
+
+    # Time: interleaved rounds.
+    times: dict[int, list[float]] = {i: [] for i in benches}
+    rounds = max(s.reps for s in specs)
+    for r in range(rounds):
+        order = list(benches)
+        for k in round_order(len(order), r):
+            i = order[k]
+            calls = specs[i].sol_reps if specs[i].info.role == "sol" else 1
+            for _ in range(calls):
+                seconds = attempt(i, lambda: _call(benches[i]))
+                if seconds is None:
+                    break
+                times[i].append(seconds)
+    for i in benches:
+        results[i]["times_s"] = times[i]
+        results[i].update(spread(times[i]))
+        results[i]["reps"] = len(times[i])
+        results[i]["rounds"] = rounds
+    wall = time.perf_counter() - start
+    for r in results:
+        r["cell_s"] = wall
+    return results
+
+
+def _fail(result: dict[str, Any], error: BaseException) -> None:
+    result.update(status="error", error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc(limit=6))
 
 
 def main() -> None:
     specs = [Spec(**item) for item in json.loads(sys.argv[1])]
-    for spec in specs:
-        try:
-            result = measure(spec)
-        except Exception as error:  # noqa: BLE001 - reported per measurement, the run goes on
-            result = {"spec": spec.to_json(), "status": "error", "error": f"{type(error).__name__}: {error}",
-                      "traceback": traceback.format_exc(limit=6)}
+    for result in measure_cell(specs):
         result["host"] = platform.node()
         print("RESULT " + json.dumps(result), flush=True)
-        gc.collect()
 
 
 if __name__ == "__main__":

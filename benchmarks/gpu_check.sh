@@ -9,9 +9,14 @@
 #   2. prints the GPU, the driver and the library versions;
 #   3. checks every kernel against the float64 oracle on the GPU: the test suite's kernel tests
 #      (pytest -k "pallas or triton"), then lossparity with the Pallas and Triton backends;
-#   4. runs the GPU benchmark (python -m benchmarks.run --gpu-quick) in the time that is left.
+#   4. runs the GPU benchmark (python -m benchmarks.run --gpu-quick --name gpu_quick) in the time
+#      that is left: per loss kind, the contenders of each framework share a process and are timed
+#      in interleaved rounds (7 by default), the speed-of-light pass writes a pre-faulted buffer
+#      and its floor is the best of its calls; cells that would not finish in the budget are
+#      skipped whole (reported). Its plan and expected time are printed first (--dry-run).
 # Everything goes to benchmarks/results/gpu_check_<date>.log; the benchmark writes
-# benchmarks/results/gpu_quick.{json,md} and gpu_quick_{time,memory}.png.
+# benchmarks/results/gpu_quick.{json,md} and gpu_quick_{time,memory}.png, which record the
+# commit, whether the tree was clean, the load average before and after and the versions.
 #
 # Environment: GPU_CHECK_SECONDS (default 600) the whole budget; PYTHON_BIN a Python to use as
 # it is. The project is imported from this checkout (PYTHONPATH), never installed.
@@ -112,9 +117,10 @@ timeout 30 "$py" -m lossparity --quiet --backends jax-pallas,torch-triton --shap
 # ---- 4. benchmark ----------------------------------------------------------------------------
 remaining=$(left)
 minutes=$(( (remaining - 45) / 60 ))
-step "benchmark: python -m benchmarks.run --gpu-quick --max-minutes $minutes"
+step "benchmark: python -m benchmarks.run --gpu-quick --name gpu_quick --max-minutes $minutes"
 if [ "$minutes" -ge 1 ]; then
-  timeout "$(at_least $(( remaining - 10 )) 30)" "$py" -m benchmarks.run --gpu-quick --max-minutes "$minutes" \
+  timeout 60 "$py" -m benchmarks.run --gpu-quick --name gpu_quick --dry-run || true
+  timeout "$(at_least $(( remaining - 10 )) 30)" "$py" -m benchmarks.run --gpu-quick --name gpu_quick --max-minutes "$minutes" \
     || failures+=("benchmark (exit $?)")
 else
   failures+=("benchmark: no time left")

@@ -1,24 +1,27 @@
 """Benchmark runner: our losses against the peers users would pick, on the same inputs, in one run.
 
-For every shape (N tokens x V vocabulary), dtype and loss kind it times forward+backward
-(median over repetitions after warm-up) and measures the peak extra memory of one call, for
+For every shape (N tokens x V vocabulary), dtype and loss kind it times forward+backward and
+measures the peak extra memory of one call, for
 
 - JAX: ``jaxloss`` (impl="xla"; on a GPU also "pallas"), optax under ``jax.grad``, and the
-  speed-of-light pass (a jitted elementwise op reading the logits and writing one logits-sized
-  output; for the distillation kinds it also reads the teacher);
+  speed-of-light pass (a jitted elementwise op reading the logits, and the teacher for the
+  distillation kinds, and writing a logits-sized buffer faulted in beforehand);
 - torch: ``torchloss`` (impl="torch"; on a GPU also "triton"), ``F.cross_entropy`` /
   ``F.kl_div``, ``torch.compile`` of that expression, Liger-Kernel and flash-attn's Triton
   cross-entropy (GPU, where installed), the speed-of-light pass; and for cross-entropy with the LM
   head: ``F.linear`` + ``torchloss.cross_entropy(inplace=True)`` against
   ``F.linear_cross_entropy`` (and Liger's fused linear cross-entropy on a GPU).
 
-30% of the tokens are masked. Each measurement runs in a fresh process (clean heap, so the
-memory figure is the call's own). Prints a table, writes ``benchmarks/results/<name>.json``
-(machine, versions, every figure), ``<name>.md`` and ``<name>_time.png`` / ``<name>_memory.png``.
+Every contender runs with 30% and with 0% of the tokens masked (``--masked``): torchloss skips
+the masked rows of 16-bit logits on the CPU, which the peers compute. The contenders of one cell
+(framework, shape, dtype, kind) share one process and are timed in interleaved rounds (at least 7);
+the report gives min / median / max and says "within noise" where the spreads overlap. Writes
+``<out-dir>/<name>.json`` (commit, clean tree or not, load average before and after, machine,
+versions, every repetition), ``<name>.md`` and ``<name>_time.png`` / ``<name>_memory.png``.
 
-    python -m benchmarks.run --quick            # N=4096, V=32768: all kinds, fp32 and bf16
-    python -m benchmarks.run --max-minutes 90   # the full matrix, stopping cleanly at the budget
-    python -m benchmarks.run --gpu-quick        # on a GPU: N=16384, V=131072, bf16, all kinds
+    python -m benchmarks.run --quick --name cpu_quick   # N=4096, V=32768: all kinds, fp32 and bf16 (~15 min, 2 idle cores)
+    python -m benchmarks.run --max-minutes 90           # the full matrix, stopping cleanly at the budget
+    python -m benchmarks.run --gpu-quick                # on a GPU: N=16384, V=131072, bf16, all kinds
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ from benchmarks._registry import (  # noqa: E402
     FULL_SHAPES,
     GPU_QUICK_SHAPES,
     KINDS,
-    MASKED_FRACTION,
+    MASKED_FRACTIONS,
+    MIN_REPS,
     QUICK_SHAPES,
     Spec,
     nominal_hbm_bandwidth,
@@ -110,12 +114,15 @@ def _version(package: str) -> str | None:
 
 
 def _git() -> dict[str, Any]:
+    """The commit measured and whether the tree was clean (changed files, results excluded)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip())
-        return {"commit": commit or None, "dirty": dirty}
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                 ":(exclude)benchmarks/results"], cwd=ROOT, capture_output=True, text=True).stdout
+        changed = [line[3:] for line in status.splitlines() if line.strip()]
+        return {"commit": commit or None, "dirty": bool(changed), "changed": changed}
     except OSError:
-        return {"commit": None, "dirty": None}
+        return {"commit": None, "dirty": None, "changed": None}
 
 
 def machine_info(device: str) -> dict[str, Any]:
@@ -170,10 +177,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-head", action="store_true", help="leave out the LM-head group (matmul + cross-entropy)")
     p.add_argument("--hidden", type=int, default=None, help="hidden size of the LM-head group (default: CPU 256, GPU 4096)")
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls first (the first one compiles)")
-    p.add_argument("--min-reps", type=int, default=3)
-    p.add_argument("--max-reps", type=int, default=7)
-    p.add_argument("--rep-seconds", type=float, default=4.0, help="timed calls: as many as fit this, within min/max reps")
+    p.add_argument("--masked", default=",".join(str(m) for m in MASKED_FRACTIONS),
+                   help="comma list of fractions of masked tokens, each a row of its own (default: 0.3,0.0); the "
+                        "first applies to every cell, the others only to cells where one of our paths skips masked "
+                        "rows (torch, 16-bit logits, CPU) unless --all-masks")
+    p.add_argument("--all-masks", action="store_true", help="every --masked fraction in every cell")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls per contender first (the first one compiles)")
+    p.add_argument("--reps", type=int, default=MIN_REPS,
+                   help=f"interleaved rounds: timed calls per contender (default and least for a verdict: {MIN_REPS})")
+    p.add_argument("--sol-reps", type=int, default=3, help="speed-of-light calls per round (its floor is the best of all)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the worker processes, e.g. THP_MEM_ALLOC_ENABLE=1 (recorded); repeatable")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="time budget: cells that would not finish in it are skipped (reported), the run ends cleanly")
     p.add_argument("--mem-limit-gib", type=float, default=None,
@@ -186,12 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "device; status ok) instead of running them again; repeatable")
     p.add_argument("--report", type=Path, metavar="JSON",
                    help="measure nothing: print the tables and redraw the plots of an earlier run's results file")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its expected run time, measure nothing")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--process-per", choices=["spec", "cell"], default=None,
-                   help="a fresh process per measurement (default on CPU: the RSS peak needs a clean heap) or per "
-                        "cell of one framework (default on a GPU, whose memory figures are allocator/compiler counts)")
-    p.add_argument("--one-process-per-framework", action="store_true", help=argparse.SUPPRESS)  # smoke test only
+    p.add_argument("--process-per", choices=["cell", "spec"], default="cell",
+                   help="cell (default): the contenders of one framework, shape, dtype and kind share a process and "
+                        "are timed in interleaved rounds; spec: a fresh process each (a cross-check of the memory "
+                        "figures from a never-used heap; timings not interleaved)")
     return p
 
 
@@ -221,14 +236,25 @@ def plan(args: argparse.Namespace, device: str) -> list[Spec]:
     if args.no_head:
         wanted = [b for b in wanted if BACKENDS[b].group != "head"]
     hidden = args.hidden or (4096 if device == "gpu" else 256)
+    masked = [float(m) for m in _csv(args.masked)]
+    if not masked or any(not 0.0 <= m < 1.0 for m in masked):
+        raise SystemExit(f"--masked: fractions in [0, 1) expected; got {args.masked!r}")
     specs = []
     for n, v in sorted(shapes, key=lambda s: (s[0] * s[1], s[0])):
         for dtype in dtypes:
             for kind in kinds:
-                for name in wanted:
-                    if BACKENDS[name].applies(kind, device):
-                        specs.append(Spec(name, kind, n, v, dtype, device, hidden, args.warmup, args.min_reps,
-                                          args.max_reps, args.rep_seconds, args.seed))
+                applying = [name for name in wanted if BACKENDS[name].applies(kind, device)]
+                for name in applying:
+                    info = BACKENDS[name]
+                    # Where none of our paths in this cell skips masked rows, every contender does
+                    # the same work at any mask: the headline fraction alone.
+                    skips = any(BACKENDS[o].skips_masked(dtype, device) for o in applying
+                                if BACKENDS[o].framework == info.framework and BACKENDS[o].group == info.group)
+                    fractions = masked if args.all_masks or skips else masked[:1]
+                    # The speed-of-light pass reads no mask: one per cell.
+                    for fraction in ([None] if info.role == "sol" else fractions):
+                        specs.append(Spec(name, kind, n, v, dtype, device, hidden, fraction, args.warmup, args.reps,
+                                          args.sol_reps, args.seed))
     return specs
 
 
@@ -238,12 +264,13 @@ def plan(args: argparse.Namespace, device: str) -> list[Spec]:
 
 
 class Estimator:
+    """Seconds a cell's process takes: start-up, compiles, and every call (warm-up, memory,
+    rounds), from each backend's ``cpu_ns`` on a CPU or the bandwidth on a GPU; rescaled by the
+    measured / predicted time of the cells run so far."""
+
     STARTUP = {"jax": 4.0, "torch": 5.0}
     COMPILE = {"torch-compile": 25.0, "liger": 8.0, "flash-attn-ce": 8.0, "head-liger": 8.0,
                "jaxloss-pallas": 5.0, "torchloss-triton": 5.0}
-
-    # Measured outliers: F.linear_cross_entropy's chunked path takes ~25 s at 1024 x 32768 on 2 cores.
-    SLOW = {("head-linear_ce", "cpu"): 40.0, ("torch-eager", "cpu"): 2.0, ("optax", "cpu"): 2.0}
 
     def __init__(self, device: str) -> None:
         self.device = device
@@ -253,27 +280,30 @@ class Estimator:
     def per_call(self, spec: Spec) -> float:
         elements = spec.n * spec.v * (2 if spec.kind in DISTILL else 1)
         if self.device == "gpu":
-            seconds = elements * 4 / 2e12
-        else:
-            seconds = elements * 5e-9
-        if spec.info.group == "head":
-            seconds += 6 * spec.n * spec.v * spec.hidden / (3e14 if self.device == "gpu" else 6e10)
-        return seconds * self.SLOW.get((spec.backend, self.device), 1.0)
+            seconds = 2e-4 + elements * 4 / 2e12
+            if spec.info.group == "head":
+                seconds += 6 * spec.n * spec.v * spec.hidden / 3e14
+            return seconds
+        return elements * spec.info.cpu_ns * 1e-9
 
-    def raw(self, spec: Spec) -> float:
-        call = self.per_call(spec)
-        reps = min(spec.max_reps, max(spec.min_reps, spec.rep_seconds / max(call, 1e-9)))
-        return self.STARTUP[spec.info.framework] + self.COMPILE.get(spec.backend, 1.0) + call * (spec.warmup + reps + 1)
+    def raw_cell(self, specs: list[Spec]) -> float:
+        total = self.STARTUP[specs[0].info.framework] + 0.5 * len(specs)
+        for backend in {spec.backend for spec in specs}:  # one compile per backend (the masks share it)
+            total += self.COMPILE.get(backend, 1.0)
+        for spec in specs:
+            calls = spec.warmup + 1 + spec.reps * (spec.sol_reps if spec.info.role == "sol" else 1)
+            total += calls * self.per_call(spec)
+        return total
 
     @property
     def scale(self) -> float:
-        return self.actual / self.predicted if self.predicted > 30 else 1.0
+        return self.actual / self.predicted if self.predicted > 60 else 1.0
 
-    def __call__(self, spec: Spec) -> float:
-        return self.raw(spec) * self.scale
+    def __call__(self, specs: list[Spec]) -> float:
+        return self.raw_cell(specs) * self.scale
 
-    def record(self, spec: Spec, seconds: float) -> None:
-        self.predicted += self.raw(spec)
+    def record(self, specs: list[Spec], seconds: float) -> None:
+        self.predicted += self.raw_cell(specs)
         self.actual += seconds
 
 
@@ -287,46 +317,37 @@ def _fmt_duration(seconds: float) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def worker_env(device: str) -> dict[str, str]:
+def worker_env(device: str, extra: list[str]) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if device == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
     else:
         env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    for item in extra:
+        key, _, value = item.partition("=")
+        env[key] = value
     return env
 
 
-def run_batch(specs: list[Spec], device: str, timeout: float | None) -> list[dict[str, Any]]:
-    """Runs specs in one worker process; every spec gets a result, whatever happens. When the
-    process dies part-way (a crash, an out-of-memory kill), the spec it was on is reported and the
-    ones after it run in a new process (after a timeout they are reported as skipped)."""
-    results = _run_process(specs, device, timeout)
-    missing = [s for s in specs if not any(_same(r, s) for r in results)]
-    if missing and results and results[-1].get("error", "").startswith("timed out"):
-        return results + [{"spec": s.to_json(), "status": "skipped", "error": "time budget"} for s in missing]
-    return results + (run_batch(missing, device, timeout) if missing else [])
-
-
-def _same(result: dict[str, Any], spec: Spec) -> bool:
-    s = result["spec"]
-    return (s["backend"], s["kind"], s["n"], s["v"], s["dtype"]) == (spec.backend, spec.kind, spec.n, spec.v, spec.dtype)
-
-
-def _run_process(specs: list[Spec], device: str, timeout: float | None) -> list[dict[str, Any]]:
+def run_batch(specs: list[Spec], env: dict[str, str], timeout: float | None) -> list[dict[str, Any]]:
+    """Runs the specs (one cell, or one spec) in one worker process; every spec gets a result,
+    whatever happens: when the process dies (a crash, an out-of-memory kill, the budget's
+    timeout) the specs without a result are reported with the reason."""
     payload = json.dumps([s.to_json() for s in specs])
     start = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, str(WORKER), payload], capture_output=True, text=True,
-                              env=worker_env(device), cwd=ROOT, timeout=timeout)
+                              env=env, cwd=ROOT, timeout=timeout)
         stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as expired:
         stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
         stderr, code = "", "timeout"
     results = [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
-    if len(results) < len(specs):  # the process died on specs[len(results)]
+    if len(results) < len(specs):
         why = {"timeout": f"timed out after {timeout or 0:.0f} s"}.get(code) or (
             "killed (out of memory?)" if code in (-9, 137) else f"worker exit {code}")
-        results.append({"spec": specs[len(results)].to_json(), "status": "error", "error": why, "stderr_tail": stderr[-1500:]})
+        results += [{"spec": spec.to_json(), "status": "error", "error": why, "stderr_tail": stderr[-1500:]}
+                    for spec in specs[len(results):]]
     wall = time.perf_counter() - start
     for r in results:
         r["process_wall_s"] = wall
@@ -335,14 +356,15 @@ def _run_process(specs: list[Spec], device: str, timeout: float | None) -> list[
 
 def _identity(spec: dict[str, Any]) -> tuple[Any, ...]:
     head = spec["hidden"] if BACKENDS[spec["backend"]].group == "head" else None
-    return (spec["backend"], spec["kind"], spec["n"], spec["v"], spec["dtype"], spec["device"], head)
+    return (spec["backend"], spec["kind"], spec["n"], spec["v"], spec["dtype"], spec["device"], head, spec.get("masked"),
+            spec.get("reps"), spec.get("sol_reps"))
 
 
 def _load_previous(paths: list[Path]) -> dict[tuple[Any, ...], dict[str, Any]]:
     found: dict[tuple[Any, ...], dict[str, Any]] = {}
     for path in paths:
         for r in json.loads(Path(path).read_text())["results"]:
-            if r.get("status") == "ok":
+            if r.get("status") == "ok" and "min_s" in r:  # results of this method only
                 r = {k: v for k, v in r.items() if k in _MEASURED}  # drop the old run's ratios
                 r["reused_from"] = r.get("reused_from") or str(path)
                 found[_identity(r["spec"])] = r
@@ -350,24 +372,35 @@ def _load_previous(paths: list[Path]) -> dict[tuple[Any, ...], dict[str, Any]]:
 
 
 _MEASURED = {"spec", "status", "pid", "setup_s", "compile_s", "xla_memory_analysis", "first_call_s", "loss", "mem_method",
-             "mem_baseline_bytes", "mem_peak_upper_bound_bytes", "mem_extra_bytes", "times_s", "time_s", "reps", "total_s",
-             "host", "process_wall_s", "reused_from"}
+             "mem_baseline_bytes", "mem_peak_upper_bound_bytes", "mem_extra_bytes", "times_s", "time_s", "min_s", "max_s",
+             "reps", "rounds", "cell_s", "host", "process_wall_s", "reused_from"}
 
 
 def _cell(spec: Spec) -> tuple[Any, ...]:
+    """The contenders that share a process and a row group: every backend and masked fraction."""
     return (spec.n, spec.v, spec.dtype, spec.kind, spec.info.framework, spec.info.group)
+
+
+def cell_bytes(specs: list[Spec]) -> int:
+    """Rough peak memory of a cell's process: the shared inputs, the speed-of-light pass's
+    output buffers, and the hungriest contender's extra."""
+    first = specs[0]
+    sol_buffers = first.logits_bytes + (first.input_bytes() if first.info.group == "head" else 0)
+    return max(s.estimated_bytes() for s in specs) + sol_buffers
 
 
 def _progress_line(r: dict[str, Any]) -> str:
     s = r["spec"]
-    head = f"{s['n']}x{s['v']} {s['dtype']:<8} {s['kind']:<18} {s['backend']:<16}"
+    masked = "  -" if s.get("masked") is None else f"{100 * s['masked']:2.0f}%"
+    head = f"{s['n']}x{s['v']} {s['dtype']:<8} {s['kind']:<18} {s['backend']:<16} {masked}"
     if r.get("status") != "ok":
         return f"{head} {r.get('status')}: {r.get('error', '')}"[:200]
     mem = r.get("mem_extra_bytes")
     lb = s["n"] * s["v"] * {"float32": 4, "bfloat16": 2, "float16": 2}[s["dtype"]]
     mem_text = "-" if mem is None else f"{mem / 2**20:.0f} MiB = {mem / lb:.2f} logits"
     loss = "" if r.get("loss") is None else f" loss {r['loss']:.5g}"
-    return f"{head} {r['time_s'] * 1e3:9.1f} ms (x{r['reps']})  mem +{mem_text}{loss}"
+    return (f"{head} {r['min_s'] * 1e3:8.1f} / {r['time_s'] * 1e3:8.1f} / {r['max_s'] * 1e3:8.1f} ms "
+            f"(min/med/max of {r['reps']})  mem +{mem_text}{loss}")
 
 
 def report_only(path: Path, plots: bool) -> int:
@@ -379,7 +412,7 @@ def report_only(path: Path, plots: bool) -> int:
     print(_report.detail_table(results))
     print()
     print(_report.summary_table(summary))
-    print(_report.summary_notes(summary))
+    print(_report.summary_notes(summary, meta))
     if plots:
         for out in _report.plot(results, stem, f"{meta['machine']['device']} {meta['mode']}"):
             print(f"wrote {out}")
@@ -414,6 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     if not specs:
         raise SystemExit("nothing to run: no backend applies to these kinds on this device")
 
+    cells: dict[tuple[Any, ...], list[Spec]] = {}
+    for spec in specs:
+        cells.setdefault(_cell(spec), []).append(spec)
+    estimate = Estimator(device)
+    expected_s = sum(estimate(c) for c in cells.values() if cell_bytes(c) <= mem_limit)
     meta = {
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.run"] + (argv if argv is not None else sys.argv[1:])),
@@ -421,95 +459,81 @@ def main(argv: list[str] | None = None) -> int:
         "machine": info,
         "machine_text": describe_machine(info),
         "load_average_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "masked_fraction": MASKED_FRACTION,
+        "masked_fractions": sorted({s.masked for s in specs if s.masked is not None}, reverse=True),
         "mem_limit_bytes": mem_limit,
         "hbm_bytes_per_s": hbm,
         "max_minutes": args.max_minutes,
-        "settings": {k: getattr(args, k) for k in ("warmup", "min_reps", "max_reps", "rep_seconds", "seed")},
+        "expected_s": expected_s,
+        "settings": {k: getattr(args, k) for k in ("warmup", "reps", "sol_reps", "seed")},
+        "process_per": args.process_per,
+        "worker_env": args.env,
         "hidden": specs[0].hidden,
         "backends": {b: {"framework": i.framework, "role": i.role, "group": i.group, "label": i.label}
                      for b, i in BACKENDS.items() if any(s.backend == b for s in specs)},
     }
-    print(f"benchmarks: {len(specs)} measurements on {device} ({meta['machine_text']})", flush=True)
-    print(f"memory limit {mem_limit / GIB:.1f} GiB; budget {args.max_minutes or 'none'} min; results -> {stem}.json", flush=True)
+    git = info["git"]
+    print(f"benchmarks: {len(specs)} measurements in {len(cells)} cells on {device} ({meta['machine_text']})", flush=True)
+    print(f"commit {git['commit']} ({'DIRTY tree: ' + ', '.join(git['changed'][:5]) if git['dirty'] else 'clean tree'}); "
+          f"load average {meta['load_average_start']}", flush=True)
+    print(f"expected run time ~{_fmt_duration(expected_s)} on an idle machine like the one the estimates come from "
+          f"(2 cores); budget {args.max_minutes or 'none'} min; memory limit {mem_limit / GIB:.1f} GiB; "
+          f"results -> {stem}.json", flush=True)
+    if args.dry_run:
+        for cell_specs in cells.values():
+            s0 = cell_specs[0]
+            print(f"  {s0.n}x{s0.v} {s0.dtype:<8} {s0.kind:<18} {s0.info.framework}/{s0.info.group}: "
+                  f"{len(cell_specs)} contenders, ~{_fmt_duration(estimate(cell_specs))}"
+                  + ("" if cell_bytes(cell_specs) <= mem_limit else " (skipped: memory)"))
+        return 0
+    if git["dirty"]:
+        print("warning: the tree has uncommitted changes: these results cannot be quoted as a commit's", flush=True)
+    if args.reps < MIN_REPS:
+        print(f"warning: --reps {args.reps} < {MIN_REPS}: the report gives no verdicts", flush=True)
 
-    estimate = Estimator(device)
     results: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     budget = args.max_minutes * 60 if args.max_minutes is not None else None
-
-    # Cells: all backends of one (shape, dtype, kind, framework, group) run or are skipped together.
-    cells: dict[tuple[Any, ...], list[Spec]] = {}
-    for spec in specs:
-        cells.setdefault(_cell(spec), []).append(spec)
-    batches: list[list[Spec]] = []
-    per = args.process_per or ("cell" if device == "gpu" else "spec")
-    meta["process_per"] = "framework (smoke test)" if args.one_process_per_framework else per
-    for cell_specs in cells.values():
-        if args.one_process_per_framework or per == "cell":
-            batches.append(cell_specs)
-        else:
-            batches += [[s] for s in cell_specs]
-    if args.one_process_per_framework:  # merge cells of one framework into one process (smoke test)
-        merged: dict[str, list[Spec]] = {}
-        for batch in batches:
-            merged.setdefault(batch[0].info.framework, []).extend(batch)
-        batches = list(merged.values())
-
+    env = worker_env(device, args.env)
     reusable = _load_previous(args.resume)
     meta["resumed_from"] = [str(p) for p in args.resume]
-    skipped_cells: set[tuple[Any, ...]] = set()
-    if args.one_process_per_framework:  # smoke test: the framework processes side by side (timings meaningless)
-        from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(len(batches)) as pool:
-            for batch_results in pool.map(lambda b: run_batch(b, device, None), batches):
-                results.extend(batch_results)
-                for r in batch_results:
-                    print(f"[smoke] {_progress_line(r)}", flush=True)
-        batches = []
-    for index, batch in enumerate(batches):
+    cell_list = list(cells.values())
+    for index, cell_specs in enumerate(cell_list):
         elapsed = time.perf_counter() - t_start
-        runnable = []
-        first_new = len(results)
-        for spec in batch:
-            key = _cell(spec)
+        todo = []
+        for spec in cell_specs:
             previous = reusable.get(_identity(spec.to_json()))
             if previous is not None:
                 results.append(previous)
                 print(f"[reused] {_progress_line(previous)}", flush=True)
-                continue
-            todo = [s for s in cells[key] if s.estimated_bytes() <= mem_limit and _identity(s.to_json()) not in reusable]
-            if spec.estimated_bytes() > mem_limit:
-                results.append({"spec": spec.to_json(), "status": "skipped",
-                                "error": f"est. memory {spec.estimated_bytes() / GIB:.1f} GiB > limit {mem_limit / GIB:.1f} GiB"})
-            elif budget is not None and elapsed > budget:
-                results.append({"spec": spec.to_json(), "status": "skipped", "error": "time budget"})
-            elif key in skipped_cells:
-                results.append({"spec": spec.to_json(), "status": "skipped", "error": "time budget"})
-            elif budget is not None and spec is todo[0] and elapsed + sum(estimate(s) for s in todo) > budget:
-                skipped_cells.add(key)  # the whole cell, so that no ratio is left without its peers
-                results.append({"spec": spec.to_json(), "status": "skipped", "error": "time budget"})
             else:
-                runnable.append(spec)
-        if runnable:
-            timeout = max(30.0, budget - elapsed + 60.0) if budget is not None else None
-            t0 = time.perf_counter()
-            batch_results = run_batch(runnable, device, timeout)
-            for spec in runnable:
-                estimate.record(spec, (time.perf_counter() - t0) / len(runnable))
-            results.extend(batch_results)
-            elapsed = time.perf_counter() - t_start
-            remaining = sum(estimate(s) for b in batches[index + 1:] for s in b
-                            if s.estimated_bytes() <= mem_limit and _identity(s.to_json()) not in reusable)
-            if budget is not None:
-                remaining = min(remaining, max(0.0, budget - elapsed))
-            pct = 100 * (index + 1) / len(batches)
-            for r in batch_results:
-                print(f"[{pct:3.0f}% {_fmt_duration(elapsed)} ETA {_fmt_duration(remaining)}] {_progress_line(r)}", flush=True)
-        for r in results[first_new:]:
-            if r.get("status") == "skipped":
+                todo.append(spec)
+        if not todo:
+            continue
+        why = None
+        if cell_bytes(todo) > mem_limit:
+            why = f"est. memory {cell_bytes(todo) / GIB:.1f} GiB > limit {mem_limit / GIB:.1f} GiB"
+        elif budget is not None and elapsed + estimate(todo) > budget:
+            why = "time budget"  # the whole cell, so that no ratio is left without its peers
+        if why is not None:
+            skipped = [{"spec": spec.to_json(), "status": "skipped", "error": why} for spec in todo]
+            results += skipped
+            for r in skipped:
                 print(f"[skip] {_progress_line(r)}", flush=True)
+            continue
+        t0 = time.perf_counter()
+        batches = [todo] if args.process_per == "cell" else [[spec] for spec in todo]
+        timeout = max(60.0, budget - elapsed + 60.0) if budget is not None else None
+        cell_results = [r for batch in batches for r in run_batch(batch, env, timeout)]
+        estimate.record(todo, time.perf_counter() - t0)
+        results += cell_results
+        elapsed = time.perf_counter() - t_start
+        remaining = sum(estimate(c) for c in cell_list[index + 1:] if cell_bytes(c) <= mem_limit)
+        if budget is not None:
+            remaining = min(remaining, max(0.0, budget - elapsed))
+        pct = 100 * (index + 1) / len(cell_list)
+        for r in cell_results:
+            print(f"[{pct:3.0f}% {_fmt_duration(elapsed)} ETA {_fmt_duration(remaining)}] {_progress_line(r)}", flush=True)
         save(results, meta, stem, hbm, final=False)
 
     meta["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
@@ -519,12 +543,14 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(f"Machine: {meta['machine_text']}")
-    print(f"Load average at start/end: {meta['load_average_start']} / {meta['load_average_end']}")
-    print("\nAll measurements (ms: median forward+backward; mem: peak extra over the inputs, MiB and in logits-sized buffers)")
+    print(f"Commit {git['commit']}, {'DIRTY' if git['dirty'] else 'clean'} tree; {meta['wall_s'] / 60:.1f} min "
+          f"(expected {expected_s / 60:.1f}); load average at start/end: {meta['load_average_start']} / "
+          f"{meta['load_average_end']}")
+    print("\nAll measurements (ms: min / median / max of forward+backward; mem: peak extra over the inputs)")
     print(_report.detail_table(results))
-    print("\nSummary: our default path vs the fastest peer of the same framework and the speed-of-light pass")
+    print("\nSummary: our default path vs the fastest peer of the same framework and the speed-of-light floor")
     print(_report.summary_table(summary))
-    print(_report.summary_notes(summary))
+    print(_report.summary_notes(summary, meta))
     if not args.no_plots:
         try:
             paths = _report.plot(results, stem, f"{device} {mode}")
@@ -538,16 +564,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def save(results: list[dict[str, Any]], meta: dict[str, Any], stem: Path, hbm: float | None, final: bool) -> list[dict[str, Any]]:
     _report.annotate(results, hbm)
-    summary = _report.summarize(results)
+    summary = _report.summarize(results, meta)
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1) + "\n")
     if final:
-        md = [f"Machine: {meta['machine_text']}", "",
-              f"Command: `{meta['command']}`; started {meta['started']}, {meta.get('wall_s', 0) / 60:.1f} min; "
-              f"load average {meta['load_average_start']} -> {meta['load_average_end']}", "",
-              "Summary (ms: median forward+backward; mem: peak extra memory in logits-sized buffers):", "",
-              _report.summary_table(summary, markdown=True), "", _report.summary_notes(summary), "", "All measurements:", "",
-              _report.detail_table(results, markdown=True), ""]
-        stem.with_suffix(".md").write_text("\n".join(md))
+        stem.with_suffix(".md").write_text(_report.markdown(meta, summary, results))
     return summary
 
 

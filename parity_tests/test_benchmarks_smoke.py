@@ -1,9 +1,10 @@
-"""The benchmark runner end to end on a tiny shape: JSON, Markdown and PNGs written, figures sane.
+"""The benchmark runner end to end on a tiny shape: JSON, Markdown and PNGs written, figures sane,
+and the report's rules (spreads, a floor below every contender, verdicts only beyond the noise).
 
 The real runs (``python -m benchmarks.run --quick`` and the full matrix) take minutes to hours;
-this only proves the machinery: one JAX and one torch worker process (``--one-process-per-framework``),
-one or two repetitions, ours + the plain peers + the speed-of-light passes, cross-entropy (about
-10 s of CPU).
+this only proves the machinery: one JAX and one torch cell process, ours + the plain peers + the
+speed-of-light passes, 256 x 4096 cross-entropy in bf16 (so that the 0%-masked rows are planned), two
+interleaved rounds (about 20 s of CPU).
 """
 
 from __future__ import annotations
@@ -18,52 +19,89 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._report import NOISE, ratio_range, verdict  # noqa: E402
+from benchmarks._worker import round_order  # noqa: E402
 
 # find_spec, not importorskip: importing JAX and torch here would cost seconds of the budget.
-pytestmark = pytest.mark.skipif(
+needs_frameworks = pytest.mark.skipif(
     any(importlib.util.find_spec(name) is None for name in ("jax", "torch", "optax", "matplotlib")),
     reason="needs jax, torch, optax and matplotlib",
 )
 
 
+def test_verdict_only_beyond_the_noise() -> None:
+    # ours <= 0.6 * ref: met only when our slowest is within 0.6x the reference's fastest.
+    assert verdict((50.0, 55.0, 59.0), (100.0, 110.0, 120.0), 0.6, True) == "met"
+    assert verdict((50.0, 55.0, 61.0), (100.0, 110.0, 120.0), 0.6, True) == NOISE
+    # missed only when our fastest is beyond 0.6x the reference's slowest.
+    assert verdict((73.0, 80.0, 90.0), (100.0, 110.0, 120.0), 0.6, True) == "MISS"
+    assert verdict((71.0, 80.0, 90.0), (100.0, 110.0, 120.0), 0.6, True) == NOISE
+    assert verdict((1.0, 1.0, 1.0), (100.0, 110.0, 120.0), 0.6, False).startswith("too few reps")
+    assert ratio_range((2.0, 3.0, 4.0), (1.0, 2.0, 8.0)) == (0.25, 1.5, 4.0)
+
+
+def test_rounds_rotate_every_contender_through_every_place() -> None:
+    orders = [round_order(3, r) for r in range(3)]
+    assert orders == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+    assert all(sorted(o[k] for o in orders) == [0, 1, 2] for k in range(3))
+
+
+@needs_frameworks
 def test_runner_writes_sane_results(tmp_path: Path) -> None:
     backends = "jaxloss-xla,optax,jax-sol,torchloss,torch-eager,torch-sol"
-    cmd = [sys.executable, "-m", "benchmarks.run", "--shapes", "64x512", "--kinds", "cross_entropy",
-           "--dtypes", "float32", "--backends", backends, "--warmup", "1", "--min-reps", "1", "--max-reps", "2",
-           "--rep-seconds", "0", "--out-dir", str(tmp_path), "--name", "smoke", "--device", "cpu",
-           "--one-process-per-framework"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-m", "benchmarks.run", "--shapes", "256x4096", "--kinds", "cross_entropy",
+           "--dtypes", "bfloat16", "--backends", backends, "--reps", "2", "--sol-reps", "2",
+           "--out-dir", str(tmp_path), "--name", "smoke", "--device", "cpu"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "Summary" in proc.stdout
+    assert "Summary" in proc.stdout and "expected run time ~" in proc.stdout
 
     data = json.loads((tmp_path / "smoke.json").read_text())
     meta, results, summary = data["meta"], data["results"], data["summary"]
     assert meta["machine"]["versions"]["jax"] and meta["machine"]["versions"]["torch"]
-    assert meta["machine"]["cpu_count"] >= 1 and meta["finished"]
-    assert len(results) == 6  # 6 backends, each measured
+    assert meta["machine"]["cpu_count"] >= 1 and meta["finished"] and meta["expected_s"] > 0
+    git = meta["machine"]["git"]
+    assert len(git["commit"]) == 40 and isinstance(git["dirty"], bool)
+    assert len(meta["load_average_start"]) == 3 and len(meta["load_average_end"]) == 3
+    # torchloss skips masked rows of 16-bit logits: the torch cell is measured at 30% and 0% masked,
+    # the JAX cell (nothing skipped) at 30% only; the speed-of-light passes read no mask.
+    planned = sorted((r["spec"]["backend"], r["spec"]["masked"]) for r in results)
+    assert planned == sorted([("jaxloss-xla", 0.3), ("optax", 0.3), ("jax-sol", None), ("torch-sol", None)]
+                             + [(b, m) for b in ("torchloss", "torch-eager") for m in (0.3, 0.0)])
+    floor = min(r["min_s"] for r in results if r["spec"]["backend"].endswith("-sol"))
     for r in results:
         assert r["status"] == "ok", r
-        assert 0 < r["time_s"] < 30 and r["reps"] >= 1 and all(t > 0 for t in r["times_s"])
+        sol = r["spec"]["backend"].endswith("-sol")
+        assert r["reps"] == (4 if sol else 2) and len(r["times_s"]) == r["reps"] and all(t > 0 for t in r["times_s"])
+        assert r["min_s"] == min(r["times_s"]) <= r["time_s"] <= r["max_s"] == max(r["times_s"])
         assert r["mem_extra_bytes"] is not None and r["mem_extra_bytes"] >= 0
         assert math.isfinite(r["mem_logits_buffers"])
-        if r["spec"]["backend"].endswith("-sol"):
-            assert r["loss"] is None
-        else:  # every contender computes the same masked mean
+        if sol:  # it writes into a buffer faulted in beforehand: no fresh logits-sized output
+            assert r["loss"] is None and r["mem_logits_buffers"] < 0.5, r
+        else:  # every contender computes the same masked mean; none beats the floor
             assert math.isfinite(r["loss"]) and r["loss_agrees"], r
-    jax_ours = next(r for r in results if r["spec"]["backend"] == "jaxloss-xla" and r["spec"]["kind"] == "cross_entropy")
-    assert jax_ours["xla_memory_analysis"]["output_bytes"] >= 64 * 512 * 4  # the gradient
-    assert jax_ours["best_peer"] == "optax" and jax_ours["vs_best_peer"] > 0 and jax_ours["vs_sol"] > 0
+            assert r["vs_sol"] == pytest.approx(r["time_s"] / floor) and not r["below_sol_floor"]
+    ours = {r["spec"]["masked"]: r for r in results if r["spec"]["backend"] == "torchloss"}
+    assert ours[0.3]["loss"] != ours[0.0]["loss"]  # the masks differ
+    jax_ours = next(r for r in results if r["spec"]["backend"] == "jaxloss-xla")
+    assert jax_ours["xla_memory_analysis"]["output_bytes"] >= 256 * 4096 * 2  # the gradient
+    assert jax_ours["best_peer"] == "optax" and jax_ours["vs_best_peer"] > 0
 
-    assert len(summary) == 2  # jax, torch
+    assert [(r["framework"], r["masked"]) for r in summary] == [("jax", 0.3), ("torch", 0.3), ("torch", 0.0)]
     for row in summary:
-        assert row["ours_s"] > 0 and row["best_peer_s"] > 0 and row["sol_s"] > 0
-        assert row["vs_best_peer"] > 0 and "meets_mem_target" in row
-        # The peer target is flagged as out of reach exactly when 0.6x the peer is below the SOL pass.
-        assert row["peer_target_below_sol"] == (0.6 * row["best_peer_s"] < row["sol_s"])
+        assert row["sol_s"] == floor and row["ours_spread_s"][0] <= row["ours_s"] <= row["ours_spread_s"][2]
+        lo, mid, hi = row["vs_best_peer_range"]
+        assert lo <= mid <= hi and "meets_mem_target" in row
+        # Two repetitions: no verdict words, only the reason.
+        assert row["peer_verdict"].startswith("too few reps") and row["sol_verdict"].startswith("too few reps")
 
     md = (tmp_path / "smoke.md").read_text()
-    assert "| 64x512 | float32 | CE | jax | jaxloss-xla |" in md
-    assert "Targets (CPU): ours/peer <= 0.6 met in " in md and " of 2 rows;" in md
+    assert f"commit `{git['commit']}`" in md and "load average (" in md
+    assert "| 256x4096 | bfloat16 | CE | torch | 0% | torchloss |" in md
+    assert "Masking, both ways:" in md and "WARNING: fewer than 7 repetitions" in md
+    assert "All measurements:" in md  # where scripts/build_readme.py cuts the summary off
     for suffix in ("_time.png", "_memory.png"):
         png = tmp_path / f"smoke{suffix}"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
