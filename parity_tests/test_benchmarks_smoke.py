@@ -101,7 +101,7 @@ def test_runner_writes_sane_results(tmp_path: Path) -> None:
     assert f"commit `{git['commit']}`" in md and "load average (" in md
     assert "| 256x4096 | bfloat16 | CE | torch | 0% | torchloss |" in md
     assert "Masking, both ways:" in md and "WARNING: fewer than 7 repetitions" in md
-    assert "All measurements:" in md  # where scripts/build_readme.py cuts the summary off
+    assert "All measurements:" in md  # the summary ends where the full table starts
     for suffix in ("_time.png", "_memory.png"):
         png = tmp_path / f"smoke{suffix}"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
