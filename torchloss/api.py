@@ -17,6 +17,12 @@ The four losses are built from ``lossspec``'s per-kind table (the signatures and
 4. :func:`_finish`: NaN when a value check was deferred and failed; per-token shape for
    ``"none"``.
 
+Under ``torch.compile`` Dynamo traces the same steps (the shape/dtype checks run at trace time,
+the value checks become on-device flags) and step 3 calls the custom op
+``torchloss::masked_loss`` of :mod:`torchloss._ops` instead of the autograd Function: the same
+backend code, no graph break. Calls with ``inplace=True`` or ``vocab_parallel=`` run eagerly
+behind one graph break (:func:`_loss_call`).
+
 Numbers: ``loss = sum_i w_i l_i / D`` (a 0-d fp32 tensor), or per-token ``w_i l_i`` for
 ``normalization="none"``; ``dloss/dlogits = coef * c * dl/dz`` with ``c = logit_scale /
 temperature``, rounded once to the logits' dtype. fp64 logits are computed in fp64.
