@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch._dynamo.testing
 import torch._inductor.config
 
 import lossspec
@@ -325,3 +326,70 @@ def test_inplace_and_vocab_parallel_are_one_documented_graph_break() -> None:
         torch._dynamo.reset()
         with pytest.raises(torch._dynamo.exc.Unsupported, match="runs eagerly under torch.compile"):
             torch.compile(step, backend="aot_eager", fullgraph=True)(batch["hidden"])
+
+
+@pytest.mark.slow
+def test_changing_values_under_compile() -> None:
+    """A denominator that changes every step, as a 0-d tensor, is runtime data: one compiled
+    graph serves every value, with the oracle's numbers; as a Python float it is traced
+    symbolically after the first change (fullgraph=True still works, the eager numbers). An
+    option that changes (here the temperature) is retraced as a symbolic float the option checks
+    cannot read: documented, it falls back to a graph break with the eager numbers, and
+    fullgraph=True raises."""
+    case = lossspec.make_case("forward_kl", "random", lead_shape=LEAD, vocab=VOCAB, seed=6)
+    x, teacher, mask = torch.tensor(case.logits), torch.tensor(case.target), torch.tensor(case.loss_mask)
+
+    def loss(x: torch.Tensor, denominator: Any, temperature: float = 1.0) -> torch.Tensor:
+        return torchloss.forward_kl(x, teacher, mask, denominator=denominator, temperature=temperature)
+
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(loss, backend=counter, fullgraph=True)
+    for value in (5.0, 7.5, 30.0):
+        ref, _ = lossspec.oracle("forward_kl", case.logits, case.target, case.loss_mask, denominator=value)
+        lossspec.compare_loss(compiled(x, torch.tensor(value)).item(), ref).check()
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    for value in (5.0, 7.5, 30.0):
+        assert torch.equal(compiled(x, value), loss(x, value))
+    torch._dynamo.reset()
+    relaxed = torch.compile(loss, backend="aot_eager")
+    for temperature in (1.0, 2.0):
+        assert torch.equal(relaxed(x, None, temperature), loss(x, None, temperature))
+    torch._dynamo.reset()
+    strict = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    strict(x, None, 1.0)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        strict(x, None, 2.0)
+
+
+def test_argument_errors_under_compile() -> None:
+    """A shape error is raised while tracing with the eager message: the ValueError itself, or
+    under fullgraph=True Dynamo's Unsupported carrying it."""
+    x, labels = torch.randn(8, VOCAB), torch.randint(0, VOCAB, (7,))
+    message = r"labels must have the leading shape of logits \[8\]"
+    with pytest.raises(ValueError, match=message):
+        torch.compile(lambda x, y: torchloss.cross_entropy(x, y), backend="aot_eager")(x, labels)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=message):
+        torch.compile(lambda x, y: torchloss.cross_entropy(x, y), backend="aot_eager", fullgraph=True)(x, labels)
+
+
+def test_compiled_triton_impl_matches_eager() -> None:
+    """impl="triton" (interpreted on a CPU-only machine) through the custom op: bf16 logits and a
+    non-unit upstream gradient (the regrad kernel), bit for bit the eager numbers."""
+    case = lossspec.make_case("reverse_kl", "random", lead_shape=(6,), vocab=VOCAB, dtype="bfloat16", seed=8)
+    teacher, mask = torch.tensor(case.target).to(torch.bfloat16), torch.tensor(case.loss_mask)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return 0.75 * torchloss.reverse_kl(x, teacher, mask, temperature=1.5, impl="triton")
+
+    results = []
+    for fn in (torch.compile(loss, backend="aot_eager", fullgraph=True), loss):
+        x = torch.tensor(case.logits).to(torch.bfloat16).requires_grad_()
+        value = fn(x)
+        value.backward()
+        results.append((value.detach(), x.grad))
+    ref, ref_grad = lossspec.oracle("reverse_kl", case.logits, case.target, case.loss_mask, temperature=1.5, grad_output=0.75)
+    lossspec.assert_close_to_oracle(results[0][0].item() / 0.75, results[0][1].double().numpy(), ref, ref_grad, dtype="bfloat16", g0=case.g0(temperature=1.5, grad_output=0.75))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
