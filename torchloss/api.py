@@ -17,6 +17,12 @@ The four losses are built from ``lossspec``'s per-kind table (the signatures and
 4. :func:`_finish`: NaN when a value check was deferred and failed; per-token shape for
    ``"none"``.
 
+Under ``torch.compile`` Dynamo traces the same steps (the shape/dtype checks run at trace time,
+the value checks become on-device flags) and step 3 calls the custom op
+``torchloss::masked_loss`` of :mod:`torchloss._ops` instead of the autograd Function: the same
+backend code, no graph break. Calls with ``inplace=True`` or ``vocab_parallel=`` run eagerly
+behind one graph break (:func:`_loss_call`).
+
 Numbers: ``loss = sum_i w_i l_i / D`` (a 0-d fp32 tensor), or per-token ``w_i l_i`` for
 ``normalization="none"``; ``dloss/dlogits = coef * c * dl/dz`` with ``c = logit_scale /
 temperature``, rounded once to the logits' dtype. fp64 logits are computed in fp64.
@@ -37,7 +43,7 @@ from torch import Tensor
 import lossspec
 from lossspec import LossConfig
 
-from . import _cpu, _torch, _vocab_parallel
+from . import _cpu, _ops, _torch, _vocab_parallel
 from ._stats import compute_dtype
 
 __all__ = [
@@ -278,7 +284,10 @@ def _check_process_group(group: Any) -> None:
 
 def _check_no_functorch(*tensors: Optional[Tensor]) -> None:
     """torch.func transforms (grad, vmap, jacrev, ...) wrap tensors in a way the fused kernels
-    cannot read: a clear error instead of 'Cannot access data pointer'."""
+    cannot read: a clear error instead of 'Cannot access data pointer'. Not asked while Dynamo
+    traces (the query is opaque to it; compiled code calls the custom op, not the kernels)."""
+    if torch.compiler.is_compiling():
+        return
     wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     if wrapped is not None and any(t is not None and wrapped(t) for t in tensors):
         raise NotImplementedError(
@@ -466,12 +475,27 @@ def _prepare(call: _Call) -> _Prepared:
 
 
 def _apply(call: _Call, prepared: _Prepared) -> Tensor:
+    """The loss through the kind's autograd Function (eager), or through the custom op
+    ``torchloss::masked_loss`` while Dynamo traces (:mod:`torchloss._ops`); both run the same
+    backend code. Compiled calls never carry ``inplace=True`` or a vocab-parallel backend
+    (:func:`_loss_call` runs those eagerly)."""
     logits = call.logits
     x2d = logits.reshape(-1, logits.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
+    if torch.compiler.is_compiling():
+        return _ops.masked_loss(x2d, prepared.target, prepared.coef, call.config, _impl_name(call.backend), call.need_grad)
     function = _FUNCTIONS[call.config.kind]
     return function.apply(x2d, prepared.target, prepared.coef, call.config, call.backend, call.need_grad, call.inplace)
+
+
+def _impl_name(backend: Any) -> str:
+    """The ``impl`` name of a single-device backend module (what the custom op takes)."""
+    if backend is _torch:
+        return "torch"
+    if getattr(backend, "__name__", "") == "torchloss._triton":
+        return "triton"
+    raise NotImplementedError(f"torchloss: no custom op for the backend {backend!r} (vocab_parallel runs eagerly)")
 
 
 def _finish(call: _Call, prepared: _Prepared, loss: Tensor) -> Tensor:
@@ -520,8 +544,32 @@ FRAMEWORK_ARGS = lossspec.FrameworkArgs(
 )
 
 
+_EAGER_UNDER_COMPILE = (
+    "torchloss: a loss call with vocab_parallel= (collectives made from Python) or inplace=True (writes the "
+    "gradient into the logits' buffer, which a compiled graph cannot express) runs eagerly under torch.compile: "
+    "one graph break, so fullgraph=True refuses it. Drop inplace=True / call the vocab-parallel loss outside "
+    "the compiled region to keep one graph"
+)
+
+
+@torch.compiler.disable(reason=_EAGER_UNDER_COMPILE)
+def _eager_loss_call(kind: str, **args: Any) -> Tensor:
+    """:func:`_masked_loss` behind a graph break (see :data:`_EAGER_UNDER_COMPILE`)."""
+    return _masked_loss(kind, **args)
+
+
+def _loss_call(kind: str, **args: Any) -> Tensor:
+    """Body of the public functions. Eagerly and under ``torch.compile`` alike:
+    :func:`_masked_loss` (traced by Dynamo: the checks become guards and on-device flags, the
+    kernel call the custom op of :mod:`torchloss._ops`), except that under ``torch.compile``
+    calls with ``vocab_parallel=`` or ``inplace=True`` run eagerly behind a graph break."""
+    if torch.compiler.is_compiling() and (args["vocab_parallel"] is not None or args["inplace"] is not False):
+        return _eager_loss_call(kind, **args)
+    return _masked_loss(kind, **args)
+
+
 def _public(kind: str) -> Any:
-    return torch.compiler.disable(lossspec.public_function(lossspec.KIND_SPECS[kind], FRAMEWORK_ARGS, _masked_loss, __name__))
+    return lossspec.public_function(lossspec.KIND_SPECS[kind], FRAMEWORK_ARGS, _loss_call, __name__)
 
 
 cross_entropy = _public("cross_entropy")

@@ -1,0 +1,205 @@
+"""The losses as ``torch.library`` custom ops: what compiled code (``torch.compile``) calls.
+
+Eager calls go through the autograd Functions of :mod:`torchloss.api` (they hand the gradient
+buffer to autograd without a copy, and ``inplace=True`` writes it into the logits); code traced
+by Dynamo calls these ops instead, which the compiler sees as two opaque nodes with known output
+shapes, so a compiled model keeps the loss in its graph (``fullgraph=True`` works). Both run
+the same backend functions (``_torch.forward`` / ``_triton.forward`` and their ``regrad_``):
+the numbers are the eager numbers.
+
+Ops (``config`` is the :class:`lossspec.LossConfig` flattened into primitive arguments, see
+:data:`CONFIG_FIELDS`; ``impl`` is ``"torch"`` or ``"triton"``)::
+
+    loss, grad = torchloss::masked_loss(logits [N, V], target, coef [N], *config, impl, need_grad)
+        loss  = sum_i where(coef_i != 0, coef_i l_i, 0)   0-d (reduced modes) or [N] ("none"),
+                in the compute dtype (fp32; fp64 for fp64 logits)
+        grad  = coef * c * dl/dz  [N, V] in the logits' dtype, rounded once ([0, V] without
+                need_grad)
+    torchloss::masked_loss_regrad_(logits, target, coef, upstream [1] or [N], grad, *config, impl)
+        rewrites grad as the gradient for ``coef * upstream`` (formed in the compute dtype,
+        rounded once): the backward of 16-bit logits.
+
+Backward of ``masked_loss`` (``dlogits`` for the upstream gradient ``g`` of ``loss``):
+
+- fp32 / fp64 logits: ``grad * g`` (``g`` a scalar, or per token ``g[:, None]`` for
+  ``"none"``), the product the eager backward forms in place;
+- bf16 / fp16 logits: ``masked_loss_regrad_`` with ``upstream = g``, i.e. the gradient
+  recomputed from the saved logits and ``coef * g`` and rounded once (SPEC section 6), as the
+  eager backward does whenever ``g`` is not known to be exactly 1. Compiled code never knows
+  (``g`` is a traced value), so it always recomputes; for ``g == 1`` the recomputation gives
+  the forward's bits again.
+
+Target and ``coef`` get no gradient (the teacher and the mask are data). First order only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lossspec import LossConfig
+
+from . import _torch
+from ._stats import compute_dtype
+
+__all__ = ["CONFIG_FIELDS", "masked_loss", "config_args"]
+
+# The LossConfig fields passed to the ops, in order (all primitives: str, int, float).
+CONFIG_FIELDS: tuple[str, ...] = (
+    "kind",
+    "normalization",
+    "ignore_index",
+    "label_smoothing",
+    "z_loss",
+    "logit_scale",
+    "teacher_logit_scale",
+    "temperature",
+)
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def config_args(config: LossConfig) -> tuple[Any, ...]:
+    """``config`` as the ops' primitive arguments (order :data:`CONFIG_FIELDS`)."""
+    return tuple(getattr(config, name) for name in CONFIG_FIELDS)
+
+
+@functools.lru_cache(maxsize=256)
+def _config(*values: Any) -> LossConfig:
+    """The :class:`LossConfig` of the ops' primitive arguments (validated once per value set)."""
+    return LossConfig(**dict(zip(CONFIG_FIELDS, values)))
+
+
+def _backend(impl: str) -> Any:
+    """The backend module of ``impl`` (``"torch"`` or ``"triton"``; ``"auto"`` is resolved by
+    the caller, so that eager and compiled calls pick the same one)."""
+    if impl == "torch":
+        return _torch
+    if impl == "triton":
+        from . import _triton
+
+        return _triton
+    raise ValueError(f"torchloss ops take impl 'torch' or 'triton'; got {impl!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward: loss and gradient in one pass
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("torchloss::masked_loss", mutates_args=())
+def _masked_loss_op(
+    logits: Tensor,
+    target: Tensor,
+    coef: Tensor,
+    kind: str,
+    normalization: str,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    logit_scale: float,
+    teacher_logit_scale: float,
+    temperature: float,
+    impl: str,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    """``(loss, grad)`` of one call (module docstring); the body of the eager Function's forward."""
+    config = _config(kind, normalization, ignore_index, label_smoothing, z_loss, logit_scale, teacher_logit_scale, temperature)
+    per_token, grad = _backend(impl).forward(config, logits, target, coef, need_grad=need_grad)
+    contribution = torch.where(coef != 0, coef * per_token, 0.0)
+    loss = contribution.sum() if normalization != "none" else contribution
+    if grad is None:
+        grad = logits.new_empty((0, logits.shape[1]))
+    return loss, grad
+
+
+@_masked_loss_op.register_fake
+def _masked_loss_fake(logits: Tensor, target: Tensor, coef: Tensor, kind: str, normalization: str, *args: Any) -> tuple[Tensor, Tensor]:
+    """Shapes and dtypes: loss ``[]`` or ``[N]`` in the compute dtype, grad ``[N, V]`` (or
+    ``[0, V]`` without ``need_grad``) in the logits' dtype."""
+    need_grad = args[-1]
+    rows, vocab = logits.shape
+    acc = compute_dtype(logits.dtype)
+    loss = logits.new_empty((), dtype=acc) if normalization != "none" else logits.new_empty((rows,), dtype=acc)
+    grad = logits.new_empty((rows if need_grad else 0, vocab))
+    return loss, grad
+
+
+# ----------------------------------------------------------------------------------------------
+# The 16-bit backward: recompute the gradient for coef * upstream, rounded once
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("torchloss::masked_loss_regrad_", mutates_args=("grad",))
+def _regrad_op(
+    logits: Tensor,
+    target: Tensor,
+    coef: Tensor,
+    upstream: Tensor,
+    grad: Tensor,
+    kind: str,
+    normalization: str,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    logit_scale: float,
+    teacher_logit_scale: float,
+    temperature: float,
+    impl: str,
+) -> None:
+    """Rewrite ``grad`` in place for ``coef * upstream`` (``backend.regrad_``, the eager
+    backward's call)."""
+    config = _config(kind, normalization, ignore_index, label_smoothing, z_loss, logit_scale, teacher_logit_scale, temperature)
+    _backend(impl).regrad_(config, logits, target, coef, upstream, grad)
+
+
+@_regrad_op.register_fake
+def _regrad_fake(*args: Any) -> None:
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    logits, target, coef, *config, impl, need_grad = inputs
+    _, grad = output
+    ctx.config, ctx.impl = tuple(config), impl
+    ctx.reduced = config[CONFIG_FIELDS.index("normalization")] != "none"
+    ctx.recompute = bool(need_grad) and logits.dtype in _SIXTEEN_BIT
+    ctx.need_grad = bool(need_grad)
+    if ctx.recompute:
+        ctx.save_for_backward(grad, logits, target, coef)
+    else:
+        ctx.save_for_backward(grad)
+
+
+def _backward(ctx: Any, grad_loss: Tensor, _grad_of_grad: Any) -> tuple[Any, ...]:
+    """``dlogits`` for the upstream gradient of ``loss`` (module docstring); no gradient for the
+    target, ``coef`` and the primitive arguments."""
+    nones = (None,) * (2 + len(CONFIG_FIELDS) + 2)
+    if not ctx.need_grad:
+        return (None, *nones)
+    if ctx.recompute:
+        grad, logits, target, coef = ctx.saved_tensors
+        upstream = grad_loss.to(coef.dtype).reshape(-1)  # 1 value, or 1 per token
+        grad = grad.clone()  # the saved buffer stays intact (the compiler may drop the copy)
+        torch.ops.torchloss.masked_loss_regrad_(logits, target, coef, upstream, grad, *ctx.config, ctx.impl)
+        return (grad, *nones)
+    (grad,) = ctx.saved_tensors
+    upstream = grad_loss if ctx.reduced else grad_loss.reshape(-1, 1)
+    return (grad * upstream, *nones)
+
+
+_masked_loss_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def masked_loss(logits: Tensor, target: Tensor, coef: Tensor, config: LossConfig, impl: str, need_grad: bool) -> Tensor:
+    """The loss (0-d, or ``[N]`` for ``"none"``) through ``torchloss::masked_loss``: the
+    compiled twin of ``api._MaskedLossFunction.apply``."""
+    loss, _ = _masked_loss_op(logits, target, coef, *config_args(config), impl, need_grad)
+    return loss
