@@ -9,7 +9,9 @@ Flow of one call:
 1. options -> :func:`lossspec.make_config`, shapes/dtypes -> :func:`lossspec.check_inputs`;
    value checks (labels in range, weights, denominator) only for concrete inputs (not JAX
    tracers), so un-traced calls raise and traced ones stay free of host synchronisation;
-2. ``_prepare`` (jitted): ``valid``, fp32 ``weight``, ``D`` and the per-token coefficient
+2. ``_prepare`` (jitted): with ``causal_shift`` the ``[..., T]`` labels, mask and host flags
+   shifted left by one (weight 0 at the last position; never the logits, ``lossspec.causal``);
+   ``valid``, fp32 ``weight``, ``D`` and the per-token coefficient
    ``coef = where(D > 0, weight / D, 0)`` (``weight`` for ``"none"``), the safe labels
    ``where(valid, labels, 0)`` and a flag for bad values seen under tracing;
 3. ``_tokens`` (jitted ``custom_vjp``): the kernel (XLA or Pallas) computes the per-token loss
