@@ -6,9 +6,7 @@ The four losses are built from ``lossspec``'s per-kind table (the signatures and
 1. :func:`_validate`: options -> :func:`lossspec.make_config`, tensors, shapes, dtypes,
    devices, ``inplace``; value checks (labels in range, weights, denominator) where they are
    free (CPU tensors outside tracing), so a CUDA call never synchronises with the host;
-2. :func:`_prepare`: with ``causal_shift`` the ``[..., T]`` labels and mask shifted left by one
-   (weight 0 at the last position; never the logits, ``lossspec.causal``); ``valid``, the
-   weights, ``D`` and the per-token coefficient
+2. :func:`_prepare`: ``valid``, the weights, ``D`` and the per-token coefficient
    ``coef = where(D > 0, weight / D, 0)`` (``weight`` for ``"none"``), the safe labels
    ``where(valid, labels, 0)`` and a flag for bad values that could not be checked eagerly;
 3. :func:`_apply`: the kind's autograd Function: its forward computes the loss *and*
