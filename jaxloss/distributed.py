@@ -184,12 +184,13 @@ def accumulate(
     ``jit``, ``shard_map`` and ``pmap``.
     """
     lossspec.check_normalization(normalization)
+    causal_shift = lossspec.check_causal_shift(causal_shift)
     if normalization == "none":
         raise ValueError("accumulate needs a scalar loss: normalization must be 'valid_tokens', 'tokens' or 'sum', not 'none'")
     axes = _axes(data_axes)
     groups = _stacked_groups(batch, num_microbatches)
     if normalization in lossspec.COUNTED_NORMALIZATIONS:
-        count = count_fn or _default_count_fn(normalization, ignore_index, labels_key, mask_key, lossspec.check_causal_shift(causal_shift))
+        count = count_fn or _default_count_fn(normalization, ignore_index, labels_key, mask_key, causal_shift)
         denominator = sum(jnp.sum(jax.vmap(count)(group)).astype(jnp.float32) for group in groups)
         if axes:
             denominator = jax.lax.psum(denominator, axes)

@@ -135,6 +135,7 @@ def accumulate(
       replicas, never a mean of means), the same on every replica.
     """
     lossspec.check_normalization(normalization)
+    causal_shift = lossspec.check_causal_shift(causal_shift)
     if normalization == "none":
         raise ValueError("accumulate needs a scalar loss: normalization must be 'valid_tokens', 'tokens' or 'sum', not 'none'")
     is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -143,7 +144,7 @@ def accumulate(
     world_size = dist.get_world_size(group) if group is not None else 1
     microbatches = split_microbatches(batch, num_microbatches)
     if normalization in lossspec.COUNTED_NORMALIZATIONS:
-        count = count_fn or _default_count_fn(normalization, ignore_index, labels_key, mask_key, lossspec.check_causal_shift(causal_shift))
+        count = count_fn or _default_count_fn(normalization, ignore_index, labels_key, mask_key, causal_shift)
         denominator = torch.stack([count(mb).float().reshape(()) for mb in microbatches]).sum()
         if group is not None:
             dist.all_reduce(denominator, op=dist.ReduceOp.SUM, group=group)
