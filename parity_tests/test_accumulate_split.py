@@ -99,7 +99,11 @@ def reference(kind: str, normalization: str, params, batch) -> tuple[float, dict
 CASES = [("cross_entropy", "valid_tokens"), ("cross_entropy", "tokens"), ("cross_entropy", "sum"), ("forward_kl", "tokens")]
 
 
-@pytest.mark.parametrize("kind,normalization", CASES)
+# Each JAX case compiles its own step: two in the fast lane, the others with the slow tests.
+JAX_CASES = CASES[:2] + [pytest.param(*case, marks=pytest.mark.slow) for case in CASES[2:]]
+
+
+@pytest.mark.parametrize("kind,normalization", JAX_CASES)
 def test_jax_accumulate_uneven_equals_full_batch(kind: str, normalization: str) -> None:
     params, batch = make_problem(kind, normalization)
     ref_loss, ref_grads = reference(kind, normalization, params, batch)
