@@ -17,7 +17,8 @@ Normalisation counts the scored positions: ``"tokens"`` gives ``D = prod(lead[:-
 
 Only the labels and the mask (``[..., T]``, small) are shifted: left by one, padded with a
 weight-0 entry (:func:`shift_left`); the logits are never copied and the kernels are unchanged.
-It needs a time axis (at least one leading axis); :func:`check_time_axis` says so otherwise.
+It needs a time axis (at least one leading axis); :func:`check_loss_time_axis` and
+:func:`check_count_time_axis` say so otherwise, with one message in both frameworks.
 """
 
 from __future__ import annotations
