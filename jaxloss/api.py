@@ -9,7 +9,9 @@ Flow of one call:
 1. options -> :func:`lossspec.make_config`, shapes/dtypes -> :func:`lossspec.check_inputs`;
    value checks (labels in range, weights, denominator) only for concrete inputs (not JAX
    tracers), so un-traced calls raise and traced ones stay free of host synchronisation;
-2. ``_prepare`` (jitted): ``valid``, fp32 ``weight``, ``D`` and the per-token coefficient
+2. ``_prepare`` (jitted): with ``causal_shift`` the ``[..., T]`` labels, mask and host flags
+   shifted left by one (weight 0 at the last position; never the logits, ``lossspec.causal``);
+   ``valid``, fp32 ``weight``, ``D`` and the per-token coefficient
    ``coef = where(D > 0, weight / D, 0)`` (``weight`` for ``"none"``), the safe labels
    ``where(valid, labels, 0)`` and a flag for bad values seen under tracing;
 3. ``_tokens`` (jitted ``custom_vjp``): the kernel (XLA or Pallas) computes the per-token loss
@@ -123,13 +125,16 @@ def count_denominator(
     *,
     normalization: str = "valid_tokens",
     ignore_index: int = -100,
+    causal_shift: bool = False,
 ) -> Array:
     """The denominator ``D`` of one (micro-)batch as an fp32 scalar array (SPEC section 4).
 
     ``"valid_tokens"``: sum of the weights of valid tokens (mask non-zero and, when labels
     are given, label ``!= ignore_index``); ``"tokens"``: the number of token positions.
     Counts add up over micro-batches and data-parallel replicas (``jax.lax.psum``).
-    ``"sum"`` and ``"none"`` have no count and raise ``ValueError``.
+    ``"sum"`` and ``"none"`` have no count and raise ``ValueError``. ``causal_shift=True``
+    counts the positions the shifted losses score (:mod:`lossspec.causal`): ``labels[..., 1:]``
+    and ``loss_mask[..., 1:]`` (``"tokens"``: ``prod(lead[:-1]) * (T - 1)``).
 
     Labels are compared with ``ignore_index`` exactly (an ``ignore_index`` that the labels'
     dtype cannot hold matches no label). The weights are checked as in the losses
@@ -142,7 +147,11 @@ def count_denominator(
         normalization,
         None if labels is None else _meta(labels),
         None if loss_mask is None else _meta(loss_mask),
+        causal_shift,
     )
+    if causal_shift:  # position t is scored against index t + 1: index 0 is never a target
+        labels = None if labels is None else labels[..., 1:]
+        loss_mask = None if loss_mask is None else loss_mask[..., 1:]
     config = LossConfig(kind="cross_entropy", ignore_index=ignore_index)
     if loss_mask is not None and _concrete(loss_mask):
         lossspec.check_weights(np.asarray(loss_mask))
@@ -254,7 +263,8 @@ def _loss(
             denominator = jnp.asarray(denominator, F32)
         denominator = denominator.reshape(())
     if loss_mask is not None and _concrete(loss_mask):
-        lossspec.check_weights(np.asarray(loss_mask))
+        # With causal_shift only loss_mask[..., 1:] is ever read (lossspec.causal).
+        lossspec.check_weights(np.asarray(loss_mask)[..., 1:] if config.causal_shift else np.asarray(loss_mask))
     lead, vocab = tuple(logits.shape[:-1]), int(logits.shape[-1])
     axes = None
     if vocab_parallel is not None:
@@ -264,15 +274,19 @@ def _loss(
     if config.kind == "cross_entropy" and _concrete(target) and (loss_mask is None or _concrete(loss_mask)):
         labels_host = np.asarray(target)
         mask_host = None if loss_mask is None else np.asarray(loss_mask)
+        if config.causal_shift:
+            labels_host, mask_host = lossspec.shift_targets(labels_host, mask_host, lead)
         valid, _ = lossspec.token_weights(config, labels_host, mask_host, lead)
-        lossspec.check_labels(labels_host, valid, vocab)
+        lossspec.check_labels(labels_host, valid, vocab, config.causal_shift)
     if config.kind == "cross_entropy" and isinstance(target, np.ndarray):
         target, host_flags = _host_labels(target, config.ignore_index, vocab)
     if config.kind != "cross_entropy":
         target = jax.lax.stop_gradient(_device(target))
     # Only what the coefficients depend on is static here: a new option value (label
     # smoothing, temperature, ...) does not recompile this part.
-    counting = LossConfig(kind=config.kind, normalization=config.normalization, ignore_index=config.ignore_index)
+    counting = LossConfig(
+        kind=config.kind, normalization=config.normalization, ignore_index=config.ignore_index, causal_shift=config.causal_shift
+    )
     coef, safe_target, bad = _prepare(
         counting,
         vocab,
@@ -373,6 +387,12 @@ def _weights(
     return valid, jnp.where(valid, weight, 0.0), bad
 
 
+def _shift_left(values: Array, fill: Any) -> Array:
+    """``out[..., t] = values[..., t + 1]``, ``out[..., T - 1] = fill`` (``lossspec.shift_left``)."""
+    pad = jnp.full(values.shape[:-1] + (min(values.shape[-1], 1),), fill, values.dtype)
+    return jnp.concatenate([values[..., 1:], pad], axis=-1)
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
 def _count(config: LossConfig, labels: Optional[Array], loss_mask: Optional[Array], ignored: Optional[Array] = None) -> Array:
     lead = next(a for a in (labels, loss_mask, ignored) if a is not None).shape
@@ -396,6 +416,14 @@ def _prepare(
     lead = target.shape if ce else target.shape[:-1]
     n = int(np.prod(lead, dtype=np.int64))
     ignored, out_of_range = host_flags if host_flags is not None else (None, None)
+    if config.causal_shift:
+        # Shift the [..., T] labels, mask and flags (never the logits): position t takes
+        # index t + 1, the last position gets mask 0 (lossspec.causal).
+        loss_mask = _shift_left(jnp.ones(lead, bool) if loss_mask is None else loss_mask, 0)
+        if ce:
+            target = _shift_left(target, 0)
+        if host_flags is not None:
+            ignored, out_of_range = _shift_left(ignored, False), _shift_left(out_of_range, False)
     valid, weight, bad = _weights(config, target if ce else None, loss_mask, lead, ignored)
     if ce:
         # Exact, in the labels' dtype: a uint32 2**32 - 100 is out of range, never -100.
@@ -417,7 +445,7 @@ def _prepare(
     elif config.normalization == "valid_tokens":
         denom = jnp.sum(weight)
     elif config.normalization == "tokens":
-        denom = jnp.asarray(float(n), F32)
+        denom = jnp.asarray(float(lossspec.scored_positions(lead, config.causal_shift)), F32)
     else:  # "sum"
         denom = jnp.ones((), F32)
     # The only place D enters: runtime data for the kernels. D == 0 gives loss 0, grad 0.

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import lossspec
 
@@ -66,43 +67,73 @@ def global_denominator(
     normalization: str = "valid_tokens",
     ignore_index: int = -100,
     data_axes: AxisNames = None,
+    causal_shift: bool = False,
 ) -> jax.Array:
     """``D`` of the global batch: the count of every token given (any stacked leading
     micro-batch axes count too, since counts add up), ``psum``-ed over ``data_axes`` (names of
     data-parallel mesh/pmap axes; call inside ``shard_map``/``pmap``). fp32 scalar.
 
     ``"valid_tokens"``: sum of the weights of valid tokens; ``"tokens"``: number of positions.
+    ``causal_shift``: as in :func:`jaxloss.count_denominator`.
     """
-    count = count_denominator(labels, loss_mask, normalization=normalization, ignore_index=ignore_index)
+    count = count_denominator(labels, loss_mask, normalization=normalization, ignore_index=ignore_index, causal_shift=causal_shift)
     axes = _axes(data_axes)
     return jax.lax.psum(count, axes) if axes else count
 
 
-def split_microbatches(batch: Any, num_microbatches: int) -> Any:
-    """Reshape every leaf ``[B, ...]`` to ``[K, B / K, ...]`` (``B`` divisible by ``K``)."""
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be a positive int; got {num_microbatches!r}")
+def _batch_rows(batch: Any) -> int:
+    """The common leading size ``B`` of every leaf (``lossspec.batch_rows``' errors otherwise)."""
+    return lossspec.batch_rows(tuple(jnp.shape(leaf)) for leaf in jax.tree_util.tree_leaves(batch))
 
-    def split(leaf: jax.Array) -> jax.Array:
+
+def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
+    """Split every leaf ``[B, ...]`` of ``batch`` (a pytree) into ``num_microbatches``
+    contiguous micro-batches, as ``torchloss.distributed.split_microbatches`` does: sizes by
+    ``lossspec.microbatch_sizes`` (as ``numpy.array_split``: the first ``B % K`` micro-batches get
+    one more row; 10 rows in 4: 3, 3, 2, 2). Returns the list of ``K`` micro-batch pytrees."""
+    lossspec.check_num_microbatches(num_microbatches)
+    sizes = lossspec.microbatch_sizes(_batch_rows(batch), num_microbatches)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    return [
+        jax.tree_util.tree_map(lambda leaf, a=int(a), b=int(b): jnp.asarray(leaf)[a:b], batch)
+        for a, b in zip(starts[:-1], starts[1:])
+    ]
+
+
+def _stacked_groups(batch: Any, num_microbatches: int) -> list[Any]:
+    """The micro-batches of :func:`split_microbatches`, stacked for ``lax.scan`` (equal shapes):
+    the first ``r = B % K`` of ``q + 1`` rows as one pytree of leaves ``[r, q + 1, ...]``, the
+    other ``K - r`` of ``q`` rows as ``[K - r, q, ...]`` (only the groups that exist; empty
+    micro-batches, ``K > B``, hold no token and are left out). No padding: every row is real."""
+    lossspec.check_num_microbatches(num_microbatches)
+    rows = _batch_rows(batch)
+    quotient, remainder = divmod(rows, num_microbatches)
+    split = remainder * (quotient + 1)
+    groups = []
+    if remainder:
+        groups.append((0, split, remainder, quotient + 1))
+    if quotient or not remainder:
+        groups.append((split, rows, num_microbatches - remainder, quotient))
+
+    def stack(leaf: Any, start: int, stop: int, count: int, size: int) -> jax.Array:
         leaf = jnp.asarray(leaf)
-        if leaf.ndim == 0 or leaf.shape[0] % num_microbatches:
-            raise ValueError(
-                f"every batch leaf needs a leading batch axis divisible by num_microbatches={num_microbatches}; "
-                f"got shape {tuple(leaf.shape)}"
-            )
-        return leaf.reshape((num_microbatches, leaf.shape[0] // num_microbatches) + leaf.shape[1:])
+        return leaf[start:stop].reshape((count, size) + leaf.shape[1:])
 
-    return jax.tree_util.tree_map(split, batch)
+    return [jax.tree_util.tree_map(lambda leaf, g=g: stack(leaf, *g), batch) for g in groups]
 
 
-def _default_count_fn(normalization: str, ignore_index: int, labels_key: str, mask_key: str) -> Callable[[Any], jax.Array]:
+def _default_count_fn(
+    normalization: str, ignore_index: int, labels_key: str, mask_key: str, causal_shift: bool = False
+) -> Callable[[Any], jax.Array]:
     def count(microbatch: Any) -> jax.Array:
         if not isinstance(microbatch, dict):
             raise TypeError("accumulate needs count_fn= unless the batch is a dict with labels/loss_mask entries")
         labels, mask = microbatch.get(labels_key), microbatch.get(mask_key)
         if labels is None and mask is None:
             raise ValueError(f"the batch has neither {labels_key!r} nor {mask_key!r}; pass count_fn= to count it")
-        return count_denominator(labels, mask, normalization=normalization, ignore_index=ignore_index)
+        if causal_shift:
+            lossspec.check_shifted_microbatch(tuple(jnp.shape(labels if labels is not None else mask)))
+        return count_denominator(labels, mask, normalization=normalization, ignore_index=ignore_index, causal_shift=causal_shift)
 
     return count
 
@@ -119,6 +150,7 @@ def accumulate(
     data_axes: AxisNames = None,
     labels_key: str = "labels",
     mask_key: str = "loss_mask",
+    causal_shift: bool = False,
 ) -> tuple[jax.Array, Any]:
     """One optimizer step's loss and gradients, split into micro-batches (and replicas).
 
@@ -127,12 +159,17 @@ def accumulate(
         which passes ``denominator=denominator`` to a ``jaxloss`` loss (with the same
         ``normalization``).
       params: the pytree to differentiate.
-      batch: a pytree whose leaves have a leading batch axis ``B`` divisible by ``num_microbatches``.
-      num_microbatches: ``K``; micro-batch ``k`` holds rows ``[k B/K, (k+1) B/K)``.
+      batch: a pytree whose leaves have a common leading batch axis ``B``.
+      num_microbatches: ``K``; the micro-batches are :func:`split_microbatches`' (``B`` need not
+        divide by ``K``: the first ``B % K`` micro-batches get one more row).
       normalization: ``"valid_tokens"`` or ``"tokens"`` (counted over the global batch) or
         ``"sum"`` (``D = 1``). ``"none"`` has no scalar loss to differentiate.
       count_fn: ``count_fn(microbatch) -> count``; default: ``count_denominator`` of the
         ``labels_key``/``mask_key`` entries of a dict batch.
+      causal_shift: the default count counts the shifted positions (``labels[..., 1:]``,
+        ``loss_mask[..., 1:]``), as the losses of a ``loss_fn`` that passes ``causal_shift=True``
+        score them (e.g. ``labels=input_ids``); the labels/mask need ``[B, ..., T]``. The
+        ``loss_fn`` passes ``causal_shift=True`` to its loss itself; a ``count_fn`` counts on its own.
       data_axes: data-parallel axis name(s) when called inside ``shard_map``/``pmap``: the count,
         the loss and the gradients are ``psum``-ed over them.
 
@@ -140,18 +177,21 @@ def accumulate(
       ``(loss, grads)``: the full-batch loss (fp32; the sum over micro-batches and replicas,
       not a mean of means) and gradients (summed in fp32, cast back to each parameter's dtype).
 
-    Pass 1 counts every micro-batch (cheap: labels and masks only); pass 2 is a ``lax.scan``
-    that sums ``value_and_grad(loss_fn)`` over the micro-batches. Works under ``jit``,
-    ``shard_map`` and ``pmap``.
+    Pass 1 counts every micro-batch (cheap: labels and masks only); pass 2 sums
+    ``value_and_grad(loss_fn)`` over the micro-batches with ``lax.scan`` (equal shapes): one scan
+    when ``K`` divides ``B``, else one over the ``B % K`` micro-batches of ``q + 1`` rows and one
+    over those of ``q`` rows (``loss_fn`` is traced once per size; no padding rows). Works under
+    ``jit``, ``shard_map`` and ``pmap``.
     """
     lossspec.check_normalization(normalization)
+    causal_shift = lossspec.check_causal_shift(causal_shift)
     if normalization == "none":
         raise ValueError("accumulate needs a scalar loss: normalization must be 'valid_tokens', 'tokens' or 'sum', not 'none'")
     axes = _axes(data_axes)
-    microbatches = split_microbatches(batch, num_microbatches)
+    groups = _stacked_groups(batch, num_microbatches)
     if normalization in lossspec.COUNTED_NORMALIZATIONS:
-        count = count_fn or _default_count_fn(normalization, ignore_index, labels_key, mask_key)
-        denominator = jnp.sum(jax.vmap(count)(microbatches)).astype(jnp.float32)
+        count = count_fn or _default_count_fn(normalization, ignore_index, labels_key, mask_key, causal_shift)
+        denominator = sum(jnp.sum(jax.vmap(count)(group)).astype(jnp.float32) for group in groups)
         if axes:
             denominator = jax.lax.psum(denominator, axes)
     else:
@@ -169,9 +209,13 @@ def accumulate(
 
     # The first micro-batch seeds the fp32 accumulators (rather than zeros), so the carry has the
     # exact type of a micro-batch's result, varying mesh axes included (inside shard_map).
-    first = jax.tree_util.tree_map(lambda leaf: leaf[0], microbatches)
-    rest = jax.tree_util.tree_map(lambda leaf: leaf[1:], microbatches)
-    (loss, grads), _ = jax.lax.scan(step, microbatch_grads(first), rest)
+    first = jax.tree_util.tree_map(lambda leaf: leaf[0], groups[0])
+    carry = microbatch_grads(first)
+    for index, group in enumerate(groups):
+        rest = jax.tree_util.tree_map(lambda leaf: leaf[1:], group) if index == 0 else group
+        if jax.tree_util.tree_leaves(rest)[0].shape[0]:
+            carry, _ = jax.lax.scan(step, carry, rest)
+    loss, grads = carry
     if axes:
         loss, grads = _sum_over_replicas(loss, grads, axes)
     grads = jax.tree_util.tree_map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)

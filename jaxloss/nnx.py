@@ -12,6 +12,7 @@ Example::
     loss_fn = CrossEntropyLoss(label_smoothing=0.1)
     loss = loss_fn(logits, labels, loss_mask)            # mean over valid tokens
     loss = loss_fn(logits, labels, loss_mask, denominator=global_count)
+    shifted = CrossEntropyLoss(causal_shift=True)       # labels=input_ids (lossspec.causal)
 """
 
 from __future__ import annotations

@@ -4,11 +4,21 @@
 - :mod:`lossspec.checks`: shape/dtype checks over plain metadata, shared by JAX and torch;
 - :mod:`lossspec.stats`: the per-row statistics every backend computes (one formulation);
 - :mod:`lossspec.kinds`: the per-kind table the public functions and modules are built from;
+- :mod:`lossspec.causal`: the causal-LM shift (``causal_shift=True``): the rule and its checks;
+- :mod:`lossspec.microbatches`: how a batch splits into micro-batches (uneven sizes included);
 - :mod:`lossspec.oracle`: the float64 reference with analytic gradients, and its vocab-parallel twin;
 - :mod:`lossspec.tolerances`: the bounds of SPEC section 6 and comparisons in units of the bound;
 - :mod:`lossspec.generators`: seeded inputs used by every test.
 """
 
+from .causal import (
+    check_causal_shift,
+    check_count_time_axis,
+    check_loss_time_axis,
+    scored_positions,
+    shift_left,
+    shift_targets,
+)
 from .checks import (
     FP32_MAX,
     FP32_TINY,
@@ -38,6 +48,7 @@ from .config import (
     check_normalization,
     make_config,
 )
+from .microbatches import batch_rows, check_num_microbatches, check_shifted_microbatch, microbatch_sizes
 from .kinds import KIND_SPECS, FrameworkArgs, KindSpec, public_function
 from .stats import FINAL_STAT_INDEX, FINAL_STATS, KIND_IDS, ROW_STAT_INDEX, ROW_STATS, stats_used
 from .generators import SCENARIOS, Case, Reference, all_cases, make_case

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .causal import check_causal_shift, check_count_time_axis, check_loss_time_axis
 from .config import LossConfig
 
 # dtype kinds, as in numpy's ``dtype.kind``: b bool, i signed int, u unsigned int, f float, c complex.
@@ -71,6 +72,8 @@ def check_inputs(
         raise ValueError("logits must have shape [..., V] with at least one dimension; got a scalar")
     if logits.shape[-1] == 0:
         raise ValueError(f"logits must have a non-empty vocabulary axis (V > 0); got shape {_shape(logits.shape)}")
+    if config.causal_shift:
+        check_loss_time_axis(logits.shape)
     lead = logits.shape[:-1]
     if config.kind == "cross_entropy":
         if target.kind not in INT_KINDS:
@@ -204,20 +207,26 @@ def ignore_index_in_dtype(ignore_index: int, dtype: Any) -> bool:
     return int(info.min) <= int(ignore_index) <= int(info.max)
 
 
-def check_labels(labels: np.ndarray, valid: np.ndarray, vocab_size: int) -> None:
-    """Value check: every valid token's label lies in ``[0, vocab_size)``."""
+def check_labels(labels: np.ndarray, valid: np.ndarray, vocab_size: int, causal_shift: bool = False) -> None:
+    """Value check: every valid token's label lies in ``[0, vocab_size)``.
+
+    With ``causal_shift`` the arrays are the shifted ones (``labels[..., t]`` is the given
+    ``labels[..., t + 1]``); the error names the position in the given labels."""
     labels = np.asarray(labels)
     bad = np.asarray(valid, dtype=bool) & ((labels < 0) | (labels >= vocab_size))
     if np.any(bad):
         first = tuple(int(i) for i in np.argwhere(bad)[0])
+        given = first[:-1] + (first[-1] + 1,) if causal_shift else first
         raise ValueError(
             f"labels must lie in [0, {vocab_size}) for valid tokens (or equal ignore_index); "
-            f"got {int(labels[first])} at position {first}"
+            f"got {int(labels[first])} at position {given}"
         )
 
 
-def check_count_args(normalization: str, labels: ArrayMeta | None, loss_mask: ArrayMeta | None) -> None:
-    """Arguments of ``count_denominator``."""
+def check_count_args(
+    normalization: str, labels: ArrayMeta | None, loss_mask: ArrayMeta | None, causal_shift: Any = False
+) -> None:
+    """Arguments of ``count_denominator`` (``causal_shift=True`` needs a time axis)."""
     from .config import COUNTED_NORMALIZATIONS, check_normalization
 
     check_normalization(normalization)
@@ -236,3 +245,5 @@ def check_count_args(normalization: str, labels: ArrayMeta | None, loss_mask: Ar
         raise ValueError(
             f"loss_mask must have the shape of labels {_shape(labels.shape)}; got {_shape(loss_mask.shape)}"
         )
+    if check_causal_shift(causal_shift):
+        check_count_time_axis((labels if labels is not None else loss_mask).shape)  # type: ignore[union-attr]

@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Any
 
+from .causal import check_causal_shift
+
 KINDS: tuple[str, ...] = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
 DISTILL_KINDS: tuple[str, ...] = ("soft_cross_entropy", "forward_kl", "reverse_kl")
 NORMALIZATIONS: tuple[str, ...] = ("valid_tokens", "tokens", "sum", "none")
@@ -20,8 +22,8 @@ JAX_IMPLS: tuple[str, ...] = ("auto", "xla", "pallas")
 TORCH_IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
 
 # Keyword options each kind accepts (besides loss_mask, normalization, denominator).
-CE_OPTIONS: tuple[str, ...] = ("ignore_index", "label_smoothing", "z_loss", "logit_scale")
-DISTILL_OPTIONS: tuple[str, ...] = ("temperature", "logit_scale", "teacher_logit_scale")
+CE_OPTIONS: tuple[str, ...] = ("ignore_index", "label_smoothing", "z_loss", "logit_scale", "causal_shift")
+DISTILL_OPTIONS: tuple[str, ...] = ("temperature", "logit_scale", "teacher_logit_scale", "causal_shift")
 
 
 def _finite_number(name: str, value: Any) -> float:
@@ -89,7 +91,8 @@ class LossConfig:
     """The scalar options of one loss call, validated on construction.
 
     ``temperature`` and ``teacher_logit_scale`` only apply to the distillation kinds;
-    ``ignore_index``, ``label_smoothing`` and ``z_loss`` only to ``cross_entropy``.
+    ``ignore_index``, ``label_smoothing`` and ``z_loss`` only to ``cross_entropy``;
+    ``causal_shift`` to every kind (:mod:`lossspec.causal`).
     The effective student scale is ``student_scale = logit_scale / temperature`` and the
     teacher's ``teacher_scale = teacher_logit_scale / temperature``.
     """
@@ -102,10 +105,12 @@ class LossConfig:
     logit_scale: float = 1.0
     teacher_logit_scale: float = 1.0
     temperature: float = 1.0
+    causal_shift: bool = False
 
     def __post_init__(self) -> None:
         check_kind(self.kind)
         check_normalization(self.normalization)
+        object.__setattr__(self, "causal_shift", check_causal_shift(self.causal_shift))
         object.__setattr__(self, "ignore_index", check_ignore_index(self.ignore_index))
         eps = _finite_number("label_smoothing", self.label_smoothing)
         if not 0.0 <= eps <= 1.0:

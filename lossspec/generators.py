@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .causal import scored_positions, shift_targets
 from .config import KINDS
 from .oracle import oracle, token_weights
 from .config import make_config
@@ -67,17 +68,20 @@ class Case:
         cfg_options = {k: v for k, v in options.items() if k not in ("normalization", "denominator", "grad_output")}
         config = make_config(self.kind, normalization=normalization, **cfg_options)
         lead = self.logits.shape[:-1]
-        valid, weight = token_weights(config, self.target if self.kind == "cross_entropy" else None, self.loss_mask, lead)
+        labels, mask = (self.target if self.kind == "cross_entropy" else None), self.loss_mask
+        if config.causal_shift:
+            labels, mask = shift_targets(labels, mask, lead)
+        valid, weight = token_weights(config, labels, mask, lead)
         if options.get("denominator") is not None:
             denominator = float(options["denominator"])
         elif normalization == "valid_tokens":
             denominator = float(weight.sum())
         elif normalization == "tokens":
-            denominator = float(np.prod(lead))
+            denominator = float(scored_positions(lead, config.causal_shift))
         else:
             denominator = 1.0
         return g0_for(
-            self.loss_mask, valid, denominator, config.logit_scale, config.temperature, normalization, options.get("grad_output")
+            mask, valid, denominator, config.logit_scale, config.temperature, normalization, options.get("grad_output")
         )
 
 

@@ -36,8 +36,10 @@ class KindSpec:
         return tuple(name for name, _ in self.options)
 
 
-_CE_OPTIONS = (("ignore_index", -100), ("label_smoothing", 0.0), ("z_loss", 0.0), ("logit_scale", 1.0))
-_DISTILL_OPTIONS = (("temperature", 1.0), ("logit_scale", 1.0), ("teacher_logit_scale", 1.0))
+# Every kind ends with causal_shift (lossspec.causal), after its own options.
+_SHIFT_OPTION = (("causal_shift", False),)
+_CE_OPTIONS = (("ignore_index", -100), ("label_smoothing", 0.0), ("z_loss", 0.0), ("logit_scale", 1.0)) + _SHIFT_OPTION
+_DISTILL_OPTIONS = (("temperature", 1.0), ("logit_scale", 1.0), ("teacher_logit_scale", 1.0)) + _SHIFT_OPTION
 
 KIND_SPECS: dict[str, KindSpec] = {
     "cross_entropy": KindSpec(
@@ -110,6 +112,14 @@ _ARG_DOCS: dict[str, str] = {
     "logit_scale": "``> 0``, multiplies the student's logits (before the temperature).",
     "temperature": "``T > 0``, divides student and teacher alike.",
     "teacher_logit_scale": "``> 0``, multiplies the teacher's logits.",
+    "causal_shift": (
+        "``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input token "
+        "(e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored "
+        "against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is "
+        "ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token "
+        "``t + 1``). ``\"tokens\"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. "
+        "Needs ``logits [..., T, V]``."
+    ),
     "normalization": (
         '``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` '
         "of ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses."

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .checks import check_denominator_allowed, check_denominator_value, check_inputs, check_labels, check_weights, numpy_meta
+from .causal import scored_positions, shift_targets
 from .config import LossConfig, make_config
 
 __all__ = ["oracle", "per_token_oracle", "oracle_vocab_parallel", "token_weights", "count_denominator"]
@@ -133,12 +134,14 @@ def count_denominator(
     *,
     normalization: str = "valid_tokens",
     ignore_index: int = -100,
+    causal_shift: bool = False,
 ) -> float:
     """The denominator ``D`` of one batch (SPEC sections 2 and 4), float64.
 
     ``"valid_tokens"``: sum of the weights of valid tokens (mask non-zero and, when labels are
     given, label != ignore_index). ``"tokens"``: number of token positions. Counts add up over
-    micro-batches and data-parallel replicas.
+    micro-batches and data-parallel replicas. ``causal_shift=True`` counts the scored positions
+    (:mod:`lossspec.causal`): ``labels[..., 1:]`` and ``loss_mask[..., 1:]``.
     """
     from .checks import check_count_args
 
@@ -146,7 +149,11 @@ def count_denominator(
         normalization,
         None if labels is None else numpy_meta(np.asarray(labels)),
         None if loss_mask is None else numpy_meta(np.asarray(loss_mask)),
+        causal_shift,
     )
+    if causal_shift:  # position t is scored against index t + 1: index 0 is never a target
+        labels = None if labels is None else np.asarray(labels)[..., 1:]
+        loss_mask = None if loss_mask is None else np.asarray(loss_mask)[..., 1:]
     ref = np.asarray(labels if labels is not None else loss_mask)
     if normalization == "tokens":
         return float(ref.size)
@@ -159,7 +166,10 @@ def count_denominator(
 
 def _prepare(
     kind: str, logits: np.ndarray, target: np.ndarray, loss_mask: np.ndarray | None, options: dict[str, Any]
-) -> tuple[LossConfig, Any, Any]:
+) -> tuple[LossConfig, Any, Any, np.ndarray, np.ndarray | None]:
+    """Checks, then ``(config, denominator, grad_output, target, loss_mask)``; with
+    ``causal_shift`` the labels and mask are those of the scored positions (``lossspec.causal``),
+    and the value checks apply to them."""
     normalization = options.pop("normalization", "valid_tokens")
     denominator = options.pop("denominator", None)
     grad_output = options.pop("grad_output", None)
@@ -170,9 +180,12 @@ def _prepare(
     check_denominator_allowed(config, denominator)
     if denominator is not None:
         check_denominator_value(denominator)
+    if config.causal_shift:
+        labels, loss_mask = shift_targets(target if config.kind == "cross_entropy" else None, loss_mask, logits.shape[:-1])
+        target = target if labels is None else labels
     if loss_mask is not None:
         check_weights(np.asarray(loss_mask))
-    return config, denominator, grad_output
+    return config, denominator, grad_output, target, loss_mask
 
 
 def _normalise(
@@ -188,7 +201,7 @@ def _normalise(
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     valid, weight = token_weights(config, target, loss_mask, lead)
     if config.kind == "cross_entropy":
-        check_labels(np.asarray(target), valid, vocab)
+        check_labels(np.asarray(target), valid, vocab, config.causal_shift)
     rows = int(np.prod(lead, dtype=np.int64))
     flat_target = np.asarray(target).reshape(rows) if config.kind == "cross_entropy" else np.asarray(target).reshape(rows, vocab)
     loss_tok, grad_z = per_token_fn(config, logits.reshape(rows, vocab), flat_target, valid.reshape(rows))
@@ -204,7 +217,7 @@ def _normalise(
         elif config.normalization == "valid_tokens":
             denom = float(weight.sum())
         elif config.normalization == "tokens":
-            denom = float(rows)
+            denom = float(scored_positions(lead, config.causal_shift))
         else:
             denom = 1.0
         coef = weight / denom if denom > 0 else np.zeros_like(weight)
@@ -232,14 +245,15 @@ def oracle(
       loss_mask: ``[...]`` boolean or float weights, or ``None``.
       **options: the keyword options of the matching public function (``ignore_index``,
         ``label_smoothing``, ``z_loss``, ``logit_scale``, ``temperature``,
-        ``teacher_logit_scale``, ``normalization``, ``denominator``), plus ``grad_output``: the
+        ``teacher_logit_scale``, ``causal_shift``, ``normalization``, ``denominator``), plus
+        ``grad_output``: the
         upstream gradient (a scalar, or per-token ``[...]`` for ``"none"``; default 1).
 
     Returns:
       ``loss``: a float64 scalar, or the per-token ``w_i l_i`` ``[...]`` for ``"none"``;
       ``grad_logits``: ``[..., V]`` float64, the gradient of ``sum(loss * grad_output)``.
     """
-    config, denominator, grad_output = _prepare(kind, logits, target, loss_mask, dict(options))
+    config, denominator, grad_output, target, loss_mask = _prepare(kind, logits, target, loss_mask, dict(options))
     loss, grad = _normalise(config, logits, target, loss_mask, denominator, grad_output, per_token_oracle)
     return (loss if config.normalization == "none" else float(loss)), grad
 
@@ -371,7 +385,7 @@ def oracle_vocab_parallel(
     """:func:`oracle`, computed from ``num_shards`` contiguous vocabulary shards (sizes as even
     as possible) combined as a vocab-parallel kernel would. Equal to :func:`oracle` up to
     float64 rounding; a reference for the algebra of the vocab-parallel paths."""
-    config, denominator, grad_output = _prepare(kind, logits, target, loss_mask, dict(options))
+    config, denominator, grad_output, target, loss_mask = _prepare(kind, logits, target, loss_mask, dict(options))
 
     def per_token(cfg: LossConfig, x: np.ndarray, tgt: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return per_token_vocab_parallel(cfg, x, tgt, valid, num_shards)

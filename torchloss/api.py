@@ -410,14 +410,33 @@ class _Prepared:
     bad: Optional[Tensor]  # deferred value check failed (0-d bool), None where checked eagerly
 
 
+def _shift_left(values: Tensor, fill: Union[int, float, bool]) -> Tensor:
+    """``out[..., t] = values[..., t + 1]``, ``out[..., T - 1] = fill`` (``lossspec.shift_left``)."""
+    pad = values.new_full(tuple(values.shape[:-1]) + (min(values.shape[-1], 1),), fill)
+    return torch.cat([values[..., 1:], pad], dim=-1)
+
+
+def _scored_targets(call: _Call, labels: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """``(labels, loss_mask)`` of the scored positions: as given, or with ``causal_shift`` both
+    shifted left by one along time with a weight-0 last position (``lossspec.causal``). Only
+    these ``[..., T]`` tensors are shifted, never the logits."""
+    loss_mask = call.loss_mask
+    if not call.config.causal_shift:
+        return labels, loss_mask
+    lead = tuple(call.logits.shape[:-1])
+    if loss_mask is None:
+        loss_mask = torch.ones(lead, dtype=torch.bool, device=call.logits.device)
+    return (None if labels is None else _shift_left(labels, 0)), _shift_left(loss_mask.detach(), 0)
+
+
 def _prepare(call: _Call) -> _Prepared:
-    config, logits, loss_mask = call.config, call.logits, call.loss_mask
+    config, logits = call.config, call.logits
     is_ce = config.kind == "cross_entropy"
     lead = tuple(logits.shape[:-1])
     rows = math.prod(lead)
     acc = compute_dtype(logits.dtype)
     device = logits.device
-    labels = _labels_int64(call.target) if is_ce else None
+    labels, loss_mask = _scored_targets(call, _labels_int64(call.target) if is_ce else None)
     valid, weight = _weights(config, labels, loss_mask, lead, device, acc)
     float_mask = loss_mask is not None and loss_mask.dtype != torch.bool
     denominator = call.denominator
@@ -430,7 +449,7 @@ def _prepare(call: _Call) -> _Prepared:
     if labels is not None:
         in_range = (labels >= 0) & (labels < call.vocab)
         if call.host:
-            lossspec.check_labels(_numpy(labels), _numpy(valid), call.vocab)
+            lossspec.check_labels(_numpy(labels), _numpy(valid), call.vocab, config.causal_shift)
     bad = None
     if not call.host:
         bad = torch.zeros((), dtype=torch.bool, device=device)
@@ -450,7 +469,7 @@ def _prepare(call: _Call) -> _Prepared:
         elif config.normalization == "valid_tokens":
             denom = weight.sum()
         elif config.normalization == "tokens":
-            denom = float(rows)
+            denom = float(lossspec.scored_positions(lead, config.causal_shift))
         else:
             denom = 1.0
         # The only place D enters: runtime data for the kernels. D == 0 gives loss 0, grad 0.
@@ -585,6 +604,7 @@ def count_denominator(
     *,
     normalization: str = "valid_tokens",
     ignore_index: int = -100,
+    causal_shift: bool = False,
 ) -> Tensor:
     """The denominator ``D`` of one micro-batch as a 0-d fp32 tensor (SPEC sections 2 and 4).
 
@@ -593,17 +613,25 @@ def count_denominator(
     up over micro-batches and data-parallel replicas (``dist.all_reduce(D, SUM)``); pass the sum
     as ``denominator=`` to every micro-batch's loss. ``"sum"``/``"none"`` have no count (a
     ``ValueError``). Bad weights raise on CPU tensors and make ``D`` NaN elsewhere.
+    ``causal_shift=True`` counts the positions the shifted losses score (``lossspec.causal``):
+    ``labels[..., 1:]`` and ``loss_mask[..., 1:]`` (``"tokens"``: ``prod(lead[:-1]) * (T - 1)``).
     """
     if labels is not None:
         labels = _require_tensor("labels", labels)
     if loss_mask is not None:
         loss_mask = _require_tensor("loss_mask", loss_mask)
-    lossspec.check_count_args(normalization, None if labels is None else _meta(labels), None if loss_mask is None else _meta(loss_mask))
+    lossspec.check_count_args(
+        normalization, None if labels is None else _meta(labels), None if loss_mask is None else _meta(loss_mask), causal_shift
+    )
     config = lossspec.make_config("cross_entropy", ignore_index=ignore_index)
     ref = labels if labels is not None else loss_mask
     assert ref is not None
     device = ref.device
     _check_device("loss_mask", loss_mask if labels is not None else None, device)
+    if causal_shift:  # position t is scored against index t + 1: index 0 is never a target
+        labels = None if labels is None else labels[..., 1:]
+        loss_mask = None if loss_mask is None else loss_mask[..., 1:]
+        ref = ref[..., 1:]
     if normalization == "tokens":
         return torch.tensor(float(ref.numel()), dtype=torch.float32, device=device)
     float_mask = loss_mask is not None and loss_mask.dtype != torch.bool

@@ -33,41 +33,61 @@ def global_denominator(
     normalization: str = "valid_tokens",
     ignore_index: int = -100,
     group: dist.ProcessGroup | None = None,
+    causal_shift: bool = False,
 ) -> torch.Tensor:
     """``D`` of the global batch: the count of every token given (stacked micro-batches count
     too, since counts add up), ``all_reduce``-d (SUM) over the data-parallel ``group`` when one is
-    given. fp32 0-d tensor on the inputs' device; no host synchronisation.
+    given. fp32 0-d tensor on the inputs' device; no host synchronisation. ``causal_shift``: as
+    in :func:`torchloss.count_denominator`.
     """
-    count = count_denominator(labels, loss_mask, normalization=normalization, ignore_index=ignore_index)
+    count = count_denominator(labels, loss_mask, normalization=normalization, ignore_index=ignore_index, causal_shift=causal_shift)
     if group is not None:
         dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     return count
 
 
-def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
-    """Split every tensor of ``batch`` (a tensor, a dict, or a list/tuple of them) along dim 0
-    into ``num_microbatches`` parts (``torch.tensor_split``: uneven sizes allowed)."""
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be a positive int; got {num_microbatches!r}")
+def _leaves(batch: Any) -> list[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
-        return list(torch.tensor_split(batch, num_microbatches))
+        return [batch]
     if isinstance(batch, dict):
-        parts = {key: split_microbatches(value, num_microbatches) for key, value in batch.items()}
-        return [{key: parts[key][k] for key in batch} for k in range(num_microbatches)]
+        return [leaf for value in batch.values() for leaf in _leaves(value)]
     if isinstance(batch, (list, tuple)):
-        parts = [split_microbatches(value, num_microbatches) for value in batch]
-        return [type(batch)(part[k] for part in parts) for k in range(num_microbatches)]
+        return [leaf for value in batch for leaf in _leaves(value)]
     raise TypeError(f"batch must be a tensor, a dict or a list/tuple of tensors; got {type(batch).__name__}")
 
 
-def _default_count_fn(normalization: str, ignore_index: int, labels_key: str, mask_key: str) -> Callable[[Any], torch.Tensor]:
+def _split(batch: Any, sizes: tuple[int, ...]) -> list[Any]:
+    if isinstance(batch, torch.Tensor):
+        return list(torch.split(batch, list(sizes)))
+    if isinstance(batch, dict):
+        parts = {key: _split(value, sizes) for key, value in batch.items()}
+        return [{key: parts[key][k] for key in batch} for k in range(len(sizes))]
+    parts = [_split(value, sizes) for value in batch]
+    return [type(batch)(part[k] for part in parts) for k in range(len(sizes))]
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
+    """Split every tensor of ``batch`` (a tensor, a dict, or a list/tuple of them) along dim 0
+    into ``num_microbatches`` contiguous parts (views), sized by ``lossspec.microbatch_sizes``:
+    as ``numpy.array_split``, the first ``B % K`` parts get one more row (10 rows in 4:
+    3, 3, 2, 2). Every tensor needs the same leading size ``B``."""
+    lossspec.check_num_microbatches(num_microbatches)
+    rows = lossspec.batch_rows(tuple(leaf.shape) for leaf in _leaves(batch))
+    return _split(batch, lossspec.microbatch_sizes(rows, num_microbatches))
+
+
+def _default_count_fn(
+    normalization: str, ignore_index: int, labels_key: str, mask_key: str, causal_shift: bool = False
+) -> Callable[[Any], torch.Tensor]:
     def count(microbatch: Any) -> torch.Tensor:
         if not isinstance(microbatch, dict):
             raise TypeError("accumulate needs count_fn= unless the batch is a dict with labels/loss_mask entries")
         labels, mask = microbatch.get(labels_key), microbatch.get(mask_key)
         if labels is None and mask is None:
             raise ValueError(f"the batch has neither {labels_key!r} nor {mask_key!r}; pass count_fn= to count it")
-        return count_denominator(labels, mask, normalization=normalization, ignore_index=ignore_index)
+        if causal_shift:
+            lossspec.check_shifted_microbatch(tuple((labels if labels is not None else mask).shape))
+        return count_denominator(labels, mask, normalization=normalization, ignore_index=ignore_index, causal_shift=causal_shift)
 
     return count
 
@@ -84,6 +104,7 @@ def accumulate(
     group: dist.ProcessGroup | None = None,
     labels_key: str = "labels",
     mask_key: str = "loss_mask",
+    causal_shift: bool = False,
 ) -> torch.Tensor:
     """Run one optimizer step's forward and backward passes over micro-batches (and replicas),
     leaving the full-batch gradients in ``param.grad``.
@@ -92,12 +113,17 @@ def accumulate(
       loss_fn: ``loss_fn(model, microbatch, denominator) -> scalar``: the user's forward and loss,
         which passes ``denominator=denominator`` to a ``torchloss`` loss (same ``normalization``).
       model: a plain ``nn.Module`` or a ``DistributedDataParallel`` one.
-      batch: a dict (or tensor, list, tuple) of tensors with a leading batch dim, split with
-        ``torch.tensor_split`` into ``num_microbatches`` (uneven sizes allowed).
+      batch: a dict (or tensor, list, tuple) of tensors with a leading batch dim ``B``, split by
+        :func:`split_microbatches` into ``num_microbatches`` (uneven sizes allowed: the first
+        ``B % K`` micro-batches get one more row, ``lossspec.microbatch_sizes``).
       normalization: ``"valid_tokens"`` / ``"tokens"`` (counted over the global batch) or
         ``"sum"`` (``D = 1``).
       count_fn: ``count_fn(microbatch) -> count``; default: ``count_denominator`` of the
         ``labels_key``/``mask_key`` entries of a dict batch.
+      causal_shift: the default count counts the shifted positions (``labels[..., 1:]``,
+        ``loss_mask[..., 1:]``), as the losses of a ``loss_fn`` that passes ``causal_shift=True``
+        score them (e.g. ``labels=input_ids``); the labels/mask need ``[B, ..., T]``. The
+        ``loss_fn`` passes ``causal_shift=True`` to its loss itself; a ``count_fn`` counts on its own.
       group: the data-parallel process group. With DDP it defaults to the model's group and
         DDP's averaging is undone in the denominator (``D / world_size``), never by scaling
         anything else; ``no_sync`` skips the all-reduce of all but the last micro-batch. With a
@@ -109,6 +135,7 @@ def accumulate(
       replicas, never a mean of means), the same on every replica.
     """
     lossspec.check_normalization(normalization)
+    causal_shift = lossspec.check_causal_shift(causal_shift)
     if normalization == "none":
         raise ValueError("accumulate needs a scalar loss: normalization must be 'valid_tokens', 'tokens' or 'sum', not 'none'")
     is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -117,7 +144,7 @@ def accumulate(
     world_size = dist.get_world_size(group) if group is not None else 1
     microbatches = split_microbatches(batch, num_microbatches)
     if normalization in lossspec.COUNTED_NORMALIZATIONS:
-        count = count_fn or _default_count_fn(normalization, ignore_index, labels_key, mask_key)
+        count = count_fn or _default_count_fn(normalization, ignore_index, labels_key, mask_key, causal_shift)
         denominator = torch.stack([count(mb).float().reshape(()) for mb in microbatches]).sum()
         if group is not None:
             dist.all_reduce(denominator, op=dist.ReduceOp.SUM, group=group)

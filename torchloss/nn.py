@@ -6,6 +6,7 @@ validated there with the same errors as the functions), the inputs are given per
 
     loss_fn = torchloss.nn.CrossEntropyLoss(label_smoothing=0.1)
     loss = loss_fn(logits, labels, loss_mask, denominator=D)
+    shifted = torchloss.nn.CrossEntropyLoss(causal_shift=True)  # labels=input_ids (lossspec.causal)
 
 The modules hold no parameters or buffers.
 """
