@@ -148,7 +148,8 @@ def test_compiled_losses_match_oracle_and_eager(capfd: pytest.CaptureFixture[str
 @pytest.mark.slow
 def test_explain_finds_no_graph_break() -> None:
     """``torch._dynamo.explain``: the four losses (and every option path: float weights, a
-    denominator tensor, a Python denominator, "none", a ``torchloss.nn`` module) are one graph."""
+    denominator tensor, a Python denominator, "none", a ``torchloss.nn`` module, ``causal_shift``
+    with ``count_denominator``) are one graph."""
     problem = _problem("denominator", "float32")
     cases = problem["cases"]
     xs = [torch.tensor(cases[k].logits).requires_grad_() for k in KINDS]
@@ -158,6 +159,8 @@ def test_explain_finds_no_graph_break() -> None:
     def everything(xs: list[torch.Tensor], targets: list[torch.Tensor], weights: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
         total = sum(_losses("denominator")(xs, targets, weights, denominator))
         total = total + sum(_losses("valid_tokens")(xs, targets, weights > 0, 4.0))
+        counted = torchloss.count_denominator(targets[0], weights, causal_shift=True)  # traced, not a break
+        total = total + torchloss.cross_entropy(xs[0], targets[0], weights, causal_shift=True, denominator=counted)
         total = total + torchloss.nn.ReverseKLLoss(temperature=1.3)(xs[3], targets[3], weights)
         return total + sum(loss.sum() for loss in _losses("none")(xs, targets, weights, None))
 

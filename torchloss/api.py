@@ -597,7 +597,6 @@ forward_kl = _public("forward_kl")
 reverse_kl = _public("reverse_kl")
 
 
-@torch.compiler.disable
 def count_denominator(
     labels: Optional[Tensor] = None,
     loss_mask: Optional[Tensor] = None,
