@@ -8,7 +8,6 @@ invalid option raises the same error, with the same message, in the oracle, in
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from .causal import check_causal_shift
@@ -30,7 +29,9 @@ def _finite_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not _is_numpy_scalar(value):
         raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value):
+    # ``value - value == 0`` is False for inf and NaN: math.isfinite's test in arithmetic, which
+    # torch.compile can trace on a symbolic float (a changing option under Dynamo).
+    if not value - value == 0:
         raise ValueError(f"{name} must be finite, got {value}")
     return value
 

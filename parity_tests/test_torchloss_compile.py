@@ -337,9 +337,8 @@ def test_changing_values_under_compile() -> None:
     """A denominator that changes every step, as a 0-d tensor, is runtime data: one compiled
     graph serves every value, with the oracle's numbers; as a Python float it is traced
     symbolically after the first change (fullgraph=True still works, the eager numbers). An
-    option that changes (here the temperature) is retraced as a symbolic float the option checks
-    cannot read: documented, it falls back to a graph break with the eager numbers, and
-    fullgraph=True raises."""
+    option that changes (here the temperature) is retraced as a symbolic float, which the option
+    checks trace too: fullgraph=True works, with the eager and the oracle's numbers."""
     case = lossspec.make_case("forward_kl", "random", lead_shape=LEAD, vocab=VOCAB, seed=6)
     x, teacher, mask = torch.tensor(case.logits), torch.tensor(case.target), torch.tensor(case.loss_mask)
 
@@ -362,9 +361,11 @@ def test_changing_values_under_compile() -> None:
         assert torch.equal(relaxed(x, None, temperature), loss(x, None, temperature))
     torch._dynamo.reset()
     strict = torch.compile(loss, backend="aot_eager", fullgraph=True)
-    strict(x, None, 1.0)
-    with pytest.raises(torch._dynamo.exc.Unsupported):
-        strict(x, None, 2.0)
+    for temperature in (1.0, 2.0, 3.0):  # a changing option compiles too (a symbolic float)
+        ref, _ = lossspec.oracle("forward_kl", case.logits, case.target, case.loss_mask, temperature=temperature)
+        got = strict(x, None, temperature)
+        assert torch.equal(got, loss(x, None, temperature))
+        lossspec.compare_loss(got.item(), ref).check()
 
 
 def test_argument_errors_under_compile() -> None:
