@@ -318,6 +318,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     backends, missing = available(args.backends)  # imports jaxloss / torchloss
     for name, why in missing.items():
         print(f"lossparity: skipping {name}: {why}", file=sys.stderr)
+    if not [name for name in backends if name != "oracle"]:
+        # Zero comparisons would "pass" and prove nothing.
+        print("lossparity: error: no backend to compare with the oracle (--backends "
+              f"{','.join(args.backends)}; install jax or torch, or name jax-xla/jax-pallas/torch/torch-triton)", file=sys.stderr)
+        return EXIT["usage"]
 
     print(f"lossparity: {len(specs)} cases x {len(backends)} backends ({', '.join(backends)}); "
           f"losses to 9 digits, errors in units of the SPEC bound, <= 1 passes")

@@ -16,6 +16,7 @@ import pytest
 import lossspec
 from lossparity import backends as backends_module
 from lossparity.backends import Backend
+from lossparity import cli as cli_module
 from lossparity.cli import main
 
 SMALL = ["--shape", "3x40", "--no-plot"]
@@ -67,6 +68,17 @@ def test_crashing_backend_is_a_named_failure(monkeypatch: pytest.MonkeyPatch, tm
                  "--normalizations", "sum", "--out", str(tmp_path), *SMALL])
     assert code == 1
     assert "RuntimeError: kernel exploded" in capsys.readouterr().err
+
+
+def test_nothing_to_compare_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Only the oracle (or no importable framework): zero comparisons must not report a pass."""
+    code = main(["--kinds", "cross_entropy", "--dtypes", "float32", "--backends", "oracle", "--out", str(tmp_path), *SMALL])
+    assert code == 2
+    assert "no backend to compare with the oracle" in capsys.readouterr().err
+    monkeypatch.setattr(cli_module, "available", lambda names: ([], {name: "torch unavailable: test" for name in names}))
+    code = main(["--kinds", "cross_entropy", "--dtypes", "float32", "--backends", "torch", "--out", str(tmp_path), *SMALL])
+    assert code == 2
+    assert not (tmp_path / "parity_report.json").exists()
 
 
 def _jax_program(path: Path) -> str:
