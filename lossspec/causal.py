@@ -23,6 +23,7 @@ It needs a time axis (at least one leading axis); :func:`check_loss_time_axis` a
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -61,10 +62,10 @@ def check_count_time_axis(shape: tuple[int, ...]) -> None:
 def scored_positions(lead_shape: tuple[int, ...], causal_shift: bool) -> int:
     """The ``"tokens"`` denominator: ``prod(lead)`` positions, or with the shift
     ``prod(lead[:-1]) * max(T - 1, 0)`` (the last position of each row is not scored)."""
-    lead = tuple(int(s) for s in lead_shape)
+    lead = tuple(int(s) for s in lead_shape)  # plain Python: torch.compile traces it
     if not causal_shift:
-        return int(np.prod(lead, dtype=np.int64))
-    return int(np.prod(lead[:-1], dtype=np.int64)) * max(lead[-1] - 1, 0)
+        return math.prod(lead)
+    return math.prod(lead[:-1]) * max(lead[-1] - 1, 0)
 
 
 def shift_left(values: np.ndarray, fill: Any) -> np.ndarray:

@@ -398,3 +398,30 @@ def test_compiled_triton_impl_matches_eager() -> None:
     ref, ref_grad = lossspec.oracle("reverse_kl", case.logits, case.target, case.loss_mask, temperature=1.5, grad_output=0.75)
     lossspec.assert_close_to_oracle(results[0][0].item() / 0.75, results[0][1].double().numpy(), ref, ref_grad, dtype="bfloat16", g0=case.g0(temperature=1.5, grad_output=0.75))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("normalization", ["tokens", "valid_tokens", "none"])
+def test_causal_shift_compiles_with_the_oracle_numbers(normalization: str) -> None:
+    """``causal_shift=True`` under ``fullgraph=True`` (its shifted count included: the
+    ``"tokens"`` count is plain Python, traced): the oracle's loss and gradient within the
+    bounds, bit for bit the eager ones, the last position's gradient exactly 0."""
+    case = lossspec.make_case("cross_entropy", "random", lead_shape=LEAD, vocab=VOCAB, seed=11)
+    options = {"causal_shift": True, "label_smoothing": 0.1, "normalization": normalization}
+    labels, mask = torch.tensor(case.target), torch.tensor(case.loss_mask)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return torchloss.cross_entropy(x, labels, mask, **options).sum()
+
+    results = []
+    for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        x = torch.tensor(case.logits).requires_grad_()
+        value = fn(x)
+        value.backward()
+        results.append((value.detach(), x.grad))
+    (eager, eager_grad), (compiled, compiled_grad) = results
+    assert torch.equal(compiled, eager) and torch.equal(compiled_grad, eager_grad)
+    upstream = np.ones(LEAD, np.float32) if normalization == "none" else None
+    ref_loss, ref_grad = lossspec.oracle("cross_entropy", case.logits, case.target, case.loss_mask, grad_output=upstream, **options)
+    lossspec.compare_loss(compiled.item(), float(np.sum(ref_loss))).check()
+    lossspec.compare_grad(compiled_grad.numpy(), ref_grad, "float32", case.g0(**options)).check()
+    assert torch.all(compiled_grad[..., -1, :] == 0)
