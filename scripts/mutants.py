@@ -140,6 +140,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if False:\n            grad = _first_order_only(grad)",
         ("parity_tests/test_torchloss_reliability.py", "parity_tests/test_torchloss_autograd.py", "-m", "not slow"),
     ),
+    Mutant(
+        "rkl_nan_fix_skipped_torch",
+        "the torch path's reverse KL skips the 0 * inf fix-up on every block (entries of probability 0)",
+        "torchloss/_stats.py",
+        '        clean = e_d.device.type == "cpu" and bool(torch.isfinite(e_d).all())',
+        "        clean = True",
+        ("parity_tests/test_torchloss_oracle.py", "-k", "reverse"),
+    ),
+    Mutant(
+        "causal_count_unshifted_torch",
+        "torchloss.count_denominator(causal_shift=True) counts the unshifted labels (the 20/24 scaling)",
+        "torchloss/api.py",
+        "        labels = None if labels is None else labels[..., 1:]",
+        "        labels = labels",
+        ("parity_tests/test_causal_shift.py", "-m", "not slow"),
+    ),
+    Mutant(
+        "hf_local_count",
+        "torchloss.hf.for_causal_lm_loss ignores num_items_in_batch (a per-micro-batch mean)",
+        "torchloss/hf.py",
+        "        logits, targets, ignore_index=ignore_index, denominator=_denominator(num_items_in_batch, logits.device)",
+        "        logits, targets, ignore_index=ignore_index, denominator=None",
+        ("parity_tests/test_torchloss_hf.py", "-m", "not slow"),
+    ),
 )
 
 
