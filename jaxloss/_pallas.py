@@ -271,6 +271,14 @@ def _interpret_in_shard_map(kernel: Callable[..., tuple[Array, ...]], inputs: tu
     return tuple(lax.pcast(out, tuple(sorted(axes)), to="varying") for out in outs)
 
 
+def _target_operand(cfg: KernelConfig, target: Array) -> Array:
+    """The kernel's ``t`` operand: ``entropy`` has no target (an empty ``[N, 0]`` stand-in, which
+    the interpreter cannot block), so it gets ``[N]`` zeros that the kernel never reads."""
+    if cfg.is_ce or cfg.has_teacher:
+        return target
+    return jnp.zeros(target.shape[:1], jnp.int32)
+
+
 def fused(
     cfg: KernelConfig,
     x: Array,
@@ -293,7 +301,7 @@ def fused(
     n, vocab = x.shape
     if n == 0:
         return jnp.zeros((0,), F32), (jnp.zeros(x.shape, x.dtype) if with_grad else None)
-    loss, grad = _call(cfg, "fused", (x, target, coef), (((n,), F32), ((n, vocab), x.dtype)),
+    loss, grad = _call(cfg, "fused", (x, _target_operand(cfg, target), coef), (((n,), F32), ((n, vocab), x.dtype)),
                        n_cols=vocab, vocab=vocab, tuning=tuning)
     return loss, (grad if with_grad else None)
 
@@ -310,7 +318,7 @@ def shard_stats(cfg: KernelConfig, x: Array, target: Array, *, tuning: Optional[
     teacher's slice). No collective; :mod:`jaxloss._vocab_parallel` combines the shards."""
     n, width = x.shape
     fields = stats_fields(cfg)
-    outs = _call(cfg, "stats", (x, target), tuple(((n,), F32) for _ in fields), n_cols=width, vocab=width,
+    outs = _call(cfg, "stats", (x, _target_operand(cfg, target)), tuple(((n,), F32) for _ in fields), n_cols=width, vocab=width,
                  fields=fields, tuning=tuning)
     return Stats(**dict(zip(fields, outs)))
 
@@ -324,6 +332,6 @@ def shard_grad(
     n, width = x.shape
     fields = tuple(name for name in Final._fields if getattr(fin, name) is not None)
     values = tuple(getattr(fin, name).astype(F32) for name in fields)
-    (grad,) = _call(cfg, "grad", (x, target, coef, *values), (((n, width), x.dtype),), n_cols=width, vocab=vocab,
+    (grad,) = _call(cfg, "grad", (x, _target_operand(cfg, target), coef, *values), (((n, width), x.dtype),), n_cols=width, vocab=vocab,
                     fields=fields, tuning=tuning)
     return grad
