@@ -86,6 +86,10 @@ ROW_B = tl.constexpr(_ROW["b"])
 ROW_TAU = tl.constexpr(_ROW["tau"])
 ROW_E_D = tl.constexpr(_ROW["e_d"])
 ROW_H = tl.constexpr(_ROW["h"])
+# jensen_shannon's second-pass sums: the fused kernels keep them in registers; vocab-parallel
+# computes them outside the kernels (torchloss._vocab_parallel.mixture_shards).
+ROW_KL_QM = tl.constexpr(_ROW["kl_qm"])
+ROW_KL_PM = tl.constexpr(_ROW["kl_pm"])
 
 # --- Final statistics in: buffer [len(FINAL_STATS), N] -------------------------------------------
 _FIN = lossspec.FINAL_STAT_INDEX
