@@ -1,4 +1,4 @@
-"""Pallas kernels (``impl="pallas"``) for the four loss kinds.
+"""Pallas kernels (``impl="pallas"``) for the loss kinds.
 
 One kernel source for all kinds (the kind is static)::
 
@@ -13,6 +13,8 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
   with the online-softmax algebra of :mod:`jaxloss._stats` (:func:`~jaxloss._stats.block_stats`,
   :func:`~jaxloss._stats.combine`); pass 2 loops again and writes ``coef * c * dl/dz``, fp32
   inside and cast once on store. Ragged vocabulary tails are masked loads/stores.
+  ``jensen_shannon`` loops once more in between (its mixture sums need the global ``lse``'s,
+  :mod:`lossspec.stats`); ``entropy`` reads no target (an empty ``[N, 0]`` stand-in).
 * The label's logit is picked with a compare against the column ids (no gather), so the kernel
   needs nothing beyond loads, stores, elementwise math and row reductions.
 * Offsets: the kernel indexes with (row, column) pairs and never forms ``row * V`` itself;
@@ -40,7 +42,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._stats import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
+from lossspec.stats import finalize_mixture
+
+from ._stats import (
+    F32,
+    Final,
+    KernelConfig,
+    Stats,
+    block_stats,
+    combine,
+    empty_stats,
+    finalize,
+    grad_block,
+    mixture_block,
+    varying_axes,
+    varying_like,
+)
 from ._xla import no_derivatives
 
 Array = jax.Array
@@ -126,7 +143,7 @@ def _kernel(
         index = (rows[:, None], cols[None, :])
         # Masked lanes read 0 (finite); block_stats masks them to -inf through col_ok.
         x = plgpu.load(x_ref.at[index], mask=mask, other=0.0).astype(F32)
-        t = None if ce else plgpu.load(t_ref.at[index], mask=mask, other=0.0).astype(F32)
+        t = plgpu.load(t_ref.at[index], mask=mask, other=0.0).astype(F32) if cfg.has_teacher else None
         hit = (cols[None, :] == labels[:, None]) if ce else None
         return index, col_ok, mask, x, t, hit
 
@@ -137,6 +154,17 @@ def _kernel(
             return combine(cfg, acc, blk)
 
         return lax.fori_loop(0, num_blocks, body, empty_stats(cfg, block_rows))
+
+    def mixture_pass(fin: Final) -> Final:
+        """jensen_shannon's second pass (lossspec.stats): the mixture sums, then its loss."""
+
+        def body(j: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
+            _, col_ok, _, x, t, _ = load(j)
+            kl_qm, kl_pm = mixture_block(cfg, fin, x, t, col_ok=col_ok)
+            return acc[0] + kl_qm, acc[1] + kl_pm
+
+        zero = jnp.zeros((block_rows,), F32)
+        return finalize_mixture(jnp, cfg, fin, *lax.fori_loop(0, num_blocks, body, (zero, zero)))
 
     def pass2(fin: Final, coef: Array, grad_ref) -> None:
         def body(j: Array, carry: int) -> int:
@@ -159,6 +187,8 @@ def _kernel(
         return
     loss_ref, grad_ref = refs[3], refs[4]
     fin = finalize(cfg, pass1(), vocab)
+    if cfg.kind == "jensen_shannon":
+        fin = mixture_pass(fin)
     plgpu.store(loss_ref.at[rows], jnp.where(coef != 0, fin.l, 0.0), mask=row_ok)
     pass2(fin, coef, grad_ref)
 
@@ -241,6 +271,14 @@ def _interpret_in_shard_map(kernel: Callable[..., tuple[Array, ...]], inputs: tu
     return tuple(lax.pcast(out, tuple(sorted(axes)), to="varying") for out in outs)
 
 
+def _target_operand(cfg: KernelConfig, target: Array) -> Array:
+    """The kernel's ``t`` operand: ``entropy`` has no target (an empty ``[N, 0]`` stand-in, which
+    the interpreter cannot block), so it gets ``[N]`` zeros that the kernel never reads."""
+    if cfg.is_ce or cfg.has_teacher:
+        return target
+    return jnp.zeros(target.shape[:1], jnp.int32)
+
+
 def fused(
     cfg: KernelConfig,
     x: Array,
@@ -263,7 +301,7 @@ def fused(
     n, vocab = x.shape
     if n == 0:
         return jnp.zeros((0,), F32), (jnp.zeros(x.shape, x.dtype) if with_grad else None)
-    loss, grad = _call(cfg, "fused", (x, target, coef), (((n,), F32), ((n, vocab), x.dtype)),
+    loss, grad = _call(cfg, "fused", (x, _target_operand(cfg, target), coef), (((n,), F32), ((n, vocab), x.dtype)),
                        n_cols=vocab, vocab=vocab, tuning=tuning)
     return loss, (grad if with_grad else None)
 
@@ -280,7 +318,7 @@ def shard_stats(cfg: KernelConfig, x: Array, target: Array, *, tuning: Optional[
     teacher's slice). No collective; :mod:`jaxloss._vocab_parallel` combines the shards."""
     n, width = x.shape
     fields = stats_fields(cfg)
-    outs = _call(cfg, "stats", (x, target), tuple(((n,), F32) for _ in fields), n_cols=width, vocab=width,
+    outs = _call(cfg, "stats", (x, _target_operand(cfg, target)), tuple(((n,), F32) for _ in fields), n_cols=width, vocab=width,
                  fields=fields, tuning=tuning)
     return Stats(**dict(zip(fields, outs)))
 
@@ -294,6 +332,6 @@ def shard_grad(
     n, width = x.shape
     fields = tuple(name for name in Final._fields if getattr(fin, name) is not None)
     values = tuple(getattr(fin, name).astype(F32) for name in fields)
-    (grad,) = _call(cfg, "grad", (x, target, coef, *values), (((n, width), x.dtype),), n_cols=width, vocab=vocab,
+    (grad,) = _call(cfg, "grad", (x, _target_operand(cfg, target), coef, *values), (((n, width), x.dtype),), n_cols=width, vocab=vocab,
                     fields=fields, tuning=tuning)
     return grad

@@ -41,10 +41,16 @@ class KernelConfig:
     teacher_scale: float = 1.0  # ct = teacher_logit_scale / temperature
     label_smoothing: float = 0.0
     z_loss: float = 0.0
+    beta: float = 0.5  # jensen_shannon's teacher share of the mixture (0 < beta < 1 here)
 
     @property
     def is_ce(self) -> bool:
         return self.kind == "cross_entropy"
+
+    @property
+    def has_teacher(self) -> bool:
+        """Whether the kernel reads teacher logits (not cross-entropy, not entropy)."""
+        return self.kind not in ("cross_entropy", "entropy")
 
     @property
     def student_scale(self) -> float:
@@ -107,6 +113,8 @@ def block_stats(
                 sum_shift = jnp.sum(dx, axis=-1)
                 n = jnp.full(m.shape, x.shape[-1], F32)
         return Stats(m=m, s=s, x_y=x_y, sum_shift=sum_shift, n=n), e, None
+    if cfg.kind == "entropy":
+        return Stats(m=m, s=s, h=jnp.sum(_pos_times(e, dx), axis=-1)), e, None
     assert t is not None
     tm = t if col_ok is None else jnp.where(col_ok, t, NEG_INF)
     mt = jnp.max(tm, axis=-1)
@@ -183,6 +191,12 @@ def grad_block(
         gz = jnp.where(hit, gq - (1.0 - eps), gq)
         if eps > 0:
             gz = gz - eps / vocab
+    elif cfg.kind == "entropy":
+        # -q (log q + l) = -c q ((x - m) - h / s)
+        gz = -c * _pos_times(q, dx - fin.mean_h[:, None])
+    elif cfg.kind == "jensen_shannon":
+        q, _, _, log_qm = stats.mixture_terms(jnp, cfg, fin, dx, t - fin.mt[:, None])
+        gz = (1.0 - cfg.beta) * _pos_times(q, log_qm - fin.kl_qm[:, None])
     else:
         if cfg.kind == "reverse_kl":
             gz = _pos_times(q, _pivot_d(cfg, dx, t, fin.tau) - fin.mean_d[:, None])
@@ -196,6 +210,16 @@ def grad_block(
     return jnp.where(scale != 0, grad, 0.0)
 
 
+
+
+def mixture_block(cfg: KernelConfig, fin: Final, x: Array, t: Array, col_ok: Optional[Array] = None) -> tuple[Array, Array]:
+    """``jensen_shannon``'s second pass over one block ``[R, B]`` (fp32) given the global
+    statistics: the block's :data:`lossspec.MIXTURE_STATS` ``(kl_qm, kl_pm)`` ``[R]``, plain
+    sums that blocks and shards add. ``col_ok``: the columns that belong to this block."""
+    _, wq, wp, _ = stats.mixture_terms(jnp, cfg, fin, x - fin.m[:, None], t - fin.mt[:, None])
+    if col_ok is not None:
+        wq, wp = jnp.where(col_ok, wq, 0.0), jnp.where(col_ok, wp, 0.0)
+    return jnp.sum(wq, axis=-1), jnp.sum(wp, axis=-1)
 
 
 def varying_axes(*refs: Any) -> frozenset:

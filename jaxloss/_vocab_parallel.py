@@ -10,6 +10,9 @@ ids). One call is three steps, every collective explicit (never autograd through
     3. finalize, then this shard's grad    the same Final on every replica; grad_block /
                                            the Pallas kernel's "grad" mode on the local slice
 
+``jensen_shannon`` adds a step between 2 and 3 (:func:`mixture_shards`): its mixture sums need
+the global ``lse``'s, so each shard sums its terms and one more ``psum`` adds them.
+
 The algebra is that of :mod:`lossspec.stats` (and ``lossspec.oracle_vocab_parallel``): the shards
 are blocks of one row, combined exactly as the online softmax combines vocabulary blocks.
 
@@ -36,13 +39,27 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _pallas
-from ._stats import F32, Final, KernelConfig, Stats, block_stats, finalize, grad_block, rescale, rescale_e_d, varying_like
+from lossspec.stats import finalize_mixture
+
+from ._stats import (
+    F32,
+    Final,
+    KernelConfig,
+    Stats,
+    block_stats,
+    finalize,
+    grad_block,
+    mixture_block,
+    rescale,
+    rescale_e_d,
+    varying_like,
+)
 
 Array = jax.Array
 AxisName = Union[str, tuple]
 
 # The Stats fields that are sums over the vocabulary (psum'd once rescaled to the global maxima).
-SUM_FIELDS = ("s", "x_y", "sum_shift", "n", "st", "a", "b", "e_d")
+SUM_FIELDS = ("s", "x_y", "sum_shift", "n", "st", "a", "b", "e_d", "h")
 
 
 def axis_names(vocab_parallel: Any) -> tuple:
@@ -88,7 +105,7 @@ def local_stats(cfg: KernelConfig, x: Array, target: Array, impl: str, tuning: A
         picked = jnp.take_along_axis(x, jnp.clip(target, 0, vocab_local - 1)[:, None], axis=1, mode="clip")[:, 0]
         stats, _, _ = block_stats(cfg, x32, x_y=jnp.where(owned, picked.astype(F32), 0.0))
         return stats
-    stats, _, _ = block_stats(cfg, x32, target.astype(F32))
+    stats, _, _ = block_stats(cfg, x32, target.astype(F32) if cfg.has_teacher else None)
     return stats
 
 
@@ -138,10 +155,21 @@ def losses(
         fin = Final(l=empty, m=empty, s=empty, lse=empty)
         return empty, (jnp.zeros(x.shape, x.dtype) if with_grad else None), fin
     fin = finalize(cfg, combine_shards(cfg, local_stats(cfg, x, target, impl, tuning), x, axes), vocab)
+    if cfg.kind == "jensen_shannon":
+        fin = mixture_shards(cfg, fin, x, target, axes)
     loss = jnp.where(coef != 0, fin.l, 0.0)
     if not with_grad:
         return loss, None, fin
     return loss, shard_grad(cfg, fin, x, target, coef, vocab=vocab, impl=impl, tuning=tuning), fin
+
+
+def mixture_shards(cfg: KernelConfig, fin: Final, x: Array, target: Array, axes: Sequence[str]) -> Final:
+    """``jensen_shannon``'s second pass (:mod:`lossspec.stats`): each shard's mixture sums from the
+    global ``lse``'s (no collective), one ``psum`` of the two ``[N]`` sums, then the loss. The
+    same code for both impls (it reads the shard once more, in XLA)."""
+    sums = mixture_block(cfg, fin, x.astype(F32), target.astype(F32))
+    kl_qm, kl_pm = lax.psum(varying_like(sums, x), _axis(axes))
+    return finalize_mixture(jnp, cfg, fin, kl_qm, kl_pm)
 
 
 def shard_grad(
@@ -156,5 +184,5 @@ def shard_grad(
         hit = lax.broadcasted_iota(jnp.int32, x.shape, 1) == target[:, None]
         grad = grad_block(cfg, fin, coef, x32, hit=hit, vocab=vocab)
     else:
-        grad = grad_block(cfg, fin, coef, x32, target.astype(F32), vocab=vocab)
+        grad = grad_block(cfg, fin, coef, x32, target.astype(F32) if cfg.has_teacher else None, vocab=vocab)
     return grad.astype(x.dtype)

@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._stats import F32, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, varying_like
+from lossspec import stats as _shared
+
+from ._stats import F32, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, mixture_block, varying_like
 
 Array = jax.Array
 
@@ -122,8 +124,7 @@ def fused(
     rows = max(1, min(n, tuning.chunk_elements // width))
     num_chunks = -(-n // rows)
     x_store, x_logical = _storage(x)
-    distill = cfg.kind != "cross_entropy"
-    t_store, t_logical = _storage(target) if distill else (target, None)
+    t_store, t_logical = _storage(target) if cfg.has_teacher else (target, None)
 
     def chunk(i: Array, carry: tuple[Array, Optional[Array]]) -> tuple[Array, Optional[Array]]:
         loss_buf, grad_buf = carry
@@ -164,15 +165,19 @@ def _chunk_single(
     by the gradient."""
     vocab = xc.shape[1]
     x32 = _load(xc, x_logical)
+    t32 = None
     if cfg.is_ce:
         # A gather of R elements, not a one-hot reduction over the chunk.
         x_y = _load(jnp.take_along_axis(xc, jnp.clip(tc, 0, vocab - 1)[:, None], axis=1, mode="clip")[:, 0], x_logical)
         st, e, et = block_stats(cfg, x32, x_y=x_y)
-        t32 = None
-    else:
+    elif cfg.has_teacher:
         t32 = _load(tc, t_logical)
         st, e, et = block_stats(cfg, x32, t32)
+    else:  # entropy: no target
+        st, e, et = block_stats(cfg, x32)
     fin = finalize(cfg, st, vocab)
+    if cfg.kind == "jensen_shannon":  # its second pass (lossspec.stats), on the same block
+        fin = _shared.finalize_mixture(jnp, cfg, fin, *mixture_block(cfg, fin, x32, t32))
     loss = jnp.where(cc != 0, fin.l, 0.0)
     if not with_grad:
         return loss, None
@@ -205,7 +210,7 @@ def _chunk_blocked(
         start = jnp.minimum(j * width, vocab - width)
         cols = start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
         x32 = _load(lax.dynamic_slice_in_dim(xc, start, width, 1), x_logical)
-        t32 = None if cfg.is_ce else _load(lax.dynamic_slice_in_dim(tc, start, width, 1), t_logical)
+        t32 = _load(lax.dynamic_slice_in_dim(tc, start, width, 1), t_logical) if cfg.has_teacher else None
         return start, cols, x32, t32
 
     x_y = None
@@ -222,6 +227,16 @@ def _chunk_blocked(
     if cfg.is_ce:
         stats = stats._replace(x_y=x_y)
     fin = finalize(cfg, stats, vocab)
+    if cfg.kind == "jensen_shannon":
+        # The second pass (lossspec.stats): log M needs the global lse's of pass 1.
+        def pass_mix(j: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
+            _, cols, x32, t32 = window(j)
+            kl_qm, kl_pm = mixture_block(cfg, fin, x32, t32, col_ok=cols >= j * width)
+            return acc[0] + kl_qm, acc[1] + kl_pm
+
+        zero = jnp.zeros((rows,), F32)
+        sums = lax.fori_loop(0, num_blocks, pass_mix, varying_like((zero, zero), xc, tc, cc))
+        fin = _shared.finalize_mixture(jnp, cfg, fin, *sums)
     loss = jnp.where(cc != 0, fin.l, 0.0)
     if grad_buf is None:
         return loss, None

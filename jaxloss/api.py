@@ -72,7 +72,16 @@ VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE = (
     "float32 logits."
 )
 
-__all__ = ["cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl", "count_denominator", "resolve_impl"]
+__all__ = [
+    "cross_entropy",
+    "soft_cross_entropy",
+    "forward_kl",
+    "reverse_kl",
+    "entropy",
+    "jensen_shannon",
+    "count_denominator",
+    "resolve_impl",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,11 +90,12 @@ __all__ = ["cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl", "c
 
 
 def _masked_loss(kind: str, **args: Any) -> Array:
-    """Body of the four public functions (their signatures: ``lossspec.KIND_SPECS``)."""
+    """Body of the public functions (their signatures: ``lossspec.KIND_SPECS``)."""
     spec = lossspec.KIND_SPECS[kind]
     options = {name: args[name] for name in spec.option_names}
     config = lossspec.make_config(kind, normalization=args["normalization"], **options)
-    return _loss(config, args["logits"], args[spec.target], args["loss_mask"], args["denominator"], args["vocab_parallel"], args["impl"])
+    target = args[spec.target] if spec.target is not None else None
+    return _loss(config, args["logits"], target, args["loss_mask"], args["denominator"], args["vocab_parallel"], args["impl"])
 
 
 FRAMEWORK_ARGS = lossspec.FrameworkArgs(
@@ -117,6 +127,8 @@ cross_entropy = _public("cross_entropy")
 soft_cross_entropy = _public("soft_cross_entropy")
 forward_kl = _public("forward_kl")
 reverse_kl = _public("reverse_kl")
+entropy = _public("entropy")
+jensen_shannon = _public("jensen_shannon")
 
 
 def count_denominator(
@@ -245,9 +257,16 @@ def _loss(
 ) -> Array:
     impl = resolve_impl(impl)
     logits = _as_array(logits)
-    target = _as_array(target)
+    if target is None:
+        # No target (entropy): an empty [..., 0] stand-in carries the leading shape through the
+        # shared preparation at no cost; the kernels never read it.
+        target = jnp.zeros(tuple(logits.shape[:-1]) + (0,), F32)
+        target_meta = None
+    else:
+        target = _as_array(target)
+        target_meta = _meta(target)
     loss_mask = None if loss_mask is None else _as_array(loss_mask)
-    lossspec.check_inputs(config, _meta(logits), _meta(target), None if loss_mask is None else _meta(loss_mask))
+    lossspec.check_inputs(config, _meta(logits), target_meta, None if loss_mask is None else _meta(loss_mask))
     lossspec.check_denominator_allowed(config, denominator)
     if denominator is not None:
         host = not isinstance(denominator, jax.Array)  # a Python / NumPy number: check it as given
@@ -295,12 +314,14 @@ def _loss(
         None if denominator is None else _device(denominator),
         host_flags,
     )
+    formula = config.kernel_config()  # jensen_shannon at beta = 0 / 1: the KL kinds, exactly
     kcfg = KernelConfig(
-        kind=config.kind,
-        scale=config.student_scale,
-        teacher_scale=config.teacher_scale,
-        label_smoothing=config.label_smoothing,
-        z_loss=config.z_loss,
+        kind=formula.kind,
+        scale=formula.student_scale,
+        teacher_scale=formula.teacher_scale,
+        label_smoothing=formula.label_smoothing,
+        z_loss=formula.z_loss,
+        beta=formula.beta,
     )
     tuning = _xla.TUNING if impl == "xla" else _pallas.TUNING
     try:

@@ -1,9 +1,10 @@
-"""Flax NNX modules for the four losses: configured once, called with the arrays.
+"""Flax NNX modules for the losses: configured once, called with the arrays.
 
 Each module validates its options on construction (the same checks and messages as the
 functions, from :func:`lossspec.make_config`) and is called as
 ``module(logits, target, loss_mask=None, *, denominator=None)``, where ``target`` is the
-labels (:class:`CrossEntropyLoss`) or the teacher logits (the distillation losses). The
+labels (:class:`CrossEntropyLoss`) or the teacher logits (the distillation losses);
+:class:`EntropyLoss` has no target: ``module(logits, loss_mask=None, *, denominator=None)``. The
 modules hold no parameters or state; they work under ``nnx.jit``, ``nnx.grad`` and inside
 other modules. ``denominator`` is runtime data: a new global count never recompiles.
 
@@ -25,7 +26,7 @@ from flax import nnx as _nnx
 
 from . import api
 
-__all__ = ["CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "ReverseKLLoss"]
+__all__ = ["CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "ReverseKLLoss", "EntropyLoss", "JensenShannonLoss"]
 
 
 class _Loss(_nnx.Module):
@@ -63,11 +64,32 @@ class _Loss(_nnx.Module):
         )
 
 
+class _TargetlessLoss(_Loss):
+    """Shared body of the kinds without a target (``entropy``): ``module(logits, loss_mask)``."""
+
+    def __call__(self, logits: Any, loss_mask: Any = None, *, denominator: Any = None) -> jax.Array:  # type: ignore[override]
+        """The loss of this module's kind: an fp32 scalar, or per-token losses ``[...]`` for
+        ``normalization="none"``."""
+        function = getattr(api, self.kind)
+        return function(
+            logits,
+            loss_mask,
+            normalization=self.normalization,
+            denominator=denominator,
+            vocab_parallel=self.vocab_parallel,
+            impl=self.impl,
+            **self.options,
+        )
+
+
 def _module(kind: str) -> type:
-    return lossspec.kinds.module_class(kind, _Loss, api.FRAMEWORK_ARGS, "jaxloss", __name__)
+    base = _Loss if lossspec.KIND_SPECS[kind].target is not None else _TargetlessLoss
+    return lossspec.kinds.module_class(kind, base, api.FRAMEWORK_ARGS, "jaxloss", __name__)
 
 
 CrossEntropyLoss = _module("cross_entropy")
 SoftCrossEntropyLoss = _module("soft_cross_entropy")
 ForwardKLLoss = _module("forward_kl")
 ReverseKLLoss = _module("reverse_kl")
+EntropyLoss = _module("entropy")
+JensenShannonLoss = _module("jensen_shannon")

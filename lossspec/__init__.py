@@ -35,7 +35,10 @@ from .checks import (
     numpy_meta,
 )
 from .config import (
+    ALL_KINDS,
     COUNTED_NORMALIZATIONS,
+    ENTROPY_JSD_KINDS,
+    TARGETLESS_KINDS,
     DISTILL_KINDS,
     JAX_IMPLS,
     KINDS,
@@ -50,7 +53,7 @@ from .config import (
 )
 from .microbatches import batch_rows, check_num_microbatches, check_shifted_microbatch, microbatch_sizes
 from .kinds import KIND_SPECS, FrameworkArgs, KindSpec, public_function
-from .stats import FINAL_STAT_INDEX, FINAL_STATS, KIND_IDS, ROW_STAT_INDEX, ROW_STATS, stats_used
+from .stats import FINAL_STAT_INDEX, FINAL_STATS, KIND_IDS, MIXTURE_STATS, ROW_STAT_INDEX, ROW_STATS, stats_used
 from .generators import SCENARIOS, Case, Reference, all_cases, make_case
 from .oracle import count_denominator, oracle, oracle_vocab_parallel, per_token_oracle, token_weights
 from .tolerances import (

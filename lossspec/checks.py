@@ -54,7 +54,7 @@ def _shape(shape: tuple[int, ...]) -> str:
 def check_inputs(
     config: LossConfig,
     logits: ArrayMeta,
-    target: ArrayMeta,
+    target: ArrayMeta | None,
     loss_mask: ArrayMeta | None,
 ) -> None:
     """Check shapes and dtypes of one loss call (SPEC section 5).
@@ -63,7 +63,7 @@ def check_inputs(
       config: the call's validated options.
       logits: ``[..., V]`` floating point.
       target: labels ``[...]`` (integer) for ``cross_entropy``, teacher logits ``[..., V]``
-        (floating point) for the distillation kinds.
+        (floating point) for the distillation kinds; not read for ``entropy`` (no target).
       loss_mask: ``[...]`` boolean or floating-point weights, or ``None``.
     """
     if logits.kind != FLOAT_KIND:
@@ -75,7 +75,10 @@ def check_inputs(
     if config.causal_shift:
         check_loss_time_axis(logits.shape)
     lead = logits.shape[:-1]
-    if config.kind == "cross_entropy":
+    if not config.has_target:
+        pass
+    elif config.kind == "cross_entropy":
+        assert target is not None
         if target.kind not in INT_KINDS:
             raise TypeError(f"labels must be an integer array of shape {_shape(lead)}; got dtype {target.dtype}")
         if target.shape != lead:
@@ -84,6 +87,7 @@ def check_inputs(
                 f"for logits {_shape(logits.shape)}"
             )
     else:
+        assert target is not None
         if target.kind != FLOAT_KIND:
             raise TypeError(
                 f"teacher_logits must be a floating-point array of shape {_shape(logits.shape)}; got dtype {target.dtype}"

@@ -12,8 +12,16 @@ from typing import Any
 
 from .causal import check_causal_shift
 
+# The four kinds of the shared test matrices (every backend, every test file parametrised over
+# ``lossspec.KINDS``), and the kinds added since, which their own test files cover until the
+# shared matrices take them in (``ALL_KINDS``: everything ``check_kind`` accepts).
 KINDS: tuple[str, ...] = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
-DISTILL_KINDS: tuple[str, ...] = ("soft_cross_entropy", "forward_kl", "reverse_kl")
+ENTROPY_JSD_KINDS: tuple[str, ...] = ("entropy", "jensen_shannon")
+ALL_KINDS: tuple[str, ...] = KINDS + ENTROPY_JSD_KINDS
+# Kinds with teacher logits (the target argument ``teacher_logits [..., V]``).
+DISTILL_KINDS: tuple[str, ...] = ("soft_cross_entropy", "forward_kl", "reverse_kl", "jensen_shannon")
+# Kinds without a target argument: ``fn(logits, loss_mask=None, ...)``.
+TARGETLESS_KINDS: tuple[str, ...] = ("entropy",)
 NORMALIZATIONS: tuple[str, ...] = ("valid_tokens", "tokens", "sum", "none")
 # Normalisations whose denominator is a count that adds up over micro-batches and replicas.
 COUNTED_NORMALIZATIONS: tuple[str, ...] = ("valid_tokens", "tokens")
@@ -23,6 +31,16 @@ TORCH_IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
 # Keyword options each kind accepts (besides loss_mask, normalization, denominator).
 CE_OPTIONS: tuple[str, ...] = ("ignore_index", "label_smoothing", "z_loss", "logit_scale", "causal_shift")
 DISTILL_OPTIONS: tuple[str, ...] = ("temperature", "logit_scale", "teacher_logit_scale", "causal_shift")
+ENTROPY_OPTIONS: tuple[str, ...] = ("temperature", "logit_scale", "causal_shift")
+JSD_OPTIONS: tuple[str, ...] = ("beta", "temperature", "logit_scale", "teacher_logit_scale", "causal_shift")
+KIND_OPTIONS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": CE_OPTIONS,
+    "soft_cross_entropy": DISTILL_OPTIONS,
+    "forward_kl": DISTILL_OPTIONS,
+    "reverse_kl": DISTILL_OPTIONS,
+    "entropy": ENTROPY_OPTIONS,
+    "jensen_shannon": JSD_OPTIONS,
+}
 
 
 def _finite_number(name: str, value: Any) -> float:
@@ -68,8 +86,8 @@ def check_ignore_index(ignore_index: Any) -> int:
 
 
 def check_kind(kind: str) -> str:
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}; got {kind!r}")
+    if kind not in ALL_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, ALL_KINDS))}; got {kind!r}")
     return kind
 
 
@@ -91,9 +109,10 @@ def check_impl(impl: str, allowed: tuple[str, ...]) -> str:
 class LossConfig:
     """The scalar options of one loss call, validated on construction.
 
-    ``temperature`` and ``teacher_logit_scale`` only apply to the distillation kinds;
-    ``ignore_index``, ``label_smoothing`` and ``z_loss`` only to ``cross_entropy``;
-    ``causal_shift`` to every kind (:mod:`lossspec.causal`).
+    ``temperature`` applies to every kind but ``cross_entropy``, ``teacher_logit_scale`` to the
+    distillation kinds; ``ignore_index``, ``label_smoothing`` and ``z_loss`` only to
+    ``cross_entropy``; ``beta`` (in ``[0, 1]``) only to ``jensen_shannon``; ``causal_shift`` to
+    every kind (:mod:`lossspec.causal`).
     The effective student scale is ``student_scale = logit_scale / temperature`` and the
     teacher's ``teacher_scale = teacher_logit_scale / temperature``.
     """
@@ -107,6 +126,7 @@ class LossConfig:
     teacher_logit_scale: float = 1.0
     temperature: float = 1.0
     causal_shift: bool = False
+    beta: float = 0.5
 
     def __post_init__(self) -> None:
         check_kind(self.kind)
@@ -132,12 +152,18 @@ class LossConfig:
             raise ValueError("temperature applies to the distillation losses only; cross_entropy uses T = 1")
         if self.kind != "cross_entropy" and (eps != 0.0 or lam != 0.0):
             raise ValueError("label_smoothing and z_loss apply to cross_entropy only")
+        beta = _finite_number("beta", self.beta)
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {beta}")
+        if self.kind != "jensen_shannon" and beta != 0.5:
+            raise ValueError("beta applies to jensen_shannon only")
         for name, value in (
             ("label_smoothing", eps),
             ("z_loss", lam),
             ("temperature", temperature),
             ("logit_scale", scale),
             ("teacher_logit_scale", teacher_scale),
+            ("beta", beta),
         ):
             object.__setattr__(self, name, value)
 
@@ -156,6 +182,28 @@ class LossConfig:
         return self.kind in DISTILL_KINDS
 
     @property
+    def has_target(self) -> bool:
+        """Whether the kind takes a target (labels or teacher logits); ``entropy`` does not."""
+        return self.kind not in TARGETLESS_KINDS
+
+    @property
+    def formula(self) -> str:
+        """The kind whose formulas compute this call: ``jensen_shannon`` at ``beta = 0`` is
+        exactly ``forward_kl`` and at ``beta = 1`` exactly ``reverse_kl`` (TRL's GKD and
+        Liger-Kernel define those end points so; the mixture's ``log(0)`` never appears),
+        every other call its own kind."""
+        if self.kind == "jensen_shannon" and self.beta in (0.0, 1.0):
+            return "forward_kl" if self.beta == 0.0 else "reverse_kl"
+        return self.kind
+
+    def kernel_config(self) -> "LossConfig":
+        """This config with ``kind = formula`` (and the default ``beta`` where the kind
+        changed): what the backends compute. The same scales, normalisation and shift."""
+        if self.formula == self.kind:
+            return self
+        return dataclasses.replace(self, kind=self.formula, beta=0.5)
+
+    @property
     def counted(self) -> bool:
         """Whether the denominator is a count (``valid_tokens``/``tokens``)."""
         return self.normalization in COUNTED_NORMALIZATIONS
@@ -165,7 +213,7 @@ def make_config(kind: str, **options: Any) -> LossConfig:
     """Build a :class:`LossConfig` from a function's keyword options, rejecting the ones
     that do not belong to ``kind`` with a ``TypeError`` that names them."""
     check_kind(kind)
-    allowed = CE_OPTIONS if kind == "cross_entropy" else DISTILL_OPTIONS
+    allowed = KIND_OPTIONS[kind]
     unknown = sorted(set(options) - set(allowed) - {"normalization"})
     if unknown:
         raise TypeError(f"{kind} got unexpected option(s) {', '.join(unknown)}; it accepts {', '.join(allowed)}")

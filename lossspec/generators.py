@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .causal import scored_positions, shift_targets
-from .config import KINDS
+from .config import ALL_KINDS, KINDS
 from .oracle import oracle, token_weights
 from .config import make_config
 from .tolerances import g0_for, round_to_dtype
@@ -45,13 +45,14 @@ class Reference:
 @dataclasses.dataclass
 class Case:
     """One generated input: ``logits`` ``[..., V]`` (float32 holding values of ``dtype``),
-    ``target`` (int64 labels ``[...]`` or teacher logits ``[..., V]``) and ``loss_mask``."""
+    ``target`` (int64 labels ``[...]``, teacher logits ``[..., V]``, or ``None`` for ``entropy``)
+    and ``loss_mask``."""
 
     kind: str
     scenario: str
     dtype: str
     logits: np.ndarray
-    target: np.ndarray
+    target: np.ndarray | None
     loss_mask: np.ndarray | None
 
     @property
@@ -114,11 +115,11 @@ def make_case(
     Labels of masked tokens hold arbitrary values, out-of-range ones included, because they
     must never be read as indices; valid labels lie in ``[0, vocab)`` and avoid ``-inf`` columns.
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
+    if kind not in ALL_KINDS:
+        raise ValueError(f"kind must be one of {ALL_KINDS}; got {kind!r}")
     if scenario not in SCENARIOS:
         raise ValueError(f"scenario must be one of {SCENARIOS}; got {scenario!r}")
-    rng = np.random.default_rng([seed, KINDS.index(kind), SCENARIOS.index(scenario), vocab])
+    rng = np.random.default_rng([seed, ALL_KINDS.index(kind), SCENARIOS.index(scenario), vocab])
     lead = (0,) + tuple(lead_shape[1:]) if scenario == "empty" else tuple(lead_shape)
     shape = lead + (vocab,)
     if scenario == "huge":
@@ -149,6 +150,8 @@ def make_case(
             garbage = rng.choice(np.array([-1, vocab, 10**6, IGNORE_INDEX, 0]), size=lead)
             labels = np.where(mask != 0, labels, garbage)
         target = labels
+    elif kind == "entropy":
+        target = None  # no target
     else:
         target = round_to_dtype(teacher, dtype)
     return Case(kind, scenario, dtype, round_to_dtype(logits, dtype), target, mask)

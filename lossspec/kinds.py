@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
-from .config import KINDS, make_config
+from .config import ALL_KINDS, make_config
 
 _P = inspect.Parameter
 
@@ -25,7 +25,7 @@ class KindSpec:
 
     kind: str
     module: str  # the module class name (jaxloss.nnx, torchloss.nn)
-    target: str  # "labels" or "teacher_logits"
+    target: Optional[str]  # "labels", "teacher_logits", or None (entropy: no target argument)
     title: str
     loss: str  # per-token loss formula
     grad: str  # gradient w.r.t. z
@@ -40,6 +40,8 @@ class KindSpec:
 _SHIFT_OPTION = (("causal_shift", False),)
 _CE_OPTIONS = (("ignore_index", -100), ("label_smoothing", 0.0), ("z_loss", 0.0), ("logit_scale", 1.0)) + _SHIFT_OPTION
 _DISTILL_OPTIONS = (("temperature", 1.0), ("logit_scale", 1.0), ("teacher_logit_scale", 1.0)) + _SHIFT_OPTION
+_ENTROPY_OPTIONS = (("temperature", 1.0), ("logit_scale", 1.0)) + _SHIFT_OPTION
+_JSD_OPTIONS = (("beta", 0.5),) + _DISTILL_OPTIONS
 
 KIND_SPECS: dict[str, KindSpec] = {
     "cross_entropy": KindSpec(
@@ -78,8 +80,27 @@ KIND_SPECS: dict[str, KindSpec] = {
         "dl/dz = q (log q - log p - l)   (0 where q == 0)",
         _DISTILL_OPTIONS,
     ),
+    "entropy": KindSpec(
+        "entropy",
+        "EntropyLoss",
+        None,
+        "Masked entropy of the student's distribution q (the entropy regulariser of policy-gradient trainers).",
+        "l = -sum_v q_v log q_v",
+        "dl/dz = -q (log q + l)   (0 where q == 0)",
+        _ENTROPY_OPTIONS,
+    ),
+    "jensen_shannon": KindSpec(
+        "jensen_shannon",
+        "JensenShannonLoss",
+        "teacher_logits",
+        "Masked generalised Jensen-Shannon divergence of the student q and the teacher p (on-policy distillation).",
+        "l = beta KL(p || M) + (1 - beta) KL(q || M),  M = beta p + (1 - beta) q;\n"
+        "    beta = 0: KL(p || q) (forward KL), beta = 1: KL(q || p) (reverse KL), computed as those kinds",
+        "dl/dz = (1 - beta) q (log q - log M - KL(q || M))   (0 where q == 0; the KL kinds' at beta = 0, 1)",
+        _JSD_OPTIONS,
+    ),
 }
-assert tuple(KIND_SPECS) == KINDS
+assert tuple(KIND_SPECS) == ALL_KINDS
 
 _NOTATION = {
     "labels": (
@@ -91,6 +112,10 @@ _NOTATION = {
         "``p = softmax(teacher_logit_scale * t / T)`` (teacher, no gradient), ``T = temperature``,\n"
         "``lse = log sum_v exp(z_v)`` (no ``T**2`` factor: multiply the loss by ``T**2`` for\n"
         "Hinton's scaling)::"
+    ),
+    None: (
+        "Per token, with ``z = logit_scale * x / T``, ``q = softmax(z)`` (the student's distribution),\n"
+        "``T = temperature``::"
     ),
 }
 
@@ -112,6 +137,10 @@ _ARG_DOCS: dict[str, str] = {
     "logit_scale": "``> 0``, multiplies the student's logits (before the temperature).",
     "temperature": "``T > 0``, divides student and teacher alike.",
     "teacher_logit_scale": "``> 0``, multiplies the teacher's logits.",
+    "beta": (
+        "``beta`` in ``[0, 1]``, the teacher's share of the mixture ``M = beta p + (1 - beta) q`` (TRL's GKD and "
+        "Liger-Kernel's JSD): 0.5 the symmetric JSD, 0 forward KL ``KL(p || q)``, 1 reverse KL ``KL(q || p)``."
+    ),
     "causal_shift": (
         "``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input token "
         "(e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored "
@@ -148,11 +177,10 @@ class FrameworkArgs:
 def parameters(spec: KindSpec, extra: FrameworkArgs) -> list[inspect.Parameter]:
     """The public signature of ``spec``'s function: positional ``logits, <target>, loss_mask``,
     then keyword-only options, ``normalization``, ``denominator`` and the framework's own."""
-    params = [
-        _P("logits", _P.POSITIONAL_OR_KEYWORD),
-        _P(spec.target, _P.POSITIONAL_OR_KEYWORD),
-        _P("loss_mask", _P.POSITIONAL_OR_KEYWORD, default=None),
-    ]
+    params = [_P("logits", _P.POSITIONAL_OR_KEYWORD)]
+    if spec.target is not None:
+        params.append(_P(spec.target, _P.POSITIONAL_OR_KEYWORD))
+    params.append(_P("loss_mask", _P.POSITIONAL_OR_KEYWORD, default=None))
     params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default in spec.options]
     params += [_P("normalization", _P.KEYWORD_ONLY, default="valid_tokens"), _P("denominator", _P.KEYWORD_ONLY, default=None)]
     params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default, _ in extra.args]
@@ -162,7 +190,7 @@ def parameters(spec: KindSpec, extra: FrameworkArgs) -> list[inspect.Parameter]:
 def docstring(spec: KindSpec, extra: FrameworkArgs) -> str:
     """The docstring of ``spec``'s public function in one framework."""
     lines = [spec.title, "", _NOTATION[spec.target], "", f"    {spec.loss}", f"    {spec.grad}", "", "Args:"]
-    names = ["logits", spec.target, "loss_mask", *spec.option_names, "normalization", "denominator"]
+    names = ["logits", *([spec.target] if spec.target else []), "loss_mask", *spec.option_names, "normalization", "denominator"]
     lines += [f"  {name}: {_ARG_DOCS[name]}" for name in names]
     lines += [f"  {name}: {doc}" for name, _, doc in extra.args]
     lines += ["", "Returns:"] + ["  " + line for line in _RETURNS.splitlines()]
@@ -199,7 +227,8 @@ def module_docstring(spec: KindSpec, extra: FrameworkArgs, framework: str) -> st
         f"Module form of :func:`{framework}.{spec.kind}`: {spec.title[0].lower()}{spec.title[1:]}\n\n"
         f"Constructed with the keyword options ``{options}, normalization='valid_tokens', {extras}``\n"
         "(validated at construction, with the function's errors); called as\n"
-        f"``module(logits, {spec.target}, loss_mask=None, *, denominator=None)``. It holds no parameters.\n\n"
+        f"``module(logits, {spec.target + ', ' if spec.target else ''}loss_mask=None, *, denominator=None)``. "
+        "It holds no parameters.\n\n"
         f"    {spec.loss}\n    {spec.grad}\n"
     )
 

@@ -13,6 +13,13 @@ Losses (per token) and their gradients with respect to ``z``::
   soft_cross_entropy l = lse - sum_v p_v z_v                       dl/dz = q - p
   forward_kl         l = sum_v p_v (log p_v - log q_v)             dl/dz = q - p
   reverse_kl         l = sum_v q_v (log q_v - log p_v)             dl/dz = q (log q - log p - l)
+  entropy            l = -sum_v q_v log q_v                        dl/dz = -q (log q + l)
+  jensen_shannon     l = beta KL(p || M) + (1-beta) KL(q || M),    M = beta p + (1-beta) q
+                     dl/dz = (1-beta) q (log q - log M - KL(q || M))
+                     (beta = 0: forward_kl, beta = 1: reverse_kl, exactly; TRL GKD / Liger-Kernel)
+
+Entropy and the JSD are written here in their textbook form (``log M`` by ``logaddexp`` in
+float64), independently of the pivoted / two-pass formulation of :mod:`lossspec.stats`.
 
 Normalised loss: ``sum_i w_i l_i / D`` (SPEC section 2); the gradient with respect to ``x`` is
 ``dl/dz * c * w_i / D * upstream``.
@@ -67,8 +74,10 @@ def per_token_oracle(
     """Per-token loss ``l`` ``[N]`` and ``dl/dz`` ``[N, V]`` in float64 for rows ``[N, V]``.
 
     ``target`` holds labels ``[N]`` (cross-entropy; rows with ``valid == False`` are never
-    indexed) or teacher logits ``[N, V]``. Invalid rows get loss 0 and gradient 0.
+    indexed), teacher logits ``[N, V]``, or ``None`` (entropy). Invalid rows get loss 0 and
+    gradient 0.
     """
+    kind = config.formula  # jensen_shannon at beta = 0 / 1 is forward / reverse KL
     x = np.asarray(logits, dtype=np.float64)
     rows, vocab = x.shape
     valid = np.ones(rows, dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
@@ -77,7 +86,11 @@ def per_token_oracle(
     lse_shift, q = _log_softmax_parts(d)
     bad = _row_is_bad(x)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        if config.kind == "cross_entropy":
+        if kind == "entropy":
+            log_q = d - lse_shift[:, None]
+            loss = -_where_positive(q, log_q).sum(axis=-1)
+            grad_z = -_where_positive(q, log_q + loss[:, None])
+        elif kind == "cross_entropy":
             labels = np.where(valid, np.asarray(target), 0).astype(np.int64)
             eps, lam = config.label_smoothing, config.z_loss
             d_y = np.take_along_axis(d, labels[:, None], axis=-1)[:, 0]
@@ -97,10 +110,17 @@ def per_token_oracle(
             bad = bad | _row_is_bad(t)
             log_q = d - lse_shift[:, None]
             log_p = dt - lse_t_shift[:, None]
-            if config.kind == "soft_cross_entropy":
+            if kind == "soft_cross_entropy":
                 loss = lse_shift - _where_positive(p, d).sum(axis=-1)
                 grad_z = q - p
-            elif config.kind == "forward_kl":
+            elif kind == "jensen_shannon":
+                beta = config.beta
+                log_m = np.logaddexp(np.log1p(-beta) + log_q, np.log(beta) + log_p)
+                kl_pm = _where_positive(p, log_p - log_m).sum(axis=-1)
+                kl_qm = _where_positive(q, log_q - log_m).sum(axis=-1)
+                loss = beta * kl_pm + (1.0 - beta) * kl_qm
+                grad_z = (1.0 - beta) * _where_positive(q, log_q - log_m - kl_qm[:, None])
+            elif kind == "forward_kl":
                 loss = _where_positive(p, log_p - log_q).sum(axis=-1)
                 grad_z = q - p
             else:  # reverse_kl
@@ -175,8 +195,9 @@ def _prepare(
     grad_output = options.pop("grad_output", None)
     config = make_config(kind, normalization=normalization, **options)
     logits = np.asarray(logits)
-    target = np.asarray(target)
-    check_inputs(config, numpy_meta(logits), numpy_meta(target), None if loss_mask is None else numpy_meta(np.asarray(loss_mask)))
+    target = np.asarray(target) if config.has_target else None
+    target_meta = None if target is None else numpy_meta(target)
+    check_inputs(config, numpy_meta(logits), target_meta, None if loss_mask is None else numpy_meta(np.asarray(loss_mask)))
     check_denominator_allowed(config, denominator)
     if denominator is not None:
         check_denominator_value(denominator)
@@ -203,7 +224,12 @@ def _normalise(
     if config.kind == "cross_entropy":
         check_labels(np.asarray(target), valid, vocab, config.causal_shift)
     rows = int(np.prod(lead, dtype=np.int64))
-    flat_target = np.asarray(target).reshape(rows) if config.kind == "cross_entropy" else np.asarray(target).reshape(rows, vocab)
+    if not config.has_target:
+        flat_target = None
+    elif config.kind == "cross_entropy":
+        flat_target = np.asarray(target).reshape(rows)
+    else:
+        flat_target = np.asarray(target).reshape(rows, vocab)
     loss_tok, grad_z = per_token_fn(config, logits.reshape(rows, vocab), flat_target, valid.reshape(rows))
     weight = weight.reshape(rows)
     c = config.student_scale
@@ -232,20 +258,22 @@ def _normalise(
 def oracle(
     kind: str,
     logits: np.ndarray,
-    target: np.ndarray,
+    target: np.ndarray | None,
     loss_mask: np.ndarray | None = None,
     **options: Any,
 ) -> tuple[np.ndarray | float, np.ndarray]:
     """The float64 reference ``(loss, grad_logits)`` of SPEC section 3.
 
     Args:
-      kind: ``"cross_entropy" | "soft_cross_entropy" | "forward_kl" | "reverse_kl"``.
+      kind: ``"cross_entropy" | "soft_cross_entropy" | "forward_kl" | "reverse_kl" |
+        "entropy" | "jensen_shannon"``.
       logits: ``[..., V]``.
-      target: labels ``[...]`` or teacher logits ``[..., V]``.
+      target: labels ``[...]``, teacher logits ``[..., V]``, or ``None`` (``entropy``, which
+        has no target; ignored there).
       loss_mask: ``[...]`` boolean or float weights, or ``None``.
       **options: the keyword options of the matching public function (``ignore_index``,
         ``label_smoothing``, ``z_loss``, ``logit_scale``, ``temperature``,
-        ``teacher_logit_scale``, ``causal_shift``, ``normalization``, ``denominator``), plus
+        ``teacher_logit_scale``, ``beta``, ``causal_shift``, ``normalization``, ``denominator``), plus
         ``grad_output``: the
         upstream gradient (a scalar, or per-token ``[...]`` for ``"none"``; default 1).
 
@@ -284,6 +312,7 @@ def per_token_vocab_parallel(
     """
     x = np.asarray(logits, dtype=np.float64)
     rows, vocab = x.shape
+    kind = config.formula  # jensen_shannon at beta = 0 / 1 is forward / reverse KL
     bounds = np.linspace(0, vocab, num_shards + 1).astype(int)
     slices = [slice(bounds[k], bounds[k + 1]) for k in range(num_shards)]
     c, ct = config.student_scale, config.teacher_scale
@@ -299,7 +328,18 @@ def per_token_vocab_parallel(
         sum_exp = np.sum(rescale * s_k, axis=0)
         lse_shift = np.log(sum_exp)
         grads = []
-        if config.kind == "cross_entropy":
+        if kind == "entropy":
+            # h = sum e (x - m): each shard's own, moved to the global maximum (lossspec.stats).
+            h = 0.0
+            for k in range(num_shards):
+                own = _where_positive(np.exp(d_local[k]), d_local[k] / c).sum(-1)
+                h = h + rescale[k] * (own + s_k[k] * shift[k] / c)
+            mean_h = h / sum_exp
+            loss = lse_shift - c * mean_h
+            for k, s in enumerate(slices):
+                q = np.exp(d_local[k] + shift[k][:, None] - lse_shift[:, None])
+                grads.append(-c * _where_positive(q, (x[:, s] - m[:, None]) - mean_h[:, None]))
+        elif kind == "cross_entropy":
             labels = np.where(valid, np.asarray(target), 0).astype(np.int64)
             eps, lam = config.label_smoothing, config.z_loss
             d_y = np.zeros(rows)
@@ -340,9 +380,21 @@ def per_token_vocab_parallel(
                 p_d = p_d + rescale_t[k] * (_where_positive(e_t, d_local[k]).sum(-1) + shift[k] * st_k[k])
                 p_dt = p_dt + rescale_t[k] * (_where_positive(e_t, dt_local[k]).sum(-1) + shift_t[k] * st_k[k])
             p_d, p_dt = p_d / sum_exp_t, p_dt / sum_exp_t
-            if config.kind == "soft_cross_entropy":
+            kl_qm = None
+            if kind == "jensen_shannon":
+                # The second pass: each shard's mixture terms from the global lse's, summed.
+                beta = config.beta
+                kl_qm = kl_pm = 0.0
+                for k in range(num_shards):
+                    log_q = d_local[k] + shift[k][:, None] - lse_shift[:, None]
+                    log_p = dt_local[k] + shift_t[k][:, None] - lse_t_shift[:, None]
+                    log_m = np.logaddexp(np.log1p(-beta) + log_q, np.log(beta) + log_p)
+                    kl_qm = kl_qm + _where_positive(np.exp(log_q), log_q - log_m).sum(-1)
+                    kl_pm = kl_pm + _where_positive(np.exp(log_p), log_p - log_m).sum(-1)
+                loss = beta * kl_pm + (1.0 - beta) * kl_qm
+            elif kind == "soft_cross_entropy":
                 loss = lse_shift - p_d
-            elif config.kind == "forward_kl":
+            elif kind == "forward_kl":
                 loss = (p_dt - lse_t_shift) - (p_d - lse_shift)
             else:
                 # Reverse KL pivoted as lossspec.stats says: tau_k, the teacher at the shard's first
@@ -362,9 +414,13 @@ def per_token_vocab_parallel(
             for k, s in enumerate(slices):
                 log_q = d_local[k] + shift[k][:, None] - lse_shift[:, None]
                 q = np.exp(log_q)
-                if config.kind == "reverse_kl":
+                if kind == "reverse_kl":
                     d = c * (x[:, s] - m[:, None]) - ct * (t[:, s] - tau[:, None])
                     grads.append(_where_positive(q, d - mean_d[:, None]))
+                elif kind == "jensen_shannon":
+                    log_p = dt_local[k] + shift_t[k][:, None] - lse_t_shift[:, None]
+                    log_m = np.logaddexp(np.log1p(-config.beta) + log_q, np.log(config.beta) + log_p)
+                    grads.append((1.0 - config.beta) * _where_positive(q, log_q - log_m - kl_qm[:, None]))
                 else:
                     log_p = dt_local[k] + shift_t[k][:, None] - lse_t_shift[:, None]
                     grads.append(q - np.exp(log_p))

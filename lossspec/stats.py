@@ -32,6 +32,9 @@ stat           definition                                        kinds
                student's argmax, the *first* column where
                ``x == m`` on ties (``argmax`` semantics)
 ``e_d``        ``sum e D`` with ``D = c (x - m) - ct (t - tau)``  reverse KL
+``h``          ``sum e (x - m)``                                 entropy
+``kl_qm``      ``sum q (log q - log M)`` (second pass, below)    jensen_shannon
+``kl_pm``      ``sum p (log p - log M)`` (second pass, below)    jensen_shannon
 =============  ================================================  ==========================
 
 Combine (two blocks, or shards, of the same rows; ``m' = max(m1, m2)``): exp-sums are
@@ -40,7 +43,7 @@ multiplied by ``r = exp(c (m - m'))`` (teacher: ``exp(ct (mt - mt'))``), moments
 the ``tau`` of the block with the larger ``m`` (on equal ``m`` the earlier block's, the tie
 rule above, so blocks, shards and a whole row agree: shards in rank / axis-index order); ``e_d`` is re-expressed on the new pivot:
 ``r (e_d + s (c (m - m') - ct (tau - tau')))``. A block that saw nothing (``m = -inf``)
-contributes exactly 0.
+contributes exactly 0. ``h`` is a moment of the student's weights: ``r (h + s (m - m'))``.
 
 Per-token losses from the global statistics, with ``lse' = log s``::
 
@@ -48,6 +51,8 @@ Per-token losses from the global statistics, with ``lse' = log s``::
   soft_cross_entropy l = lse' - c a / st
   forward_kl         l = (ct b / st - log st) - (c a / st - lse')
   reverse_kl         l = e_d / s + (log st - lse' - ct (tau - mt))
+  entropy            l = lse' - c h / s            (h <= 0: two terms >= 0, no cancellation)
+  jensen_shannon     l = beta kl_pm + (1 - beta) kl_qm   (after the second pass)
 
 Gradients w.r.t. ``z`` (SPEC section 1), ``q = exp(c (x - m) - lse')``,
 ``p = exp(ct (t - mt) - log st)``::
@@ -55,6 +60,41 @@ Gradients w.r.t. ``z`` (SPEC section 1), ``q = exp(c (x - m) - lse')``,
   cross_entropy      (1 + 2 lam (lse' + c m)) q - (1-eps) onehot(y) - eps/V
   soft CE, fwd KL    q - p
   reverse_kl         q (log q - log p - l) = q (D - e_d / s)   (0 where q == 0)
+  entropy            -q (log q + l) = -c q ((x - m) - h / s)   (0 where q == 0)
+  jensen_shannon     (1 - beta) q (log q - log M - kl_qm)       (0 where q == 0)
+
+Entropy, ``l = -sum_v q_v log q_v``: ``log q = c (x - m) - lse'`` gives ``l = lse' - c E_q[x - m]``
+and ``log q + l = c ((x - m) - E_q[x - m])``; ``E_q[x - m] = h / s`` is the final ``mean_h``.
+
+Jensen-Shannon (generalised, TRL GKD's ``generalized_jsd_loss`` and Liger-Kernel's JSD):
+``p`` the teacher, ``q`` the student, the mixture ``M = beta p + (1 - beta) q``::
+
+  l = beta KL(p || M) + (1 - beta) KL(q || M) = beta kl_pm + (1 - beta) kl_qm
+
+``beta = 0`` is forward KL ``KL(p || q)`` and ``beta = 1`` reverse KL ``KL(q || p)`` (their
+definition: the end points are the limits of ``l / beta`` and ``l / (1 - beta)``, not of ``l``);
+those two calls run the forward / reverse KL formulas exactly (``LossConfig.formula``), never a
+``log 0``. Gradient for ``0 < beta < 1``: ``dl/dq_v = (1 - beta) (log q_v - log M_v)`` (the
+``beta p / M + (1 - beta) q / M = 1`` terms cancel), through the softmax
+``dl/dz = (1 - beta) q (log q - log M - kl_qm)``.
+
+``log M_v`` needs the *global* ``log q_v`` and ``log p_v``, which a block's statistics relative
+to its own maxima cannot give: a log of a sum of two exponentials does not factor through the
+online rescaling. So ``jensen_shannon`` takes three passes over the vocabulary: (1) the
+statistics ``m, s, mt, st`` (combined as for the other kinds) and :func:`finalize` to ``lse'``,
+``log st``; (2) :data:`MIXTURE_STATS` ``kl_qm``, ``kl_pm``, plain sums of per-entry terms
+(:func:`mixture_terms`) that blocks and shards simply add (no rescaling: they are relative to the
+global ``lse``'s), then :func:`finalize_mixture` to ``l``; (3) the gradient. A block that is the
+whole row does all three on data in cache. Per entry, with ``diff = log q - log p`` and
+``g = log((1 - beta) / beta) + diff`` (``= log((1 - beta) q) - log(beta p)``)::
+
+  log q - log M = min(-log(1 - beta), diff - log beta) - log1p(exp(-|g|))
+  log p - log M = min(-log beta, -diff - log(1 - beta)) - log1p(exp(-|g|))
+
+(``log M = max(a, b) + log1p(exp(-|a - b|))`` with ``a = log((1 - beta) q)``, ``b = log(beta p)``).
+Both are bounded where their weight is non-zero (``log q - log M <= -log(1 - beta)``), so the
+terms ``q (log q - log M)`` and ``p (log p - log M)`` have no cancellation and ``0 <= l <= log 2``:
+an entry with ``p = 0`` gives ``-log(1 - beta)`` (``diff = +inf``), one with ``q = 0`` weight 0.
 
 Why reverse KL is pivoted: its gradient ``q (log q - log p - l)`` cancels catastrophically
 when ``l`` is large (huge logits: ``l ~ 1e4`` while the gradient needs the difference to
@@ -73,17 +113,21 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from typing import Any, Optional
 
 from .config import LossConfig
 
 # The statistics of a block, in this order (the Triton kernels' buffer layout).
-ROW_STATS: tuple[str, ...] = ("m", "s", "x_y", "sum_shift", "n", "mt", "st", "a", "b", "tau", "e_d")
+ROW_STATS: tuple[str, ...] = ("m", "s", "x_y", "sum_shift", "n", "mt", "st", "a", "b", "tau", "e_d", "h", "kl_qm", "kl_pm")
+# The statistics of jensen_shannon's second pass (sums relative to the global lse's).
+MIXTURE_STATS: tuple[str, ...] = ("kl_qm", "kl_pm")
 
 # What finalize returns per row and the gradient pass reads (the Triton kernels' layout).
 # ``l`` loss, ``m``/``mt`` the maxima made finite (``-inf`` -> 0), ``lse = log s``,
-# ``lse_t = log st``, ``q_coef = 1 + 2 lam (lse + c m)`` (1 without z-loss), ``mean_d = e_d / s``.
-FINAL_STATS: tuple[str, ...] = ("l", "m", "s", "lse", "mt", "st", "lse_t", "q_coef", "tau", "mean_d")
+# ``lse_t = log st``, ``q_coef = 1 + 2 lam (lse + c m)`` (1 without z-loss), ``mean_d = e_d / s``,
+# ``mean_h = h / s`` (entropy), ``kl_qm`` (jensen_shannon).
+FINAL_STATS: tuple[str, ...] = ("l", "m", "s", "lse", "mt", "st", "lse_t", "q_coef", "tau", "mean_d", "mean_h", "kl_qm")
 
 ROW_STAT_INDEX: dict[str, int] = {name: i for i, name in enumerate(ROW_STATS)}
 FINAL_STAT_INDEX: dict[str, int] = {name: i for i, name in enumerate(FINAL_STATS)}
@@ -93,15 +137,25 @@ _KIND_STATS: dict[str, tuple[str, ...]] = {
     "soft_cross_entropy": ("m", "s", "mt", "st", "a"),
     "forward_kl": ("m", "s", "mt", "st", "a", "b"),
     "reverse_kl": ("m", "s", "mt", "st", "tau", "e_d"),
+    "entropy": ("m", "s", "h"),
+    "jensen_shannon": ("m", "s", "mt", "st"),  # pass 1; MIXTURE_STATS in pass 2
 }
 
 # Integer ids of the kinds (Triton ``constexpr``s are named after them, never compared with
 # bare numbers).
-KIND_IDS: dict[str, int] = {"cross_entropy": 0, "soft_cross_entropy": 1, "forward_kl": 2, "reverse_kl": 3}
+KIND_IDS: dict[str, int] = {
+    "cross_entropy": 0,
+    "soft_cross_entropy": 1,
+    "forward_kl": 2,
+    "reverse_kl": 3,
+    "entropy": 4,
+    "jensen_shannon": 5,
+}
 
 
 def stats_used(config: LossConfig) -> tuple[str, ...]:
-    """The statistics a call computes (in :data:`ROW_STATS` order); the others are ``None``."""
+    """The statistics a call computes in its first pass (in :data:`ROW_STATS` order); the others
+    are ``None`` (``jensen_shannon``'s :data:`MIXTURE_STATS` come from the second pass)."""
     used = set(_KIND_STATS[config.kind])
     if config.kind == "cross_entropy" and config.label_smoothing > 0:
         used |= {"sum_shift", "n"}
@@ -121,7 +175,7 @@ Stats.__doc__ = "Per-row statistics ``[R]`` of a block (:data:`ROW_STATS`); ``No
 Final = collections.namedtuple("Final", FINAL_STATS, defaults=(None,) * len(FINAL_STATS))  # type: ignore[misc]
 Final.__doc__ = "What the gradient pass needs per row ``[R]`` (:data:`FINAL_STATS`)."
 
-SUM_STATS: tuple[str, ...] = ("s", "x_y", "sum_shift", "n", "st", "a", "b", "e_d")
+SUM_STATS: tuple[str, ...] = ("s", "x_y", "sum_shift", "n", "st", "a", "b", "e_d", "h", "kl_qm", "kl_pm")
 
 
 def finite_max(xp: Any, m: Any) -> Any:
@@ -143,6 +197,8 @@ def rescale(xp: Any, config: LossConfig, st: Any, m_new: Any, mt_new: Optional[A
     times their weight sum."""
     r, dm = _shift(xp, st.m, m_new, config.student_scale)
     out = st._replace(m=m_new, s=r * st.s)
+    if st.h is not None:
+        out = out._replace(h=r * (st.h + st.s * dm))
     if st.sum_shift is not None:
         out = out._replace(sum_shift=st.sum_shift + st.n * dm)
     if mt_new is None:
@@ -211,6 +267,10 @@ def finalize(xp: Any, config: LossConfig, st: Any, vocab: int) -> Any:
             loss = loss + lam * full_lse * full_lse
             q_coef = 1.0 + (2.0 * lam) * full_lse
         return Final(l=xp.where(xp.isnan(st.s), float("nan"), loss), m=m, s=st.s, lse=lse, q_coef=q_coef)
+    if config.kind == "entropy":
+        mean_h = st.h / st.s
+        loss = xp.where(xp.isnan(st.s), float("nan"), lse - c * mean_h)
+        return Final(l=loss, m=m, s=st.s, lse=lse, mean_h=mean_h)
     mt = finite_max(xp, st.mt)
     lse_t = xp.log(st.st)
     tau = mean_d = None
@@ -218,11 +278,50 @@ def finalize(xp: Any, config: LossConfig, st: Any, vocab: int) -> Any:
         loss = lse - c * st.a / st.st
     elif config.kind == "forward_kl":
         loss = (ct * st.b / st.st - lse_t) - (c * st.a / st.st - lse)
+    elif config.kind == "jensen_shannon":
+        fin = Final(m=m, s=st.s, lse=lse, mt=mt, st=st.st, lse_t=lse_t)
+        if st.kl_qm is None:  # the second pass has not run yet: no loss
+            return fin
+        return finalize_mixture(xp, config, fin, st.kl_qm, st.kl_pm)
     else:
         tau, mean_d = st.tau, st.e_d / st.s
         loss = mean_d + (lse_t - lse - ct * (st.tau - mt))
     loss = xp.where(xp.isnan(st.s) | xp.isnan(st.st), float("nan"), loss)
     return Final(l=loss, m=m, s=st.s, lse=lse, mt=mt, st=st.st, lse_t=lse_t, tau=tau, mean_d=mean_d)
+
+
+def mixture_log_ratios(xp: Any, config: LossConfig, diff: Any) -> tuple[Any, Any]:
+    """``(log q - log M, log p - log M)`` per entry from ``diff = log q - log p`` (the formulas
+    above; finite wherever the entry's own weight is non-zero, NaN where ``p = q = 0``)."""
+    beta = config.beta
+    log_beta, log_rest = math.log(beta), math.log1p(-beta)
+    soft = xp.log1p(xp.exp(-xp.abs(diff + (log_rest - log_beta))))
+    q_side = diff - log_beta
+    p_side = -diff - log_rest
+    log_qm = xp.where(q_side < -log_rest, q_side, -log_rest) - soft
+    log_pm = xp.where(p_side < -log_beta, p_side, -log_beta) - soft
+    return log_qm, log_pm
+
+
+def mixture_terms(xp: Any, config: LossConfig, fin: Any, dx: Any, dt: Any) -> tuple[Any, Any, Any, Any]:
+    """``jensen_shannon``'s per-entry terms of a block ``[R, B]``, from ``dx = x - m`` and
+    ``dt = t - mt`` relative to the *global* maxima and the final ``lse``'s ``[R]``:
+    ``(q, q (log q - log M), p (log p - log M), log q - log M)``, each product 0 where its
+    weight is 0 (so ``0 * inf`` never appears). Sums over the block of the middle two are its
+    :data:`MIXTURE_STATS`; the gradient reads ``q`` and ``log q - log M``."""
+    log_q = config.student_scale * dx - fin.lse[:, None]
+    log_p = config.teacher_scale * dt - fin.lse_t[:, None]
+    q, p = xp.exp(log_q), xp.exp(log_p)
+    log_qm, log_pm = mixture_log_ratios(xp, config, log_q - log_p)
+    return q, xp.where(q > 0, q * log_qm, 0.0), xp.where(p > 0, p * log_pm, 0.0), log_qm
+
+
+def finalize_mixture(xp: Any, config: LossConfig, fin: Any, kl_qm: Any, kl_pm: Any) -> Any:
+    """``jensen_shannon``'s loss from the summed :data:`MIXTURE_STATS` of every block / shard:
+    ``l = beta kl_pm + (1 - beta) kl_qm`` (NaN on bad rows), and ``kl_qm`` for the gradient."""
+    loss = config.beta * kl_pm + (1.0 - config.beta) * kl_qm
+    loss = xp.where(xp.isnan(fin.s) | xp.isnan(fin.st), float("nan"), loss)
+    return fin._replace(l=loss, kl_qm=kl_qm)
 
 
 def bind(xp: Any) -> tuple[Any, ...]:

@@ -38,6 +38,8 @@ VARIANTS = (
     ("soft_cross_entropy", "soft_cross_entropy", {}),
     ("forward_kl", "forward_kl", {}),
     ("reverse_kl", "reverse_kl", {}),
+    ("entropy", "entropy", {}),
+    ("jensen_shannon", "jensen_shannon", {"beta": 0.5}),
 )
 ARCHS = (80, 90)
 

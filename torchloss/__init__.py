@@ -1,7 +1,8 @@
 """torchloss: masked LLM losses for PyTorch with the numbers of ``jaxloss`` and the ``lossspec`` oracle.
 
 Public API (SPEC section 3): :func:`cross_entropy`, :func:`soft_cross_entropy`,
-:func:`forward_kl`, :func:`reverse_kl`, :func:`count_denominator`; one autograd Function per
+:func:`forward_kl`, :func:`reverse_kl`, :func:`entropy`, :func:`jensen_shannon`,
+:func:`count_denominator`; one autograd Function per
 kind; ``nn.Module`` wrappers in :mod:`torchloss.nn`; a drop-in for ``transformers``' causal-LM
 loss in :mod:`torchloss.hf`. Two implementations: ``impl="torch"``
 (tiled PyTorch ops, the default off-GPU) and ``impl="triton"`` (Triton kernels, the default on
@@ -30,12 +31,16 @@ _default_to_the_triton_interpreter()
 from . import hf, nn  # noqa: E402  (hf does not import transformers)
 from .api import (  # noqa: E402
     CrossEntropyFunction,
+    EntropyFunction,
     ForwardKLFunction,
+    JensenShannonFunction,
     ReverseKLFunction,
     SoftCrossEntropyFunction,
     count_denominator,
     cross_entropy,
+    entropy,
     forward_kl,
+    jensen_shannon,
     reverse_kl,
     soft_cross_entropy,
 )
@@ -46,6 +51,8 @@ __all__ = [
     "soft_cross_entropy",
     "forward_kl",
     "reverse_kl",
+    "entropy",
+    "jensen_shannon",
     "count_denominator",
     "accumulate",
     "global_denominator",
@@ -53,6 +60,8 @@ __all__ = [
     "SoftCrossEntropyFunction",
     "ForwardKLFunction",
     "ReverseKLFunction",
+    "EntropyFunction",
+    "JensenShannonFunction",
     "nn",
     "hf",
 ]

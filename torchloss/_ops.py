@@ -57,6 +57,7 @@ CONFIG_FIELDS: tuple[str, ...] = (
     "logit_scale",
     "teacher_logit_scale",
     "temperature",
+    "beta",
 )
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -102,11 +103,12 @@ def _masked_loss_op(
     logit_scale: float,
     teacher_logit_scale: float,
     temperature: float,
+    beta: float,
     impl: str,
     need_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """``(loss, grad)`` of one call (module docstring); the body of the eager Function's forward."""
-    config = _config(kind, normalization, ignore_index, label_smoothing, z_loss, logit_scale, teacher_logit_scale, temperature)
+    config = _config(kind, normalization, ignore_index, label_smoothing, z_loss, logit_scale, teacher_logit_scale, temperature, beta)
     per_token, grad = _backend(impl).forward(config, logits, target, coef, need_grad=need_grad)
     contribution = torch.where(coef != 0, coef * per_token, 0.0)
     loss = contribution.sum() if normalization != "none" else contribution
@@ -147,11 +149,12 @@ def _regrad_op(
     logit_scale: float,
     teacher_logit_scale: float,
     temperature: float,
+    beta: float,
     impl: str,
 ) -> None:
     """Rewrite ``grad`` in place for ``coef * upstream`` (``backend.regrad_``, the eager
     backward's call)."""
-    config = _config(kind, normalization, ignore_index, label_smoothing, z_loss, logit_scale, teacher_logit_scale, temperature)
+    config = _config(kind, normalization, ignore_index, label_smoothing, z_loss, logit_scale, teacher_logit_scale, temperature, beta)
     _backend(impl).regrad_(config, logits, target, coef, upstream, grad)
 
 

@@ -112,7 +112,9 @@ def block_stats(
     Returns ``(stats, cache)`` with ``cache`` what :func:`block_grad` reuses when this block is
     the whole row: cross-entropy ``(e,)``; soft CE / forward KL ``(e, et)``; reverse KL
     ``(e, D, clean)`` with ``D = c (x - m) - ct (t - tau)`` and ``clean`` True where no
-    product ``e D`` is NaN or infinite (known on the CPU only).
+    product ``e D`` is NaN or infinite (known on the CPU only); entropy ``(e, x - m)``;
+    jensen_shannon ``(e, et, x - m, t - mt)`` (its second pass, :func:`mixture_sums`, reads
+    the last two).
     """
     kind, c, ct = config.kind, config.student_scale, config.teacher_scale
     acc = bufs[0].dtype
@@ -131,6 +133,10 @@ def block_stats(
             n = torch.full_like(m, float(xb.shape[1]))
         e, s = _exp_sum(u, c, u)
         return Stats(m=m, s=s, x_y=x_y, sum_shift=sum_shift, n=n), (e,)
+    if kind == "entropy":
+        _shifted(xb, m, u)
+        e, s = _exp_sum(u, c, bufs[1])
+        return Stats(m=m, s=s, h=pos_dot(e, u, bufs[2])), (e, u)
     assert tb is not None
     ut, e_buf = bufs[1], bufs[2]
     mt = _row_max(tb, acc)
@@ -151,6 +157,8 @@ def block_stats(
         return Stats(m=m, s=s, mt=mt, st=st, tau=tau, e_d=e_d), (e, d, clean)
     e, s = _exp_sum(u, c, e_buf)
     et, st = _exp_sum(ut, ct, bufs[3])
+    if kind == "jensen_shannon":  # pass 1: the exp-sums only (lossspec.stats)
+        return Stats(m=m, s=s, mt=mt, st=st), (e, et, u, ut)
     a = pos_dot(et, u, u)
     b = pos_dot(et, ut, ut) if kind == "forward_kl" else None
     return Stats(m=m, s=s, mt=mt, st=st, a=a, b=b), (e, et)
@@ -167,7 +175,24 @@ def _pivot_d(config: LossConfig, u: Tensor, tb: Tensor, tau: Tensor, out: Tensor
 
 def buffers_needed(kind: str) -> int:
     """Scratch buffers :func:`block_stats` takes for ``kind``."""
-    return {"cross_entropy": 1, "reverse_kl": 3}.get(kind, 4)
+    return {"cross_entropy": 1, "reverse_kl": 3, "entropy": 3}.get(kind, 4)
+
+
+def mixture_sums(config: LossConfig, fin: Any, xb: Tensor, tb: Tensor, cache: Optional[Cache]) -> tuple[Tensor, Tensor]:
+    """``jensen_shannon``'s second pass over one block (``lossspec.stats``): its
+    ``(kl_qm, kl_pm)`` ``[R]`` given the global statistics ``fin``, plain sums that blocks and
+    shards add. ``cache``: the block's :func:`block_stats` cache when it is the whole row."""
+    u, ut = _mixture_inputs(fin, xb, tb, cache)
+    _, wq, wp, _ = stats.mixture_terms(torch, config, fin, u, ut)
+    return wq.sum(dim=1), wp.sum(dim=1)
+
+
+def _mixture_inputs(fin: Any, xb: Tensor, tb: Tensor, cache: Optional[Cache]) -> tuple[Tensor, Tensor]:
+    """``(x - m, t - mt)`` relative to the global maxima, in the compute dtype."""
+    if cache is not None:
+        return cache[2], cache[3]
+    acc = fin.s.dtype
+    return xb.to(acc) - fin.m[:, None], tb.to(acc) - fin.mt[:, None]
 
 
 def empty_stats(config: LossConfig, rows: int, dtype: torch.dtype, device: torch.device) -> Any:
@@ -219,6 +244,8 @@ def block_grad(
         cross_entropy        q_coef q - (1 - eps) onehot(y) - eps / V
         soft CE, forward KL  q - p
         reverse KL           q (D - e_d / s), 0 where q == 0
+        entropy              -c q ((x - m) - h / s), 0 where q == 0
+        jensen_shannon       (1 - beta) q (log q - log M - kl_qm), 0 where q == 0
 
     ``cache``: this block's exponentials from :func:`block_stats` when it is the whole row;
     ``None`` recomputes them from the final statistics (``bufs``, or ``out`` itself where it
@@ -230,12 +257,26 @@ def block_grad(
     acc = scale.dtype
     direct = out.dtype == acc  # the gradient can be formed in out itself
     bad = bad_rows(fin)
-    if cache is None:
+    if kind == "jensen_shannon":
+        u, ut = _mixture_inputs(fin, xb, tb, cache)
+        q, _, _, log_qm = stats.mixture_terms(torch, config, fin, u, ut)
+        gz = torch.where(q > 0, q * (log_qm - fin.kl_qm[:, None]), 0.0)
+        g = torch.mul(gz, ((1.0 - config.beta) * scale)[:, None], out=out if direct else gz)
+        e = None
+    elif cache is None:
         u = out if direct and kind == "cross_entropy" else bufs[0]
         e, _ = _exp_sum(_shifted(xb, fin.m, u), c, u)
     else:
         e = cache[0]
-    if kind == "cross_entropy":
+    if kind == "jensen_shannon":
+        pass
+    elif kind == "entropy":
+        # -c q ((x - m) - h / s); 0 where q == 0 (there x - m is -inf)
+        u = cache[1] if cache is not None else _shifted(xb, fin.m, bufs[1])
+        d = u.sub_(fin.mean_h[:, None])
+        g = torch.where(e > 0, e * d, 0.0)
+        g = torch.mul(g, (-c * scale / fin.s)[:, None], out=out if direct else g)
+    elif kind == "cross_entropy":
         factor = scale / fin.s if fin.q_coef is None else scale * fin.q_coef / fin.s
         g = torch.mul(e, factor[:, None], out=out if direct else e)
         local = labels - v0

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lossspec import LossConfig
+from lossspec import stats as lossspec_stats
 
 from . import _cpu, _stats
 from ._stats import compute_dtype
@@ -86,6 +87,11 @@ def regrad_(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, up
     scaled = torch.where(coef != 0, coef * upstream, 0.0)
     forward(config, logits, target, scaled, need_grad=True, out=grad)
     return grad
+
+
+def _finalize_mixture(config: LossConfig, fin: Any, kl_qm: Tensor, kl_pm: Tensor) -> Any:
+    """``jensen_shannon``'s loss from its second pass (``lossspec.stats.finalize_mixture``)."""
+    return lossspec_stats.finalize_mixture(torch, config, fin, kl_qm, kl_pm)
 
 
 def _no_autocast(device: torch.device) -> Any:
@@ -147,7 +153,7 @@ def _run_tile(
     is_ce = config.kind == "cross_entropy"
     n = r1 - r0
     x = logits[r0:r1]
-    t = None if is_ce else target[r0:r1]
+    t = target[r0:r1] if config.is_distill else None
     y = target[r0:r1] if is_ce else None
     cf = coef[r0:r1]
     acc = loss.dtype
@@ -160,6 +166,8 @@ def _run_tile(
             bufs.insert(0, grad[r0:r1])
         stats, cache = _stats.block_stats(config, x, t, bufs, x_y=x_y)
         fin = _stats.finalize(config, stats, vocab)
+        if config.kind == "jensen_shannon":  # its second pass, on the cached block
+            fin = _finalize_mixture(config, fin, *_stats.mixture_sums(config, fin, x, t, cache))
         loss[r0:r1] = torch.where(cf != 0, fin.l, 0.0)
         if grad is not None:
             _stats.block_grad(config, fin, cf, x, t, y, 0, vocab, grad[r0:r1], [], cache)
@@ -173,6 +181,14 @@ def _run_tile(
         part, _ = _stats.block_stats(config, x[:, v0:v1], tb, _views(flat, n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
         stats = _stats.combine(config, stats, part)
     fin = _stats.finalize(config, stats, vocab)
+    if config.kind == "jensen_shannon":
+        # The second pass (lossspec.stats): log M needs the global lse's of pass 1.
+        kl_qm = kl_pm = torch.zeros_like(fin.s)
+        for v0 in range(0, vocab, block):
+            v1 = min(vocab, v0 + block)
+            part_qm, part_pm = _stats.mixture_sums(config, fin, x[:, v0:v1], t[:, v0:v1], None)
+            kl_qm, kl_pm = kl_qm + part_qm, kl_pm + part_pm
+        fin = _finalize_mixture(config, fin, kl_qm, kl_pm)
     loss[r0:r1] = torch.where(cf != 0, fin.l, 0.0)
     if grad is None:
         return
@@ -205,6 +221,7 @@ def _run_compact_tile(
     runs, index = runs_index
     vocab = logits.shape[1]
     is_ce = config.kind == "cross_entropy"
+    has_teacher = config.is_distill
     acc = loss.dtype
     if grad is not None:
         start = r0
@@ -217,10 +234,10 @@ def _run_compact_tile(
         return
     if compact[0] is None:
         compact[0] = torch.empty(tile_rows * vocab, dtype=acc, device=logits.device)
-        if not is_ce:
+        if has_teacher:
             compact[1] = torch.empty(tile_rows * vocab, dtype=acc, device=logits.device)
     x = compact[0][: n * vocab].view(n, vocab)
-    t = None if is_ce else compact[1][: n * vocab].view(n, vocab)  # type: ignore[index]
+    t = compact[1][: n * vocab].view(n, vocab) if has_teacher else None  # type: ignore[index]
     j = 0
     for a, b in runs:
         x[j : j + b - a].copy_(logits[a:b])
@@ -232,6 +249,8 @@ def _run_compact_tile(
     x_y = x.gather(1, y[:, None])[:, 0] if y is not None else None
     stats, cache = _stats.block_stats(config, x, t, _views(flat, n, vocab), x_y=x_y)
     fin = _stats.finalize(config, stats, vocab)
+    if config.kind == "jensen_shannon":
+        fin = _finalize_mixture(config, fin, *_stats.mixture_sums(config, fin, x, t, cache))
     loss.index_copy_(0, index, torch.where(cf != 0, fin.l, 0.0))
     if grad is None:
         return

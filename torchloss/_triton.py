@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 from typing import Any, Callable
@@ -113,15 +114,18 @@ KERNELS: dict[str, Any] = {
 
 
 @functools.lru_cache(maxsize=64)
-def _params(c: float, ct: float, eps: float, lam: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``[c, ct, eps, lam]`` (order ``_triton_kernels.PARAMS``) on the device, in the compute dtype
-    (exact for fp64). Cached: a fresh host-to-device copy per call would synchronise the host."""
-    values = {"c": c, "ct": ct, "eps": eps, "lam": lam}
+def _params(c: float, ct: float, eps: float, lam: float, beta: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[c, ct, eps, lam, beta, log(beta), log(1 - beta)]`` (order ``_triton_kernels.PARAMS``) on
+    the device, in the compute dtype (exact for fp64; the logs in float64 on the host, then
+    rounded once). Cached: a fresh host-to-device copy per call would synchronise the host."""
+    log_beta = math.log(beta) if beta > 0 else float("-inf")  # only jensen_shannon (0 < beta < 1) reads them
+    log_rest = math.log1p(-beta) if beta < 1 else float("-inf")
+    values = {"c": c, "ct": ct, "eps": eps, "lam": lam, "beta": beta, "log_beta": log_beta, "log_rest": log_rest}
     return torch.tensor([values[name] for name in K.PARAMS], dtype=dtype, device=device)
 
 
 def _params_for(config: LossConfig, acc: torch.dtype, device: torch.device) -> Tensor:
-    return _params(config.student_scale, config.teacher_scale, config.label_smoothing, config.z_loss, acc, device)
+    return _params(config.student_scale, config.teacher_scale, config.label_smoothing, config.z_loss, config.beta, acc, device)
 
 
 def _check_runnable(logits: Tensor) -> None:
@@ -159,6 +163,8 @@ def _teacher_and_labels(config: LossConfig, logits: Tensor, target: Tensor, coef
     (the kernels never read it)."""
     if config.kind == "cross_entropy":
         return logits, target
+    if not config.is_distill:  # entropy: no target at all
+        return logits, coef
     _unit_stride("teacher_logits", target)
     return target, coef
 

@@ -11,6 +11,9 @@ row, in the compute dtype ``ACC`` (fp32; fp64 for fp64 logits), with ``c = logit
     a = sum et (x - m)                soft cross-entropy, forward KL
     b = sum et (t - mt)               forward KL
     tau, e_d = sum e D                reverse KL, D = c (x - m) - ct (t - tau)
+    h = sum e (x - m)                 entropy
+    kl_qm, kl_pm                      jensen_shannon, a second pass (:func:`_row_mixture`): the
+                                      mixture M = beta p + (1 - beta) q needs the global lse's
 
 ``tau`` (the pivot) is the teacher's raw logit at the student's argmax; on ties of the maximum the
 *first* tying column (``argmax`` semantics; an earlier block keeps its pivot). ``D`` is exactly 0 on the argmax, the entry that
@@ -26,7 +29,8 @@ Kernels (one program per row; ``row`` offsets are int64; the vocabulary is walke
     _shard_grad_kernel   pass 2 of a shard from the global final statistics (vocab-parallel)
 
 Helpers: :func:`_row_stats` (pass 1), :func:`_finalize` (loss and what pass 2 needs),
-:func:`_row_grad` (pass 2), :func:`_zero_row`, :func:`_round_for_store`, :func:`_shift`.
+:func:`_row_mixture` (jensen_shannon's second pass, per entry :func:`_mixture_log_ratios`),
+:func:`_row_grad` (the gradient pass), :func:`_zero_row`, :func:`_round_for_store`, :func:`_shift`.
 
 Rows with ``coef == 0`` are skipped (loss 0, gradient 0, empty statistics). NaN or ``+inf`` in a
 row (student or teacher) is detected explicitly (a GPU ``max`` may drop NaN) and makes ``s`` NaN:
@@ -54,13 +58,19 @@ CROSS_ENTROPY = tl.constexpr(lossspec.KIND_IDS["cross_entropy"])
 SOFT_CROSS_ENTROPY = tl.constexpr(lossspec.KIND_IDS["soft_cross_entropy"])
 FORWARD_KL = tl.constexpr(lossspec.KIND_IDS["forward_kl"])
 REVERSE_KL = tl.constexpr(lossspec.KIND_IDS["reverse_kl"])
+ENTROPY = tl.constexpr(lossspec.KIND_IDS["entropy"])
+JENSEN_SHANNON = tl.constexpr(lossspec.KIND_IDS["jensen_shannon"])
 
 # --- Scalar parameters: a tiny tensor in the compute dtype (exact for fp64) ----------------------
-PARAMS: tuple[str, ...] = ("c", "ct", "eps", "lam")  # scale, teacher scale, label smoothing, z-loss
+# scale, teacher scale, label smoothing, z-loss; jensen_shannon's beta, log(beta), log(1 - beta)
+PARAMS: tuple[str, ...] = ("c", "ct", "eps", "lam", "beta", "log_beta", "log_rest")
 P_C = tl.constexpr(PARAMS.index("c"))
 P_CT = tl.constexpr(PARAMS.index("ct"))
 P_EPS = tl.constexpr(PARAMS.index("eps"))
 P_LAM = tl.constexpr(PARAMS.index("lam"))
+P_BETA = tl.constexpr(PARAMS.index("beta"))
+P_LOG_BETA = tl.constexpr(PARAMS.index("log_beta"))
+P_LOG_REST = tl.constexpr(PARAMS.index("log_rest"))
 
 # --- Shard statistics out: buffer [len(ROW_STATS), N], row ROW_<name> holds stat <name> ----------
 _ROW = lossspec.ROW_STAT_INDEX
@@ -75,6 +85,11 @@ ROW_A = tl.constexpr(_ROW["a"])
 ROW_B = tl.constexpr(_ROW["b"])
 ROW_TAU = tl.constexpr(_ROW["tau"])
 ROW_E_D = tl.constexpr(_ROW["e_d"])
+ROW_H = tl.constexpr(_ROW["h"])
+# jensen_shannon's second-pass sums: the fused kernels keep them in registers; vocab-parallel
+# computes them outside the kernels (torchloss._vocab_parallel.mixture_shards).
+ROW_KL_QM = tl.constexpr(_ROW["kl_qm"])
+ROW_KL_PM = tl.constexpr(_ROW["kl_pm"])
 
 # --- Final statistics in: buffer [len(FINAL_STATS), N] -------------------------------------------
 _FIN = lossspec.FINAL_STAT_INDEX
@@ -85,8 +100,10 @@ FIN_ST = tl.constexpr(_FIN["st"])
 FIN_Q_COEF = tl.constexpr(_FIN["q_coef"])
 FIN_TAU = tl.constexpr(_FIN["tau"])
 FIN_MEAN_D = tl.constexpr(_FIN["mean_d"])
+FIN_MEAN_H = tl.constexpr(_FIN["mean_h"])
+FIN_KL_QM = tl.constexpr(_FIN["kl_qm"])
 
-_KIND_NAMES = ("CROSS_ENTROPY", "SOFT_CROSS_ENTROPY", "FORWARD_KL", "REVERSE_KL")
+_KIND_NAMES = ("CROSS_ENTROPY", "SOFT_CROSS_ENTROPY", "FORWARD_KL", "REVERSE_KL", "ENTROPY", "JENSEN_SHANNON")
 assert sorted(lossspec.KIND_IDS.values()) == sorted(globals()[n].value for n in _KIND_NAMES), "kind ids drifted"
 
 
@@ -130,11 +147,57 @@ def _load_params(params_ptr):
 
 
 @triton.jit
+def _load_mixture_params(params_ptr):
+    """``(beta, log(beta), log(1 - beta))`` of jensen_shannon (``0 < beta < 1``; logs from the host)."""
+    beta = tl.load(params_ptr + P_BETA)
+    log_beta = tl.load(params_ptr + P_LOG_BETA)
+    log_rest = tl.load(params_ptr + P_LOG_REST)
+    return beta, log_beta, log_rest
+
+
+@triton.jit
+def _mixture_log_ratios(diff, log_beta, log_rest):
+    """``(log q - log M, log p - log M)`` from ``diff = log q - log p``, ``M = beta p + (1 - beta) q``
+    (``lossspec.stats.mixture_log_ratios``): ``log M = max(a, b) + log(1 + exp(-|a - b|))`` with
+    ``a = log((1 - beta) q)``, ``b = log(beta p)``, so each ratio is a ``min`` of two bounded terms
+    minus the soft part; NaN only where ``p = q = 0`` (the callers weight it by 0)."""
+    soft = tl.log(1.0 + tl.exp(-tl.abs(diff + (log_rest - log_beta))))
+    q_side = diff - log_beta
+    p_side = -diff - log_rest
+    log_qm = tl.where(q_side < -log_rest, q_side, -log_rest) - soft
+    log_pm = tl.where(p_side < -log_beta, p_side, -log_beta) - soft
+    return log_qm, log_pm
+
+
+@triton.jit
+def _row_mixture(x_row, t_row, V, m, lse, mt, lse_t, c, ct, log_beta, log_rest, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
+    """jensen_shannon's second pass over one row: ``(kl_qm, kl_pm) = (sum q (log q - log M),
+    sum p (log p - log M))`` from the global ``m``, ``lse = log s``, ``mt``, ``lse_t = log st``
+    of pass 1 (``lossspec.stats``); an entry's term is 0 where its weight is 0."""
+    kl_qm = tl.full((), 0.0, ACC)
+    kl_pm = tl.full((), 0.0, ACC)
+    offs = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        inside = cols < V
+        x = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(ACC)
+        t = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(ACC)
+        log_q = c * (x - m) - lse
+        log_p = ct * (t - mt) - lse_t
+        q = tl.exp(log_q)
+        p = tl.exp(log_p)
+        log_qm, log_pm = _mixture_log_ratios(log_q - log_p, log_beta, log_rest)
+        kl_qm = kl_qm + tl.sum(tl.where(q > 0, q * log_qm, 0.0), axis=0)
+        kl_pm = kl_pm + tl.sum(tl.where(p > 0, p * log_pm, 0.0), axis=0)
+    return kl_qm, kl_pm
+
+
+@triton.jit
 def _row_stats(x_row, t_row, V, c, ct, KIND: tl.constexpr, SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
     """Pass 1: the :mod:`lossspec.stats` statistics of one row ``x_row[0:V]`` (teacher ``t_row``),
     online over blocks of ``BLOCK_V`` columns.
 
-    Returns ``(m, s, sum_shift, mt, st, a, b, tau, e_d, bad)`` in ``ACC`` with raw maxima
+    Returns ``(m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad)`` in ``ACC`` with raw maxima
     (``-inf`` when nothing was seen, as lossspec hands them out); statistics the kind does not use
     stay 0. ``bad`` (int32) is 1 when the row holds NaN or ``+inf`` (student, or teacher); ``s`` is
     then NaN.
@@ -149,6 +212,7 @@ def _row_stats(x_row, t_row, V, c, ct, KIND: tl.constexpr, SMOOTHING: tl.constex
         b         <- rt (b + st dmt) + sum et' (t - mt')
         st        <- rt st + sum et'
         e_d       <- r (e_d + s (c dm - ct (tau - tau'))) + sum e' (c (x - m') - ct (t - tau'))
+        h         <- r (h + s dm) + sum e' (x - m')
 
     ``tau'``: the block's pivot (the teacher at the first column where ``x`` equals the block's maximum)
     when the block's maximum exceeds ``m``, else (ties included: the earlier column wins)
@@ -166,6 +230,7 @@ def _row_stats(x_row, t_row, V, c, ct, KIND: tl.constexpr, SMOOTHING: tl.constex
     b = zero
     tau = neg_inf
     e_d = zero
+    h = zero
     bad = tl.full((), 0, tl.int32)
     offs = tl.arange(0, BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
@@ -182,6 +247,8 @@ def _row_stats(x_row, t_row, V, c, ct, KIND: tl.constexpr, SMOOTHING: tl.constex
         if KIND == CROSS_ENTROPY:
             if SMOOTHING:
                 sum_shift = sum_shift + (v0 * 1.0) * dm + tl.sum(tl.where(inside, u, 0.0), axis=0)
+        elif KIND == ENTROPY:
+            h = r * (h + s * dm) + tl.sum(tl.where(e > 0, e * u, 0.0), axis=0)
         else:
             t = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(ACC)
             bad = bad | tl.max(tl.where(inside, _is_bad(t), 0), axis=0)
@@ -211,12 +278,12 @@ def _row_stats(x_row, t_row, V, c, ct, KIND: tl.constexpr, SMOOTHING: tl.constex
         m = m_new
     # The explicit flag, not max(), decides: a GPU max may have dropped a NaN.
     s = tl.where(bad != 0, float("nan"), s)
-    return m, s, sum_shift, mt, st, a, b, tau, e_d, bad
+    return m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad
 
 
 @triton.jit
 def _finalize(
-    m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, bad, V, c, ct, eps, lam,
+    m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, h, bad, V, c, ct, eps, lam,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
 ):
     """Per-token loss and what pass 2 needs, from whole-row statistics (``lossspec.stats``;
@@ -226,15 +293,18 @@ def _finalize(
         soft_cross_entropy l = lse - c a / st
         forward_kl         l = (ct b / st - lse_t) - (c a / st - lse)
         reverse_kl         l = e_d / s + (lse_t - lse - ct (tau - mt))
+        entropy            l = lse - c h / s
+        jensen_shannon     0 here: its loss needs the second pass (_row_mixture)
 
-    Returns ``(l, m, mt, q_coef, mean_d)`` with ``q_coef = 1 + 2 lam (lse + c m)`` (1 without
-    z-loss) and ``mean_d = e_d / s``; ``l`` is NaN on a bad row.
+    Returns ``(l, m, mt, q_coef, mean_d, mean_h)`` with ``q_coef = 1 + 2 lam (lse + c m)`` (1
+    without z-loss), ``mean_d = e_d / s`` and ``mean_h = h / s``; ``l`` is NaN on a bad row.
     """
     m = _finite(m)
     mt = _finite(mt)
     lse = tl.log(s)
     q_coef = lse * 0.0 + 1.0
     mean_d = lse * 0.0
+    mean_h = lse * 0.0
     if KIND == CROSS_ENTROPY:
         loss = lse - ((1.0 - eps) * c) * (x_y - m)
         if SMOOTHING:
@@ -243,17 +313,22 @@ def _finalize(
             full_lse = lse + c * m
             loss = loss + lam * full_lse * full_lse
             q_coef = 1.0 + (2.0 * lam) * full_lse
+    elif KIND == ENTROPY:
+        mean_h = h / s
+        loss = lse - c * mean_h
     else:
         lse_t = tl.log(st)
         if KIND == SOFT_CROSS_ENTROPY:
             loss = lse - c * a / st
         elif KIND == FORWARD_KL:
             loss = (ct * b / st - lse_t) - (c * a / st - lse)
-        else:
+        elif KIND == REVERSE_KL:
             mean_d = e_d / s
             loss = mean_d + (lse_t - lse - ct * (tau - mt))
+        else:
+            loss = lse * 0.0
     loss = tl.where(bad != 0, float("nan"), loss)
-    return loss, m, mt, q_coef, mean_d
+    return loss, m, mt, q_coef, mean_d, mean_h
 
 
 @triton.jit
@@ -271,7 +346,7 @@ def _round_for_store(g, GRAD_BF16: tl.constexpr):
 
 @triton.jit
 def _row_grad(
-    x_row, t_row, g_row, y, scale, m, s, mt, st, q_coef, tau, mean_d, bad, V, V_total, c, ct, eps,
+    x_row, t_row, g_row, params_ptr, y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, V, V_total, c, ct, eps,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr, GRAD_BF16: tl.constexpr,
 ):
     """Pass 2: ``g_row[0:V] = scale * dl/dz`` (``scale = coef * c``) from the row's final
@@ -280,6 +355,8 @@ def _row_grad(
         cross_entropy        q_coef q - (1 - eps) onehot(y) - eps / V_total
         soft CE, forward KL  q - p
         reverse KL           q (D - e_d / s),  D = c (x - m) - ct (t - tau); 0 where q == 0
+        entropy              -c q ((x - m) - h / s); 0 where q == 0
+        jensen_shannon       (1 - beta) q (log q - log M - kl_qm); 0 where q == 0
 
     with ``q = e / s``, ``p = et / st``. ``y`` is the label's column in this row (out of
     ``[0, V)`` when another shard owns it), ``V_total`` the global vocabulary. A bad row
@@ -289,8 +366,15 @@ def _row_grad(
     p_scale = scale / s
     if KIND == CROSS_ENTROPY:
         p_scale = p_scale * q_coef
-    if KIND != CROSS_ENTROPY and KIND != REVERSE_KL:
+    if KIND == SOFT_CROSS_ENTROPY or KIND == FORWARD_KL:
         t_scale = scale / st
+    if KIND == ENTROPY:
+        h_scale = -c * p_scale
+    if KIND == JENSEN_SHANNON:
+        beta, log_beta, log_rest = _load_mixture_params(params_ptr)
+        lse = tl.log(s)
+        lse_t = tl.log(st)
+        j_scale = (1.0 - beta) * scale
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs
         inside = cols < V
@@ -301,12 +385,20 @@ def _row_grad(
             g = e * p_scale + tl.where(cols == y, (eps - 1.0) * scale, 0.0)
             if SMOOTHING:
                 g = g - scale * (eps / V_total)
+        elif KIND == ENTROPY:
+            g = tl.where(e > 0, e * (u - mean_h), 0.0) * h_scale
         else:
             t = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(ACC)
             if KIND == REVERSE_KL:
                 d = c * u - ct * (t - tau)
                 # q == 0 (a -inf logit) is exactly 0: not 0 * inf, not 0 * NaN.
                 g = tl.where(e > 0, e * (d - mean_d), 0.0) * p_scale
+            elif KIND == JENSEN_SHANNON:
+                log_q = c * u - lse
+                log_p = ct * (t - mt) - lse_t
+                q = tl.exp(log_q)
+                log_qm, log_pm = _mixture_log_ratios(log_q - log_p, log_beta, log_rest)
+                g = tl.where(q > 0, q * (log_qm - kl_qm), 0.0) * j_scale
             else:
                 g = e * p_scale - tl.exp(ct * (t - mt)) * t_scale
         g = tl.where(bad != 0, float("nan"), g)
@@ -326,22 +418,28 @@ def _zero_row(g_row, V, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _row_forward(
-    x_row, t_row, y_ptr, row, V, c, ct, eps, lam,
+    x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Pass 1 and finalize of one whole row: ``(loss, m, s, mt, st, q_coef, tau, mean_d, bad, y)``
-    (``y``: the label, cross-entropy; 0 otherwise)."""
-    m, s, sum_shift, mt, st, a, b, tau, e_d, bad = _row_stats(x_row, t_row, V, c, ct, KIND, SMOOTHING, BLOCK_V, ACC)
+    """Pass 1 and finalize of one whole row (and jensen_shannon's second pass):
+    ``(loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y)`` (``y``: the label,
+    cross-entropy; 0 otherwise)."""
+    m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(x_row, t_row, V, c, ct, KIND, SMOOTHING, BLOCK_V, ACC)
     y = tl.full((), 0, tl.int64)
     x_y = s * 0.0
     if KIND == CROSS_ENTROPY:
         # The caller passes safe labels (0 where the token is masked; this row has coef != 0).
         y = tl.load(y_ptr + row).to(tl.int64)
         x_y = tl.load(x_row + y).to(ACC)
-    loss, m, mt, q_coef, mean_d = _finalize(
-        m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, bad, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS
+    loss, m, mt, q_coef, mean_d, mean_h = _finalize(
+        m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, h, bad, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS
     )
-    return loss, m, s, mt, st, q_coef, tau, mean_d, bad, y
+    kl_qm = s * 0.0
+    if KIND == JENSEN_SHANNON:
+        beta, log_beta, log_rest = _load_mixture_params(params_ptr)
+        kl_qm, kl_pm = _row_mixture(x_row, t_row, V, m, tl.log(s), mt, tl.log(st), c, ct, log_beta, log_rest, BLOCK_V, ACC)
+        loss = tl.where(bad != 0, float("nan"), beta * kl_pm + (1.0 - beta) * kl_qm)
+    return loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y
 
 
 # ================================================================================================
@@ -368,13 +466,13 @@ def _fused_kernel(
     coef = tl.load(coef_ptr + row)
     if coef != 0:
         c, ct, eps, lam = _load_params(params_ptr)
-        loss, m, s, mt, st, q_coef, tau, mean_d, bad, y = _row_forward(
-            x_row, t_row, y_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, BLOCK_V, ACC
+        loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y = _row_forward(
+            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, BLOCK_V, ACC
         )
         tl.store(loss_ptr + row, loss)
         if WRITE_GRAD:
-            _row_grad(x_row, t_row, g_row, y, coef * c, m, s, mt, st, q_coef, tau, mean_d, bad, V, V, c, ct, eps,
-                      KIND, SMOOTHING, BLOCK_V, ACC, GRAD_BF16)
+            _row_grad(x_row, t_row, g_row, params_ptr, y, coef * c, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
+                      V, V, c, ct, eps, KIND, SMOOTHING, BLOCK_V, ACC, GRAD_BF16)
     else:
         tl.store(loss_ptr + row, coef * 0.0)
         if WRITE_GRAD:
@@ -402,11 +500,11 @@ def _regrad_kernel(
         g_row = grad_ptr + row * stride_g
         c, ct, eps, lam = _load_params(params_ptr)
         scale = (coef * up) * c  # one value live across pass 1, not two
-        loss, m, s, mt, st, q_coef, tau, mean_d, bad, y = _row_forward(
-            x_row, t_row, y_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, BLOCK_V, ACC
+        loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y = _row_forward(
+            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, BLOCK_V, ACC
         )
-        _row_grad(x_row, t_row, g_row, y, scale, m, s, mt, st, q_coef, tau, mean_d, bad, V, V, c, ct, eps,
-                  KIND, SMOOTHING, BLOCK_V, ACC, GRAD_BF16)
+        _row_grad(x_row, t_row, g_row, params_ptr, y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
+                  V, V, c, ct, eps, KIND, SMOOTHING, BLOCK_V, ACC, GRAD_BF16)
 
 
 @triton.jit
@@ -427,12 +525,12 @@ def _shard_stats_kernel(
     coef = tl.load(coef_ptr + row)
     neg_inf = tl.full((), float("-inf"), ACC)
     zero = tl.full((), 0.0, ACC)
-    m, s, sum_shift, mt, st, a, b, tau, e_d = neg_inf, zero, zero, neg_inf, zero, zero, zero, neg_inf, zero
+    m, s, sum_shift, mt, st, a, b, tau, e_d, h = neg_inf, zero, zero, neg_inf, zero, zero, zero, neg_inf, zero, zero
     x_y = zero
     n = zero
     if coef != 0:
         c, ct, eps, lam = _load_params(params_ptr)
-        m, s, sum_shift, mt, st, a, b, tau, e_d, bad = _row_stats(x_row, t_row, V, c, ct, KIND, SMOOTHING, BLOCK_V, ACC)
+        m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(x_row, t_row, V, c, ct, KIND, SMOOTHING, BLOCK_V, ACC)
         if KIND == CROSS_ENTROPY:
             y_local = tl.load(y_ptr + row).to(tl.int64) - offset
             owned = (y_local >= 0) & (y_local < V)
@@ -446,6 +544,8 @@ def _shard_stats_kernel(
         if SMOOTHING:
             tl.store(out + ROW_SUM_SHIFT * stride_stat, sum_shift)
             tl.store(out + ROW_N * stride_stat, n)
+    elif KIND == ENTROPY:
+        tl.store(out + ROW_H * stride_stat, h)
     else:
         tl.store(out + ROW_MT * stride_stat, mt)
         tl.store(out + ROW_ST * stride_stat, st)
@@ -487,11 +587,15 @@ def _shard_grad_kernel(
         q_coef = zero + 1.0
         tau = zero
         mean_d = zero
+        mean_h = zero
+        kl_qm = zero
         y = tl.full((), 0, tl.int64)
         if KIND == CROSS_ENTROPY:
             y = tl.load(y_ptr + row).to(tl.int64) - offset
             if Z_LOSS:
                 q_coef = tl.load(fin + FIN_Q_COEF * stride_fin)
+        elif KIND == ENTROPY:
+            mean_h = tl.load(fin + FIN_MEAN_H * stride_fin)
         else:
             mt = tl.load(fin + FIN_MT * stride_fin)
             st = tl.load(fin + FIN_ST * stride_fin)
@@ -499,7 +603,9 @@ def _shard_grad_kernel(
             if KIND == REVERSE_KL:
                 tau = tl.load(fin + FIN_TAU * stride_fin)
                 mean_d = tl.load(fin + FIN_MEAN_D * stride_fin)
-        _row_grad(x_row, t_row, g_row, y, coef * c, m, s, mt, st, q_coef, tau, mean_d, bad, V, V_total, c, ct, eps,
-                  KIND, SMOOTHING, BLOCK_V, ACC, GRAD_BF16)
+            if KIND == JENSEN_SHANNON:
+                kl_qm = tl.load(fin + FIN_KL_QM * stride_fin)
+        _row_grad(x_row, t_row, g_row, params_ptr, y, coef * c, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
+                  V, V_total, c, ct, eps, KIND, SMOOTHING, BLOCK_V, ACC, GRAD_BF16)
     else:
         _zero_row(g_row, V, BLOCK_V)

@@ -13,6 +13,9 @@ One call is three steps, every collective explicit (never autograd through one),
     3. finalize, then this shard's grad    the same Final on every rank; _stats.block_grad /
                                            the Triton kernel's shard-grad job
 
+``jensen_shannon`` adds a step between 2 and 3 (:func:`mixture_shards`): its mixture sums need
+the global ``lse``'s, so each shard sums its terms and one more ``all_reduce`` adds them.
+
 The algebra is that of :mod:`lossspec.stats`: shards are blocks of one row, combined exactly as
 the online softmax combines vocabulary blocks. NaN / ``+inf`` rows need no flag of their own:
 they make the owning shard's ``s`` (or ``st``) NaN, the sum carries it to every rank, and
@@ -76,7 +79,7 @@ def local_stats(config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, off
                     picked = x[r0:r1].gather(1, local.clamp(0, width - 1)[:, None])[:, 0].to(acc)
                     x_y = torch.where(owned, picked, 0.0)
                 bufs = [f[: n * width].view(n, width) for f in bufs_flat]
-                tb = None if is_ce else target[r0:r1]
+                tb = target[r0:r1] if config.is_distill else None
                 parts[r0], _ = _stats.block_stats(config, x[r0:r1], tb, bufs, x_y=x_y)
 
     tiles = _cpu.row_tiles(rows, tile_rows)
@@ -115,6 +118,17 @@ def combine_shards(config: LossConfig, local: Any, group: Any) -> Any:
     return glob._replace(**dict(zip(names, sums.unbind(0))))
 
 
+def mixture_shards(config: LossConfig, fin: Any, x: Tensor, target: Tensor, group: Any) -> Any:
+    """``jensen_shannon``'s second pass (``lossspec.stats``): this shard's mixture sums from the
+    global ``lse``'s (no collective), one ``all_reduce(SUM)`` of the two ``[N]`` sums, then the
+    loss. Both backends use this torch code (it reads the shard once more, whole)."""
+    import torch.distributed as dist
+
+    sums = torch.stack(_stats.mixture_sums(config, fin, x, target, None))
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    return _stats.stats.finalize_mixture(torch, config, fin, sums[0], sums[1])
+
+
 def shard_grad(
     config: LossConfig, fin: Any, x: Tensor, target: Tensor, coef: Tensor, offset: int, vocab: int, out: Tensor
 ) -> Tensor:
@@ -132,7 +146,7 @@ def shard_grad(
                 n = r1 - r0
                 part = _stats.Final(*(None if v is None else v[r0:r1] for v in fin))
                 bufs = [f[: n * width].view(n, width) for f in bufs_flat]
-                tb = None if is_ce else target[r0:r1]
+                tb = target[r0:r1] if config.is_distill else None
                 y = target[r0:r1] if is_ce else None
                 _stats.block_grad(config, part, coef[r0:r1], x[r0:r1], tb, y, offset, vocab, out[r0:r1], bufs, None)
 
@@ -173,6 +187,8 @@ class VocabParallel:
             else:
                 local = self.kernel.shard_stats(config, x, target, coef, self.offset)
             fin = _stats.finalize(config, combine_shards(config, local, self.group), self.vocab)
+            if config.kind == "jensen_shannon":
+                fin = mixture_shards(config, fin, x, target, self.group)
             self.fin = fin
             loss = torch.where(coef != 0, fin.l, 0.0)
             if grad is not None:

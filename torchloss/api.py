@@ -51,11 +51,15 @@ __all__ = [
     "soft_cross_entropy",
     "forward_kl",
     "reverse_kl",
+    "entropy",
+    "jensen_shannon",
     "count_denominator",
     "CrossEntropyFunction",
     "SoftCrossEntropyFunction",
     "ForwardKLFunction",
     "ReverseKLFunction",
+    "EntropyFunction",
+    "JensenShannonFunction",
 ]
 
 Denominator = Union[int, float, Tensor, None]
@@ -208,8 +212,28 @@ class ReverseKLFunction(_MaskedLossFunction):
     kind = "reverse_kl"
 
 
+class EntropyFunction(_MaskedLossFunction):
+    """Autograd Function of :func:`entropy` (no target: an empty ``[N, 0]`` stand-in)."""
+
+    kind = "entropy"
+
+
+class JensenShannonFunction(_MaskedLossFunction):
+    """Autograd Function of :func:`jensen_shannon` (teacher logits ``[N, V]``, no gradient)."""
+
+    kind = "jensen_shannon"
+
+
 _FUNCTIONS: dict[str, type[_MaskedLossFunction]] = {
-    f.kind: f for f in (CrossEntropyFunction, SoftCrossEntropyFunction, ForwardKLFunction, ReverseKLFunction)
+    f.kind: f
+    for f in (
+        CrossEntropyFunction,
+        SoftCrossEntropyFunction,
+        ForwardKLFunction,
+        ReverseKLFunction,
+        EntropyFunction,
+        JensenShannonFunction,
+    )
 }
 
 
@@ -337,10 +361,17 @@ def _validate(
     target_name = "labels" if is_ce else "teacher_logits"
     lossspec.check_impl(impl, lossspec.TORCH_IMPLS)
     logits = _require_tensor("logits", logits)
-    target = _require_tensor(target_name, target)
+    if config.has_target:
+        target = _require_tensor(target_name, target)
+        target_meta: Optional[lossspec.ArrayMeta] = _meta(target)
+    else:
+        # No target (entropy): an empty [..., 0] stand-in carries the leading shape through the
+        # shared steps at no cost; the backends never read it.
+        target = logits.new_empty(tuple(logits.shape[:-1]) + (0,)).detach()
+        target_meta = None
     if loss_mask is not None:
         loss_mask = _require_tensor("loss_mask", loss_mask)
-    lossspec.check_inputs(config, _meta(logits), _meta(target), None if loss_mask is None else _meta(loss_mask))
+    lossspec.check_inputs(config, _meta(logits), target_meta, None if loss_mask is None else _meta(loss_mask))
     lossspec.check_denominator_allowed(config, denominator)
     if isinstance(denominator, Tensor):
         lossspec.check_denominator_shape(tuple(denominator.shape))
@@ -482,7 +513,8 @@ def _prepare(call: _Call) -> _Prepared:
         assert labels is not None and in_range is not None
         target = torch.where(valid & in_range, labels, 0).reshape(rows)
     else:
-        target = call.target.detach().reshape(rows, vocab_local)  # the teacher gets no gradient
+        # The teacher gets no gradient (entropy's stand-in is [..., 0]).
+        target = call.target.detach().reshape(rows, int(call.target.shape[-1]))
         if target.stride(-1) != 1:
             target = target.contiguous()
     return _Prepared(target, coef.reshape(rows), bad)
@@ -529,9 +561,11 @@ def _masked_loss(kind: str, **args: Any) -> Tensor:
     """Body of the four public functions (their signatures: ``lossspec.KIND_SPECS``)."""
     spec = lossspec.KIND_SPECS[kind]
     options = {name: args[name] for name in spec.option_names}
-    config = lossspec.make_config(kind, normalization=args["normalization"], **options)
+    # jensen_shannon at beta = 0 / 1 is computed as forward / reverse KL, exactly (LossConfig.formula).
+    config = lossspec.make_config(kind, normalization=args["normalization"], **options).kernel_config()
+    target = args[spec.target] if spec.target is not None else None
     call = _validate(
-        config, args["logits"], args[spec.target], args["loss_mask"], args["denominator"], args["vocab_parallel"], args["impl"], args["inplace"]
+        config, args["logits"], target, args["loss_mask"], args["denominator"], args["vocab_parallel"], args["impl"], args["inplace"]
     )
     prepared = _prepare(call)
     return _finish(call, prepared, _apply(call, prepared))
@@ -595,6 +629,8 @@ cross_entropy = _public("cross_entropy")
 soft_cross_entropy = _public("soft_cross_entropy")
 forward_kl = _public("forward_kl")
 reverse_kl = _public("reverse_kl")
+entropy = _public("entropy")
+jensen_shannon = _public("jensen_shannon")
 
 
 def count_denominator(

@@ -1,4 +1,4 @@
-"""``nn.Module`` wrappers of the four losses, mirroring ``jaxloss.nnx`` (both built from
+"""``nn.Module`` wrappers of the losses, mirroring ``jaxloss.nnx`` (both built from
 ``lossspec``'s per-kind table).
 
 Built like ``torch.nn.CrossEntropyLoss``: the options are fixed at construction (keyword only,
@@ -22,7 +22,7 @@ import lossspec
 
 from . import api
 
-__all__ = ["CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "ReverseKLLoss"]
+__all__ = ["CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "ReverseKLLoss", "EntropyLoss", "JensenShannonLoss"]
 
 
 class _MaskedLoss(torch.nn.Module):
@@ -48,11 +48,24 @@ class _MaskedLoss(torch.nn.Module):
         return ", ".join(f"{k}={v!r}" for k, v in shown.items())
 
 
+class _TargetlessLoss(_MaskedLoss):
+    """Shared body of the kinds without a target (``entropy``): ``module(logits, loss_mask)``."""
+
+    def forward(self, logits: Tensor, loss_mask: Optional[Tensor] = None, *, denominator: api.Denominator = None) -> Tensor:  # type: ignore[override]
+        """The loss of this module's kind: a 0-d fp32 tensor, or per-token losses ``[...]`` for
+        ``normalization="none"``."""
+        function = getattr(api, self.kind)
+        return function(logits, loss_mask, denominator=denominator, **self.settings)
+
+
 def _module(kind: str) -> type:
-    return lossspec.kinds.module_class(kind, _MaskedLoss, api.FRAMEWORK_ARGS, "torchloss", __name__)
+    base = _MaskedLoss if lossspec.KIND_SPECS[kind].target is not None else _TargetlessLoss
+    return lossspec.kinds.module_class(kind, base, api.FRAMEWORK_ARGS, "torchloss", __name__)
 
 
 CrossEntropyLoss = _module("cross_entropy")
 SoftCrossEntropyLoss = _module("soft_cross_entropy")
 ForwardKLLoss = _module("forward_kl")
 ReverseKLLoss = _module("reverse_kl")
+EntropyLoss = _module("entropy")
+JensenShannonLoss = _module("jensen_shannon")
