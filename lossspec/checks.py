@@ -247,7 +247,7 @@ def check_count_args(
             f"normalization {normalization!r} has D = 1 however the batch is split"
         )
     if labels is None and loss_mask is None and segment_ids is None:
-        raise ValueError("count_denominator needs labels, loss_mask or segment_ids (or several) to see the batch")
+        raise ValueError("count_denominator needs labels or loss_mask (or segment_ids; any of them) to see the batch")
     if labels is not None and labels.kind not in INT_KINDS:
         raise TypeError(f"labels must be an integer array; got dtype {labels.dtype}")
     if loss_mask is not None and loss_mask.kind not in (BOOL_KIND, FLOAT_KIND, *INT_KINDS):
