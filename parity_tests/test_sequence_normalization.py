@@ -423,3 +423,20 @@ def test_jax_accumulate_two_replicas_fast() -> None:
         mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
     )
     assert_tiny(*jax.jit(sharded)(params, batch), ref_loss, ref_grads, "D=2 K=2")
+
+
+@pytest.mark.slow  # torch.compile: tens of seconds
+def test_torch_compile_fullgraph() -> None:
+    """The sequence coefficients (sort, scatter-add) trace into one graph: same numbers as eager
+    and as the oracle."""
+    case, ids = packed_case("cross_entropy", float_weights=True)
+    logits = torch.tensor(case.logits).requires_grad_(True)
+    args = (torch.tensor(case.target), torch.tensor(case.loss_mask), torch.tensor(ids))
+
+    def loss_fn(x, labels, mask, seg):
+        return torchloss.cross_entropy(x, labels, mask, segment_ids=seg, normalization="sequence_mean", causal_shift=True)
+
+    compiled = torch.compile(loss_fn, fullgraph=True)(logits, *args)
+    compiled.backward()
+    ref = case.reference(segment_ids=ids, normalization="sequence_mean", causal_shift=True)
+    assert_close_to_oracle(compiled.detach().double().numpy(), logits.grad.double().numpy(), ref.loss, ref.grad, dtype="float32", g0=ref.g0, what="compiled")
