@@ -83,6 +83,41 @@ def test_jax_losses_and_counts_over_a_time_split(kind: str) -> None:
             np.testing.assert_allclose(float(count), ref_count, rtol=1e-6, err_msg=what)
 
 
+@pytest.mark.parametrize("kind", ["cross_entropy", "forward_kl"])
+def test_jax_sequence_and_vocab_parallel_together(kind: str) -> None:
+    """2 time slices x 2 vocabulary shards (V = 38): the coefficients come from the time axis,
+    the statistics from the vocabulary axis; together the full rows' loss and gradient."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jaxloss
+
+    case, ids = packed_case(kind, float_weights=True)
+    logits = np.concatenate([case.logits, np.full(case.logits.shape[:-1] + (1,), -1.0, np.float32)], axis=-1)
+    target = case.target if kind == "cross_entropy" else np.concatenate([case.target, np.zeros_like(logits[..., :1])], axis=-1)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("seq", "model"))
+    function = getattr(jaxloss, kind)
+    for mode in MODES:
+        options = dict(OPTIONS[kind], normalization=mode, causal_shift=True)
+
+        def local(x, t, mask, seg, options=options):
+            loss, grad = jax.value_and_grad(
+                lambda x: function(x, t, mask, segment_ids=seg, sequence_parallel="seq", vocab_parallel="model", **options)
+            )(x)
+            return jax.lax.psum(loss, "seq"), grad
+
+        target_spec = P(None, "seq") if kind == "cross_entropy" else P(None, "seq", "model")
+        sharded = _shard_map()(
+            local, mesh=mesh, in_specs=(P(None, "seq", "model"), target_spec, P(None, "seq"), P(None, "seq")),
+            out_specs=(P(), P(None, "seq", "model")),
+        )
+        loss, grad = jax.jit(sharded)(jnp.asarray(logits), jnp.asarray(target), jnp.asarray(case.loss_mask), jnp.asarray(ids))
+        ref_loss, ref_grad = lossspec.oracle(kind, logits, target, case.loss_mask, segment_ids=ids, **options)
+        g0 = case.g0(segment_ids=ids, **options)
+        assert_close_to_oracle(loss, np.asarray(grad), ref_loss, ref_grad, dtype="float32", g0=g0, what=f"sp x vp {kind}/{mode}")
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
 def test_jax_accumulate_data_by_sequence_parallel(kind: str, mode: str) -> None:
