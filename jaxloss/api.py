@@ -95,7 +95,17 @@ def _masked_loss(kind: str, **args: Any) -> Array:
     options = {name: args[name] for name in spec.option_names}
     config = lossspec.make_config(kind, normalization=args["normalization"], **options)
     target = args[spec.target] if spec.target is not None else None
-    return _loss(config, args["logits"], target, args["loss_mask"], args["denominator"], args["vocab_parallel"], args["impl"])
+    return _loss(
+        config,
+        args["logits"],
+        target,
+        args["loss_mask"],
+        args["segment_ids"],
+        args["denominator"],
+        args["vocab_parallel"],
+        args["sequence_parallel"],
+        args["impl"],
+    )
 
 
 FRAMEWORK_ARGS = lossspec.FrameworkArgs(
@@ -108,6 +118,17 @@ FRAMEWORK_ARGS = lossspec.FrameworkArgs(
             "(shards in axis-index order, ``V = V_local * P``), labels are global ids. The loss is the same on "
             "every replica and the gradient is the replica's slice; the statistics are combined with explicit "
             "collectives.",
+        ),
+        (
+            "sequence_parallel",
+            None,
+            "``None``, or the mesh axis name (or a tuple of names) over which the time axis (the last leading axis) is "
+            "split, inside ``shard_map`` / ``pmap`` (context parallelism): each replica holds its contiguous time slice "
+            "(in axis-index order, equal lengths) of the logits, labels, mask and ``segment_ids``. The ``[..., T]`` "
+            "labels, mask and ids are all-gathered (never the logits), so ``n_s``, ``D`` / ``S`` and the causal shift "
+            "are those of the whole rows. The loss is this replica's share (``psum`` it over the axis for the whole "
+            "rows' loss; ``accumulate`` does with ``data_axes`` holding the axis); the gradient is exact "
+            "(lossspec.sequences).",
         ),
         (
             "impl",
@@ -138,15 +159,23 @@ def count_denominator(
     normalization: str = "valid_tokens",
     ignore_index: int = -100,
     causal_shift: bool = False,
+    segment_ids: Any = None,
+    sequence_parallel: Any = None,
 ) -> Array:
     """The denominator ``D`` of one (micro-)batch as an fp32 scalar array (SPEC section 4).
 
-    ``"valid_tokens"``: sum of the weights of valid tokens (mask non-zero and, when labels
-    are given, label ``!= ignore_index``); ``"tokens"``: the number of token positions.
+    ``"valid_tokens"``: sum of the weights of valid tokens (mask non-zero, segment id ``>= 0``
+    and, when labels are given, label ``!= ignore_index``); ``"tokens"``: the number of token
+    positions; ``"sequence_mean"`` / ``"sequence_sum"``: ``S``, the number of sequences (rows, or
+    ``(row, segment id)`` pairs) with a positive weight sum (:mod:`lossspec.sequences`).
     Counts add up over micro-batches and data-parallel replicas (``jax.lax.psum``).
     ``"sum"`` and ``"none"`` have no count and raise ``ValueError``. ``causal_shift=True``
     counts the positions the shifted losses score (:mod:`lossspec.causal`): ``labels[..., 1:]``
-    and ``loss_mask[..., 1:]`` (``"tokens"``: ``prod(lead[:-1]) * (T - 1)``).
+    and ``loss_mask[..., 1:]`` (``"tokens"``: ``prod(lead[:-1]) * (T - 1)``), and the sequences
+    of the scored segment ids (never across a document boundary). ``sequence_parallel``: the
+    mesh axis name(s) splitting the time axis, as in the losses: the result is this replica's
+    share (a sequence is counted by the replica holding its first scored position, a token by
+    the one holding it), so ``psum`` over the data and sequence axes gives the whole count.
 
     Labels are compared with ``ignore_index`` exactly (an ``ignore_index`` that the labels'
     dtype cannot hold matches no label). The weights are checked as in the losses
@@ -155,28 +184,35 @@ def count_denominator(
     """
     labels = None if labels is None else _as_array(labels)
     loss_mask = None if loss_mask is None else _as_array(loss_mask)
+    segment_ids = None if segment_ids is None else _as_array(segment_ids)
     lossspec.check_count_args(
         normalization,
         None if labels is None else _meta(labels),
         None if loss_mask is None else _meta(loss_mask),
         causal_shift,
+        None if segment_ids is None else _meta(segment_ids),
     )
-    if causal_shift:  # position t is scored against index t + 1: index 0 is never a target
-        labels = None if labels is None else labels[..., 1:]
-        loss_mask = None if loss_mask is None else loss_mask[..., 1:]
-    config = LossConfig(kind="cross_entropy", ignore_index=ignore_index)
+    axes = None if sequence_parallel is None else _sequence_axes(sequence_parallel)
+    config = lossspec.make_config("cross_entropy", ignore_index=ignore_index, normalization=normalization, causal_shift=causal_shift)
     if loss_mask is not None and _concrete(loss_mask):
-        lossspec.check_weights(np.asarray(loss_mask))
-    ref = labels if labels is not None else loss_mask
-    if normalization == "tokens":
-        return jnp.asarray(float(np.prod(ref.shape, dtype=np.int64)), F32)
+        # With causal_shift only loss_mask[..., 1:] is ever read (lossspec.causal).
+        lossspec.check_weights(np.asarray(loss_mask)[..., 1:] if causal_shift else np.asarray(loss_mask))
+    ref = next(a for a in (labels, loss_mask, segment_ids) if a is not None)
+    if normalization == "tokens" and axes is None:
+        return jnp.asarray(float(lossspec.scored_positions(tuple(ref.shape), causal_shift)), F32)
     ignored = None
     if isinstance(labels, np.ndarray):
         # NumPy labels may not fit JAX's int32 (x64 off: int64 / uint64 would wrap on the way,
         # and 2**32 - 100 would become -100): compare them with ignore_index here, exactly.
         ignored, labels = labels == config.ignore_index, None
     return _count(
-        config, None if labels is None else _device(labels), None if loss_mask is None else _device(loss_mask), ignored
+        config,
+        axes,
+        tuple(ref.shape),
+        None if labels is None else _device(labels),
+        None if loss_mask is None else _device(loss_mask),
+        _device_ids(segment_ids, axes),
+        None if ignored is None else _device(ignored),
     )
 
 
@@ -233,6 +269,38 @@ def _device(value: Any) -> Any:
     return value
 
 
+def _device_ids(segment_ids: Any, axes: Optional[tuple]) -> Any:
+    """Segment ids for the device: NumPy ids as int32 with the same sequences
+    (:func:`lossspec.compact_segment_ids`: 64-bit ids would wrap without x64); others as they
+    are. Under ``sequence_parallel`` ids stay as given (ranks must agree on them), cast to int32
+    where x64 is off, as JAX does."""
+    if segment_ids is None:
+        return None
+    if isinstance(segment_ids, np.ndarray) and axes is None:
+        return jnp.asarray(lossspec.compact_segment_ids(segment_ids))
+    return _device(segment_ids)
+
+
+def _sequence_axes(sequence_parallel: Any) -> tuple:
+    """``sequence_parallel`` as a tuple of bound axis names; a ``TypeError`` / ``ValueError`` that
+    names the argument otherwise."""
+    names = tuple(sequence_parallel) if isinstance(sequence_parallel, (tuple, list)) else (sequence_parallel,)
+    if not names or not all(isinstance(name, str) and name for name in names):
+        raise TypeError(
+            "sequence_parallel must be a mesh axis name (str) or a tuple of them, used inside shard_map or pmap; "
+            f"got {sequence_parallel!r}"
+        )
+    for name in names:
+        try:
+            jax.lax.axis_size(name)
+        except NameError as err:
+            raise ValueError(
+                f"sequence_parallel={name!r} is not a bound axis here: call the loss inside shard_map (a mesh with that "
+                "axis name) or pmap(axis_name=...)"
+            ) from err
+    return names
+
+
 def _host_labels(labels: np.ndarray, ignore_index: int, vocab: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """NumPy labels, compared on the host: ``(safe int32 labels, (ignored, out_of_range))``.
 
@@ -251,8 +319,10 @@ def _loss(
     logits: Any,
     target: Any,
     loss_mask: Any,
+    segment_ids: Any,
     denominator: Any,
     vocab_parallel: Any,
+    sequence_parallel: Any,
     impl: str,
 ) -> Array:
     impl = resolve_impl(impl)
@@ -266,8 +336,15 @@ def _loss(
         target = _as_array(target)
         target_meta = _meta(target)
     loss_mask = None if loss_mask is None else _as_array(loss_mask)
-    lossspec.check_inputs(config, _meta(logits), target_meta, None if loss_mask is None else _meta(loss_mask))
+    segment_ids = None if segment_ids is None else _as_array(segment_ids)
+    lossspec.check_inputs(
+        config, _meta(logits), target_meta, None if loss_mask is None else _meta(loss_mask), None if segment_ids is None else _meta(segment_ids)
+    )
     lossspec.check_denominator_allowed(config, denominator)
+    time_axes = None
+    if sequence_parallel is not None:
+        lossspec.check_sequence_parallel_axis(tuple(logits.shape[:-1]))
+        time_axes = _sequence_axes(sequence_parallel)
     if denominator is not None:
         host = not isinstance(denominator, jax.Array)  # a Python / NumPy number: check it as given
         denominator = np.asarray(denominator) if host else denominator
@@ -290,12 +367,14 @@ def _loss(
         axes = _vocab_parallel.axis_names(vocab_parallel)
         vocab = vocab * _vocab_parallel.axis_size(axes)  # the global V (labels are global ids)
     host_flags = None
-    if config.kind == "cross_entropy" and _concrete(target) and (loss_mask is None or _concrete(loss_mask)):
+    concrete_ids = segment_ids is None or _concrete(segment_ids)
+    if config.kind == "cross_entropy" and time_axes is None and _concrete(target) and (loss_mask is None or _concrete(loss_mask)) and concrete_ids:
         labels_host = np.asarray(target)
         mask_host = None if loss_mask is None else np.asarray(loss_mask)
+        ids_host = None if segment_ids is None else lossspec.scored_segment_ids(np.asarray(segment_ids), lead, config.causal_shift)
         if config.causal_shift:
             labels_host, mask_host = lossspec.shift_targets(labels_host, mask_host, lead)
-        valid, _ = lossspec.token_weights(config, labels_host, mask_host, lead)
+        valid, _ = lossspec.token_weights(config, labels_host, mask_host, lead, ids_host)
         lossspec.check_labels(labels_host, valid, vocab, config.causal_shift)
     if config.kind == "cross_entropy" and isinstance(target, np.ndarray):
         target, host_flags = _host_labels(target, config.ignore_index, vocab)
@@ -309,8 +388,10 @@ def _loss(
     coef, safe_target, bad = _prepare(
         counting,
         vocab,
+        time_axes,
         _device(target),
         None if loss_mask is None else _device(loss_mask),
+        _device_ids(segment_ids, time_axes),
         None if denominator is None else _device(denominator),
         host_flags,
     )
@@ -386,12 +467,18 @@ def _bad_weights(loss_mask: Array, weight: Array) -> Array:
 
 
 def _weights(
-    config: LossConfig, labels: Optional[Array], loss_mask: Optional[Array], lead: tuple[int, ...], ignored: Optional[Array] = None
+    config: LossConfig,
+    labels: Optional[Array],
+    loss_mask: Optional[Array],
+    lead: tuple[int, ...],
+    ignored: Optional[Array] = None,
+    segment_ids: Optional[Array] = None,
 ) -> tuple[Array, Array, Array]:
-    """``(valid, weight, bad_weight)``: valid tokens, fp32 weights (0 where invalid), and
-    whether any weight breaks :func:`lossspec.check_weights` (under tracing: makes the loss
-    NaN). The mask is data: ``stop_gradient``, no gradient flows to it. ``ignored``: labels
-    equal to ``ignore_index``, compared on the host (then ``labels`` is not read)."""
+    """``(valid, weight, bad_weight)``: valid tokens (mask non-zero, segment id ``>= 0``, label
+    not ``ignore_index``), fp32 weights (0 where invalid), and whether any weight breaks
+    :func:`lossspec.check_weights` (under tracing: makes the loss NaN). The mask is data:
+    ``stop_gradient``, no gradient flows to it. ``ignored``: labels equal to ``ignore_index``,
+    compared on the host (then ``labels`` is not read)."""
     valid = jnp.ones(lead, bool)
     weight = jnp.ones(lead, F32)
     bad = jnp.zeros((), bool)
@@ -405,6 +492,8 @@ def _weights(
         valid = valid & ~ignored
     elif labels is not None:
         valid = valid & ~_ignored(labels, config.ignore_index)
+    if segment_ids is not None:
+        valid = valid & (segment_ids >= 0)
     return valid, jnp.where(valid, weight, 0.0), bad
 
 
@@ -414,49 +503,160 @@ def _shift_left(values: Array, fill: Any) -> Array:
     return jnp.concatenate([values[..., 1:], pad], axis=-1)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _count(config: LossConfig, labels: Optional[Array], loss_mask: Optional[Array], ignored: Optional[Array] = None) -> Array:
-    lead = next(a for a in (labels, loss_mask, ignored) if a is not None).shape
-    _, weight, bad = _weights(config, labels, loss_mask, lead, ignored)
+def _scored_segment_ids(config: LossConfig, segment_ids: Optional[Array], lead: tuple[int, ...]) -> Optional[Array]:
+    """The ids of the scored positions (:func:`lossspec.scored_segment_ids`): as given (zeros,
+    one sequence per row, for the sequence modes without ids), or with ``causal_shift``
+    ``ids[t + 1]`` where ``ids[t] == ids[t + 1]``, else -1 (never across a document boundary).
+    ``None`` when neither given nor needed."""
+    if segment_ids is None:
+        if not config.per_sequence:
+            return None
+        segment_ids = jnp.zeros(lead, jnp.int32)
+    ids = jax.lax.stop_gradient(segment_ids)
+    if jnp.issubdtype(ids.dtype, jnp.unsignedinteger):  # -1 marks padding below: a signed dtype
+        ids = ids.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+    if not config.causal_shift:
+        return ids
+    following = _shift_left(ids, -1)
+    return jnp.where(ids == following, following, -1)
+
+
+def _sequence_count(weight: Array, ids: Array) -> tuple[Array, Array]:
+    """``(n, counted)`` ``[..., T]``: per token, the weight sum ``n_s`` of its sequence (the
+    ``(row, id)`` pair; :func:`lossspec.sequence_weight_sums`), and whether the position counts a
+    sequence in ``S`` (its first position, id ``>= 0``, ``n_s > 0``). Sort-based: each row's ids
+    are sorted (stably), numbered by group, and the weights summed per group with a scatter-add
+    (each sum rounds like a plain sum of the sequence's weights, whatever the row's total)."""
+    shape, time = weight.shape, weight.shape[-1]
+    rows_w, rows_ids = weight.reshape(-1, time), ids.reshape(-1, time)
+    order = jnp.argsort(rows_ids, axis=-1, stable=True)
+    sorted_ids = jnp.take_along_axis(rows_ids, order, axis=-1)
+    starts = jnp.ones(sorted_ids.shape, bool).at[:, 1:].set(sorted_ids[:, 1:] != sorted_ids[:, :-1])
+    inverse = jnp.argsort(order, axis=-1)
+    group = jnp.take_along_axis(jnp.cumsum(starts, axis=-1) - 1, inverse, axis=-1)  # the sequence's number in its row
+    row = jnp.arange(rows_w.shape[0])[:, None]
+    sums = jnp.zeros_like(rows_w).at[row, group].add(rows_w)
+    n = jnp.take_along_axis(sums, group, axis=-1)
+    first = jnp.take_along_axis(starts, inverse, axis=-1) & (rows_ids >= 0)  # stable sort: the earliest position
+    return n.reshape(shape), (first & (n > 0)).reshape(shape)
+
+
+def _gather_time(values: Optional[Array], axes: tuple) -> Optional[Array]:
+    """``[..., T_local]`` -> ``[..., T]``: the slices of the ``sequence_parallel`` axes
+    concatenated along time, in axis-index order."""
+    if values is None:
+        return None
+    return jax.lax.all_gather(values, axes, axis=values.ndim - 1, tiled=True)
+
+
+def _axes_size(axes: tuple) -> int:
+    """The number of replicas along the ``sequence_parallel`` axes (static)."""
+    return int(np.prod([jax.lax.axis_size(name) for name in axes], dtype=np.int64))
+
+
+def _take_window(values: Array, axes: tuple, length: int) -> Array:
+    """This replica's slice ``[index * length, (index + 1) * length)`` of the time axis."""
+    offset = jax.lax.axis_index(axes) * length
+    return jax.lax.dynamic_slice_in_dim(values, offset, length, axis=values.ndim - 1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _count(
+    config: LossConfig,
+    axes: Optional[tuple],
+    lead: tuple[int, ...],
+    labels: Optional[Array],
+    loss_mask: Optional[Array],
+    segment_ids: Optional[Array],
+    ignored: Optional[Array] = None,
+) -> Array:
+    """``count_denominator`` on the device: the scored weights (or positions, or the sequences'
+    first positions) summed; under ``sequence_parallel`` (``axes``) on the whole rows, this
+    replica's window."""
+    local = lead[-1] if lead else 0
+    if axes is not None:
+        labels, loss_mask, segment_ids, ignored = (_gather_time(a, axes) for a in (labels, loss_mask, segment_ids, ignored))
+        lead = lead[:-1] + (local * _axes_size(axes),)
+    if config.causal_shift:
+        loss_mask = _shift_left(jnp.ones(lead, bool) if loss_mask is None else loss_mask, 0)
+        labels = None if labels is None else _shift_left(labels, 0)
+        ignored = None if ignored is None else _shift_left(ignored, False)
+    ids = _scored_segment_ids(config, segment_ids, lead)
+    _, weight, bad = _weights(config, labels, loss_mask, lead, ignored, ids)
+    if config.normalization == "tokens":
+        weight = jnp.ones(lead, F32) if not config.causal_shift else _shift_left(jnp.ones(lead, F32), 0.0)
+    elif config.per_sequence:
+        weight = _sequence_count(weight, ids)[1].astype(F32)
+    if axes is not None:
+        weight = _take_window(weight, axes, local)
     return jnp.sum(weight) + jnp.where(bad, jnp.nan, 0.0)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _prepare(
     config: LossConfig,
     vocab: int,
+    axes: Optional[tuple],
     target: Array,
     loss_mask: Optional[Array],
+    segment_ids: Optional[Array],
     denominator: Optional[Array],
     host_flags: Optional[tuple[Array, Array]] = None,
 ) -> tuple[Array, Array, Array]:
     """``(coef [N], target, bad)``: the per-token coefficient, the safe target (labels 0 where
     invalid, int32, flattened; teacher ``[N, V]``) and the bad-value flag. ``host_flags``:
-    ``(ignored, out_of_range)`` of NumPy labels, compared on the host (:func:`_host_labels`)."""
+    ``(ignored, out_of_range)`` of NumPy labels, compared on the host (:func:`_host_labels`).
+    ``axes``: the ``sequence_parallel`` axes; then the ``[..., T]`` labels, mask, ids and flags
+    of the whole rows are gathered, everything below runs on them, and this replica keeps its
+    window of the coefficients and labels (lossspec.sequences)."""
     ce = config.kind == "cross_entropy"
-    lead = target.shape if ce else target.shape[:-1]
-    n = int(np.prod(lead, dtype=np.int64))
+    local_lead = target.shape if ce else target.shape[:-1]
+    n = int(np.prod(local_lead, dtype=np.int64))
     ignored, out_of_range = host_flags if host_flags is not None else (None, None)
+    labels = target if ce else None
+    lead = local_lead
+    if axes is not None:
+        labels, loss_mask, segment_ids, ignored, out_of_range = (
+            _gather_time(a, axes) for a in (labels, loss_mask, segment_ids, ignored, out_of_range)
+        )
+        lead = local_lead[:-1] + (local_lead[-1] * _axes_size(axes),)
     if config.causal_shift:
         # Shift the [..., T] labels, mask and flags (never the logits): position t takes
         # index t + 1, the last position gets mask 0 (lossspec.causal).
         loss_mask = _shift_left(jnp.ones(lead, bool) if loss_mask is None else loss_mask, 0)
         if ce:
-            target = _shift_left(target, 0)
+            labels = _shift_left(labels, 0)
         if host_flags is not None:
             ignored, out_of_range = _shift_left(ignored, False), _shift_left(out_of_range, False)
-    valid, weight, bad = _weights(config, target if ce else None, loss_mask, lead, ignored)
+    ids = _scored_segment_ids(config, segment_ids, lead)
+    valid, weight, bad = _weights(config, labels, loss_mask, lead, ignored, ids)
     if ce:
         # Exact, in the labels' dtype: a uint32 2**32 - 100 is out of range, never -100.
         if out_of_range is None:
-            out_of_range = _out_of_range(target, vocab)
+            out_of_range = _out_of_range(labels, vocab)
         bad = bad | jnp.any(valid & out_of_range)
-        target = jnp.where(valid, target, 0).astype(jnp.int32).reshape(n)
-    else:
-        target = target.reshape(n, target.shape[-1])  # this replica's slice under vocab_parallel
-    weight = weight.reshape(n)
+        labels = jnp.where(valid, labels, 0).astype(jnp.int32)
     if config.normalization == "none":
-        return weight, target, bad
+        coef = weight
+    else:
+        coef, bad = _coefficients(config, weight, ids, denominator, lead, bad)
+    if axes is not None:
+        coef = _take_window(coef, axes, local_lead[-1])
+        labels = None if labels is None else _take_window(labels, axes, local_lead[-1])
+    target = labels.reshape(n) if ce else target.reshape(n, target.shape[-1])  # the teacher: this replica's slice
+    return coef.reshape(n), target, bad
+
+
+def _coefficients(
+    config: LossConfig, weight: Array, ids: Optional[Array], denominator: Optional[Array], lead: tuple[int, ...], bad: Array
+) -> tuple[Array, Array]:
+    """``(coef, bad)``: ``coef = where(D > 0, weight / D, 0)``, ``D`` the given denominator or
+    this call's count (``S`` for the sequence modes); ``"sequence_mean"`` divides by ``n_s`` too
+    (``w_t / (n_s D)``). The only place ``D`` and ``n_s`` enter: runtime data for the kernels.
+    ``D == 0`` gives loss 0, gradient 0."""
+    n = counted = None
+    if config.per_sequence:
+        n, counted = _sequence_count(weight, ids)
     if denominator is not None:
         # Data, like the mask: no gradient. 0 or a normal float32 number (lossspec's
         # check_denominator_value), else NaN: also a value that float32 turns into 0 or inf.
@@ -467,11 +667,13 @@ def _prepare(
         denom = jnp.sum(weight)
     elif config.normalization == "tokens":
         denom = jnp.asarray(float(lossspec.scored_positions(lead, config.causal_shift)), F32)
+    elif counted is not None:
+        denom = jnp.sum(counted.astype(F32))
     else:  # "sum"
         denom = jnp.ones((), F32)
-    # The only place D enters: runtime data for the kernels. D == 0 gives loss 0, grad 0.
-    coef = jnp.where(denom > 0, weight / jnp.where(denom > 0, denom, 1.0), 0.0)
-    return coef, target, bad
+    if n is not None and config.normalization == "sequence_mean":
+        weight = jnp.where(weight > 0, weight / jnp.where(n > 0, n, 1.0), 0.0)
+    return jnp.where(denom > 0, weight / jnp.where(denom > 0, denom, 1.0), 0.0), bad
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

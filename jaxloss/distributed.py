@@ -68,15 +68,28 @@ def global_denominator(
     ignore_index: int = -100,
     data_axes: AxisNames = None,
     causal_shift: bool = False,
+    segment_ids: jax.Array | None = None,
+    sequence_parallel: AxisNames = None,
 ) -> jax.Array:
     """``D`` of the global batch: the count of every token given (any stacked leading
     micro-batch axes count too, since counts add up), ``psum``-ed over ``data_axes`` (names of
     data-parallel mesh/pmap axes; call inside ``shard_map``/``pmap``). fp32 scalar.
 
-    ``"valid_tokens"``: sum of the weights of valid tokens; ``"tokens"``: number of positions.
-    ``causal_shift``: as in :func:`jaxloss.count_denominator`.
+    ``"valid_tokens"``: sum of the weights of valid tokens; ``"tokens"``: number of positions;
+    ``"sequence_mean"`` / ``"sequence_sum"``: ``S``, the number of sequences.
+    ``causal_shift``, ``segment_ids``, ``sequence_parallel``: as in :func:`jaxloss.count_denominator`;
+    with ``sequence_parallel`` the count is this replica's share and ``data_axes`` must hold the
+    sequence axes too (every axis over which the tokens differ).
     """
-    count = count_denominator(labels, loss_mask, normalization=normalization, ignore_index=ignore_index, causal_shift=causal_shift)
+    count = count_denominator(
+        labels,
+        loss_mask,
+        normalization=normalization,
+        ignore_index=ignore_index,
+        causal_shift=causal_shift,
+        segment_ids=segment_ids,
+        sequence_parallel=sequence_parallel,
+    )
     axes = _axes(data_axes)
     return jax.lax.psum(count, axes) if axes else count
 
@@ -123,17 +136,31 @@ def _stacked_groups(batch: Any, num_microbatches: int) -> list[Any]:
 
 
 def _default_count_fn(
-    normalization: str, ignore_index: int, labels_key: str, mask_key: str, causal_shift: bool = False
+    normalization: str,
+    ignore_index: int,
+    labels_key: str,
+    mask_key: str,
+    causal_shift: bool = False,
+    segment_ids_key: str = "segment_ids",
+    sequence_parallel: AxisNames = None,
 ) -> Callable[[Any], jax.Array]:
     def count(microbatch: Any) -> jax.Array:
         if not isinstance(microbatch, dict):
             raise TypeError("accumulate needs count_fn= unless the batch is a dict with labels/loss_mask entries")
-        labels, mask = microbatch.get(labels_key), microbatch.get(mask_key)
+        labels, mask, ids = microbatch.get(labels_key), microbatch.get(mask_key), microbatch.get(segment_ids_key)
         if labels is None and mask is None:
             raise ValueError(f"the batch has neither {labels_key!r} nor {mask_key!r}; pass count_fn= to count it")
         if causal_shift:
             lossspec.check_shifted_microbatch(tuple(jnp.shape(labels if labels is not None else mask)))
-        return count_denominator(labels, mask, normalization=normalization, ignore_index=ignore_index, causal_shift=causal_shift)
+        return count_denominator(
+            labels,
+            mask,
+            normalization=normalization,
+            ignore_index=ignore_index,
+            causal_shift=causal_shift,
+            segment_ids=ids,
+            sequence_parallel=sequence_parallel,
+        )
 
     return count
 
@@ -151,6 +178,8 @@ def accumulate(
     labels_key: str = "labels",
     mask_key: str = "loss_mask",
     causal_shift: bool = False,
+    segment_ids_key: str = "segment_ids",
+    sequence_parallel: AxisNames = None,
 ) -> tuple[jax.Array, Any]:
     """One optimizer step's loss and gradients, split into micro-batches (and replicas).
 
@@ -162,10 +191,17 @@ def accumulate(
       batch: a pytree whose leaves have a common leading batch axis ``B``.
       num_microbatches: ``K``; the micro-batches are :func:`split_microbatches`' (``B`` need not
         divide by ``K``: the first ``B % K`` micro-batches get one more row).
-      normalization: ``"valid_tokens"`` or ``"tokens"`` (counted over the global batch) or
-        ``"sum"`` (``D = 1``). ``"none"`` has no scalar loss to differentiate.
+      normalization: ``"valid_tokens"`` or ``"tokens"`` (counted over the global batch),
+        ``"sequence_mean"`` / ``"sequence_sum"`` (``S`` counted over the global batch; micro-batches
+        split rows, so a sequence never spans two) or ``"sum"`` (``D = 1``). ``"none"`` has no
+        scalar loss to differentiate.
       count_fn: ``count_fn(microbatch) -> count``; default: ``count_denominator`` of the
-        ``labels_key``/``mask_key`` entries of a dict batch.
+        ``labels_key``/``mask_key``/``segment_ids_key`` entries of a dict batch (the ids if present).
+      segment_ids_key: the dict entry of the packed documents' ids (``lossspec.sequences``), if any.
+      sequence_parallel: the mesh axis name(s) splitting the time axis (context parallelism), for
+        the default count: each replica counts its share. The ``loss_fn`` passes
+        ``sequence_parallel=`` to its loss itself, and ``data_axes`` must hold these axes too: the
+        counts, the losses (each replica's share) and the gradients are summed over them.
       causal_shift: the default count counts the shifted positions (``labels[..., 1:]``,
         ``loss_mask[..., 1:]``), as the losses of a ``loss_fn`` that passes ``causal_shift=True``
         score them (e.g. ``labels=input_ids``); the labels/mask need ``[B, ..., T]``. The
@@ -190,7 +226,9 @@ def accumulate(
     axes = _axes(data_axes)
     groups = _stacked_groups(batch, num_microbatches)
     if normalization in lossspec.COUNTED_NORMALIZATIONS:
-        count = count_fn or _default_count_fn(normalization, ignore_index, labels_key, mask_key, causal_shift)
+        count = count_fn or _default_count_fn(
+            normalization, ignore_index, labels_key, mask_key, causal_shift, segment_ids_key, sequence_parallel
+        )
         denominator = sum(jnp.sum(jax.vmap(count)(group)).astype(jnp.float32) for group in groups)
         if axes:
             denominator = jax.lax.psum(denominator, axes)

@@ -14,6 +14,8 @@ Example::
     loss = loss_fn(logits, labels, loss_mask)            # mean over valid tokens
     loss = loss_fn(logits, labels, loss_mask, denominator=global_count)
     shifted = CrossEntropyLoss(causal_shift=True)       # labels=input_ids (lossspec.causal)
+    per_document = CrossEntropyLoss(normalization="sequence_mean")
+    loss = per_document(logits, labels, loss_mask, segment_ids=document_ids)  # lossspec.sequences
 """
 
 from __future__ import annotations
@@ -45,12 +47,14 @@ class _Loss(_nnx.Module):
             axis_names(settings["vocab_parallel"])  # a bad value fails here, not at the first call
         self.normalization = settings.pop("normalization")
         self.vocab_parallel = settings.pop("vocab_parallel")
+        self.sequence_parallel = settings.pop("sequence_parallel")
         self.impl = settings.pop("impl")
         self.options = settings
 
-    def __call__(self, logits: Any, target: Any, loss_mask: Any = None, *, denominator: Any = None) -> jax.Array:
+    def __call__(self, logits: Any, target: Any, loss_mask: Any = None, *, denominator: Any = None, segment_ids: Any = None) -> jax.Array:
         """The loss of this module's kind: an fp32 scalar, or per-token losses ``[...]`` for
-        ``normalization="none"``; ``target`` is the labels or the teacher logits."""
+        ``normalization="none"``; ``target`` is the labels or the teacher logits; ``segment_ids``
+        the packed documents (lossspec.sequences)."""
         function = getattr(api, self.kind)
         return function(
             logits,
@@ -58,7 +62,9 @@ class _Loss(_nnx.Module):
             loss_mask,
             normalization=self.normalization,
             denominator=denominator,
+            segment_ids=segment_ids,
             vocab_parallel=self.vocab_parallel,
+            sequence_parallel=self.sequence_parallel,
             impl=self.impl,
             **self.options,
         )

@@ -5,6 +5,7 @@
 - :mod:`lossspec.stats`: the per-row statistics every backend computes (one formulation);
 - :mod:`lossspec.kinds`: the per-kind table the public functions and modules are built from;
 - :mod:`lossspec.causal`: the causal-LM shift (``causal_shift=True``): the rule and its checks;
+- :mod:`lossspec.sequences`: ``segment_ids`` and the per-sequence normalisations (the rule, checks, reference);
 - :mod:`lossspec.microbatches`: how a batch splits into micro-batches (uneven sizes included);
 - :mod:`lossspec.oracle`: the float64 reference with analytic gradients, and its vocab-parallel twin;
 - :mod:`lossspec.tolerances`: the bounds of SPEC section 6 and comparisons in units of the bound;
@@ -34,8 +35,20 @@ from .checks import (
     meta,
     numpy_meta,
 )
+from .sequences import (
+    SEQUENCE_NORMALIZATIONS,
+    check_segment_ids,
+    check_sequence_parallel_axis,
+    check_sequence_time_axis,
+    compact_segment_ids,
+    first_positions,
+    scored_segment_ids,
+    sequence_coefficients,
+    sequence_weight_sums,
+)
 from .config import (
     ALL_KINDS,
+    ALL_NORMALIZATIONS,
     COUNTED_NORMALIZATIONS,
     ENTROPY_JSD_KINDS,
     TARGETLESS_KINDS,

@@ -16,6 +16,7 @@ import numpy as np
 
 from .causal import check_causal_shift, check_count_time_axis, check_loss_time_axis
 from .config import LossConfig
+from .sequences import check_segment_ids, check_sequence_time_axis
 
 # dtype kinds, as in numpy's ``dtype.kind``: b bool, i signed int, u unsigned int, f float, c complex.
 FLOAT_KIND = "f"
@@ -56,6 +57,7 @@ def check_inputs(
     logits: ArrayMeta,
     target: ArrayMeta | None,
     loss_mask: ArrayMeta | None,
+    segment_ids: ArrayMeta | None = None,
 ) -> None:
     """Check shapes and dtypes of one loss call (SPEC section 5).
 
@@ -65,6 +67,7 @@ def check_inputs(
       target: labels ``[...]`` (integer) for ``cross_entropy``, teacher logits ``[..., V]``
         (floating point) for the distillation kinds; not read for ``entropy`` (no target).
       loss_mask: ``[...]`` boolean or floating-point weights, or ``None``.
+      segment_ids: ``[...]`` integers, or ``None`` (:mod:`lossspec.sequences`).
     """
     if logits.kind != FLOAT_KIND:
         raise TypeError(f"logits must be a floating-point array of shape [..., V]; got dtype {logits.dtype}")
@@ -103,6 +106,9 @@ def check_inputs(
             raise ValueError(
                 f"loss_mask must have the leading shape of logits {_shape(lead)}; got {_shape(loss_mask.shape)}"
             )
+    if segment_ids is not None:
+        check_segment_ids(segment_ids.kind, segment_ids.dtype, segment_ids.shape, lead)
+    check_sequence_time_axis(config.normalization, lead)
 
 
 def check_denominator_allowed(config: LossConfig, denominator: Any) -> None:
@@ -111,7 +117,7 @@ def check_denominator_allowed(config: LossConfig, denominator: Any) -> None:
     if denominator is not None and config.normalization == "none":
         raise ValueError(
             "denominator= is not used with normalization 'none' (it returns per-token losses); "
-            "use 'valid_tokens', 'tokens' or 'sum'"
+            "use 'valid_tokens', 'tokens', 'sum', 'sequence_mean' or 'sequence_sum'"
         )
 
 
@@ -228,19 +234,24 @@ def check_labels(labels: np.ndarray, valid: np.ndarray, vocab_size: int, causal_
 
 
 def check_count_args(
-    normalization: str, labels: ArrayMeta | None, loss_mask: ArrayMeta | None, causal_shift: Any = False
+    normalization: str,
+    labels: ArrayMeta | None,
+    loss_mask: ArrayMeta | None,
+    causal_shift: Any = False,
+    segment_ids: ArrayMeta | None = None,
 ) -> None:
-    """Arguments of ``count_denominator`` (``causal_shift=True`` needs a time axis)."""
+    """Arguments of ``count_denominator`` (``causal_shift=True`` and the sequence modes need a
+    time axis; ``segment_ids`` the shape of the labels / mask)."""
     from .config import COUNTED_NORMALIZATIONS, check_normalization
 
     check_normalization(normalization)
     if normalization not in COUNTED_NORMALIZATIONS:
         raise ValueError(
-            f"count_denominator only counts normalization 'valid_tokens' or 'tokens'; "
+            f"count_denominator only counts normalization 'valid_tokens', 'tokens', 'sequence_mean' or 'sequence_sum'; "
             f"normalization {normalization!r} has D = 1 however the batch is split"
         )
-    if labels is None and loss_mask is None:
-        raise ValueError("count_denominator needs labels or loss_mask (or both) to see the batch")
+    if labels is None and loss_mask is None and segment_ids is None:
+        raise ValueError("count_denominator needs labels or loss_mask (or segment_ids; any of them) to see the batch")
     if labels is not None and labels.kind not in INT_KINDS:
         raise TypeError(f"labels must be an integer array; got dtype {labels.dtype}")
     if loss_mask is not None and loss_mask.kind not in (BOOL_KIND, FLOAT_KIND, *INT_KINDS):
@@ -249,5 +260,9 @@ def check_count_args(
         raise ValueError(
             f"loss_mask must have the shape of labels {_shape(labels.shape)}; got {_shape(loss_mask.shape)}"
         )
+    ref = next(a for a in (labels, loss_mask, segment_ids) if a is not None)
+    if segment_ids is not None:
+        check_segment_ids(segment_ids.kind, segment_ids.dtype, segment_ids.shape, ref.shape)
+    check_sequence_time_axis(normalization, ref.shape)
     if check_causal_shift(causal_shift):
-        check_count_time_axis((labels if labels is not None else loss_mask).shape)  # type: ignore[union-attr]
+        check_count_time_axis(ref.shape)

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from .causal import check_causal_shift
+from .sequences import SEQUENCE_NORMALIZATIONS
 
 # The four kinds of the shared test matrices (every backend, every test file parametrised over
 # ``lossspec.KINDS``), and the kinds added since, which their own test files cover until the
@@ -22,9 +23,13 @@ ALL_KINDS: tuple[str, ...] = KINDS + ENTROPY_JSD_KINDS
 DISTILL_KINDS: tuple[str, ...] = ("soft_cross_entropy", "forward_kl", "reverse_kl", "jensen_shannon")
 # Kinds without a target argument: ``fn(logits, loss_mask=None, ...)``.
 TARGETLESS_KINDS: tuple[str, ...] = ("entropy",)
+# The token-level normalisations (SPEC section 2); the per-sequence ones are in lossspec.sequences.
 NORMALIZATIONS: tuple[str, ...] = ("valid_tokens", "tokens", "sum", "none")
-# Normalisations whose denominator is a count that adds up over micro-batches and replicas.
-COUNTED_NORMALIZATIONS: tuple[str, ...] = ("valid_tokens", "tokens")
+# Every value `normalization=` accepts.
+ALL_NORMALIZATIONS: tuple[str, ...] = NORMALIZATIONS + SEQUENCE_NORMALIZATIONS
+# Normalisations whose denominator is a count that adds up over micro-batches and replicas
+# (a number of tokens, a weight sum, or S, the number of sequences).
+COUNTED_NORMALIZATIONS: tuple[str, ...] = ("valid_tokens", "tokens") + SEQUENCE_NORMALIZATIONS
 JAX_IMPLS: tuple[str, ...] = ("auto", "xla", "pallas")
 TORCH_IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
 
@@ -92,9 +97,9 @@ def check_kind(kind: str) -> str:
 
 
 def check_normalization(normalization: str) -> str:
-    if normalization not in NORMALIZATIONS:
+    if normalization not in ALL_NORMALIZATIONS:
         raise ValueError(
-            f"normalization must be one of {', '.join(map(repr, NORMALIZATIONS))}; got {normalization!r}"
+            f"normalization must be one of {', '.join(map(repr, ALL_NORMALIZATIONS))}; got {normalization!r}"
         )
     return normalization
 
@@ -205,8 +210,13 @@ class LossConfig:
 
     @property
     def counted(self) -> bool:
-        """Whether the denominator is a count (``valid_tokens``/``tokens``)."""
+        """Whether the denominator is a count (``valid_tokens``/``tokens``, or ``S`` of the sequence modes)."""
         return self.normalization in COUNTED_NORMALIZATIONS
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether the normalisation is per sequence (``sequence_mean``/``sequence_sum``, lossspec.sequences)."""
+        return self.normalization in SEQUENCE_NORMALIZATIONS
 
 
 def make_config(kind: str, **options: Any) -> LossConfig:

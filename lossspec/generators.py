@@ -16,7 +16,8 @@ from .causal import scored_positions, shift_targets
 from .config import ALL_KINDS, KINDS
 from .oracle import oracle, token_weights
 from .config import make_config
-from .tolerances import g0_for, round_to_dtype
+from .sequences import scored_segment_ids, sequence_coefficients
+from .tolerances import g0_for, gradient_floor, round_to_dtype
 
 SCENARIOS: tuple[str, ...] = (
     "random",  # moderate logits, ~30% masked, some ignore_index labels
@@ -66,13 +67,23 @@ class Case:
 
     def g0(self, **options: Any) -> float:
         normalization = options.get("normalization", "valid_tokens")
-        cfg_options = {k: v for k, v in options.items() if k not in ("normalization", "denominator", "grad_output")}
+        cfg_options = {k: v for k, v in options.items() if k not in ("normalization", "denominator", "grad_output", "segment_ids")}
         config = make_config(self.kind, normalization=normalization, **cfg_options)
         lead = self.logits.shape[:-1]
         labels, mask = (self.target if self.kind == "cross_entropy" else None), self.loss_mask
+        ids = options.get("segment_ids")
+        if ids is not None or config.per_sequence:
+            ids = scored_segment_ids(ids, lead, config.causal_shift)
         if config.causal_shift:
             labels, mask = shift_targets(labels, mask, lead)
-        valid, weight = token_weights(config, labels, mask, lead)
+        valid, weight = token_weights(config, labels, mask, lead, ids)
+        if config.per_sequence:
+            # G0 = max coef * c (lossspec.sequences: coef = w / (n_s S) or w / S).
+            coef = sequence_coefficients(weight, ids, normalization, options.get("denominator"))
+            upstream = options.get("grad_output")
+            upstream = 1.0 if upstream is None else float(np.max(np.abs(np.asarray(upstream, np.float64))))
+            peak = float(coef.max()) if coef.size else 0.0
+            return gradient_floor(peak, 1.0, config.logit_scale, config.temperature) * upstream
         if options.get("denominator") is not None:
             denominator = float(options["denominator"])
         elif normalization == "valid_tokens":

@@ -151,19 +151,29 @@ _ARG_DOCS: dict[str, str] = {
     ),
     "normalization": (
         '``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` '
-        "of ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses."
+        "of ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, "
+        '``"sequence_mean"`` ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` '
+        "``(1/S) sum_s sum_{i in s} w_i l_i``, with ``n_s`` the sequence's weight sum and ``S`` the number of "
+        "sequences with ``n_s > 0`` (each row of the leading shape, or ``segment_ids``; lossspec.sequences)."
+    ),
+    "segment_ids": (
+        "``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0`` form "
+        "one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per "
+        "input token like the labels: with ``causal_shift`` position ``t`` is scored only if ``segment_ids[..., t] "
+        "== segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that sequence. Data: no "
+        "gradient."
     ),
     "denominator": (
         "the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced "
-        'modes; ``None`` counts this call\'s own tokens (``D = 1`` for ``"sum"``). Pass the sum of '
-        '``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a '
-        "normal float32 number; data (no gradient flows to it)."
+        'modes (``S`` of the sequence modes); ``None`` counts this call\'s own tokens (``D = 1`` for ``"sum"``). '
+        "Pass the sum of ``count_denominator`` over every micro-batch and replica. Not accepted with "
+        '``"none"``. 0 or a normal float32 number; data (no gradient flows to it).'
     ),
 }
 
 _RETURNS = (
-    "The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor), or the per-token ``w_i l_i`` with\n"
-    '``labels``\' leading shape for ``normalization="none"`` (0 at masked tokens).'
+    "The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the\n"
+    'per-token ``w_i l_i`` with ``labels``\' leading shape for ``normalization="none"`` (0 at masked tokens).'
 )
 
 
@@ -176,13 +186,14 @@ class FrameworkArgs:
 
 def parameters(spec: KindSpec, extra: FrameworkArgs) -> list[inspect.Parameter]:
     """The public signature of ``spec``'s function: positional ``logits, <target>, loss_mask``,
-    then keyword-only options, ``normalization``, ``denominator`` and the framework's own."""
+    then keyword-only options, ``normalization``, ``denominator``, ``segment_ids`` and the framework's own."""
     params = [_P("logits", _P.POSITIONAL_OR_KEYWORD)]
     if spec.target is not None:
         params.append(_P(spec.target, _P.POSITIONAL_OR_KEYWORD))
     params.append(_P("loss_mask", _P.POSITIONAL_OR_KEYWORD, default=None))
     params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default in spec.options]
     params += [_P("normalization", _P.KEYWORD_ONLY, default="valid_tokens"), _P("denominator", _P.KEYWORD_ONLY, default=None)]
+    params += [_P("segment_ids", _P.KEYWORD_ONLY, default=None)]
     params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default, _ in extra.args]
     return params
 
@@ -190,7 +201,7 @@ def parameters(spec: KindSpec, extra: FrameworkArgs) -> list[inspect.Parameter]:
 def docstring(spec: KindSpec, extra: FrameworkArgs) -> str:
     """The docstring of ``spec``'s public function in one framework."""
     lines = [spec.title, "", _NOTATION[spec.target], "", f"    {spec.loss}", f"    {spec.grad}", "", "Args:"]
-    names = ["logits", *([spec.target] if spec.target else []), "loss_mask", *spec.option_names, "normalization", "denominator"]
+    names = ["logits", *([spec.target] if spec.target else []), "loss_mask", *spec.option_names, "normalization", "denominator", "segment_ids"]
     lines += [f"  {name}: {_ARG_DOCS[name]}" for name in names]
     lines += [f"  {name}: {doc}" for name, _, doc in extra.args]
     lines += ["", "Returns:"] + ["  " + line for line in _RETURNS.splitlines()]
@@ -227,7 +238,7 @@ def module_docstring(spec: KindSpec, extra: FrameworkArgs, framework: str) -> st
         f"Module form of :func:`{framework}.{spec.kind}`: {spec.title[0].lower()}{spec.title[1:]}\n\n"
         f"Constructed with the keyword options ``{options}, normalization='valid_tokens', {extras}``\n"
         "(validated at construction, with the function's errors); called as\n"
-        f"``module(logits, {spec.target + ', ' if spec.target else ''}loss_mask=None, *, denominator=None)``. "
+        f"``module(logits, {spec.target + ', ' if spec.target else ''}loss_mask=None, *, denominator=None, segment_ids=None)``. "
         "It holds no parameters.\n\n"
         f"    {spec.loss}\n    {spec.grad}\n"
     )

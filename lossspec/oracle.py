@@ -21,8 +21,9 @@ Losses (per token) and their gradients with respect to ``z``::
 Entropy and the JSD are written here in their textbook form (``log M`` by ``logaddexp`` in
 float64), independently of the pivoted / two-pass formulation of :mod:`lossspec.stats`.
 
-Normalised loss: ``sum_i w_i l_i / D`` (SPEC section 2); the gradient with respect to ``x`` is
-``dl/dz * c * w_i / D * upstream``.
+Normalised loss: ``sum_i coef_i l_i`` with ``coef_i = w_i / D`` (SPEC section 2), or the
+per-sequence ``coef_i = w_i / (n_s S)`` / ``w_i / S`` (:mod:`lossspec.sequences`); the gradient
+with respect to ``x`` is ``dl/dz * c * coef_i * upstream``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 from .checks import check_denominator_allowed, check_denominator_value, check_inputs, check_labels, check_weights, numpy_meta
 from .causal import scored_positions, shift_targets
 from .config import LossConfig, make_config
+from .sequences import SEQUENCE_NORMALIZATIONS, scored_segment_ids, sequence_coefficients, sequence_weight_sums
 
 __all__ = ["oracle", "per_token_oracle", "oracle_vocab_parallel", "token_weights", "count_denominator"]
 
@@ -133,11 +135,18 @@ def per_token_oracle(
 
 
 def token_weights(
-    config: LossConfig, target: np.ndarray | None, loss_mask: np.ndarray | None, lead_shape: tuple[int, ...]
+    config: LossConfig,
+    target: np.ndarray | None,
+    loss_mask: np.ndarray | None,
+    lead_shape: tuple[int, ...],
+    segment_ids: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(valid, weight)`` per token, float64: a token is valid when its mask is non-zero and,
-    for cross-entropy, its label is not ``ignore_index``; invalid tokens have weight 0."""
+    """``(valid, weight)`` per token, float64: a token is valid when its mask is non-zero, its
+    segment id (if given; the scored ids under ``causal_shift``) is ``>= 0`` and, for
+    cross-entropy, its label is not ``ignore_index``; invalid tokens have weight 0."""
     valid = np.ones(lead_shape, dtype=bool)
+    if segment_ids is not None:
+        valid &= np.asarray(segment_ids) >= 0
     weight = np.ones(lead_shape, dtype=np.float64)
     if loss_mask is not None:
         loss_mask = np.asarray(loss_mask)
@@ -155,13 +164,16 @@ def count_denominator(
     normalization: str = "valid_tokens",
     ignore_index: int = -100,
     causal_shift: bool = False,
+    segment_ids: np.ndarray | None = None,
 ) -> float:
     """The denominator ``D`` of one batch (SPEC sections 2 and 4), float64.
 
-    ``"valid_tokens"``: sum of the weights of valid tokens (mask non-zero and, when labels are
-    given, label != ignore_index). ``"tokens"``: number of token positions. Counts add up over
-    micro-batches and data-parallel replicas. ``causal_shift=True`` counts the scored positions
-    (:mod:`lossspec.causal`): ``labels[..., 1:]`` and ``loss_mask[..., 1:]``.
+    ``"valid_tokens"``: sum of the weights of valid tokens (mask non-zero, segment id ``>= 0``
+    and, when labels are given, label != ignore_index). ``"tokens"``: number of token positions.
+    ``"sequence_mean"`` / ``"sequence_sum"``: ``S``, the number of sequences with a positive
+    weight sum (:mod:`lossspec.sequences`). Counts add up over micro-batches and data-parallel
+    replicas. ``causal_shift=True`` counts the scored positions (:mod:`lossspec.causal`):
+    ``labels[..., 1:]`` and ``loss_mask[..., 1:]``, and the sequences of the scored ids.
     """
     from .checks import check_count_args
 
@@ -170,34 +182,49 @@ def count_denominator(
         None if labels is None else numpy_meta(np.asarray(labels)),
         None if loss_mask is None else numpy_meta(np.asarray(loss_mask)),
         causal_shift,
+        None if segment_ids is None else numpy_meta(np.asarray(segment_ids)),
     )
-    if causal_shift:  # position t is scored against index t + 1: index 0 is never a target
-        labels = None if labels is None else np.asarray(labels)[..., 1:]
-        loss_mask = None if loss_mask is None else np.asarray(loss_mask)[..., 1:]
-    ref = np.asarray(labels if labels is not None else loss_mask)
+    ref = np.asarray(next(a for a in (labels, loss_mask, segment_ids) if a is not None))
     if normalization == "tokens":
-        return float(ref.size)
+        return float(scored_positions(ref.shape, causal_shift))
     if loss_mask is not None:
-        check_weights(np.asarray(loss_mask))
+        check_weights(np.asarray(loss_mask)[..., 1:] if causal_shift else np.asarray(loss_mask))
+    ids = None
+    if segment_ids is not None or normalization in SEQUENCE_NORMALIZATIONS:
+        ids = scored_segment_ids(segment_ids, ref.shape, causal_shift)
+    if causal_shift:  # position t is scored against index t + 1: index 0 is never a target
+        labels, loss_mask = shift_targets(labels, loss_mask, ref.shape)
     config = LossConfig(kind="cross_entropy", ignore_index=ignore_index)
-    _, weight = token_weights(config, labels, loss_mask, ref.shape)
+    _, weight = token_weights(config, labels, loss_mask, ref.shape, ids)
+    if normalization in SEQUENCE_NORMALIZATIONS:
+        return float(sequence_weight_sums(weight, ids)[1])
     return float(weight.sum())
 
 
 def _prepare(
     kind: str, logits: np.ndarray, target: np.ndarray, loss_mask: np.ndarray | None, options: dict[str, Any]
-) -> tuple[LossConfig, Any, Any, np.ndarray, np.ndarray | None]:
-    """Checks, then ``(config, denominator, grad_output, target, loss_mask)``; with
-    ``causal_shift`` the labels and mask are those of the scored positions (``lossspec.causal``),
-    and the value checks apply to them."""
+) -> tuple[LossConfig, Any, Any, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Checks, then ``(config, denominator, grad_output, target, loss_mask, segment_ids)``; with
+    ``causal_shift`` the labels, mask and segment ids are those of the scored positions
+    (``lossspec.causal``, ``lossspec.sequences``), and the value checks apply to them. The ids are
+    ``None`` when neither given nor needed (the token modes without ``segment_ids``)."""
     normalization = options.pop("normalization", "valid_tokens")
     denominator = options.pop("denominator", None)
     grad_output = options.pop("grad_output", None)
+    segment_ids = options.pop("segment_ids", None)
     config = make_config(kind, normalization=normalization, **options)
     logits = np.asarray(logits)
     target = np.asarray(target) if config.has_target else None
     target_meta = None if target is None else numpy_meta(target)
-    check_inputs(config, numpy_meta(logits), target_meta, None if loss_mask is None else numpy_meta(np.asarray(loss_mask)))
+    check_inputs(
+        config,
+        numpy_meta(logits),
+        target_meta,
+        None if loss_mask is None else numpy_meta(np.asarray(loss_mask)),
+        None if segment_ids is None else numpy_meta(np.asarray(segment_ids)),
+    )
+    if segment_ids is not None or config.per_sequence:
+        segment_ids = scored_segment_ids(segment_ids, logits.shape[:-1], config.causal_shift)
     check_denominator_allowed(config, denominator)
     if denominator is not None:
         check_denominator_value(denominator)
@@ -206,7 +233,7 @@ def _prepare(
         target = target if labels is None else labels
     if loss_mask is not None:
         check_weights(np.asarray(loss_mask))
-    return config, denominator, grad_output, target, loss_mask
+    return config, denominator, grad_output, target, loss_mask, segment_ids
 
 
 def _normalise(
@@ -214,13 +241,14 @@ def _normalise(
     logits: np.ndarray,
     target: np.ndarray,
     loss_mask: np.ndarray | None,
+    segment_ids: np.ndarray | None,
     denominator: Any,
     grad_output: Any,
     per_token_fn: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
     logits = np.asarray(logits)
     lead, vocab = logits.shape[:-1], logits.shape[-1]
-    valid, weight = token_weights(config, target, loss_mask, lead)
+    valid, weight = token_weights(config, target, loss_mask, lead, segment_ids)
     if config.kind == "cross_entropy":
         check_labels(np.asarray(target), valid, vocab, config.causal_shift)
     rows = int(np.prod(lead, dtype=np.int64))
@@ -237,6 +265,12 @@ def _normalise(
         upstream = np.ones(rows) if grad_output is None else np.broadcast_to(np.asarray(grad_output, np.float64), lead).reshape(rows)
         loss = np.where(weight > 0, weight * loss_tok, 0.0).reshape(lead)
         coef = weight * upstream
+    elif config.per_sequence:
+        coef = sequence_coefficients(weight.reshape(lead), segment_ids, config.normalization, denominator).reshape(rows)
+        with np.errstate(invalid="ignore"):
+            loss = np.sum(np.where(coef > 0, coef * loss_tok, 0.0))
+        upstream = 1.0 if grad_output is None else float(grad_output)
+        coef = coef * upstream
     else:
         if denominator is not None:
             denom = float(np.asarray(denominator, dtype=np.float64).reshape(()))
@@ -273,16 +307,16 @@ def oracle(
       loss_mask: ``[...]`` boolean or float weights, or ``None``.
       **options: the keyword options of the matching public function (``ignore_index``,
         ``label_smoothing``, ``z_loss``, ``logit_scale``, ``temperature``,
-        ``teacher_logit_scale``, ``beta``, ``causal_shift``, ``normalization``, ``denominator``), plus
-        ``grad_output``: the
+        ``teacher_logit_scale``, ``beta``, ``causal_shift``, ``normalization``, ``denominator``,
+        ``segment_ids``), plus ``grad_output``: the
         upstream gradient (a scalar, or per-token ``[...]`` for ``"none"``; default 1).
 
     Returns:
       ``loss``: a float64 scalar, or the per-token ``w_i l_i`` ``[...]`` for ``"none"``;
       ``grad_logits``: ``[..., V]`` float64, the gradient of ``sum(loss * grad_output)``.
     """
-    config, denominator, grad_output, target, loss_mask = _prepare(kind, logits, target, loss_mask, dict(options))
-    loss, grad = _normalise(config, logits, target, loss_mask, denominator, grad_output, per_token_oracle)
+    config, denominator, grad_output, target, loss_mask, ids = _prepare(kind, logits, target, loss_mask, dict(options))
+    loss, grad = _normalise(config, logits, target, loss_mask, ids, denominator, grad_output, per_token_oracle)
     return (loss if config.normalization == "none" else float(loss)), grad
 
 
@@ -441,10 +475,10 @@ def oracle_vocab_parallel(
     """:func:`oracle`, computed from ``num_shards`` contiguous vocabulary shards (sizes as even
     as possible) combined as a vocab-parallel kernel would. Equal to :func:`oracle` up to
     float64 rounding; a reference for the algebra of the vocab-parallel paths."""
-    config, denominator, grad_output, target, loss_mask = _prepare(kind, logits, target, loss_mask, dict(options))
+    config, denominator, grad_output, target, loss_mask, ids = _prepare(kind, logits, target, loss_mask, dict(options))
 
     def per_token(cfg: LossConfig, x: np.ndarray, tgt: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return per_token_vocab_parallel(cfg, x, tgt, valid, num_shards)
 
-    loss, grad = _normalise(config, logits, target, loss_mask, denominator, grad_output, per_token)
+    loss, grad = _normalise(config, logits, target, loss_mask, ids, denominator, grad_output, per_token)
     return (loss if config.normalization == "none" else float(loss)), grad

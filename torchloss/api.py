@@ -294,16 +294,16 @@ def _backend(impl: str, logits: Tensor) -> ModuleType:
     return _triton
 
 
-def _check_process_group(group: Any) -> None:
+def _check_process_group(group: Any, name: str = "vocab_parallel") -> None:
     import torch.distributed as dist
 
     if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
         raise TypeError(
-            "vocab_parallel must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD or dist.new_group(...)); "
+            f"{name} must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD or dist.new_group(...)); "
             f"got {type(group).__name__}"
         )
     if not dist.is_initialized():
-        raise ValueError("vocab_parallel needs an initialised default process group (dist.init_process_group)")
+        raise ValueError(f"{name} needs an initialised default process group (dist.init_process_group)")
 
 
 def _check_no_functorch(*tensors: Optional[Tensor]) -> None:
@@ -346,7 +346,9 @@ class _Call:
     logits: Tensor
     target: Tensor
     loss_mask: Optional[Tensor]
+    segment_ids: Optional[Tensor]
     denominator: Denominator
+    sequence_parallel: Any  # a ProcessGroup splitting the time axis, or None
     backend: Any
     vocab: int  # the global vocabulary (labels are global ids)
     host: bool  # values readable without a synchronisation
@@ -355,7 +357,16 @@ class _Call:
 
 
 def _validate(
-    config: LossConfig, logits: Any, target: Any, loss_mask: Any, denominator: Denominator, vocab_parallel: Any, impl: str, inplace: bool
+    config: LossConfig,
+    logits: Any,
+    target: Any,
+    loss_mask: Any,
+    segment_ids: Any,
+    denominator: Denominator,
+    vocab_parallel: Any,
+    sequence_parallel: Any,
+    impl: str,
+    inplace: bool,
 ) -> _Call:
     is_ce = config.kind == "cross_entropy"
     target_name = "labels" if is_ce else "teacher_logits"
@@ -371,7 +382,11 @@ def _validate(
         target_meta = None
     if loss_mask is not None:
         loss_mask = _require_tensor("loss_mask", loss_mask)
-    lossspec.check_inputs(config, _meta(logits), target_meta, None if loss_mask is None else _meta(loss_mask))
+    if segment_ids is not None:
+        segment_ids = _require_tensor("segment_ids", segment_ids)
+    lossspec.check_inputs(
+        config, _meta(logits), target_meta, None if loss_mask is None else _meta(loss_mask), None if segment_ids is None else _meta(segment_ids)
+    )
     lossspec.check_denominator_allowed(config, denominator)
     if isinstance(denominator, Tensor):
         lossspec.check_denominator_shape(tuple(denominator.shape))
@@ -383,6 +398,7 @@ def _validate(
     device = logits.device
     _check_device(target_name, target, device)
     _check_device("loss_mask", loss_mask, device)
+    _check_device("segment_ids", segment_ids, device)
     if isinstance(denominator, Tensor) and denominator.device != device and denominator.device.type != "cpu":
         raise ValueError(f"denominator must be on the device of logits ({device}) or the CPU; got {denominator.device}")
     need_grad = torch.is_grad_enabled() and logits.requires_grad
@@ -394,8 +410,13 @@ def _validate(
         _check_process_group(vocab_parallel)
         offset, vocab = _vocab_parallel.shard_offset(vocab, vocab_parallel, device)
         backend = _vocab_parallel.VocabParallel(vocab_parallel, offset, vocab, kernel=None if backend is _torch else backend)
-    host = _host_readable(logits, target, loss_mask, denominator if isinstance(denominator, Tensor) else None)
-    return _Call(config, logits, target, loss_mask, denominator, backend, vocab, host, need_grad, inplace)
+    if sequence_parallel is not None:
+        _check_process_group(sequence_parallel, "sequence_parallel")
+        lossspec.check_sequence_parallel_axis(tuple(logits.shape[:-1]))
+    host = _host_readable(logits, target, loss_mask, segment_ids, denominator if isinstance(denominator, Tensor) else None)
+    return _Call(
+        config, logits, target, loss_mask, segment_ids, denominator, sequence_parallel, backend, vocab, host, need_grad, inplace
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,14 +424,25 @@ def _validate(
 # ----------------------------------------------------------------------------------------------
 
 
-def _weights(config: LossConfig, labels: Optional[Tensor], loss_mask: Optional[Tensor], lead: tuple[int, ...], device: torch.device, acc: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(valid, weight)``: valid tokens (mask non-zero and label != ignore_index) and their
-    weights in ``acc`` (0 where invalid). The mask is data: no gradient flows to it."""
+def _weights(
+    config: LossConfig,
+    labels: Optional[Tensor],
+    loss_mask: Optional[Tensor],
+    lead: tuple[int, ...],
+    device: torch.device,
+    acc: torch.dtype,
+    segment_ids: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """``(valid, weight)``: valid tokens (mask non-zero, segment id ``>= 0`` and label !=
+    ignore_index) and their weights in ``acc`` (0 where invalid). The mask is data: no gradient
+    flows to it."""
     valid = torch.ones(lead, dtype=torch.bool, device=device)
     if loss_mask is not None:
         valid = valid & (loss_mask != 0)
     if labels is not None:
         valid = valid & (labels != config.ignore_index)
+    if segment_ids is not None:
+        valid = valid & (segment_ids >= 0)
     if loss_mask is not None and loss_mask.dtype != torch.bool:
         return valid, torch.where(valid, loss_mask.detach().to(acc), 0.0)
     return valid, valid.to(acc)
@@ -447,17 +479,143 @@ def _shift_left(values: Tensor, fill: Union[int, float, bool]) -> Tensor:
     return torch.cat([values[..., 1:], pad], dim=-1)
 
 
-def _scored_targets(call: _Call, labels: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+def _scored_targets(
+    causal_shift: bool, labels: Optional[Tensor], loss_mask: Optional[Tensor], lead: tuple[int, ...], device: torch.device
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """``(labels, loss_mask)`` of the scored positions: as given, or with ``causal_shift`` both
     shifted left by one along time with a weight-0 last position (``lossspec.causal``). Only
     these ``[..., T]`` tensors are shifted, never the logits."""
-    loss_mask = call.loss_mask
-    if not call.config.causal_shift:
+    if not causal_shift:
         return labels, loss_mask
-    lead = tuple(call.logits.shape[:-1])
     if loss_mask is None:
-        loss_mask = torch.ones(lead, dtype=torch.bool, device=call.logits.device)
+        loss_mask = torch.ones(lead, dtype=torch.bool, device=device)
     return (None if labels is None else _shift_left(labels, 0)), _shift_left(loss_mask.detach(), 0)
+
+
+def _scored_segment_ids(
+    config: LossConfig, segment_ids: Optional[Tensor], lead: tuple[int, ...], device: torch.device
+) -> Optional[Tensor]:
+    """The int64 ids of the scored positions (``lossspec.scored_segment_ids``): as given (zeros,
+    one sequence per row, for the sequence modes without ids), or with ``causal_shift``
+    ``ids[t + 1]`` where ``ids[t] == ids[t + 1]``, else -1 (never across a document boundary).
+    ``None`` when neither given nor needed."""
+    if segment_ids is None:
+        if not config.per_sequence:
+            return None
+        segment_ids = torch.zeros(lead, dtype=torch.int64, device=device)
+    ids = segment_ids.detach().to(torch.int64)
+    if not config.causal_shift:
+        return ids
+    following = _shift_left(ids, -1)
+    return torch.where(ids == following, following, -1)
+
+
+def _sequence_sums(weight: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``(n, first)`` ``[..., T]``: per token, the weight sum ``n_s`` of its sequence (the
+    ``(row, id)`` pair; ``lossspec.sequence_weight_sums``), and whether it is the first position
+    of its sequence (id ``>= 0``). Sort-based, no host synchronisation: the ids of each row are
+    sorted (stably), numbered by group, and the weights summed per group with ``scatter_add``
+    (each sum rounds like a plain sum of the sequence's weights, whatever the row's total)."""
+    shape, time = weight.shape, weight.shape[-1]
+    rows_w, rows_ids = weight.reshape(-1, time), ids.reshape(-1, time)
+    sorted_ids, order = torch.sort(rows_ids, dim=-1, stable=True)
+    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+    starts[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    inverse = torch.argsort(order, dim=-1)
+    group = (torch.cumsum(starts, dim=-1) - 1).gather(1, inverse)  # the sequence's number in its row
+    sums = torch.zeros_like(rows_w).scatter_add_(1, group, rows_w)
+    first = starts.gather(1, inverse) & (rows_ids >= 0)  # stable sort: the group's first is its earliest position
+    return sums.gather(1, group).reshape(shape), first.reshape(shape)
+
+
+def _sequence_count(weight: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``(n, counted)``: :func:`_sequence_sums`' ``n`` and, per position, whether it counts a
+    sequence in ``S`` (its first position, for sequences with ``n_s > 0``)."""
+    n, first = _sequence_sums(weight, ids)
+    return n, first & (n > 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TimeWindow:
+    """This rank's slice ``[offset, offset + length)`` of the time axis of ``total`` positions."""
+
+    offset: int
+    length: int
+    total: int
+
+    def take(self, values: Tensor) -> Tensor:
+        return values[..., self.offset : self.offset + self.length]
+
+
+def _time_window(group: Any, length: int, device: torch.device) -> tuple[_TimeWindow, list[int]]:
+    """This rank's window and every rank's slice length (an ``all_gather`` of the lengths; one
+    host read, as for the vocabulary shards). Slices are contiguous, in rank order; lengths may differ."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([length], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, mine, group=group)
+    lengths = [int(size.item()) for size in sizes]
+    rank = dist.get_rank(group)
+    return _TimeWindow(sum(lengths[:rank]), length, sum(lengths)), lengths
+
+
+def _gather_time(values: Optional[Tensor], group: Any, lengths: list[int]) -> Optional[Tensor]:
+    """``[..., T_local]`` -> ``[..., T]``: the group's slices concatenated along time, in rank
+    order (padded to the longest slice for the ``all_gather``). Booleans travel as uint8 and
+    float weights as float64 (exact); the values come back in their dtype."""
+    import torch.distributed as dist
+
+    if values is None:
+        return None
+    values = values.detach()
+    dtype = values.dtype
+    wire = values.to(torch.uint8) if dtype == torch.bool else values.to(torch.float64) if dtype.is_floating_point else values
+    longest = max(lengths)
+    padded = torch.nn.functional.pad(wire, (0, longest - wire.shape[-1])) if wire.shape[-1] < longest else wire.contiguous()
+    parts = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(parts, padded, group=group)
+    full = torch.cat([part[..., :length] for part, length in zip(parts, lengths)], dim=-1)
+    return full.to(dtype)
+
+
+def _full_rows(
+    group: Any, arrays: tuple[Optional[Tensor], ...], lead: tuple[int, ...], device: torch.device
+) -> tuple[tuple[Optional[Tensor], ...], tuple[int, ...], Optional[_TimeWindow]]:
+    """Under ``sequence_parallel`` the ``[..., T_local]`` ``arrays`` (labels, mask, ids) of the
+    whole rows, the rows' leading shape and this rank's window; otherwise as given (window None)."""
+    if group is None:
+        return arrays, lead, None
+    window, lengths = _time_window(group, lead[-1], device)
+    return tuple(_gather_time(a, group, lengths) for a in arrays), lead[:-1] + (window.total,), window
+
+
+def _denominator(config: LossConfig, denominator: Denominator, weight: Tensor, counted: Optional[Tensor], lead: tuple[int, ...], acc: torch.dtype) -> Union[Tensor, float]:
+    """``D`` (``S`` for the sequence modes): the given one, else this call's own count."""
+    if isinstance(denominator, Tensor):
+        return denominator.detach().to(device=weight.device, dtype=acc).reshape(())
+    if denominator is not None:
+        return float(denominator)
+    if config.normalization == "valid_tokens":
+        return weight.sum()
+    if config.normalization == "tokens":
+        return float(lossspec.scored_positions(lead, config.causal_shift))
+    if config.per_sequence:
+        assert counted is not None
+        return counted.sum().to(acc)
+    return 1.0
+
+
+def _coefficients(config: LossConfig, weight: Tensor, n: Optional[Tensor], denom: Union[Tensor, float]) -> Tensor:
+    """``coef = where(D > 0, weight / D, 0)``; ``"sequence_mean"`` divides by ``n_s`` too
+    (``w_t / (n_s D)``, 0 where ``w_t == 0``). The only place ``D`` and ``n_s`` enter: runtime data
+    for the kernels. ``D == 0`` gives loss 0 and gradient 0."""
+    if config.normalization == "sequence_mean":
+        assert n is not None
+        weight = torch.where(weight > 0, weight / torch.where(n > 0, n, 1.0), 0.0)
+    if isinstance(denom, Tensor):
+        return torch.where(denom > 0, weight / torch.where(denom > 0, denom, 1.0), 0.0)
+    return weight / denom if denom > 0 else torch.zeros_like(weight)
 
 
 def _prepare(call: _Call) -> _Prepared:
@@ -467,8 +625,14 @@ def _prepare(call: _Call) -> _Prepared:
     rows = math.prod(lead)
     acc = compute_dtype(logits.dtype)
     device = logits.device
-    labels, loss_mask = _scored_targets(call, _labels_int64(call.target) if is_ce else None)
-    valid, weight = _weights(config, labels, loss_mask, lead, device, acc)
+    # Under sequence_parallel: the whole rows' labels, mask and ids (lossspec.sequences); the
+    # coefficients are computed on them and this rank keeps its window.
+    (labels, loss_mask, segment_ids), full_lead, window = _full_rows(
+        call.sequence_parallel, (_labels_int64(call.target) if is_ce else None, call.loss_mask, call.segment_ids), lead, device
+    )
+    labels, loss_mask = _scored_targets(config.causal_shift, labels, loss_mask, full_lead, device)
+    ids = _scored_segment_ids(config, segment_ids, full_lead, device)
+    valid, weight = _weights(config, labels, loss_mask, full_lead, device, acc, ids)
     float_mask = loss_mask is not None and loss_mask.dtype != torch.bool
     denominator = call.denominator
     # Value checks where they are free (SPEC section 5), in the oracle's order.
@@ -491,23 +655,16 @@ def _prepare(call: _Call) -> _Prepared:
     if config.normalization == "none":
         coef = weight
     else:
-        if isinstance(denominator, Tensor):
-            denom: Union[Tensor, float] = denominator.detach().to(device=device, dtype=acc).reshape(())
-            if bad is not None:  # the on-device twin of lossspec.check_denominator_value
-                bad = bad | ~torch.isfinite(denom) | (denom < 0) | ((denom > 0) & (denom < lossspec.FP32_TINY))
-        elif denominator is not None:
-            denom = float(denominator)
-        elif config.normalization == "valid_tokens":
-            denom = weight.sum()
-        elif config.normalization == "tokens":
-            denom = float(lossspec.scored_positions(lead, config.causal_shift))
-        else:
-            denom = 1.0
-        # The only place D enters: runtime data for the kernels. D == 0 gives loss 0, grad 0.
-        if isinstance(denom, Tensor):
-            coef = torch.where(denom > 0, weight / torch.where(denom > 0, denom, 1.0), 0.0)
-        else:
-            coef = weight / denom if denom > 0 else torch.zeros_like(weight)
+        n, counted = _sequence_count(weight, ids) if config.per_sequence else (None, None)  # type: ignore[arg-type]
+        denom = _denominator(config, denominator, weight, counted, full_lead, acc)
+        if isinstance(denom, Tensor) and isinstance(denominator, Tensor) and bad is not None:
+            # the on-device twin of lossspec.check_denominator_value
+            bad = bad | ~torch.isfinite(denom) | (denom < 0) | ((denom > 0) & (denom < lossspec.FP32_TINY))
+        coef = _coefficients(config, weight, n, denom)
+    if window is not None:
+        coef, valid = window.take(coef), window.take(valid)
+        labels = None if labels is None else window.take(labels)
+        in_range = None if in_range is None else window.take(in_range)
     vocab_local = int(logits.shape[-1])
     if is_ce:
         assert labels is not None and in_range is not None
@@ -565,7 +722,16 @@ def _masked_loss(kind: str, **args: Any) -> Tensor:
     config = lossspec.make_config(kind, normalization=args["normalization"], **options).kernel_config()
     target = args[spec.target] if spec.target is not None else None
     call = _validate(
-        config, args["logits"], target, args["loss_mask"], args["denominator"], args["vocab_parallel"], args["impl"], args["inplace"]
+        config,
+        args["logits"],
+        target,
+        args["loss_mask"],
+        args["segment_ids"],
+        args["denominator"],
+        args["vocab_parallel"],
+        args["sequence_parallel"],
+        args["impl"],
+        args["inplace"],
     )
     prepared = _prepare(call)
     return _finish(call, prepared, _apply(call, prepared))
@@ -586,6 +752,16 @@ FRAMEWORK_ARGS = lossspec.FrameworkArgs(
             "slice. Collectives are explicit ``all_reduce`` calls in the forward, so every rank of the group must "
             "make the call. ``D`` is not reduced over this group (same tokens).",
         ),
+        (
+            "sequence_parallel",
+            None,
+            "a ``torch.distributed`` ``ProcessGroup`` over which the time axis (the last leading axis) is split "
+            "(context parallelism), or ``None``. Each rank passes its contiguous time slice (in rank order; lengths "
+            "may differ) of the logits, labels, mask and ``segment_ids``; the ``[..., T]`` labels, mask and ids are "
+            "all-gathered (never the logits) so that ``n_s``, ``D`` / ``S`` and the causal shift are those of the whole "
+            "rows. The loss is this rank's share (sum it over the group for the whole rows' loss); the gradient is "
+            "exact. Every rank of the group must make the call (lossspec.sequences).",
+        ),
         ("impl", "auto", '``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or ``"triton"``.'),
         (
             "inplace",
@@ -598,7 +774,7 @@ FRAMEWORK_ARGS = lossspec.FrameworkArgs(
 
 
 _EAGER_UNDER_COMPILE = (
-    "torchloss: a loss call with vocab_parallel= (collectives made from Python) or inplace=True (writes the "
+    "torchloss: a loss call with vocab_parallel= or sequence_parallel= (collectives made from Python) or inplace=True (writes the "
     "gradient into the logits' buffer, which a compiled graph cannot express) runs eagerly under torch.compile: "
     "one graph break, so fullgraph=True refuses it. Drop inplace=True / call the vocab-parallel loss outside "
     "the compiled region to keep one graph"
@@ -615,8 +791,9 @@ def _loss_call(kind: str, **args: Any) -> Tensor:
     """Body of the public functions. Eagerly and under ``torch.compile`` alike:
     :func:`_masked_loss` (traced by Dynamo: the checks become guards and on-device flags, the
     kernel call the custom op of :mod:`torchloss._ops`), except that under ``torch.compile``
-    calls with ``vocab_parallel=`` or ``inplace=True`` run eagerly behind a graph break."""
-    if torch.compiler.is_compiling() and (args["vocab_parallel"] is not None or args["inplace"] is not False):
+    calls with ``vocab_parallel=``, ``sequence_parallel=`` or ``inplace=True`` run eagerly behind a graph break."""
+    collectives = args["vocab_parallel"] is not None or args["sequence_parallel"] is not None
+    if torch.compiler.is_compiling() and (collectives or args["inplace"] is not False):
         return _eager_loss_call(kind, **args)
     return _masked_loss(kind, **args)
 
@@ -640,41 +817,67 @@ def count_denominator(
     normalization: str = "valid_tokens",
     ignore_index: int = -100,
     causal_shift: bool = False,
+    segment_ids: Optional[Tensor] = None,
+    sequence_parallel: Any = None,
 ) -> Tensor:
     """The denominator ``D`` of one micro-batch as a 0-d fp32 tensor (SPEC sections 2 and 4).
 
-    ``"valid_tokens"``: the sum of the weights of valid tokens (mask non-zero and, when labels
-    are given, label != ``ignore_index``); ``"tokens"``: the number of token positions. Counts add
+    ``"valid_tokens"``: the sum of the weights of valid tokens (mask non-zero, segment id ``>= 0``
+    and, when labels are given, label != ``ignore_index``); ``"tokens"``: the number of token
+    positions; ``"sequence_mean"`` / ``"sequence_sum"``: ``S``, the number of sequences (rows, or
+    ``(row, segment id)`` pairs) with a positive weight sum (``lossspec.sequences``). Counts add
     up over micro-batches and data-parallel replicas (``dist.all_reduce(D, SUM)``); pass the sum
     as ``denominator=`` to every micro-batch's loss. ``"sum"``/``"none"`` have no count (a
     ``ValueError``). Bad weights raise on CPU tensors and make ``D`` NaN elsewhere.
     ``causal_shift=True`` counts the positions the shifted losses score (``lossspec.causal``):
-    ``labels[..., 1:]`` and ``loss_mask[..., 1:]`` (``"tokens"``: ``prod(lead[:-1]) * (T - 1)``).
+    ``labels[..., 1:]`` and ``loss_mask[..., 1:]`` (``"tokens"``: ``prod(lead[:-1]) * (T - 1)``),
+    and the sequences of the scored segment ids (never across a document boundary).
+    ``sequence_parallel``: the ``ProcessGroup`` splitting the time axis, as in the losses: the
+    result is this rank's share (a sequence is counted by the rank holding its first scored
+    position, a token by the rank holding it), so the shares add up over that group too
+    (all-reduce over the data-parallel and sequence-parallel ranks together).
     """
     if labels is not None:
         labels = _require_tensor("labels", labels)
     if loss_mask is not None:
         loss_mask = _require_tensor("loss_mask", loss_mask)
+    if segment_ids is not None:
+        segment_ids = _require_tensor("segment_ids", segment_ids)
     lossspec.check_count_args(
-        normalization, None if labels is None else _meta(labels), None if loss_mask is None else _meta(loss_mask), causal_shift
+        normalization,
+        None if labels is None else _meta(labels),
+        None if loss_mask is None else _meta(loss_mask),
+        causal_shift,
+        None if segment_ids is None else _meta(segment_ids),
     )
-    config = lossspec.make_config("cross_entropy", ignore_index=ignore_index)
-    ref = labels if labels is not None else loss_mask
-    assert ref is not None
+    config = lossspec.make_config("cross_entropy", ignore_index=ignore_index, normalization=normalization, causal_shift=causal_shift)
+    ref = next(t for t in (labels, loss_mask, segment_ids) if t is not None)
     device = ref.device
-    _check_device("loss_mask", loss_mask if labels is not None else None, device)
-    if causal_shift:  # position t is scored against index t + 1: index 0 is never a target
-        labels = None if labels is None else labels[..., 1:]
-        loss_mask = None if loss_mask is None else loss_mask[..., 1:]
-        ref = ref[..., 1:]
+    _check_device("loss_mask", loss_mask, device)
+    _check_device("segment_ids", segment_ids, device)
+    if sequence_parallel is not None:
+        _check_process_group(sequence_parallel, "sequence_parallel")
+    lead = tuple(ref.shape)
+    (labels, loss_mask, segment_ids), full_lead, window = _full_rows(
+        sequence_parallel, (None if labels is None else _labels_int64(labels), loss_mask, segment_ids), lead, device
+    )
     if normalization == "tokens":
-        return torch.tensor(float(ref.numel()), dtype=torch.float32, device=device)
+        scored = torch.ones(full_lead, dtype=torch.float32, device=device)
+        if causal_shift:  # the last position of each row is not scored
+            scored = _shift_left(scored, 0.0)
+        return (scored if window is None else window.take(scored)).sum()
+    host = _host_readable(labels, loss_mask, segment_ids)
     float_mask = loss_mask is not None and loss_mask.dtype != torch.bool
-    host = _host_readable(labels, loss_mask)
     if host and float_mask:
-        lossspec.check_weights(_numpy(loss_mask))
-    _, weight = _weights(config, None if labels is None else _labels_int64(labels), loss_mask, tuple(ref.shape), device, torch.float32)
-    count = weight.sum()
-    if float_mask and not host:
-        count = count + torch.where(_bad_weights(loss_mask), float("nan"), 0.0)
+        lossspec.check_weights(_numpy(loss_mask[..., 1:] if causal_shift else loss_mask))
+    bad = _bad_weights(loss_mask[..., 1:] if causal_shift else loss_mask) if float_mask and not host else None
+    labels, loss_mask = _scored_targets(causal_shift, labels, loss_mask, full_lead, device)
+    ids = _scored_segment_ids(config, segment_ids, full_lead, device)
+    _, weight = _weights(config, labels, loss_mask, full_lead, device, torch.float32, ids)
+    if config.per_sequence:
+        _, counted = _sequence_count(weight, ids)  # type: ignore[arg-type]
+        weight = counted.to(torch.float32)
+    count = (weight if window is None else window.take(weight)).sum()
+    if bad is not None:
+        count = count + torch.where(bad, float("nan"), 0.0)
     return count

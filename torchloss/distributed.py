@@ -34,13 +34,26 @@ def global_denominator(
     ignore_index: int = -100,
     group: dist.ProcessGroup | None = None,
     causal_shift: bool = False,
+    segment_ids: torch.Tensor | None = None,
+    sequence_parallel: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """``D`` of the global batch: the count of every token given (stacked micro-batches count
     too, since counts add up), ``all_reduce``-d (SUM) over the data-parallel ``group`` when one is
-    given. fp32 0-d tensor on the inputs' device; no host synchronisation. ``causal_shift``: as
-    in :func:`torchloss.count_denominator`.
+    given. fp32 0-d tensor on the inputs' device; no host synchronisation except one read of the
+    slice lengths under ``sequence_parallel``. ``causal_shift``, ``segment_ids`` and
+    ``sequence_parallel``: as in :func:`torchloss.count_denominator`; with ``sequence_parallel``
+    the count is this rank's share, and ``group`` must hold every rank with different tokens (the
+    data-parallel and sequence-parallel ranks together).
     """
-    count = count_denominator(labels, loss_mask, normalization=normalization, ignore_index=ignore_index, causal_shift=causal_shift)
+    count = count_denominator(
+        labels,
+        loss_mask,
+        normalization=normalization,
+        ignore_index=ignore_index,
+        causal_shift=causal_shift,
+        segment_ids=segment_ids,
+        sequence_parallel=sequence_parallel,
+    )
     if group is not None:
         dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     return count
@@ -77,17 +90,31 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
 
 
 def _default_count_fn(
-    normalization: str, ignore_index: int, labels_key: str, mask_key: str, causal_shift: bool = False
+    normalization: str,
+    ignore_index: int,
+    labels_key: str,
+    mask_key: str,
+    causal_shift: bool = False,
+    segment_ids_key: str = "segment_ids",
+    sequence_parallel: dist.ProcessGroup | None = None,
 ) -> Callable[[Any], torch.Tensor]:
     def count(microbatch: Any) -> torch.Tensor:
         if not isinstance(microbatch, dict):
             raise TypeError("accumulate needs count_fn= unless the batch is a dict with labels/loss_mask entries")
-        labels, mask = microbatch.get(labels_key), microbatch.get(mask_key)
+        labels, mask, ids = microbatch.get(labels_key), microbatch.get(mask_key), microbatch.get(segment_ids_key)
         if labels is None and mask is None:
             raise ValueError(f"the batch has neither {labels_key!r} nor {mask_key!r}; pass count_fn= to count it")
         if causal_shift:
             lossspec.check_shifted_microbatch(tuple((labels if labels is not None else mask).shape))
-        return count_denominator(labels, mask, normalization=normalization, ignore_index=ignore_index, causal_shift=causal_shift)
+        return count_denominator(
+            labels,
+            mask,
+            normalization=normalization,
+            ignore_index=ignore_index,
+            causal_shift=causal_shift,
+            segment_ids=ids,
+            sequence_parallel=sequence_parallel,
+        )
 
     return count
 
@@ -105,6 +132,8 @@ def accumulate(
     labels_key: str = "labels",
     mask_key: str = "loss_mask",
     causal_shift: bool = False,
+    segment_ids_key: str = "segment_ids",
+    sequence_parallel: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Run one optimizer step's forward and backward passes over micro-batches (and replicas),
     leaving the full-batch gradients in ``param.grad``.
@@ -116,14 +145,20 @@ def accumulate(
       batch: a dict (or tensor, list, tuple) of tensors with a leading batch dim ``B``, split by
         :func:`split_microbatches` into ``num_microbatches`` (uneven sizes allowed: the first
         ``B % K`` micro-batches get one more row, ``lossspec.microbatch_sizes``).
-      normalization: ``"valid_tokens"`` / ``"tokens"`` (counted over the global batch) or
-        ``"sum"`` (``D = 1``).
+      normalization: ``"valid_tokens"`` / ``"tokens"`` (counted over the global batch),
+        ``"sequence_mean"`` / ``"sequence_sum"`` (``S`` counted over the global batch; micro-batches
+        split rows, so a sequence never spans two) or ``"sum"`` (``D = 1``).
       count_fn: ``count_fn(microbatch) -> count``; default: ``count_denominator`` of the
-        ``labels_key``/``mask_key`` entries of a dict batch.
+        ``labels_key``/``mask_key``/``segment_ids_key`` entries of a dict batch (the ids if present).
       causal_shift: the default count counts the shifted positions (``labels[..., 1:]``,
         ``loss_mask[..., 1:]``), as the losses of a ``loss_fn`` that passes ``causal_shift=True``
         score them (e.g. ``labels=input_ids``); the labels/mask need ``[B, ..., T]``. The
         ``loss_fn`` passes ``causal_shift=True`` to its loss itself; a ``count_fn`` counts on its own.
+      segment_ids_key: the dict entry of the packed documents' ids (``lossspec.sequences``), if any.
+      sequence_parallel: the ``ProcessGroup`` splitting the time axis (context parallelism), for the
+        default count: each rank counts its share. The ``loss_fn`` passes ``sequence_parallel=`` to its
+        loss itself, and ``group`` (or DDP's group) must then hold the data- and sequence-parallel
+        ranks together (every rank with different tokens): counts, losses and gradients are summed over it.
       group: the data-parallel process group. With DDP it defaults to the model's group and
         DDP's averaging is undone in the denominator (``D / world_size``), never by scaling
         anything else; ``no_sync`` skips the all-reduce of all but the last micro-batch. With a
@@ -144,7 +179,9 @@ def accumulate(
     world_size = dist.get_world_size(group) if group is not None else 1
     microbatches = split_microbatches(batch, num_microbatches)
     if normalization in lossspec.COUNTED_NORMALIZATIONS:
-        count = count_fn or _default_count_fn(normalization, ignore_index, labels_key, mask_key, causal_shift)
+        count = count_fn or _default_count_fn(
+            normalization, ignore_index, labels_key, mask_key, causal_shift, segment_ids_key, sequence_parallel
+        )
         denominator = torch.stack([count(mb).float().reshape(()) for mb in microbatches]).sum()
         if group is not None:
             dist.all_reduce(denominator, op=dist.ReduceOp.SUM, group=group)

@@ -7,6 +7,8 @@ validated there with the same errors as the functions), the inputs are given per
     loss_fn = torchloss.nn.CrossEntropyLoss(label_smoothing=0.1)
     loss = loss_fn(logits, labels, loss_mask, denominator=D)
     shifted = torchloss.nn.CrossEntropyLoss(causal_shift=True)  # labels=input_ids (lossspec.causal)
+    per_document = torchloss.nn.CrossEntropyLoss(normalization="sequence_mean")
+    loss = per_document(logits, labels, loss_mask, segment_ids=document_ids)  # lossspec.sequences
 
 The modules hold no parameters or buffers.
 """
@@ -37,14 +39,23 @@ class _MaskedLoss(torch.nn.Module):
         self.settings = lossspec.kinds.module_settings(spec, api.FRAMEWORK_ARGS, options, type(self).__name__)
         lossspec.check_impl(self.settings["impl"], lossspec.TORCH_IMPLS)
 
-    def forward(self, logits: Tensor, target: Tensor, loss_mask: Optional[Tensor] = None, *, denominator: api.Denominator = None) -> Tensor:
+    def forward(
+        self,
+        logits: Tensor,
+        target: Tensor,
+        loss_mask: Optional[Tensor] = None,
+        *,
+        denominator: api.Denominator = None,
+        segment_ids: Optional[Tensor] = None,
+    ) -> Tensor:
         """The loss of this module's kind: a 0-d fp32 tensor, or per-token losses ``[...]`` for
-        ``normalization="none"``; ``target`` is the labels or the teacher logits."""
+        ``normalization="none"``; ``target`` is the labels or the teacher logits; ``segment_ids``
+        the packed documents (lossspec.sequences)."""
         function = getattr(api, self.kind)
-        return function(logits, target, loss_mask, denominator=denominator, **self.settings)
+        return function(logits, target, loss_mask, denominator=denominator, segment_ids=segment_ids, **self.settings)
 
     def extra_repr(self) -> str:
-        shown = {k: v for k, v in self.settings.items() if k not in ("vocab_parallel", "inplace") or v}
+        shown = {k: v for k, v in self.settings.items() if k not in ("vocab_parallel", "sequence_parallel", "inplace") or v}
         return ", ".join(f"{k}={v!r}" for k, v in shown.items())
 
 
