@@ -8,6 +8,8 @@ Flax NNX modules live in :mod:`jaxloss.nnx`.
 """
 
 from .api import count_denominator, cross_entropy, forward_kl, resolve_impl, reverse_kl, soft_cross_entropy
+from .linear import linear_cross_entropy, linear_forward_kl, linear_reverse_kl, linear_soft_cross_entropy
 
 __all__ = ["cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl", "count_denominator", "resolve_impl"]
+__all__ += ["linear_cross_entropy", "linear_soft_cross_entropy", "linear_forward_kl", "linear_reverse_kl"]
 __version__ = "0.1.0"

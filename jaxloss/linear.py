@@ -47,6 +47,8 @@ __all__ = ["linear_cross_entropy", "linear_soft_cross_entropy", "linear_forward_
 #: the fp32 elements of one [R, B] block; ``None``: lossspec.linear.head_plan's default.
 #: Tests set it small to exercise the vocabulary-blocked fallback.
 BLOCK_ELEMENTS: Optional[int] = None
+#: rows of a chunk in the vocabulary-blocked fallback (lossspec.linear.HEAD_BLOCKED_ROWS)
+BLOCKED_ROWS: int = spec_linear.HEAD_BLOCKED_ROWS
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,6 +159,7 @@ def head_forward(
     *,
     with_grad: bool,
     block_elements: Optional[int] = None,
+    blocked_rows: int = spec_linear.HEAD_BLOCKED_ROWS,
 ) -> tuple[Array, Optional[Array], Optional[Array], Optional[Array]]:
     """Per-token loss and the fp32 gradients of the head.
 
@@ -167,7 +170,7 @@ def head_forward(
       teacher: ``(teacher_hidden [N, Ht], teacher_weight [V, Ht], teacher_bias | None)`` or ``None``.
       coef: ``[N]`` fp32, the per-token coefficient.
       with_grad: also compute the gradients.
-      block_elements: the block budget (:func:`lossspec.linear.head_plan`).
+      block_elements, blocked_rows: the plan's budget (:func:`lossspec.linear.head_plan`).
 
     Returns:
       ``(l [N], dh [N, H], dW [V, H], db [V] | None)``: the per-token loss (0 where
@@ -179,7 +182,7 @@ def head_forward(
     up = lambda a: None if a is None else a.astype(F32)  # noqa: E731  (16-bit: exact)
     student = (None, up(weight), up(bias))
     teacher32 = None if teacher is None else (None, up(teacher[1]), up(teacher[2]))
-    rows, block = spec_linear.head_plan(n, vocab, block_elements)
+    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows)
     dw = jnp.zeros((vocab, width), F32) if with_grad else None
     db = jnp.zeros((vocab,), F32) if (with_grad and bias is not None) else None
     dh = jnp.zeros((n, width), F32) if with_grad else None
@@ -224,7 +227,7 @@ def head_forward(
 # custom_vjp
 # --------------------------------------------------------------------------------------------
 
-Spec = tuple  # (KernelConfig, reduced: bool, block_elements, (hidden, weight, bias) dtypes): static
+Spec = tuple  # (KernelConfig, reduced: bool, (block_elements, blocked_rows), (hidden, weight, bias) dtypes): static
 
 
 def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
@@ -233,9 +236,11 @@ def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
 
 
 def _run(spec: Spec, args: tuple, coef: Array, with_grad: bool) -> tuple:
-    cfg, _, block_elements, _ = spec
+    cfg, _, (block_elements, blocked_rows), _ = spec
     hidden, weight, bias, labels, teacher = args
-    return head_forward(cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, block_elements=block_elements)
+    return head_forward(
+        cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, block_elements=block_elements, blocked_rows=blocked_rows
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -357,7 +362,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
         kind=config.kind, scale=config.student_scale, teacher_scale=config.teacher_scale, label_smoothing=config.label_smoothing, z_loss=config.z_loss
     )
     dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    head_spec = (kcfg, config.normalization != "none", BLOCK_ELEMENTS, dtypes)
+    head_spec = (kcfg, config.normalization != "none", (BLOCK_ELEMENTS, BLOCKED_ROWS), dtypes)
     device = lambda a: None if a is None else api._device(a)  # noqa: E731
     teacher_arrays = None if teacher is None else tuple(device(a) for a in teacher)
     try:

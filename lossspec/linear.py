@@ -247,13 +247,13 @@ HEAD_MAX_BLOCK_ELEMENTS: int = 1 << 24
 HEAD_BLOCKED_ROWS: int = 64
 
 
-def head_plan(rows: int, vocab: int, block_elements: Optional[int] = None) -> tuple[int, int]:
+def head_plan(rows: int, vocab: int, block_elements: Optional[int] = None, blocked_rows: int = HEAD_BLOCKED_ROWS) -> tuple[int, int]:
     """``(R, B)``: token chunks of ``R`` rows and vocabulary blocks of ``B`` columns.
 
     The budget of one fp32 ``[R, B]`` block is ``block_elements`` or
     ``min(N V HEAD_MEMORY_FRACTION / HEAD_LIVE_BLOCKS, HEAD_MAX_BLOCK_ELEMENTS)``. When a whole
     row fits (``V <= budget``), ``B = V`` (no recompute: three matmuls); otherwise the fallback
-    takes ``R = min(N, HEAD_BLOCKED_ROWS, budget)`` rows in blocks of ``B = budget // R``
+    takes ``R = min(N, blocked_rows, budget)`` rows in blocks of ``B = budget // R``
     columns with an online softmax (the logits are recomputed in the gradient pass).
     """
     if block_elements is None:
@@ -262,5 +262,5 @@ def head_plan(rows: int, vocab: int, block_elements: Optional[int] = None) -> tu
     rows = max(1, rows)
     if vocab <= budget:
         return max(1, min(rows, budget // vocab)), vocab
-    chunk = max(1, min(rows, HEAD_BLOCKED_ROWS, budget))
+    chunk = max(1, min(rows, blocked_rows, budget))
     return chunk, max(1, min(vocab, budget // chunk))
