@@ -238,26 +238,32 @@ def compare_head_grad(actual: Any, reference: np.ndarray, dtype: str, what: str 
 #: (not counting the fp32 gradients of hidden, weight and bias, and for 16-bit inputs the fp32
 #: copy of the weight)
 HEAD_MEMORY_FRACTION: float = 1 / 8
-#: fp32 [R, B] blocks alive at once (logits, teacher logits, exponentials, gradient, scratch):
-#: an upper count over both frameworks and every kind, so one block is 1/64 of the logits
-HEAD_LIVE_BLOCKS: int = 8
+#: fp32 [R, B] blocks alive at once, so that they fit HEAD_MEMORY_FRACTION: the chunk's logits
+#: (overwritten by their gradient), the teacher's, and scratch (XLA's fused temporaries measure
+#: about 2 blocks; torch's are the unfused path's tiles, at most a block each). Larger blocks
+#: would mean fewer passes over the fp32 weight gradient (each chunk adds G^T h to all of it),
+#: which dominates the time when chunks are small.
+HEAD_LIVE_BLOCKS: int = 4
 #: the largest [R, B] block by default (64 MiB fp32): bigger blocks gain nothing in matmul speed
 HEAD_MAX_BLOCK_ELEMENTS: int = 1 << 24
 #: rows of a chunk in the vocabulary-blocked fallback (one row's V does not fit the budget)
 HEAD_BLOCKED_ROWS: int = 64
 
 
-def head_plan(rows: int, vocab: int, block_elements: Optional[int] = None, blocked_rows: int = HEAD_BLOCKED_ROWS) -> tuple[int, int]:
+def head_plan(
+    rows: int, vocab: int, block_elements: Optional[int] = None, blocked_rows: int = HEAD_BLOCKED_ROWS, live_blocks: int = HEAD_LIVE_BLOCKS
+) -> tuple[int, int]:
     """``(R, B)``: token chunks of ``R`` rows and vocabulary blocks of ``B`` columns.
 
     The budget of one fp32 ``[R, B]`` block is ``block_elements`` or
-    ``min(N V HEAD_MEMORY_FRACTION / HEAD_LIVE_BLOCKS, HEAD_MAX_BLOCK_ELEMENTS)``. When a whole
+    ``min(N V HEAD_MEMORY_FRACTION / live_blocks, HEAD_MAX_BLOCK_ELEMENTS)`` (``live_blocks``:
+    :data:`HEAD_LIVE_BLOCKS`). When a whole
     row fits (``V <= budget``), ``B = V`` (no recompute: three matmuls); otherwise the fallback
     takes ``R = min(N, blocked_rows, budget)`` rows in blocks of ``B = budget // R``
     columns with an online softmax (the logits are recomputed in the gradient pass).
     """
     if block_elements is None:
-        block_elements = min(int(rows * vocab * HEAD_MEMORY_FRACTION) // HEAD_LIVE_BLOCKS, HEAD_MAX_BLOCK_ELEMENTS)
+        block_elements = min(int(rows * vocab * HEAD_MEMORY_FRACTION) // live_blocks, HEAD_MAX_BLOCK_ELEMENTS)
     budget = max(1, int(block_elements))
     rows = max(1, rows)
     if vocab <= budget:
