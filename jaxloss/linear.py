@@ -182,7 +182,7 @@ def head_forward(
     up = lambda a: None if a is None else a.astype(F32)  # noqa: E731  (16-bit: exact)
     student = (None, up(weight), up(bias))
     teacher32 = None if teacher is None else (None, up(teacher[1]), up(teacher[2]))
-    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows)
+    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, spec_linear.HEAD_LIVE_BLOCKS["jax"][cfg.kind])
     dw = jnp.zeros((vocab, width), F32) if with_grad else None
     db = jnp.zeros((vocab,), F32) if (with_grad and bias is not None) else None
     dh = jnp.zeros((n, width), F32) if with_grad else None

@@ -238,12 +238,16 @@ def compare_head_grad(actual: Any, reference: np.ndarray, dtype: str, what: str 
 #: (not counting the fp32 gradients of hidden, weight and bias, and for 16-bit inputs the fp32
 #: copy of the weight)
 HEAD_MEMORY_FRACTION: float = 1 / 8
-#: fp32 [R, B] blocks alive at once, so that they fit HEAD_MEMORY_FRACTION: the chunk's logits
-#: (overwritten by their gradient), the teacher's, and scratch (XLA's fused temporaries measure
-#: about 2 blocks; torch's are the unfused path's tiles, at most a block each). Larger blocks
-#: would mean fewer passes over the fp32 weight gradient (each chunk adds G^T h to all of it),
-#: which dominates the time when chunks are small.
-HEAD_LIVE_BLOCKS: int = 4
+#: fp32 [R, B] blocks alive at once, per framework and kind, so that they fit
+#: HEAD_MEMORY_FRACTION. torch: cross-entropy works in the chunk's logits alone (statistics and
+#: gradient in place); the distillation kinds hold the logits, the teacher's and two scratch
+#: blocks. XLA's fused temporaries measure about one block for cross-entropy (counted as 2).
+#: Larger blocks matter for time: each chunk reads the whole weight for two matmuls and adds
+#: G^T h to the whole fp32 weight gradient, which dominates when chunks are small.
+HEAD_LIVE_BLOCKS: dict[str, dict[str, int]] = {
+    "torch": {"cross_entropy": 1, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4},
+    "jax": {"cross_entropy": 2, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4},
+}
 #: the largest [R, B] block by default (64 MiB fp32): bigger blocks gain nothing in matmul speed
 HEAD_MAX_BLOCK_ELEMENTS: int = 1 << 24
 #: rows of a chunk in the vocabulary-blocked fallback (one row's V does not fit the budget)
@@ -251,7 +255,7 @@ HEAD_BLOCKED_ROWS: int = 64
 
 
 def head_plan(
-    rows: int, vocab: int, block_elements: Optional[int] = None, blocked_rows: int = HEAD_BLOCKED_ROWS, live_blocks: int = HEAD_LIVE_BLOCKS
+    rows: int, vocab: int, block_elements: Optional[int] = None, blocked_rows: int = HEAD_BLOCKED_ROWS, live_blocks: int = 4
 ) -> tuple[int, int]:
     """``(R, B)``: token chunks of ``R`` rows and vocabulary blocks of ``B`` columns.
 

@@ -286,15 +286,16 @@ def _peak_extra(fn: Any, tmp_path: Any) -> int:
 
 @pytest.mark.filterwarnings("ignore:`export_memory_timeline` is deprecated:FutureWarning")
 def test_torch_peak_memory_is_an_eighth_of_the_logits(tmp_path: Any) -> None:
-    """Forward + backward of the fused head allocate at most 1/8 of one fp32 logits buffer plus
-    the fp32 gradients of hidden, weight and bias; the unfused loss allocates more than the
-    logits (the check can fail)."""
+    """Forward + backward of the fused head hold at most 1/8 of one fp32 logits buffer plus the
+    fp32 gradients of hidden, weight and bias and a few per-token vectors (cross-entropy works in
+    one [N/8, V] block); the unfused loss holds more than the logits (the check can fail)."""
     rng = np.random.default_rng(5)
     hidden = torch.tensor(rng.standard_normal((MEM_N, MEM_H)), dtype=torch.float32, requires_grad=True)
     weight = torch.tensor(0.5 * rng.standard_normal((MEM_V, MEM_H)), dtype=torch.float32, requires_grad=True)
     labels = torch.tensor(rng.integers(0, MEM_V, MEM_N))
     logits_bytes = MEM_N * MEM_V * 4
     grads_bytes = (MEM_N * MEM_H + MEM_V * MEM_H + MEM_V) * 4
+    vectors_bytes = 16 * MEM_N * 8  # per-token vectors (weights, coefficients, labels, row statistics)
 
     def fused() -> None:
         torchloss.linear_cross_entropy(hidden, weight, labels).backward()
@@ -304,7 +305,7 @@ def test_torch_peak_memory_is_an_eighth_of_the_logits(tmp_path: Any) -> None:
 
     fused()  # warm-up (lazy initialisation outside the measurement)
     peak = _peak_extra(fused, tmp_path)
-    assert peak <= logits_bytes / 8 + grads_bytes, (peak, logits_bytes)
+    assert peak <= logits_bytes / 8 + grads_bytes + vectors_bytes, (peak, logits_bytes)
     assert _peak_extra(unfused, tmp_path) > logits_bytes  # the timeline sees the logits when they exist
 
 

@@ -7,9 +7,9 @@ is ``jaxloss.linear``.
 
 How (``R``, ``B`` from :func:`lossspec.linear.head_plan`): the tokens are processed in chunks
 of ``R`` rows. When a whole row fits the block budget (``B = V``, the common case) a chunk is
-one matmul ``z = h W^T + b`` ``[R, V]``, the torch path of the unfused losses
-(:func:`torchloss._torch.forward`) writes the logits' gradient ``G = coef * c * dl/dz`` over
-``z`` in place, then ``dh = G W``, ``dW += G^T h``, ``db += sum G``: three matmuls, no
+one matmul ``z = h W^T + b`` ``[R, V]``, the block math of the unfused torch path
+(:mod:`torchloss._stats`) writes the logits' gradient ``G = coef * c * dl/dz`` over ``z`` in
+place, then ``dh = G W``, ``dW += G^T h``, ``db += sum G``: three matmuls, no
 recompute. Otherwise the chunk runs over vocabulary blocks of ``B`` columns twice with the
 block math of :mod:`torchloss._stats` (``block_stats``, ``combine``, ``finalize``,
 ``block_grad``): an online softmax, then each block's gradient from its recomputed logits.
@@ -50,9 +50,35 @@ BLOCKED_ROWS: int = spec_linear.HEAD_BLOCKED_ROWS
 Head = tuple  # (hidden [N, H], weight [V, H], bias [V] | None), in the compute dtype
 
 
-def _logits(h: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    """``h @ w.T + b`` ``[R, B]``, contiguous, in ``h``'s dtype."""
-    return torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
+def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
+    """``h @ w.T + b`` ``[R, B]``, contiguous, in ``h``'s dtype (into ``out`` when given)."""
+    if b is None:
+        return torch.mm(h, w.t(), out=out)
+    return torch.addmm(b, h, w.t(), out=out)
+
+
+def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional[Tensor], cc: Tensor, need_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """Rows whose whole vocabulary is one block: the block math of the unfused torch path
+    (:mod:`torchloss._stats`, as ``torchloss._torch``'s whole-row tiles) with the chunk's logits
+    ``z`` as scratch, the gradient written over them. Cross-entropy needs no other block;
+    soft CE and forward KL also use ``t`` as scratch (two more blocks); reverse KL reads the
+    teacher after the shift, so it takes two fresh blocks. Returns ``(loss [R], G or None)``."""
+    rows, vocab = z.shape
+    fresh = lambda: torch.empty_like(z)  # noqa: E731
+    x_y = None if y is None else z.gather(1, y[:, None])[:, 0]
+    if config.kind == "cross_entropy":
+        bufs = [z]
+    elif config.kind == "reverse_kl":
+        bufs = [z, fresh(), fresh()]
+    else:
+        bufs = [z, t, fresh(), fresh()]
+    stats, cache = _stats.block_stats(config, z, t, bufs, x_y=x_y)
+    fin = _stats.finalize(config, stats, vocab)
+    loss = torch.where(cc != 0, fin.l, 0.0)
+    if not need_grad:
+        return loss, None
+    _stats.block_grad(config, fin, cc, z, t, y, 0, vocab, z, [], cache)
+    return loss, z
 
 
 def _chunk_blocked(
@@ -138,11 +164,13 @@ def head_forward(
     up = lambda a: None if a is None else a.detach().to(acc)  # noqa: E731  (16-bit: exact)
     student = (None, up(weight), up(bias))
     teacher_acc = None if teacher is None else (None, up(teacher[1]), up(teacher[2]))
-    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows)
+    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, spec_linear.HEAD_LIVE_BLOCKS["torch"][config.kind])
     loss = torch.zeros(n, dtype=acc, device=device)
     dh = torch.empty((n, width), dtype=acc, device=device) if need_grad else None
     dw = torch.zeros((vocab, width), dtype=acc, device=device) if need_grad else None
     db = torch.zeros(vocab, dtype=acc, device=device) if (need_grad and bias is not None) else None
+    z_buf: Optional[Tensor] = None
+    t_buf: Optional[Tensor] = None
     with torch.no_grad(), _torch._no_autocast(device):
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
@@ -156,10 +184,14 @@ def head_forward(
             if block < vocab:
                 loss[r0:r1] = _chunk_blocked(config, block, hc, student, tt, y, cc, need_grad, dh_c, dw, db)
                 continue
-            z = _logits(hc, student[1], student[2])
-            target = y if y is not None else _logits(*tt)
-            # The unfused torch path on the chunk's logits; the gradient overwrites them.
-            part, g = _torch.forward(config, z, target, cc, need_grad=need_grad, out=z if need_grad else None)
+            # One buffer per chunk role, reused: a fresh one per chunk would hold two chunks'
+            # logits at once (the previous chunk's until its name is rebound).
+            if z_buf is None:
+                z_buf = torch.empty(rows * vocab, dtype=acc, device=device)
+                t_buf = None if tt is None else torch.empty(rows * vocab, dtype=acc, device=device)
+            z = _logits(hc, student[1], student[2], out=z_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab))
+            t = None if tt is None else _logits(*tt, out=t_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab))
+            part, g = _chunk_whole(config, z, t, y, cc, need_grad)
             loss[r0:r1] = part
             if g is not None:
                 torch.mm(g, student[1], out=dh_c)
@@ -204,8 +236,19 @@ class LinearHeadFunction(torch.autograd.Function):
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
             _, dh, dw, db = head_forward(*ctx.args, scaled, need_grad=True, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1])
             scale = None
-        # The one rounding of each gradient to its parameter's dtype.
-        cast = lambda a, dtype: None if a is None else (a if scale is None else a * scale).to(dtype)  # noqa: E731
+        # Scaled in place unless the graph is kept for another backward (retain_graph=True),
+        # then the one rounding of each gradient to its parameter's dtype.
+        keep = ctx.reduced and api._graph_is_kept()
+        if ctx.reduced and not keep:
+            ctx.grads = None
+
+        def cast(a: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+            if a is None:
+                return None
+            if scale is not None:
+                a = a * scale if keep else a.mul_(scale)
+            return a.to(dtype)
+
         h_dtype, w_dtype, b_dtype = ctx.dtypes
         return (cast(dh, h_dtype), cast(dw, w_dtype), cast(db, b_dtype)) + (None,) * 8
 
