@@ -274,3 +274,36 @@ def head_plan(
         return max(1, min(rows, budget // vocab)), vocab
     chunk = max(1, min(rows, blocked_rows, budget))
     return chunk, max(1, min(vocab, budget // chunk))
+
+
+# --------------------------------------------------------------------------------------------
+# Module forms (jaxloss.nnx, torchloss.nn): options at construction, arrays per call
+# --------------------------------------------------------------------------------------------
+
+
+def head_module_name(kind: str) -> str:
+    """``Linear`` + the unfused module's name, e.g. ``LinearCrossEntropyLoss``."""
+    return "Linear" + KIND_SPECS[kind].module
+
+
+def head_module_settings(kind: str, options: dict[str, Any], owner: str) -> dict[str, Any]:
+    """A head module's settings: ``options`` over the defaults of ``kind``'s options and
+    ``normalization``, validated with the functions' own errors."""
+    from .kinds import FrameworkArgs, module_settings
+
+    return module_settings(KIND_SPECS[kind], FrameworkArgs(()), options, owner)
+
+
+def head_module_docstring(kind: str, framework: str, linear_class: str) -> str:
+    """The docstring of ``kind``'s head module in ``framework``."""
+    spec = KIND_SPECS[kind]
+    targets = ", ".join(head_targets(spec))
+    biases = ", ".join(f"{name}=None" for name in head_biases(spec))
+    options = ", ".join(f"{name}={default!r}" for name, default in spec.options)
+    return (
+        f"Module form of :func:`{framework}.{LINEAR_NAMES[kind]}` (fused LM head + {spec.kind}).\n\n"
+        f"Constructed with the keyword options ``{options}, normalization='valid_tokens'`` (validated at\n"
+        f"construction); called as ``module(hidden, weight, {targets}, loss_mask=None, *, {biases},\n"
+        f"denominator=None)``. ``weight`` (and ``teacher_weight``) may be a ``{linear_class}``: its weight\n"
+        "in the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.\n"
+    )

@@ -20,6 +20,7 @@ import torch
 
 import jaxloss
 import jaxloss.linear as jax_linear
+import jaxloss.nnx  # noqa: F401  (the module forms)
 import lossspec
 import torchloss
 import torchloss.linear as torch_linear
@@ -327,3 +328,51 @@ def test_jax_temporary_memory_is_an_eighth_of_the_logits() -> None:
     unfused = temp_bytes(lambda h, w: jaxloss.cross_entropy(h @ w.T, labels))
     assert fused <= logits_bytes / 8 + 2 * grads_bytes, (fused, logits_bytes)
     assert unfused > logits_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------
+
+
+def test_torch_module_takes_an_nn_linear_head() -> None:
+    """``torchloss.nn.LinearCrossEntropyLoss`` with an ``nn.Linear``: its weight and bias, the
+    oracle's loss and gradients."""
+    inputs = make_inputs("cross_entropy", "float32", seed=7)
+    head = torch.nn.Linear(H, V)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor(inputs["weight"]))
+        head.bias.copy_(torch.tensor(inputs["bias"]))
+    loss_fn = torchloss.nn.LinearCrossEntropyLoss(label_smoothing=0.1)
+    loss = loss_fn(torch.tensor(inputs["hidden"]), head, torch.tensor(inputs["labels"]), loss_mask=torch.tensor(inputs["loss_mask"]))
+    loss.backward()
+    ref_loss, ref = reference("cross_entropy", inputs, True, {"label_smoothing": 0.1}, np.asarray(1.0))
+    lossspec.compare_loss(loss.item(), ref_loss).check()
+    spec_linear.compare_head_grad(head.weight.grad.numpy(), ref["weight"], "float32", "weight").check()
+    spec_linear.compare_head_grad(head.bias.grad.numpy(), ref["bias"], "float32", "bias").check()
+    with pytest.raises(TypeError, match="LinearCrossEntropyLoss"):
+        torchloss.nn.LinearCrossEntropyLoss(temperature=2.0)
+
+
+def test_nnx_module_takes_a_flax_linear_head() -> None:
+    """``jaxloss.nnx.LinearForwardKLLoss`` with ``nnx.Linear`` student and teacher heads (kernel
+    ``[H, V]``): the oracle's loss and kernel gradient (the transpose of the weight's)."""
+    from flax import nnx
+
+    inputs = make_inputs("forward_kl", "float32", seed=8)
+    student = nnx.Linear(H, V, rngs=nnx.Rngs(0))
+    teacher = nnx.Linear(HT, V, rngs=nnx.Rngs(1))
+    student.kernel[...] = jnp.asarray(inputs["weight"].T)
+    student.bias[...] = jnp.asarray(inputs["bias"])
+    teacher.kernel[...] = jnp.asarray(inputs["teacher_weight"].T)
+    teacher.bias[...] = jnp.asarray(inputs["teacher_bias"])
+    loss_fn = jaxloss.nnx.LinearForwardKLLoss(temperature=1.5)
+
+    def loss_of(model: Any) -> Any:
+        return loss_fn(inputs["hidden"], model, inputs["teacher_hidden"], teacher, loss_mask=inputs["loss_mask"])
+
+    loss, grads = nnx.value_and_grad(loss_of)(student)
+    ref_loss, ref = reference("forward_kl", inputs, True, {"temperature": 1.5}, np.asarray(1.0))
+    lossspec.compare_loss(np.asarray(loss), ref_loss).check()
+    spec_linear.compare_head_grad(np.asarray(grads.kernel[...]).T, ref["weight"], "float32", "kernel").check()
+    spec_linear.compare_head_grad(np.asarray(grads.bias[...]), ref["bias"], "float32", "bias").check()
