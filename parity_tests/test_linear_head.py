@@ -128,6 +128,15 @@ def run_torch(kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, op
 RUNNERS = {"jax": run_jax, "torch": run_torch}
 
 
+def cases(names: str, axes: list[list[Any]], slow: Any, indirect: tuple[str, ...] = ()) -> Any:
+    """``pytest.mark.parametrize`` over the product of ``axes``, the combinations for which
+    ``slow(*combo)`` holds marked slow (JAX compiles each: the fast lane keeps a cover of them)."""
+    import itertools
+
+    params = [pytest.param(*combo, marks=[pytest.mark.slow] if slow(*combo) else []) for combo in itertools.product(*axes)]
+    return pytest.mark.parametrize(names, params, indirect=list(indirect))
+
+
 @pytest.fixture
 def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Set both frameworks' block budget to ``PLANS[request.param]``."""
@@ -150,10 +159,8 @@ def check(framework: str, kind: str, dtype: str, with_bias: bool, options: dict[
 
 
 @pytest.mark.parametrize("plan", ["whole"], indirect=True)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("norm", list(NORMS))
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("framework", list(RUNNERS))
+@cases("framework,kind,norm,dtype", [list(RUNNERS), list(KINDS), list(NORMS), ["float32", "bfloat16"]],
+       slow=lambda framework, kind, norm, dtype: framework == "jax" and norm != "valid_tokens" and (kind != "cross_entropy" or dtype != "float32"))
 def test_head_matches_oracle(framework: str, kind: str, norm: str, dtype: str, plan: str) -> None:
     check(framework, kind, dtype, True, {**_options(kind), **NORMS[norm]})
 
@@ -167,17 +174,17 @@ def test_vocabulary_blocked_fallback(framework: str, kind: str, dtype: str, plan
     check(framework, kind, dtype, True, {**_options(kind), **NORMS["valid_tokens"]})
 
 
-@pytest.mark.parametrize("plan", ["whole", "blocked"], indirect=True)
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("framework", list(RUNNERS))
+@cases("framework,kind,plan", [list(RUNNERS), list(KINDS), ["whole", "blocked"]], slow=lambda framework, kind, plan: framework == "jax" and plan == "blocked", indirect=("plan",))
 def test_without_bias_per_token(framework: str, kind: str, plan: str) -> None:
     check(framework, kind, "float32", False, {**_options(kind), **NORMS["none"]})
 
 
-@pytest.mark.parametrize("plan", ["whole", "blocked"], indirect=True)
-@pytest.mark.parametrize("norm", ["valid_tokens", "none"])
-@pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
-@pytest.mark.parametrize("framework", list(RUNNERS))
+@cases(
+    "framework,kind,norm,plan",
+    [list(RUNNERS), ["cross_entropy", "reverse_kl"], ["valid_tokens", "none"], ["whole", "blocked"]],
+    slow=lambda framework, kind, norm, plan: framework == "jax" and norm == "none",
+    indirect=("plan",),
+)
 def test_causal_shift(framework: str, kind: str, norm: str, plan: str) -> None:
     check(framework, kind, "float32", True, {**_options(kind), **NORMS[norm], "causal_shift": True})
 
