@@ -18,6 +18,7 @@ from .api import (
     reverse_kl,
     soft_cross_entropy,
 )
+from .linear import linear_cross_entropy, linear_forward_kl, linear_reverse_kl, linear_soft_cross_entropy
 
 __all__ = [
     "cross_entropy",
@@ -28,5 +29,9 @@ __all__ = [
     "jensen_shannon",
     "count_denominator",
     "resolve_impl",
+    "linear_cross_entropy",
+    "linear_soft_cross_entropy",
+    "linear_forward_kl",
+    "linear_reverse_kl",
 ]
 __version__ = "0.1.0"

@@ -27,6 +27,7 @@ import lossspec
 from flax import nnx as _nnx
 
 from . import api
+from .linear_nnx import LinearCrossEntropyLoss, LinearForwardKLLoss, LinearReverseKLLoss, LinearSoftCrossEntropyLoss  # noqa: F401  (fused-head modules)
 
 __all__ = ["CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "ReverseKLLoss", "EntropyLoss", "JensenShannonLoss"]
 

@@ -23,6 +23,7 @@ from torch import Tensor
 import lossspec
 
 from . import api
+from .linear import LinearCrossEntropyLoss, LinearForwardKLLoss, LinearReverseKLLoss, LinearSoftCrossEntropyLoss  # noqa: F401  (fused-head modules)
 
 __all__ = ["CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "ReverseKLLoss", "EntropyLoss", "JensenShannonLoss"]
 

@@ -1,0 +1,391 @@
+"""The fused LM head in JAX (the XLA path): ``linear_cross_entropy`` and the distillation kinds.
+
+``linear_<kind>(hidden [..., H], weight [V, H], <target>, loss_mask, *, bias, ...)`` equals
+``<kind>(hidden @ weight.T + bias, ...)`` with the logits in fp32 (signatures, checks and the
+float64 reference: :mod:`lossspec.linear`; the twin is ``torchloss.linear``).
+
+How (``R``, ``B`` from :func:`lossspec.linear.head_plan`): the tokens are processed in chunks
+of ``R`` rows (``lax.fori_loop``). When a whole row fits the block budget (``B = V``, the
+common case) a chunk is one matmul ``z = h W^T + b`` ``[R, V]`` in fp32, the statistics and the
+logits' gradient ``G = coef * c * dl/dz`` of :mod:`jaxloss._stats` (the formulation of
+:mod:`lossspec.stats`), then ``dh = G W`` and ``dW += G^T h``, ``db += sum G``: three matmuls,
+no recompute. Otherwise the chunk runs over vocabulary blocks of ``B`` columns twice: an
+online softmax (``combine``) for the statistics, then the gradient of each block from the
+recomputed logits (five matmuls). 16-bit inputs are upcast to fp32 (exact) and every product is
+accumulated in fp32 (``preferred_element_type=float32``, ``Precision.HIGHEST``: no TF32 on a
+GPU); the fp32 gradients are rounded once to the parameters' dtypes.
+
+Differentiation: a ``jax.custom_vjp``. For the reduced normalisations the forward computes the
+fp32 gradients of hidden, weight and bias (the residuals) and the backward scales them by the
+upstream scalar and rounds once. For ``"none"`` the upstream gradient differs per token and
+enters the weight gradient inside the sum over tokens, so the backward recomputes the head with
+``coef * upstream`` (the forward computes the loss only). First order only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import lossspec
+from lossspec import LossConfig
+from lossspec import linear as spec_linear
+
+from . import api
+from ._stats import F32, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block
+
+Array = jax.Array
+HIGHEST = lax.Precision.HIGHEST
+
+__all__ = ["linear_cross_entropy", "linear_soft_cross_entropy", "linear_forward_kl", "linear_reverse_kl"]
+
+#: the fp32 elements of one [R, B] block; ``None``: lossspec.linear.head_plan's default.
+#: Tests set it small to exercise the vocabulary-blocked fallback.
+BLOCK_ELEMENTS: Optional[int] = None
+#: rows of a chunk in the vocabulary-blocked fallback (lossspec.linear.HEAD_BLOCKED_ROWS)
+BLOCKED_ROWS: int = spec_linear.HEAD_BLOCKED_ROWS
+
+
+# --------------------------------------------------------------------------------------------
+# Matmuls in fp32
+# --------------------------------------------------------------------------------------------
+
+
+def _dot(a: Array, b: Array, contract: tuple[int, int]) -> Array:
+    """``a`` ``[., K]``/``[K, .]`` times ``b``, contracting ``a``'s axis ``contract[0]`` with
+    ``b``'s ``contract[1]``, accumulated in fp32 at full precision."""
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=HIGHEST, preferred_element_type=F32)
+
+
+def _logits(h: Array, w: Array, b: Optional[Array]) -> Array:
+    """``h @ w.T + b`` ``[R, B]`` fp32 (``h`` ``[R, H]``, ``w`` ``[B, H]``, ``b`` ``[B]``)."""
+    z = _dot(h, w, (1, 1))
+    return z if b is None else z + b[None, :]
+
+
+# --------------------------------------------------------------------------------------------
+# The driver
+# --------------------------------------------------------------------------------------------
+
+Head = tuple  # (hidden [N, H] fp32, weight [V, H] fp32, bias [V] fp32 | None)
+
+
+def _slice_head(head: Head, start: Any, width: int) -> Head:
+    """Rows ``start : start + width`` of the weight and bias (a vocabulary block)."""
+    h, w, b = head
+    w = lax.dynamic_slice_in_dim(w, start, width, 0)
+    return h, w, None if b is None else lax.dynamic_slice_in_dim(b, start, width, 0)
+
+
+def _chunk_whole(cfg: KernelConfig, student: Head, teacher: Optional[Head], y: Optional[Array], coef: Array, with_grad: bool) -> tuple:
+    """One chunk whose rows fit whole: ``(loss [R], G [R, V] fp32 or None)``."""
+    h, w, b = student
+    z = _logits(h, w, b)
+    vocab = z.shape[1]
+    t = None if teacher is None else _logits(*teacher)
+    if cfg.is_ce:
+        x_y = jnp.take_along_axis(z, y[:, None], axis=1)[:, 0]
+        st, e, et = block_stats(cfg, z, x_y=x_y)
+    else:
+        st, e, et = block_stats(cfg, z, t)
+    fin = finalize(cfg, st, vocab)
+    loss = jnp.where(coef != 0, fin.l, 0.0)
+    if not with_grad:
+        return loss, None
+    hit = (lax.broadcasted_iota(jnp.int32, z.shape, 1) == y[:, None]) if cfg.is_ce else None
+    return loss, grad_block(cfg, fin, coef, z, t, hit=hit, vocab=vocab, e=e, et=et)
+
+
+def _chunk_blocked(
+    cfg: KernelConfig, width: int, student: Head, teacher: Optional[Head], y: Optional[Array], coef: Array, with_grad: bool, dw: Any, db: Any
+) -> tuple:
+    """One chunk over vocabulary blocks of ``width`` columns: pass 1 folds the blocks'
+    statistics (online softmax), pass 2 recomputes each block's logits for its gradient.
+    Returns ``(loss [R], dh [R, H] fp32, dw, db)`` with the blocks' ``G^T h`` added to ``dw``,
+    ``db``. The last block is moved back to end at ``V``; the columns it shares with the
+    previous block are masked out (``col_ok``) in both passes, so nothing is counted twice."""
+    h = student[0]
+    vocab = student[1].shape[0]
+    num_blocks = -(-vocab // width)
+
+    def window(j: Array) -> tuple:
+        start = jnp.minimum(j * width, vocab - width)
+        cols = start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        z = _logits(*_slice_head(student, start, width))
+        t = None if teacher is None else _logits(*_slice_head(teacher, start, width))
+        return start, cols, cols >= j * width, z, t
+
+    def pass1(j: Array, acc: Any) -> Any:
+        _, cols, col_ok, z, t = window(j)
+        hit = (cols == y[:, None]) & col_ok if cfg.is_ce else None
+        blk, _, _ = block_stats(cfg, z, t, hit=hit, col_ok=col_ok)
+        return combine(cfg, acc, blk)
+
+    fin = finalize(cfg, lax.fori_loop(0, num_blocks, pass1, empty_stats(cfg, h.shape[0])), vocab)
+    loss = jnp.where(coef != 0, fin.l, 0.0)
+    if not with_grad:
+        return loss, None, dw, db
+
+    def pass2(j: Array, carry: tuple) -> tuple:
+        dh, dw, db = carry
+        start, cols, col_ok, z, t = window(j)
+        hit = (cols == y[:, None]) if cfg.is_ce else None
+        g = jnp.where(col_ok, grad_block(cfg, fin, coef, z, t, hit=hit, vocab=vocab), 0.0)
+        _, w_blk, _ = _slice_head(student, start, width)
+        dh = dh + _dot(g, w_blk, (1, 0))
+        dw = lax.dynamic_update_slice_in_dim(dw, lax.dynamic_slice_in_dim(dw, start, width, 0) + _dot(g, h, (0, 0)), start, 0)
+        if db is not None:
+            db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, start, width, 0) + jnp.sum(g, axis=0), start, 0)
+        return dh, dw, db
+
+    dh, dw, db = lax.fori_loop(0, num_blocks, pass2, (jnp.zeros(h.shape, F32), dw, db))
+    return loss, dh, dw, db
+
+
+def head_forward(
+    cfg: KernelConfig,
+    hidden: Array,
+    weight: Array,
+    bias: Optional[Array],
+    labels: Optional[Array],
+    teacher: Optional[tuple],
+    coef: Array,
+    *,
+    with_grad: bool,
+    block_elements: Optional[int] = None,
+    blocked_rows: int = spec_linear.HEAD_BLOCKED_ROWS,
+) -> tuple[Array, Optional[Array], Optional[Array], Optional[Array]]:
+    """Per-token loss and the fp32 gradients of the head.
+
+    Args:
+      cfg: the kernel configuration.
+      hidden: ``[N, H]``; weight ``[V, H]``; bias ``[V]`` or ``None`` (any float dtype).
+      labels: safe labels ``[N]`` int32 (cross-entropy) or ``None``.
+      teacher: ``(teacher_hidden [N, Ht], teacher_weight [V, Ht], teacher_bias | None)`` or ``None``.
+      coef: ``[N]`` fp32, the per-token coefficient.
+      with_grad: also compute the gradients.
+      block_elements, blocked_rows: the plan's budget (:func:`lossspec.linear.head_plan`).
+
+    Returns:
+      ``(l [N], dh [N, H], dW [V, H], db [V] | None)``: the per-token loss (0 where
+      ``coef == 0``; not multiplied by ``coef``) and, with ``with_grad``, the fp32 gradients of
+      ``sum_i coef_i l_i`` (``G = coef * c * dl/dz``: ``dh = G W``, ``dW = G^T h``, ``db = sum G``).
+    """
+    n, width = hidden.shape
+    vocab = weight.shape[0]
+    up = lambda a: None if a is None else a.astype(F32)  # noqa: E731  (16-bit: exact)
+    student = (None, up(weight), up(bias))
+    teacher32 = None if teacher is None else (None, up(teacher[1]), up(teacher[2]))
+    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, spec_linear.HEAD_LIVE_BLOCKS["jax"][cfg.kind])
+    dw = jnp.zeros((vocab, width), F32) if with_grad else None
+    db = jnp.zeros((vocab,), F32) if (with_grad and bias is not None) else None
+    dh = jnp.zeros((n, width), F32) if with_grad else None
+    if n == 0:
+        return jnp.zeros((0,), F32), dh, dw, db
+    num_chunks = -(-n // rows)
+
+    def chunk(i: Array, carry: tuple) -> tuple:
+        loss_buf, dh, dw, db = carry
+        # The last chunk is moved back to end at row N; rows it shares with the previous
+        # chunk get coefficient 0 (no second contribution to dW) and keep their values.
+        start = jnp.minimum(i * rows, n - rows)
+        fresh = start + jnp.arange(rows) >= i * rows
+        cc = jnp.where(fresh, lax.dynamic_slice_in_dim(coef, start, rows, 0), 0.0)
+        hc = lax.dynamic_slice_in_dim(hidden, start, rows, 0).astype(F32)
+        yc = None if labels is None else lax.dynamic_slice_in_dim(labels, start, rows, 0)
+        st = (hc,) + student[1:]
+        tt = None
+        if teacher is not None:
+            tt = (lax.dynamic_slice_in_dim(teacher[0], start, rows, 0).astype(F32),) + teacher32[1:]
+        if block == vocab:
+            loss, g = _chunk_whole(cfg, st, tt, yc, cc, with_grad)
+            if with_grad:
+                dh_c = _dot(g, student[1], (1, 0))
+                dw = dw + _dot(g, hc, (0, 0))
+                db = None if db is None else db + jnp.sum(g, axis=0)
+        else:
+            loss, dh_c, dw, db = _chunk_blocked(cfg, block, st, tt, yc, cc, with_grad, dw, db)
+        keep = lambda buf, new: lax.dynamic_update_slice_in_dim(  # noqa: E731
+            buf, jnp.where(fresh.reshape((rows,) + (1,) * (new.ndim - 1)), new, lax.dynamic_slice_in_dim(buf, start, rows, 0)), start, 0
+        )
+        loss_buf = keep(loss_buf, loss)
+        if with_grad:
+            dh = keep(dh, dh_c)
+        return loss_buf, dh, dw, db
+
+    loss, dh, dw, db = lax.fori_loop(0, num_chunks, chunk, (jnp.zeros((n,), F32), dh, dw, db))
+    return loss, dh, dw, db
+
+
+# --------------------------------------------------------------------------------------------
+# custom_vjp
+# --------------------------------------------------------------------------------------------
+
+Spec = tuple  # (KernelConfig, reduced: bool, (block_elements, blocked_rows), (hidden, weight, bias) dtypes): static
+
+
+def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
+    tokens = jnp.where(coef != 0, coef * loss, 0.0)
+    return jnp.sum(tokens) if reduced else tokens
+
+
+def _run(spec: Spec, args: tuple, coef: Array, with_grad: bool) -> tuple:
+    cfg, _, (block_elements, blocked_rows), _ = spec
+    hidden, weight, bias, labels, teacher = args
+    return head_forward(
+        cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, block_elements=block_elements, blocked_rows=blocked_rows
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _head(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, teacher: Any, coef: Array) -> Array:
+    """``sum_i coef_i l_i`` (reduced) or the per-token ``coef_i l_i`` ``[N]`` (``"none"``)."""
+    loss = _run(spec, (hidden, weight, bias, labels, teacher), coef, with_grad=False)[0]
+    return _weighted(coef, loss, spec[1])
+
+
+def _head_fwd(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, teacher: Any, coef: Array) -> tuple:
+    args = (hidden, weight, bias, labels, teacher)
+    if not spec[1]:  # "none": the backward recomputes with coef * upstream
+        loss = _run(spec, args, coef, with_grad=False)[0]
+        return _weighted(coef, loss, False), (args, coef)
+    loss, dh, dw, db = _run(spec, args, coef, with_grad=True)
+    return _weighted(coef, loss, True), (dh, dw, db)
+
+
+def _head_bwd(spec: Spec, res: tuple, g: Array) -> tuple:
+    _, reduced, _, (h_dtype, w_dtype, b_dtype) = spec
+    if reduced:
+        dh, dw, db = res
+        scale = g.astype(F32)
+    else:
+        args, coef = res
+        _, dh, dw, db = _run(spec, args, jnp.where(coef != 0, coef * g.astype(F32), 0.0), with_grad=True)
+        scale = jnp.ones((), F32)
+    # The one rounding of each gradient to its parameter's dtype.
+    cast = lambda a, dtype: None if a is None else (a * scale).astype(dtype)  # noqa: E731
+    return cast(dh, h_dtype), cast(dw, w_dtype), cast(db, b_dtype), None, None, None
+
+
+_head.defvjp(_head_fwd, _head_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _head_tokens(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, teacher: Any, coef: Array) -> Array:
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    if teacher is not None:
+        t_hidden, t_weight, t_bias = teacher
+        teacher = (jax.lax.stop_gradient(t_hidden.reshape(-1, t_hidden.shape[-1])), jax.lax.stop_gradient(t_weight), None if t_bias is None else jax.lax.stop_gradient(t_bias))
+    return _head(spec, hidden, weight, bias, labels, teacher, coef)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions: argument handling as in jaxloss.api._loss (checks from lossspec)
+# --------------------------------------------------------------------------------------------
+
+
+def _optional(value: Any) -> Any:
+    return None if value is None else api._as_array(value)
+
+
+def _check_same_device(name: str, value: Any, ref: Any) -> None:
+    """Concrete arrays committed to different devices than ``hidden`` are refused clearly."""
+    if value is None or not isinstance(value, jax.Array) or not isinstance(ref, jax.Array) or isinstance(value, jax.core.Tracer):
+        return
+    if isinstance(ref, jax.core.Tracer) or not (value.committed and ref.committed):
+        return
+    if value.devices() != ref.devices():
+        raise ValueError(spec_linear.device_message(name, value.devices(), ref.devices()))
+
+
+def _denominator(config: LossConfig, denominator: Any) -> Any:
+    """The checked denominator as a 0-d fp32 array (as in :func:`jaxloss.api._loss`)."""
+    lossspec.check_denominator_allowed(config, denominator)
+    if denominator is None:
+        return None
+    host = not isinstance(denominator, jax.Array)
+    denominator = np.asarray(denominator) if host else denominator
+    lossspec.check_denominator_shape(tuple(denominator.shape))
+    concrete = api._concrete(denominator)
+    if concrete:
+        lossspec.check_denominator_value(np.asarray(denominator))
+    if concrete or denominator.dtype != jnp.float64:
+        denominator = jnp.asarray(denominator, F32)
+    return denominator.reshape(())
+
+
+def _linear_loss(kind: str, **args: Any) -> Array:
+    """Body of the four ``linear_*`` functions (signatures: :mod:`lossspec.linear`)."""
+    spec = lossspec.KIND_SPECS[kind]
+    options = {name: args[name] for name in spec.option_names}
+    config = lossspec.make_config(kind, normalization=args["normalization"], **options)
+    ce = config.kind == "cross_entropy"
+    hidden, weight, bias = api._as_array(args["hidden"]), api._as_array(args["weight"]), _optional(args["bias"])
+    teacher = None
+    if not ce:
+        teacher = (api._as_array(args["teacher_hidden"]), api._as_array(args["teacher_weight"]), _optional(args["teacher_bias"]))
+    meta = lambda a: None if a is None else api._meta(a)  # noqa: E731
+    logits_meta, teacher_meta = spec_linear.check_head(kind, meta(hidden), meta(weight), meta(bias), None if ce else tuple(meta(a) for a in teacher))
+    labels = api._as_array(args["labels"]) if ce else None
+    loss_mask = _optional(args["loss_mask"])
+    lossspec.check_inputs(config, logits_meta, meta(labels) if ce else teacher_meta, meta(loss_mask))
+    for name, value in (("weight", weight), ("bias", bias), ("labels", labels), ("loss_mask", loss_mask)):
+        _check_same_device(name, value, hidden)
+    denominator = _denominator(config, args["denominator"])
+    if loss_mask is not None and api._concrete(loss_mask):
+        lossspec.check_weights(np.asarray(loss_mask)[..., 1:] if config.causal_shift else np.asarray(loss_mask))
+    lead, vocab = tuple(hidden.shape[:-1]), int(weight.shape[0])
+    host_flags = None
+    if ce and api._concrete(labels) and (loss_mask is None or api._concrete(loss_mask)):
+        labels_host = np.asarray(labels)
+        mask_host = None if loss_mask is None else np.asarray(loss_mask)
+        if config.causal_shift:
+            labels_host, mask_host = lossspec.shift_targets(labels_host, mask_host, lead)
+        valid, _ = lossspec.token_weights(config, labels_host, mask_host, lead)
+        lossspec.check_labels(labels_host, valid, vocab, config.causal_shift)
+    if ce and isinstance(labels, np.ndarray):
+        labels, host_flags = api._host_labels(labels, config.ignore_index, vocab)
+    # The teacher's logits are never formed: _prepare gets a [..., 1] stand-in (it only reads
+    # the leading shape of a distillation target).
+    target = api._device(labels) if ce else jnp.zeros(lead + (1,), F32)
+    counting = LossConfig(kind=config.kind, normalization=config.normalization, ignore_index=config.ignore_index, causal_shift=config.causal_shift)
+    coef, safe_labels, bad = api._prepare(
+        counting,
+        vocab,
+        None,  # no sequence_parallel axes for the head (yet)
+        target,
+        None if loss_mask is None else api._device(loss_mask),
+        None,  # segment_ids: not an argument of the head (yet)
+        None if denominator is None else api._device(denominator),
+        host_flags,
+    )
+    kcfg = KernelConfig(
+        kind=config.kind, scale=config.student_scale, teacher_scale=config.teacher_scale, label_smoothing=config.label_smoothing, z_loss=config.z_loss
+    )
+    dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    head_spec = (kcfg, config.normalization != "none", (BLOCK_ELEMENTS, BLOCKED_ROWS), dtypes)
+    device = lambda a: None if a is None else api._device(a)  # noqa: E731
+    teacher_arrays = None if teacher is None else tuple(device(a) for a in teacher)
+    try:
+        tokens = _head_tokens(head_spec, device(hidden), device(weight), device(bias), safe_labels if ce else None, teacher_arrays, coef)
+    except TypeError as err:
+        if "forward-mode" not in str(err):
+            raise
+        raise NotImplementedError(api.FORWARD_MODE_MESSAGE) from err
+    return api._finish(config.normalization, lead, tokens, bad)
+
+
+def _public(kind: str) -> Any:
+    return spec_linear.head_public_function(kind, _linear_loss, __name__)
+
+
+linear_cross_entropy = _public("cross_entropy")
+linear_soft_cross_entropy = _public("soft_cross_entropy")
+linear_forward_kl = _public("forward_kl")
+linear_reverse_kl = _public("reverse_kl")

@@ -1,0 +1,311 @@
+"""The fused LM head (SPEC section 7): ``linear_<kind>`` from hidden states and the head weight.
+
+``linear_<kind>(hidden [..., H], weight [V, H], <target>, loss_mask=None, *, bias=None, ...)``
+returns ``<kind>(hidden @ weight.T + bias, <target logits>, loss_mask, ...)`` with the logits
+computed in fp32 and never materialised as one ``[N, V]`` buffer; ``<target>`` is ``labels``
+(cross-entropy) or ``teacher_hidden [..., Ht], teacher_weight [V, Ht]`` (+ ``teacher_bias=``)
+for the distillation kinds, whose teacher logits are formed the same way and get no gradient.
+``weight`` has the layout of a torch ``nn.Linear`` weight and of a tied embedding table in both
+frameworks.
+
+This module is the framework-free part, written once for ``jaxloss.linear`` and
+``torchloss.linear``: the public signatures and docstrings (built on :data:`KIND_SPECS`), the
+shape and dtype checks with their messages, the float64 reference (the chain rule through
+:func:`lossspec.oracle`) and the gradient bound of the head.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .checks import FLOAT_KIND, LOGIT_DTYPES, ArrayMeta, _shape, meta
+from .config import KINDS
+from .kinds import _ARG_DOCS, _RETURNS, KIND_SPECS, KindSpec
+from .oracle import oracle
+from .tolerances import Comparison, compare_grad
+
+_P = inspect.Parameter
+
+#: the public name of each kind's fused head
+# The fused head covers the four original kinds; entropy / jensen_shannon heads are planned.
+LINEAR_NAMES: dict[str, str] = {kind: f"linear_{kind}" for kind in KINDS}
+
+_HEAD_ARG_DOCS: dict[str, str] = {
+    "hidden": (
+        "``[..., H]`` floating point (float32, bfloat16, float16; float64 in torch): the hidden states. "
+        "The logits ``hidden @ weight.T + bias`` are computed in fp32 (16-bit inputs: products exact, fp32 "
+        "accumulation) chunk by chunk, never as one ``[N, V]`` buffer."
+    ),
+    "weight": "``[V, H]``, the dtype of ``hidden`` (the layout of ``nn.Linear.weight`` and of a tied embedding).",
+    "labels": "``[...]`` integers, the leading shape of ``hidden``; masked tokens' labels are never read as indices.",
+    "teacher_hidden": "``[..., Ht]`` floating point, the leading shape of ``hidden``; gets no gradient.",
+    "teacher_weight": "``[V, Ht]``, the dtype of ``teacher_hidden``; gets no gradient.",
+    "bias": "``None`` or ``[V]``, the dtype of ``weight``.",
+    "teacher_bias": "``None`` or ``[V]``, the dtype of ``teacher_weight``; gets no gradient.",
+}
+
+_HEAD_RETURNS = _RETURNS + (
+    "\nGradients flow to ``hidden``, ``weight`` and ``bias`` (accumulated in fp32 and rounded once to their\n"
+    "dtypes), computed in the forward pass; the backward scales them by the upstream gradient."
+)
+
+
+def head_targets(spec: KindSpec) -> tuple[str, ...]:
+    """The positional target arguments of ``spec``'s head: ``labels`` or the teacher's pair."""
+    return ("labels",) if spec.target == "labels" else ("teacher_hidden", "teacher_weight")
+
+
+def head_biases(spec: KindSpec) -> tuple[str, ...]:
+    """The keyword bias arguments of ``spec``'s head."""
+    return ("bias",) if spec.target == "labels" else ("bias", "teacher_bias")
+
+
+def head_parameters(spec: KindSpec) -> list[inspect.Parameter]:
+    """``hidden, weight, <targets>, loss_mask=None, *, <biases>=None, <options>, normalization,
+    denominator`` (the options, defaults and order of the unfused ``spec.kind``)."""
+    params = [_P("hidden", _P.POSITIONAL_OR_KEYWORD), _P("weight", _P.POSITIONAL_OR_KEYWORD)]
+    params += [_P(name, _P.POSITIONAL_OR_KEYWORD) for name in head_targets(spec)]
+    params.append(_P("loss_mask", _P.POSITIONAL_OR_KEYWORD, default=None))
+    params += [_P(name, _P.KEYWORD_ONLY, default=None) for name in head_biases(spec)]
+    params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default in spec.options]
+    params += [_P("normalization", _P.KEYWORD_ONLY, default="valid_tokens"), _P("denominator", _P.KEYWORD_ONLY, default=None)]
+    return params
+
+
+def head_docstring(spec: KindSpec) -> str:
+    """The docstring of ``linear_<kind>`` (the same in both frameworks)."""
+    title = f"Fused LM head + {spec.kind}: ``{spec.kind}(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits."
+    lines = [title, "", spec.title, "", f"    {spec.loss}", f"    {spec.grad}", ""]
+    if spec.target != "labels":
+        lines += ["The teacher logits are ``teacher_hidden @ teacher_weight.T + teacher_bias``.", ""]
+    lines.append("Args:")
+    names = ["hidden", "weight", *head_targets(spec), "loss_mask", *head_biases(spec), *spec.option_names, "normalization", "denominator"]
+    lines += [f"  {name}: {_HEAD_ARG_DOCS.get(name) or _ARG_DOCS[name]}" for name in names]
+    lines += ["", "Returns:"] + ["  " + line for line in _HEAD_RETURNS.splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+def head_public_function(kind: str, impl: Callable[..., Any], module: str) -> Callable[..., Any]:
+    """``linear_<kind>`` with :func:`head_parameters`' signature, calling ``impl(kind, **bound)``."""
+    spec = KIND_SPECS[kind]
+    name = LINEAR_NAMES[kind]
+    signature = inspect.Signature(head_parameters(spec))
+
+    def loss(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as err:
+            raise TypeError(f"{name}(): {err}") from None
+        bound.apply_defaults()
+        return impl(kind, **bound.arguments)
+
+    loss.__name__ = loss.__qualname__ = name
+    loss.__module__ = module
+    loss.__doc__ = head_docstring(spec)
+    loss.__signature__ = signature  # type: ignore[attr-defined]
+    return loss
+
+
+# --------------------------------------------------------------------------------------------
+# Checks (shapes and dtypes; the labels, mask and denominator are then checked as for the
+# unfused losses, against the stand-in metadata of the logits that are never formed)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_projection(hidden_name: str, weight_name: str, bias_name: str, hidden: ArrayMeta, weight: ArrayMeta, bias: Optional[ArrayMeta]) -> int:
+    """Check one ``hidden @ weight.T + bias`` and return its ``V``."""
+    if hidden.kind != FLOAT_KIND:
+        raise TypeError(f"{hidden_name} must be a floating-point array of shape [..., H]; got dtype {hidden.dtype}")
+    if hidden.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"{hidden_name} must have dtype float32, bfloat16, float16 or float64; got {hidden.dtype}")
+    if len(hidden.shape) == 0:
+        raise ValueError(f"{hidden_name} must have shape [..., H] with at least one dimension; got a scalar")
+    if weight.kind != FLOAT_KIND or len(weight.shape) != 2:
+        raise ValueError(
+            f"{weight_name} must be a floating-point array of shape [V, H] (the nn.Linear layout); "
+            f"got dtype {weight.dtype}, shape {_shape(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"{weight_name} must have the dtype of {hidden_name} ({hidden.dtype}); got {weight.dtype}")
+    vocab, width = weight.shape
+    if vocab == 0:
+        raise ValueError(f"{weight_name} must have a non-empty vocabulary axis (V > 0); got shape {_shape(weight.shape)}")
+    if width != hidden.shape[-1]:
+        raise ValueError(
+            f"{weight_name} [V, H] must have H = {hidden_name}.shape[-1] = {hidden.shape[-1]}; got {weight_name} "
+            f"{_shape(weight.shape)} for {hidden_name} {_shape(hidden.shape)} (pass nn.Linear's weight, not its transpose)"
+        )
+    if bias is not None:
+        if bias.shape != (vocab,):
+            raise ValueError(f"{bias_name} must have shape [V] = [{vocab}]; got {_shape(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"{bias_name} must have the dtype of {weight_name} ({weight.dtype}); got {bias.dtype}")
+    return vocab
+
+
+def check_head(
+    kind: str,
+    hidden: ArrayMeta,
+    weight: ArrayMeta,
+    bias: Optional[ArrayMeta],
+    teacher: Optional[tuple[ArrayMeta, ArrayMeta, Optional[ArrayMeta]]] = None,
+) -> tuple[ArrayMeta, Optional[ArrayMeta]]:
+    """Check the head's arrays; return the metadata of the (never formed) student and teacher
+    logits ``[..., V]``, for :func:`lossspec.check_inputs` (labels, mask, causal shift).
+
+    ``teacher``: ``(teacher_hidden, teacher_weight, teacher_bias)`` for the distillation kinds.
+    """
+    vocab = _check_projection("hidden", "weight", "bias", hidden, weight, bias)
+    logits = meta(hidden.shape[:-1] + (vocab,), FLOAT_KIND, hidden.dtype)
+    if KIND_SPECS[kind].target == "labels":
+        return logits, None
+    assert teacher is not None
+    t_hidden, t_weight, t_bias = teacher
+    t_vocab = _check_projection("teacher_hidden", "teacher_weight", "teacher_bias", t_hidden, t_weight, t_bias)
+    if t_hidden.shape[:-1] != hidden.shape[:-1]:
+        raise ValueError(
+            f"teacher_hidden must have the leading shape of hidden {_shape(hidden.shape[:-1])}; got "
+            f"{_shape(t_hidden.shape)}"
+        )
+    if t_vocab != vocab:
+        raise ValueError(f"teacher_weight must have the vocabulary of weight (V = {vocab}); got V = {t_vocab}")
+    return logits, meta(hidden.shape[:-1] + (vocab,), FLOAT_KIND, t_hidden.dtype)
+
+
+def device_message(name: str, device: Any, expected: Any) -> str:
+    """The error for an array on another device than ``hidden``."""
+    return f"{name} must be on the device of hidden ({expected}); got {device}"
+
+
+# --------------------------------------------------------------------------------------------
+# The float64 reference and the bound
+# --------------------------------------------------------------------------------------------
+
+
+def head_logits(hidden: np.ndarray, weight: np.ndarray, bias: Optional[np.ndarray] = None) -> np.ndarray:
+    """``hidden @ weight.T + bias`` in float64, ``[..., V]``."""
+    z = np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64).T
+    return z if bias is None else z + np.asarray(bias, np.float64)
+
+
+def oracle_head(
+    kind: str,
+    hidden: np.ndarray,
+    weight: np.ndarray,
+    target: Any,
+    loss_mask: Optional[np.ndarray] = None,
+    *,
+    bias: Optional[np.ndarray] = None,
+    **options: Any,
+) -> tuple[Any, dict[str, Optional[np.ndarray]]]:
+    """The float64 reference of ``linear_<kind>``: ``(loss, grads)``.
+
+    ``target``: labels, or ``(teacher_hidden, teacher_weight, teacher_bias)``. With ``G`` the
+    oracle's gradient of the logits ``[N, V]`` (``h`` ``[N, H]`` the flattened hidden)::
+
+        grad_hidden = G @ weight       grad_weight = G.T @ h       grad_bias = sum_n G
+
+    ``grads``: ``{"hidden", "weight", "bias"}`` (``bias``: ``None`` without a bias).
+    """
+    logits = head_logits(hidden, weight, bias)
+    if KIND_SPECS[kind].target != "labels":
+        t_hidden, t_weight, t_bias = target
+        target = head_logits(t_hidden, t_weight, t_bias)
+    loss, grad_logits = oracle(kind, logits, target, loss_mask, **options)
+    vocab, width = np.shape(weight)
+    g = grad_logits.reshape(-1, vocab)
+    h = np.asarray(hidden, np.float64).reshape(-1, width)
+    grads = {
+        "hidden": (g @ np.asarray(weight, np.float64)).reshape(np.shape(hidden)),
+        "weight": g.T @ h,
+        "bias": None if bias is None else g.sum(axis=0),
+    }
+    return loss, grads
+
+
+def compare_head_grad(actual: Any, reference: np.ndarray, dtype: str, what: str = "grad") -> Comparison:
+    """SPEC section 7's bound for one head gradient: the section 6 rule with
+    ``S = max |reference|`` of that tensor (``4e-6 S``, plus one ulp of ``dtype`` for 16-bit)."""
+    return compare_grad(actual, reference, dtype, 0.0, what)
+
+
+# --------------------------------------------------------------------------------------------
+# The memory plan, shared by both frameworks
+# --------------------------------------------------------------------------------------------
+
+#: the peak extra memory of the head's temporaries, as a fraction of one [N, V] fp32 buffer
+#: (not counting the fp32 gradients of hidden, weight and bias, and for 16-bit inputs the fp32
+#: copy of the weight)
+HEAD_MEMORY_FRACTION: float = 1 / 8
+#: fp32 [R, B] blocks alive at once, per framework and kind, so that they fit
+#: HEAD_MEMORY_FRACTION. torch: cross-entropy works in the chunk's logits alone (statistics and
+#: gradient in place); the distillation kinds hold the logits, the teacher's and two scratch
+#: blocks. XLA's fused temporaries measure about one block for cross-entropy (counted as 2).
+#: Larger blocks matter for time: each chunk reads the whole weight for two matmuls and adds
+#: G^T h to the whole fp32 weight gradient, which dominates when chunks are small.
+HEAD_LIVE_BLOCKS: dict[str, dict[str, int]] = {
+    "torch": {"cross_entropy": 1, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4},
+    "jax": {"cross_entropy": 2, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4},
+}
+#: the largest [R, B] block by default (64 MiB fp32): bigger blocks gain nothing in matmul speed
+HEAD_MAX_BLOCK_ELEMENTS: int = 1 << 24
+#: rows of a chunk in the vocabulary-blocked fallback (one row's V does not fit the budget)
+HEAD_BLOCKED_ROWS: int = 64
+
+
+def head_plan(
+    rows: int, vocab: int, block_elements: Optional[int] = None, blocked_rows: int = HEAD_BLOCKED_ROWS, live_blocks: int = 4
+) -> tuple[int, int]:
+    """``(R, B)``: token chunks of ``R`` rows and vocabulary blocks of ``B`` columns.
+
+    The budget of one fp32 ``[R, B]`` block is ``block_elements`` or
+    ``min(N V HEAD_MEMORY_FRACTION / live_blocks, HEAD_MAX_BLOCK_ELEMENTS)`` (``live_blocks``:
+    :data:`HEAD_LIVE_BLOCKS`). When a whole
+    row fits (``V <= budget``), ``B = V`` (no recompute: three matmuls); otherwise the fallback
+    takes ``R = min(N, blocked_rows, budget)`` rows in blocks of ``B = budget // R``
+    columns with an online softmax (the logits are recomputed in the gradient pass).
+    """
+    if block_elements is None:
+        block_elements = min(int(rows * vocab * HEAD_MEMORY_FRACTION) // live_blocks, HEAD_MAX_BLOCK_ELEMENTS)
+    budget = max(1, int(block_elements))
+    rows = max(1, rows)
+    if vocab <= budget:
+        return max(1, min(rows, budget // vocab)), vocab
+    chunk = max(1, min(rows, blocked_rows, budget))
+    return chunk, max(1, min(vocab, budget // chunk))
+
+
+# --------------------------------------------------------------------------------------------
+# Module forms (jaxloss.nnx, torchloss.nn): options at construction, arrays per call
+# --------------------------------------------------------------------------------------------
+
+
+def head_module_name(kind: str) -> str:
+    """``Linear`` + the unfused module's name, e.g. ``LinearCrossEntropyLoss``."""
+    return "Linear" + KIND_SPECS[kind].module
+
+
+def head_module_settings(kind: str, options: dict[str, Any], owner: str) -> dict[str, Any]:
+    """A head module's settings: ``options`` over the defaults of ``kind``'s options and
+    ``normalization``, validated with the functions' own errors."""
+    from .kinds import FrameworkArgs, module_settings
+
+    return module_settings(KIND_SPECS[kind], FrameworkArgs(()), options, owner)
+
+
+def head_module_docstring(kind: str, framework: str, linear_class: str) -> str:
+    """The docstring of ``kind``'s head module in ``framework``."""
+    spec = KIND_SPECS[kind]
+    targets = ", ".join(head_targets(spec))
+    biases = ", ".join(f"{name}=None" for name in head_biases(spec))
+    options = ", ".join(f"{name}={default!r}" for name, default in spec.options)
+    return (
+        f"Module form of :func:`{framework}.{LINEAR_NAMES[kind]}` (fused LM head + {spec.kind}).\n\n"
+        f"Constructed with the keyword options ``{options}, normalization='valid_tokens'`` (validated at\n"
+        f"construction); called as ``module(hidden, weight, {targets}, loss_mask=None, *, {biases},\n"
+        f"denominator=None)``. ``weight`` (and ``teacher_weight``) may be a ``{linear_class}``: its weight\n"
+        "in the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.\n"
+    )

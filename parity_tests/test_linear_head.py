@@ -1,0 +1,385 @@
+"""The fused LM head (``linear_<kind>``) in both frameworks against the float64 head oracle.
+
+Loss: SPEC section 6's loss bound; gradients of hidden, weight and bias: SPEC section 7's rule
+(the section 6 bound with ``S = max |reference gradient of that tensor|``), 16-bit inputs with
+their one ulp. Plans: ``whole`` rows (token chunks of the full vocabulary, a ragged last chunk)
+and the vocabulary-blocked fallback (ragged row chunks and vocabulary blocks), forced by a tiny
+block budget.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jaxloss
+import jaxloss.linear as jax_linear
+import jaxloss.nnx  # noqa: F401  (the module forms)
+import lossspec
+import torchloss
+import torchloss.linear as torch_linear
+from lossspec import linear as spec_linear
+
+KINDS = tuple(lossspec.KINDS)  # the fused head's kinds (entropy / jensen_shannon heads: planned)
+LEAD, H, HT, V = (3, 4), 8, 6, 37
+# (block_elements, blocked_rows): whole rows of 5 tokens (chunks 5, 5, 2), or the fallback with
+# chunks of 5 rows and vocabulary blocks of 3 columns (37 = 12 * 3 + 1).
+PLANS = {"whole": (5 * V, 64), "blocked": (15, 5)}
+NORMS = {
+    "valid_tokens": dict(normalization="valid_tokens"),
+    "none": dict(normalization="none"),
+    "denominator": dict(normalization="valid_tokens", denominator=7.5),
+}
+OPTIONS = {
+    "cross_entropy": dict(label_smoothing=0.1, z_loss=1e-3, logit_scale=1.3),
+    "distill": dict(temperature=1.5, teacher_logit_scale=0.8, logit_scale=1.1),
+}
+
+
+def _options(kind: str) -> dict[str, Any]:
+    return dict(OPTIONS["cross_entropy" if kind == "cross_entropy" else "distill"])
+
+
+def make_inputs(kind: str, dtype: str, seed: int = 0, lead: tuple[int, ...] = LEAD) -> dict[str, Any]:
+    """Seeded float32 inputs, exactly representable in ``dtype``; labels with ignored tokens and
+    float mask weights (0 included)."""
+    rng = np.random.default_rng(seed)
+    r = lambda shape, scale: lossspec.round_to_dtype(scale * rng.standard_normal(shape), dtype)  # noqa: E731
+    inputs: dict[str, Any] = {
+        "hidden": r(lead + (H,), 1.0),
+        "weight": r((V, H), 0.6),
+        "bias": r((V,), 0.5),
+        "loss_mask": rng.choice(np.array([0.0, 0.5, 1.0, 2.0], np.float32), size=lead),
+    }
+    if kind == "cross_entropy":
+        labels = rng.integers(0, V, size=lead)
+        labels.flat[1] = -100
+        inputs["labels"] = labels
+    else:
+        inputs.update(teacher_hidden=r(lead + (HT,), 1.0), teacher_weight=r((V, HT), 0.6), teacher_bias=r((V,), 0.5))
+    return inputs
+
+
+def grad_output_for(normalization: str, lead: tuple[int, ...] = LEAD) -> np.ndarray:
+    """A non-unit upstream gradient: a scalar, or one value per token for ``"none"``."""
+    if normalization == "none":
+        return np.linspace(0.5, 2.0, int(np.prod(lead))).reshape(lead).astype(np.float32)
+    return np.asarray(1.75, np.float32)
+
+
+def reference(kind: str, inputs: dict[str, Any], with_bias: bool, options: dict[str, Any], grad_output: np.ndarray) -> tuple:
+    target = inputs["labels"] if kind == "cross_entropy" else (inputs["teacher_hidden"], inputs["teacher_weight"], inputs.get("teacher_bias"))
+    return spec_linear.oracle_head(
+        kind, inputs["hidden"], inputs["weight"], target, inputs["loss_mask"], bias=inputs["bias"] if with_bias else None, grad_output=grad_output, **options
+    )
+
+
+def run_jax(kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, options: dict[str, Any], grad_output: np.ndarray) -> tuple:
+    """``(loss, {name: grad})`` from ``jaxloss.linear_<kind>`` through ``jax.vjp``."""
+    jdt = jnp.dtype(dtype)
+    params = {"hidden": jnp.asarray(inputs["hidden"], jdt), "weight": jnp.asarray(inputs["weight"], jdt)}
+    if with_bias:
+        params["bias"] = jnp.asarray(inputs["bias"], jdt)
+    fn = getattr(jaxloss, f"linear_{kind}")
+    if kind == "cross_entropy":
+        target: tuple = (jnp.asarray(inputs["labels"], jnp.int32),)
+        extra: dict[str, Any] = {}
+    else:
+        target = (jnp.asarray(inputs["teacher_hidden"], jdt), jnp.asarray(inputs["teacher_weight"], jdt))
+        extra = {"teacher_bias": jnp.asarray(inputs["teacher_bias"], jdt)}
+
+    def loss_of(p: dict[str, Any]) -> Any:
+        return fn(p["hidden"], p["weight"], *target, jnp.asarray(inputs["loss_mask"]), bias=p.get("bias"), **extra, **options)
+
+    loss, vjp = jax.vjp(loss_of, params)
+    (grads,) = vjp(jnp.asarray(grad_output, jnp.float32))
+    assert all(grads[name].dtype == jdt for name in grads)
+    return np.asarray(loss, np.float64), {name: np.asarray(g.astype(jnp.float32), np.float64) for name, g in grads.items()}
+
+
+def run_torch(kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, options: dict[str, Any], grad_output: np.ndarray) -> tuple:
+    """``(loss, {name: grad})`` from ``torchloss.linear_<kind>`` through ``backward``."""
+    tdt = getattr(torch, dtype)
+    as_t = lambda a: torch.tensor(np.asarray(a, np.float32)).to(tdt)  # noqa: E731  (exact)
+    params = {"hidden": as_t(inputs["hidden"]), "weight": as_t(inputs["weight"])}
+    if with_bias:
+        params["bias"] = as_t(inputs["bias"])
+    for p in params.values():
+        p.requires_grad_(True)
+    fn = getattr(torchloss, f"linear_{kind}")
+    if kind == "cross_entropy":
+        target: tuple = (torch.tensor(inputs["labels"]),)
+        extra: dict[str, Any] = {}
+    else:
+        target = (as_t(inputs["teacher_hidden"]), as_t(inputs["teacher_weight"]))
+        extra = {"teacher_bias": as_t(inputs["teacher_bias"])}
+    loss = fn(params["hidden"], params["weight"], *target, torch.tensor(inputs["loss_mask"]), bias=params.get("bias"), **extra, **options)
+    loss.backward(torch.tensor(grad_output))
+    assert all(p.grad.dtype == tdt for p in params.values())
+    return loss.detach().double().numpy(), {name: p.grad.float().double().numpy() for name, p in params.items()}
+
+
+RUNNERS = {"jax": run_jax, "torch": run_torch}
+
+
+def cases(names: str, axes: list[list[Any]], slow: Any, indirect: tuple[str, ...] = ()) -> Any:
+    """``pytest.mark.parametrize`` over the product of ``axes``, the combinations for which
+    ``slow(*combo)`` holds marked slow (JAX compiles each: the fast lane keeps a cover of them)."""
+    import itertools
+
+    params = [pytest.param(*combo, marks=[pytest.mark.slow] if slow(*combo) else []) for combo in itertools.product(*axes)]
+    return pytest.mark.parametrize(names, params, indirect=list(indirect))
+
+
+@pytest.fixture
+def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Set both frameworks' block budget to ``PLANS[request.param]``."""
+    block_elements, blocked_rows = PLANS[request.param]
+    for module in (jax_linear, torch_linear):
+        monkeypatch.setattr(module, "BLOCK_ELEMENTS", block_elements)
+        monkeypatch.setattr(module, "BLOCKED_ROWS", blocked_rows)
+    return request.param
+
+
+def check(framework: str, kind: str, dtype: str, with_bias: bool, options: dict[str, Any], inputs: Optional[dict[str, Any]] = None) -> None:
+    inputs = inputs if inputs is not None else make_inputs(kind, dtype)
+    grad_output = grad_output_for(options.get("normalization", "valid_tokens"), np.shape(inputs["loss_mask"]))
+    loss, grads = RUNNERS[framework](kind, inputs, dtype, with_bias, options, grad_output)
+    ref_loss, ref_grads = reference(kind, inputs, with_bias, options, grad_output)
+    lossspec.compare_loss(loss, ref_loss, f"{framework} {kind} loss").check()
+    assert set(grads) == ({"hidden", "weight", "bias"} if with_bias else {"hidden", "weight"})
+    for name, grad in grads.items():
+        spec_linear.compare_head_grad(grad, ref_grads[name], dtype, f"{framework} {kind} grad {name}").check()
+
+
+@pytest.mark.parametrize("plan", ["whole"], indirect=True)
+@cases("framework,kind,norm,dtype", [list(RUNNERS), list(KINDS), list(NORMS), ["float32", "bfloat16"]],
+       slow=lambda framework, kind, norm, dtype: framework == "jax" and norm != "valid_tokens" and (kind != "cross_entropy" or dtype != "float32"))
+def test_head_matches_oracle(framework: str, kind: str, norm: str, dtype: str, plan: str) -> None:
+    check(framework, kind, dtype, True, {**_options(kind), **NORMS[norm]})
+
+
+@pytest.mark.parametrize("plan", ["blocked"], indirect=True)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("framework", list(RUNNERS))
+def test_vocabulary_blocked_fallback(framework: str, kind: str, dtype: str, plan: str) -> None:
+    assert spec_linear.head_plan(int(np.prod(LEAD)), V, *PLANS["blocked"]) == (5, 3)
+    check(framework, kind, dtype, True, {**_options(kind), **NORMS["valid_tokens"]})
+
+
+@cases("framework,kind,plan", [list(RUNNERS), list(KINDS), ["whole", "blocked"]], slow=lambda framework, kind, plan: framework == "jax" and plan == "blocked", indirect=("plan",))
+def test_without_bias_per_token(framework: str, kind: str, plan: str) -> None:
+    check(framework, kind, "float32", False, {**_options(kind), **NORMS["none"]})
+
+
+@cases(
+    "framework,kind,norm,plan",
+    [list(RUNNERS), ["cross_entropy", "reverse_kl"], ["valid_tokens", "none"], ["whole", "blocked"]],
+    slow=lambda framework, kind, norm, plan: framework == "jax" and norm == "none",
+    indirect=("plan",),
+)
+def test_causal_shift(framework: str, kind: str, norm: str, plan: str) -> None:
+    check(framework, kind, "float32", True, {**_options(kind), **NORMS[norm], "causal_shift": True})
+
+
+@pytest.mark.parametrize("kind", ["cross_entropy", "forward_kl"])
+def test_jax_jit_of_grad(kind: str) -> None:
+    """``jax.jit(jax.grad(...))`` of the head equals the oracle (the custom_vjp under jit)."""
+    inputs = make_inputs(kind, "float32", seed=3)
+    target = (inputs["labels"],) if kind == "cross_entropy" else (inputs["teacher_hidden"], inputs["teacher_weight"])
+    fn = getattr(jaxloss, f"linear_{kind}")
+
+    @jax.jit
+    def step(hidden: Any, weight: Any, bias: Any, mask: Any) -> Any:
+        return jax.value_and_grad(lambda h, w, b: fn(h, w, *target, mask, bias=b), argnums=(0, 1, 2))(hidden, weight, bias)
+
+    loss, grads = step(inputs["hidden"], inputs["weight"], inputs["bias"], inputs["loss_mask"])
+    ref_loss, ref = reference(kind, {**inputs, "teacher_bias": None}, True, {}, np.asarray(1.0))
+    lossspec.compare_loss(np.asarray(loss), ref_loss).check()
+    for name, grad in zip(("hidden", "weight", "bias"), grads):
+        spec_linear.compare_head_grad(np.asarray(grad), ref[name], "float32", name).check()
+
+
+def test_teacher_gets_no_gradient() -> None:
+    inputs = make_inputs("reverse_kl", "float32", seed=4)
+    t = {k: torch.tensor(inputs[k], requires_grad=True) for k in ("teacher_hidden", "teacher_weight", "teacher_bias")}
+    h = torch.tensor(inputs["hidden"], requires_grad=True)
+    loss = torchloss.linear_reverse_kl(h, torch.tensor(inputs["weight"]), t["teacher_hidden"], t["teacher_weight"], teacher_bias=t["teacher_bias"])
+    loss.backward()
+    assert h.grad is not None and float(h.grad.abs().sum()) > 0
+    assert all(p.grad is None for p in t.values())
+    grads = jax.grad(
+        lambda th, tw, tb: jaxloss.linear_reverse_kl(inputs["hidden"], inputs["weight"], th, tw, teacher_bias=tb), argnums=(0, 1, 2)
+    )(inputs["teacher_hidden"], inputs["teacher_weight"], inputs["teacher_bias"])
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in grads)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors: the same type and message in both frameworks (lossspec.linear)
+# --------------------------------------------------------------------------------------------
+
+BAD_CALLS = {
+    "transposed weight": (dict(weight=np.zeros((H, V), np.float32)), ValueError, "pass nn.Linear's weight"),
+    "bias shape": (dict(bias=np.zeros((V + 1,), np.float32)), ValueError, "bias must have shape [V]"),
+    "weight dtype": (dict(weight=np.zeros((V, H), np.float16)), TypeError, "weight must have the dtype of hidden"),
+    "labels shape": (dict(labels=np.zeros((3, 5), np.int64)), ValueError, "labels must have the leading shape"),
+    "weight rank": (dict(weight=np.zeros((V, H, 1), np.float32)), ValueError, "weight must be a floating-point array of shape [V, H]"),
+    "integer hidden": (dict(hidden=np.zeros(LEAD + (H,), np.int32)), TypeError, "hidden must be a floating-point array"),
+}
+
+
+def _call(framework: str, kind: str, **changes: Any) -> None:
+    inputs = {**make_inputs(kind, "float32"), **changes}
+    if framework == "jax":
+        conv = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
+        module: Any = jaxloss
+    else:
+        conv = lambda a: None if a is None else torch.tensor(a)  # noqa: E731
+        module = torchloss
+    fn = getattr(module, f"linear_{kind}")
+    if kind == "cross_entropy":
+        fn(conv(inputs["hidden"]), conv(inputs["weight"]), conv(inputs["labels"]), bias=conv(inputs["bias"]))
+    else:
+        fn(conv(inputs["hidden"]), conv(inputs["weight"]), conv(inputs["teacher_hidden"]), conv(inputs["teacher_weight"]), bias=conv(inputs["bias"]), teacher_bias=conv(inputs["teacher_bias"]))
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_errors_are_the_same_in_both_frameworks(case: str) -> None:
+    changes, error, text = BAD_CALLS[case]
+    messages = []
+    for framework in RUNNERS:
+        with pytest.raises(error, match=None) as info:
+            _call(framework, "cross_entropy", **changes)
+        messages.append(str(info.value))
+    assert text in messages[0]
+    assert messages[0] == messages[1]
+
+
+def test_teacher_vocabulary_mismatch_is_refused() -> None:
+    messages = []
+    for framework in RUNNERS:
+        with pytest.raises(ValueError) as info:
+            _call(framework, "forward_kl", teacher_weight=np.zeros((V + 2, HT), np.float32), teacher_bias=None)
+        messages.append(str(info.value))
+    assert "teacher_weight must have the vocabulary of weight" in messages[0] and messages[0] == messages[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------
+
+MEM_N, MEM_H, MEM_V = 1024, 16, 4096  # one [N, V] fp32 logits buffer: 16 MiB
+
+
+def _peak_extra(fn: Any, tmp_path: Any) -> int:
+    """Peak CPU memory torch held while ``fn`` ran, above what it held at the start: the
+    profiler's memory timeline (``export_memory_timeline``: bytes per category over time)."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        fn()
+    path = tmp_path / "timeline.json"
+    prof.export_memory_timeline(str(path), device="cpu")
+    _, sizes = json.loads(path.read_text())
+    totals = [sum(row) for row in sizes]
+    return max(totals) - totals[0]
+
+
+@pytest.mark.filterwarnings("ignore:`export_memory_timeline` is deprecated:FutureWarning")
+def test_torch_peak_memory_is_an_eighth_of_the_logits(tmp_path: Any) -> None:
+    """Forward + backward of the fused head hold at most 1/8 of one fp32 logits buffer plus the
+    fp32 gradients of hidden, weight and bias and a few per-token vectors (cross-entropy works in
+    one [N/8, V] block); the unfused loss holds more than the logits (the check can fail)."""
+    rng = np.random.default_rng(5)
+    hidden = torch.tensor(rng.standard_normal((MEM_N, MEM_H)), dtype=torch.float32, requires_grad=True)
+    weight = torch.tensor(0.5 * rng.standard_normal((MEM_V, MEM_H)), dtype=torch.float32, requires_grad=True)
+    labels = torch.tensor(rng.integers(0, MEM_V, MEM_N))
+    logits_bytes = MEM_N * MEM_V * 4
+    grads_bytes = (MEM_N * MEM_H + MEM_V * MEM_H + MEM_V) * 4
+    vectors_bytes = 16 * MEM_N * 8  # per-token vectors (weights, coefficients, labels, row statistics)
+
+    def fused() -> None:
+        torchloss.linear_cross_entropy(hidden, weight, labels).backward()
+
+    def unfused() -> None:
+        torchloss.cross_entropy(hidden @ weight.T, labels).backward()
+
+    fused()  # warm-up (lazy initialisation outside the measurement)
+    peak = _peak_extra(fused, tmp_path)
+    assert peak <= logits_bytes / 8 + grads_bytes + vectors_bytes, (peak, logits_bytes)
+    assert _peak_extra(unfused, tmp_path) > logits_bytes  # the timeline sees the logits when they exist
+
+
+def test_jax_temporary_memory_is_an_eighth_of_the_logits() -> None:
+    """XLA's own accounting of the compiled value-and-grad: temporaries at most 1/8 of one fp32
+    logits buffer plus the fp32 gradients (the unfused loss needs more than the logits)."""
+    rng = np.random.default_rng(6)
+    hidden = jnp.asarray(rng.standard_normal((MEM_N, MEM_H)), jnp.float32)
+    weight = jnp.asarray(0.5 * rng.standard_normal((MEM_V, MEM_H)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, MEM_V, MEM_N), jnp.int32)
+    logits_bytes = MEM_N * MEM_V * 4
+    grads_bytes = (MEM_N * MEM_H + MEM_V * MEM_H) * 4
+
+    def temp_bytes(loss: Any) -> int:
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        return int(step.lower(hidden, weight).compile().memory_analysis().temp_size_in_bytes)
+
+    fused = temp_bytes(lambda h, w: jaxloss.linear_cross_entropy(h, w, labels))
+    unfused = temp_bytes(lambda h, w: jaxloss.cross_entropy(h @ w.T, labels))
+    assert fused <= logits_bytes / 8 + 2 * grads_bytes, (fused, logits_bytes)
+    assert unfused > logits_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------
+
+
+def test_torch_module_takes_an_nn_linear_head() -> None:
+    """``torchloss.nn.LinearCrossEntropyLoss`` with an ``nn.Linear``: its weight and bias, the
+    oracle's loss and gradients."""
+    inputs = make_inputs("cross_entropy", "float32", seed=7)
+    head = torch.nn.Linear(H, V)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor(inputs["weight"]))
+        head.bias.copy_(torch.tensor(inputs["bias"]))
+    loss_fn = torchloss.nn.LinearCrossEntropyLoss(label_smoothing=0.1)
+    loss = loss_fn(torch.tensor(inputs["hidden"]), head, torch.tensor(inputs["labels"]), loss_mask=torch.tensor(inputs["loss_mask"]))
+    loss.backward()
+    ref_loss, ref = reference("cross_entropy", inputs, True, {"label_smoothing": 0.1}, np.asarray(1.0))
+    lossspec.compare_loss(loss.item(), ref_loss).check()
+    spec_linear.compare_head_grad(head.weight.grad.numpy(), ref["weight"], "float32", "weight").check()
+    spec_linear.compare_head_grad(head.bias.grad.numpy(), ref["bias"], "float32", "bias").check()
+    with pytest.raises(TypeError, match="LinearCrossEntropyLoss"):
+        torchloss.nn.LinearCrossEntropyLoss(temperature=2.0)
+
+
+def test_nnx_module_takes_a_flax_linear_head() -> None:
+    """``jaxloss.nnx.LinearForwardKLLoss`` with ``nnx.Linear`` student and teacher heads (kernel
+    ``[H, V]``): the oracle's loss and kernel gradient (the transpose of the weight's)."""
+    from flax import nnx
+
+    inputs = make_inputs("forward_kl", "float32", seed=8)
+    student = nnx.Linear(H, V, rngs=nnx.Rngs(0))
+    teacher = nnx.Linear(HT, V, rngs=nnx.Rngs(1))
+    student.kernel[...] = jnp.asarray(inputs["weight"].T)
+    student.bias[...] = jnp.asarray(inputs["bias"])
+    teacher.kernel[...] = jnp.asarray(inputs["teacher_weight"].T)
+    teacher.bias[...] = jnp.asarray(inputs["teacher_bias"])
+    loss_fn = jaxloss.nnx.LinearForwardKLLoss(temperature=1.5)
+
+    def loss_of(model: Any) -> Any:
+        return loss_fn(inputs["hidden"], model, inputs["teacher_hidden"], teacher, loss_mask=inputs["loss_mask"])
+
+    loss, grads = nnx.value_and_grad(loss_of)(student)
+    ref_loss, ref = reference("forward_kl", inputs, True, {"temperature": 1.5}, np.asarray(1.0))
+    lossspec.compare_loss(np.asarray(loss), ref_loss).check()
+    spec_linear.compare_head_grad(np.asarray(grads.kernel[...]).T, ref["weight"], "float32", "kernel").check()
+    spec_linear.compare_head_grad(np.asarray(grads.bias[...]), ref["bias"], "float32", "bias").check()

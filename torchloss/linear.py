@@ -1,0 +1,384 @@
+"""The fused LM head in torch (the torch path): ``linear_cross_entropy`` and the distillation kinds.
+
+``linear_<kind>(hidden [..., H], weight [V, H], <target>, loss_mask, *, bias, ...)`` equals
+``<kind>(hidden @ weight.T + bias, ...)`` with the logits in the compute dtype (fp32; fp64 for
+fp64 inputs). Signatures, checks and the float64 reference: :mod:`lossspec.linear`; the twin
+is ``jaxloss.linear``.
+
+How (``R``, ``B`` from :func:`lossspec.linear.head_plan`): the tokens are processed in chunks
+of ``R`` rows. When a whole row fits the block budget (``B = V``, the common case) a chunk is
+one matmul ``z = h W^T + b`` ``[R, V]``, the block math of the unfused torch path
+(:mod:`torchloss._stats`) writes the logits' gradient ``G = coef * c * dl/dz`` over ``z`` in
+place, then ``dh = G W``, ``dW += G^T h``, ``db += sum G``: three matmuls, no
+recompute. Otherwise the chunk runs over vocabulary blocks of ``B`` columns twice with the
+block math of :mod:`torchloss._stats` (``block_stats``, ``combine``, ``finalize``,
+``block_grad``): an online softmax, then each block's gradient from its recomputed logits.
+16-bit inputs are upcast to fp32 (exact; one fp32 copy of the weight) so every product is
+accumulated in fp32; the fp32 gradients are rounded once to the parameters' dtypes. (On CUDA,
+torch's ``allow_tf32`` switches apply to these matmuls as to any other.)
+
+Differentiation: an autograd Function. Reduced normalisations: the forward computes the fp32
+gradients of hidden, weight and bias, the backward scales them by the upstream scalar and
+rounds once. ``"none"``: the upstream gradient is per token and enters the weight gradient
+inside the sum over tokens, so the backward recomputes the head with ``coef * upstream``.
+First order only. Under ``torch.compile`` the head runs eagerly behind one graph break.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+import lossspec
+from lossspec import LossConfig
+from lossspec import linear as spec_linear
+
+from . import _stats, _torch, api
+from ._stats import compute_dtype
+
+__all__ = [
+    "linear_cross_entropy",
+    "linear_soft_cross_entropy",
+    "linear_forward_kl",
+    "linear_reverse_kl",
+    "LinearHeadFunction",
+    "LinearCrossEntropyLoss",
+    "LinearSoftCrossEntropyLoss",
+    "LinearForwardKLLoss",
+    "LinearReverseKLLoss",
+]
+
+#: the elements of one [R, B] block in the compute dtype; ``None``: lossspec.linear.head_plan's
+#: default. Tests set it small to exercise the vocabulary-blocked fallback.
+BLOCK_ELEMENTS: Optional[int] = None
+#: rows of a chunk in the vocabulary-blocked fallback (lossspec.linear.HEAD_BLOCKED_ROWS)
+BLOCKED_ROWS: int = spec_linear.HEAD_BLOCKED_ROWS
+
+Head = tuple  # (hidden [N, H], weight [V, H], bias [V] | None), in the compute dtype
+
+
+def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
+    """``h @ w.T + b`` ``[R, B]``, contiguous, in ``h``'s dtype (into ``out`` when given)."""
+    if b is None:
+        return torch.mm(h, w.t(), out=out)
+    return torch.addmm(b, h, w.t(), out=out)
+
+
+def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional[Tensor], cc: Tensor, need_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """Rows whose whole vocabulary is one block: the block math of the unfused torch path
+    (:mod:`torchloss._stats`, as ``torchloss._torch``'s whole-row tiles) with the chunk's logits
+    ``z`` as scratch, the gradient written over them. Cross-entropy needs no other block;
+    soft CE and forward KL also use ``t`` as scratch (two more blocks); reverse KL reads the
+    teacher after the shift, so it takes two fresh blocks. Returns ``(loss [R], G or None)``."""
+    rows, vocab = z.shape
+    fresh = lambda: torch.empty_like(z)  # noqa: E731
+    x_y = None if y is None else z.gather(1, y[:, None])[:, 0]
+    if config.kind == "cross_entropy":
+        bufs = [z]
+    elif config.kind == "reverse_kl":
+        bufs = [z, fresh(), fresh()]
+    else:
+        bufs = [z, t, fresh(), fresh()]
+    stats, cache = _stats.block_stats(config, z, t, bufs, x_y=x_y)
+    fin = _stats.finalize(config, stats, vocab)
+    loss = torch.where(cc != 0, fin.l, 0.0)
+    if not need_grad:
+        return loss, None
+    _stats.block_grad(config, fin, cc, z, t, y, 0, vocab, z, [], cache)
+    return loss, z
+
+
+def _chunk_blocked(
+    config: LossConfig, block: int, hc: Tensor, student: Head, teacher: Optional[Head], y: Optional[Tensor], cc: Tensor,
+    need_grad: bool, dh: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor],
+) -> Tensor:
+    """Rows ``hc`` over vocabulary blocks of ``block`` columns: pass 1 folds the blocks'
+    statistics, pass 2 writes each block's gradient over its recomputed logits and adds its
+    products to ``dh`` (this chunk's rows), ``dw`` and ``db``. Returns the loss ``[R]``."""
+    _, w, b = student
+    n, vocab = hc.shape[0], w.shape[0]
+    acc = hc.dtype
+    flat = [torch.empty(n * block, dtype=acc, device=hc.device) for _ in range(_stats.buffers_needed(config.kind))]
+    stats = _stats.empty_stats(config, n, acc, hc.device)
+    x_y = None if y is None else torch.zeros(n, dtype=acc, device=hc.device)
+
+    def window(v0: int, v1: int) -> tuple[Tensor, Optional[Tensor]]:
+        z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1])
+        t = None if teacher is None else _logits(teacher[0], teacher[1][v0:v1], None if teacher[2] is None else teacher[2][v0:v1])
+        return z, t
+
+    for v0 in range(0, vocab, block):
+        v1 = min(vocab, v0 + block)
+        z, t = window(v0, v1)
+        if y is not None:
+            local = y - v0
+            owned = (local >= 0) & (local < v1 - v0)
+            x_y += torch.where(owned, z.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0], 0.0)
+        part, _ = _stats.block_stats(config, z, t, _torch._views(flat, n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
+        stats = _stats.combine(config, stats, part)
+    if y is not None:
+        stats = stats._replace(x_y=x_y)
+    fin = _stats.finalize(config, stats, vocab)
+    loss = torch.where(cc != 0, fin.l, 0.0)
+    if not need_grad:
+        return loss
+    assert dh is not None and dw is not None
+    dh.zero_()
+    for v0 in range(0, vocab, block):
+        v1 = min(vocab, v0 + block)
+        z, t = window(v0, v1)
+        _stats.block_grad(config, fin, cc, z, t, y, v0, vocab, z, _torch._views(flat, n, v1 - v0), None)
+        dh.addmm_(z, w[v0:v1])
+        dw[v0:v1].addmm_(z.t(), hc)
+        if db is not None:
+            db[v0:v1] += z.sum(dim=0)
+    return loss
+
+
+def head_forward(
+    config: LossConfig,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    labels: Optional[Tensor],
+    teacher: Optional[tuple],
+    coef: Tensor,
+    *,
+    need_grad: bool,
+    block_elements: Optional[int] = None,
+    blocked_rows: int = spec_linear.HEAD_BLOCKED_ROWS,
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Per-token loss and the gradients of the head, in the compute dtype.
+
+    Args:
+      config: the call's options.
+      hidden: ``[N, H]``; weight ``[V, H]``; bias ``[V]`` or ``None``.
+      labels: safe labels ``[N]`` int64 (cross-entropy) or ``None``.
+      teacher: ``(teacher_hidden [N, Ht], teacher_weight [V, Ht], teacher_bias | None)`` or ``None``.
+      coef: ``[N]`` per-token coefficient (compute dtype).
+      need_grad: also compute the gradients.
+      block_elements, blocked_rows: the plan's budget (:func:`lossspec.linear.head_plan`).
+
+    Returns:
+      ``(l [N], dh [N, H], dW [V, H], db [V] | None)``: the per-token loss (0 where
+      ``coef == 0``, not multiplied by ``coef``) and, with ``need_grad``, the gradients of
+      ``sum_i coef_i l_i`` (``G = coef * c * dl/dz``: ``dh = G W``, ``dW = G^T h``, ``db = sum G``).
+    """
+    n, width = hidden.shape
+    vocab = weight.shape[0]
+    acc = compute_dtype(hidden.dtype)
+    device = hidden.device
+    up = lambda a: None if a is None else a.detach().to(acc)  # noqa: E731  (16-bit: exact)
+    student = (None, up(weight), up(bias))
+    teacher_acc = None if teacher is None else (None, up(teacher[1]), up(teacher[2]))
+    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, spec_linear.HEAD_LIVE_BLOCKS["torch"][config.kind])
+    loss = torch.zeros(n, dtype=acc, device=device)
+    dh = torch.empty((n, width), dtype=acc, device=device) if need_grad else None
+    dw = torch.zeros((vocab, width), dtype=acc, device=device) if need_grad else None
+    db = torch.zeros(vocab, dtype=acc, device=device) if (need_grad and bias is not None) else None
+    z_buf: Optional[Tensor] = None
+    t_buf: Optional[Tensor] = None
+    with torch.no_grad(), _torch._no_autocast(device):
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            hc = hidden[r0:r1].detach().to(acc)
+            cc = coef[r0:r1]
+            y = None if labels is None else labels[r0:r1]
+            tt = None
+            if teacher is not None:
+                tt = (teacher[0][r0:r1].detach().to(acc),) + teacher_acc[1:]
+            dh_c = None if dh is None else dh[r0:r1]
+            if block < vocab:
+                loss[r0:r1] = _chunk_blocked(config, block, hc, student, tt, y, cc, need_grad, dh_c, dw, db)
+                continue
+            # One buffer per chunk role, reused: a fresh one per chunk would hold two chunks'
+            # logits at once (the previous chunk's until its name is rebound).
+            if z_buf is None:
+                z_buf = torch.empty(rows * vocab, dtype=acc, device=device)
+                t_buf = None if tt is None else torch.empty(rows * vocab, dtype=acc, device=device)
+            z = _logits(hc, student[1], student[2], out=z_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab))
+            t = None if tt is None else _logits(*tt, out=t_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab))
+            part, g = _chunk_whole(config, z, t, y, cc, need_grad)
+            loss[r0:r1] = part
+            if g is not None:
+                torch.mm(g, student[1], out=dh_c)
+                dw.addmm_(g.t(), hc)
+                if db is not None:
+                    db += g.sum(dim=0)
+    return loss, dh, dw, db
+
+
+class LinearHeadFunction(torch.autograd.Function):
+    """Autograd Function of the ``linear_*`` losses.
+
+    ``forward(hidden [N, H], weight, bias, labels, teacher_hidden, teacher_weight,
+    teacher_bias, coef, config, need_grad, plan)`` returns ``sum_i coef_i l_i``
+    (reduced) or the per-token ``coef_i l_i`` (``"none"``) in the compute dtype.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Optional[Tensor], t_hidden: Optional[Tensor],
+        t_weight: Optional[Tensor], t_bias: Optional[Tensor], coef: Tensor, config: LossConfig, need_grad: bool, plan: tuple,
+    ) -> Tensor:
+        reduced = config.normalization != "none"
+        teacher = None if t_hidden is None else (t_hidden, t_weight, t_bias)
+        args = (config, hidden, weight, bias, labels, teacher)
+        per_token, dh, dw, db = head_forward(*args, coef, need_grad=need_grad and reduced, block_elements=plan[0], blocked_rows=plan[1])
+        ctx.reduced, ctx.dtypes = reduced, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.grads = (dh, dw, db)
+        if need_grad and not reduced:  # "none": the backward recomputes with coef * upstream
+            ctx.args, ctx.coef, ctx.plan = args, coef, plan
+        contribution = torch.where(coef != 0, coef * per_token, 0.0)
+        return contribution.sum() if reduced else contribution
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        if ctx.reduced:
+            dh, dw, db = ctx.grads
+            scale: Any = grad_loss.to(dh.dtype)
+        else:
+            coef = ctx.coef
+            scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
+            _, dh, dw, db = head_forward(*ctx.args, scaled, need_grad=True, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1])
+            scale = None
+        # Scaled in place unless the graph is kept for another backward (retain_graph=True),
+        # then the one rounding of each gradient to its parameter's dtype.
+        keep = ctx.reduced and api._graph_is_kept()
+        if ctx.reduced and not keep:
+            ctx.grads = None
+
+        def cast(a: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+            if a is None:
+                return None
+            if scale is not None:
+                a = a * scale if keep else a.mul_(scale)
+            return a.to(dtype)
+
+        h_dtype, w_dtype, b_dtype = ctx.dtypes
+        return (cast(dh, h_dtype), cast(dw, w_dtype), cast(db, b_dtype)) + (None,) * 8
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions: the unfused losses' argument handling (torchloss.api) on stand-ins of the
+# logits, which are never formed
+# --------------------------------------------------------------------------------------------
+
+
+def _stand_in(lead: tuple[int, ...], vocab: int, like: Tensor) -> Tensor:
+    """A ``[..., V]`` tensor of ``like``'s dtype and device that holds only ``V`` elements (a
+    broadcast row): what the unfused checks and ``_prepare`` read of the logits is their shape,
+    dtype and device."""
+    return torch.zeros(vocab, dtype=like.dtype, device=like.device).expand(*lead, vocab)
+
+
+def _optional(name: str, value: Any) -> Optional[Tensor]:
+    return None if value is None else api._require_tensor(name, value)
+
+
+def _check_devices(hidden: Tensor, named: dict[str, Optional[Tensor]]) -> None:
+    for name, tensor in named.items():
+        if tensor is not None and tensor.device != hidden.device:
+            raise ValueError(spec_linear.device_message(name, tensor.device, hidden.device))
+
+
+@torch.compiler.disable(reason="torchloss.linear runs eagerly (one graph break)")
+def _linear_loss(kind: str, **args: Any) -> Tensor:
+    """Body of the four ``linear_*`` functions (signatures: :mod:`lossspec.linear`)."""
+    spec = lossspec.KIND_SPECS[kind]
+    options = {name: args[name] for name in spec.option_names}
+    config = lossspec.make_config(kind, normalization=args["normalization"], **options)
+    ce = config.kind == "cross_entropy"
+    hidden, weight = api._require_tensor("hidden", args["hidden"]), api._require_tensor("weight", args["weight"])
+    bias = _optional("bias", args["bias"])
+    teacher = None
+    if not ce:
+        teacher = (
+            api._require_tensor("teacher_hidden", args["teacher_hidden"]),
+            api._require_tensor("teacher_weight", args["teacher_weight"]),
+            _optional("teacher_bias", args["teacher_bias"]),
+        )
+    meta = lambda a: None if a is None else api._meta(a)  # noqa: E731
+    spec_linear.check_head(kind, meta(hidden), meta(weight), meta(bias), None if ce else tuple(meta(a) for a in teacher))
+    named = {"weight": weight, "bias": bias}
+    if teacher is not None:
+        named.update(teacher_hidden=teacher[0], teacher_weight=teacher[1], teacher_bias=teacher[2])
+    _check_devices(hidden, named)
+    lead, vocab = tuple(hidden.shape[:-1]), int(weight.shape[0])
+    logits = _stand_in(lead, vocab, hidden)
+    target = args["labels"] if ce else _stand_in(lead, vocab, teacher[0])
+    # No segment_ids, vocab_parallel or sequence_parallel for the head (yet).
+    call = api._validate(config, logits, target, args["loss_mask"], None, args["denominator"], None, None, "torch", False)
+    prepared = api._prepare(call)
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    rows = math.prod(lead)
+    t_args = (None, None, None) if teacher is None else (teacher[0].reshape(rows, -1), teacher[1], teacher[2])
+    loss = LinearHeadFunction.apply(
+        hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad, (BLOCK_ELEMENTS, BLOCKED_ROWS)
+    )
+    return api._finish(call, prepared, loss)
+
+
+def _public(kind: str) -> Any:
+    return spec_linear.head_public_function(kind, _linear_loss, __name__)
+
+
+linear_cross_entropy = _public("cross_entropy")
+linear_soft_cross_entropy = _public("soft_cross_entropy")
+linear_forward_kl = _public("forward_kl")
+linear_reverse_kl = _public("reverse_kl")
+
+
+# --------------------------------------------------------------------------------------------
+# Module forms (re-exported by torchloss.nn)
+# --------------------------------------------------------------------------------------------
+
+
+def _unpack_linear(weight: Any, bias: Optional[Tensor]) -> tuple[Any, Optional[Tensor]]:
+    """An ``nn.Linear`` head becomes its ``[V, H]`` weight and (unless given) its bias."""
+    if isinstance(weight, torch.nn.Linear):
+        return weight.weight, weight.bias if bias is None else bias
+    return weight, bias
+
+
+class _LinearLoss(torch.nn.Module):
+    """Shared body of the head modules: the kind's options stored and checked once."""
+
+    kind: str = ""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        self.settings = spec_linear.head_module_settings(self.kind, options, type(self).__name__)
+
+    def forward(self, hidden: Tensor, weight: Any, *args: Any, loss_mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                teacher_bias: Optional[Tensor] = None, denominator: api.Denominator = None) -> Tensor:
+        """The loss of this module's kind; ``args``: the labels, or the teacher's hidden states
+        and weight, then optionally the mask (as for the function)."""
+        weight, bias = _unpack_linear(weight, bias)
+        args = list(args)
+        kwargs: dict[str, Any] = {"bias": bias, "denominator": denominator, **self.settings}
+        if loss_mask is not None:
+            kwargs["loss_mask"] = loss_mask
+        if self.kind != "cross_entropy":
+            if len(args) >= 2:
+                args[1], teacher_bias = _unpack_linear(args[1], teacher_bias)
+            kwargs["teacher_bias"] = teacher_bias
+        return globals()[spec_linear.LINEAR_NAMES[self.kind]](hidden, weight, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
+
+
+def _module(kind: str) -> type:
+    doc = spec_linear.head_module_docstring(kind, "torchloss", "torch.nn.Linear")
+    return type(spec_linear.head_module_name(kind), (_LinearLoss,), {"kind": kind, "__doc__": doc, "__module__": __name__})
+
+
+LinearCrossEntropyLoss = _module("cross_entropy")
+LinearSoftCrossEntropyLoss = _module("soft_cross_entropy")
+LinearForwardKLLoss = _module("forward_kl")
+LinearReverseKLLoss = _module("reverse_kl")
