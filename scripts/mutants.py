@@ -72,8 +72,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "ignored_denominator_torch",
         "torchloss ignores a Python-number denominator= (counts its own tokens)",
         "torchloss/api.py",
-        "            denom = float(denominator)",
-        "            denom = weight.sum()",
+        "        return float(denominator)",
+        "        return weight.sum()",
         ("parity_tests/test_torchloss_oracle.py", "parity_tests/test_torchloss_autograd.py", "-m", "not slow"),
     ),
     Mutant(
@@ -152,8 +152,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "causal_count_unshifted_torch",
         "torchloss.count_denominator(causal_shift=True) counts the unshifted labels (the 20/24 scaling)",
         "torchloss/api.py",
-        "        labels = None if labels is None else labels[..., 1:]",
-        "        labels = labels",
+        "    labels, loss_mask = _scored_targets(causal_shift, labels, loss_mask, full_lead, device)",
+        "    labels, loss_mask = _scored_targets(False, labels, loss_mask, full_lead, device)",
         ("parity_tests/test_causal_shift.py", "-m", "not slow"),
     ),
     Mutant(
