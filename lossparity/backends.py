@@ -49,13 +49,14 @@ def _jax(impl: str) -> BackendFn:
 
         dtype = jnp.dtype(inputs.dtype)
         logits = jnp.asarray(inputs.logits, dtype)
+        targets: tuple = ()  # entropy has no target argument
         if kind == "cross_entropy":
-            target = jnp.asarray(inputs.target.astype(np.int32))
-        else:
-            target = jnp.asarray(inputs.target, dtype)
+            targets = (jnp.asarray(inputs.target.astype(np.int32)),)
+        elif lossspec.KIND_SPECS[kind].target is not None:
+            targets = (jnp.asarray(inputs.target, dtype),)
         mask = None if inputs.loss_mask is None else jnp.asarray(inputs.loss_mask)
         loss_fn = getattr(jaxloss, kind)
-        loss, vjp = jax.vjp(lambda x: loss_fn(x, target, mask, impl=impl, **options), logits)
+        loss, vjp = jax.vjp(lambda x: loss_fn(x, *targets, mask, impl=impl, **options), logits)
         cotangent = jnp.ones_like(loss) if grad_output is None else jnp.asarray(grad_output, loss.dtype) * jnp.ones_like(loss)
         (grad,) = vjp(cotangent)
         return np.asarray(loss, np.float64), np.asarray(grad.astype(jnp.float32), np.float64)
@@ -71,12 +72,13 @@ def _torch(impl: str) -> BackendFn:
 
         dtype = getattr(torch, inputs.dtype)
         logits = torch.from_numpy(np.ascontiguousarray(inputs.logits)).to(dtype).requires_grad_(True)
+        targets: tuple = ()  # entropy has no target argument
         if kind == "cross_entropy":
-            target = torch.from_numpy(inputs.target.astype(np.int64))
-        else:
-            target = torch.from_numpy(np.ascontiguousarray(inputs.target)).to(dtype)
+            targets = (torch.from_numpy(inputs.target.astype(np.int64)),)
+        elif lossspec.KIND_SPECS[kind].target is not None:
+            targets = (torch.from_numpy(np.ascontiguousarray(inputs.target)).to(dtype),)
         mask = None if inputs.loss_mask is None else torch.from_numpy(np.ascontiguousarray(inputs.loss_mask))
-        loss = getattr(torchloss, kind)(logits, target, mask, impl=impl, **options)
+        loss = getattr(torchloss, kind)(logits, *targets, mask, impl=impl, **options)
         upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(grad_output, dtype=loss.dtype).expand_as(loss)
         loss.backward(upstream)
         return loss.detach().double().numpy(), logits.grad.double().numpy()

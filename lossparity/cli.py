@@ -82,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "file or --out (one line, before any work); 3 non-finite values that match the oracle's "
                     "(NaN or +inf in the inputs) and no failure.",
     )
-    parser.add_argument("--kinds", type=_csv(lossspec.KINDS, "kind"), default=None,
-                        help="comma list of loss kinds (default: all four; with --inputs, those the file has arrays for)")
+    parser.add_argument("--kinds", type=_csv(lossspec.ALL_KINDS, "kind"), default=None,
+                        help="comma list of loss kinds (default: all six; with --inputs, those of the four original "
+                             "kinds the file has arrays for)")
     parser.add_argument("--backends", type=_csv(list(BACKENDS), "backend"), default=DEFAULT_BACKENDS,
                         help=f"comma list of backends to compare with the oracle (default: {','.join(DEFAULT_BACKENDS)})")
     parser.add_argument("--dtypes", type=_csv(DEFAULT_DTYPES, "dtype"), default=None,
@@ -148,7 +149,7 @@ def check_out(text: str) -> Path:
 def _builtin_cases(args: argparse.Namespace) -> tuple[list[CaseSpec], list[str]]:
     """The built-in matrix, and a warning per loss option given (they apply to --inputs runs)."""
     lead, vocab = args.shape or BUILTIN_SHAPE
-    specs = builtin_cases(args.kinds or list(lossspec.KINDS), args.dtypes or DEFAULT_DTYPES, lead, vocab,
+    specs = builtin_cases(args.kinds or list(lossspec.ALL_KINDS), args.dtypes or DEFAULT_DTYPES, lead, vocab,
                           0 if args.seed is None else args.seed)
     if args.normalizations:
         specs = [s for s in specs if s.normalization in args.normalizations]
@@ -180,6 +181,10 @@ def _file_cases(args: argparse.Namespace) -> tuple[list[CaseSpec], list[str]]:
     checked by the oracle's own argument checks, and the warnings of the run."""
     arrays, dtypes = read_inputs(args.inputs)
     requested = args.kinds or list(lossspec.KINDS)
+    builtin_only = [kind for kind in requested if kind not in TARGET_KEY]
+    if builtin_only:
+        raise InputError(f"{', '.join(builtin_only)}: checked by the built-in matrix only (run without --inputs); "
+                         f"--inputs checks {', '.join(lossspec.KINDS)}")
     kinds = [kind for kind in requested if TARGET_KEY[kind] in arrays]
     skipped = [kind for kind in requested if kind not in kinds]
     found = f"(found: {found_keys(arrays)})"

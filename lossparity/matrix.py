@@ -26,6 +26,12 @@ from .backends import BACKENDS, CROSS_PAIRS, Inputs
 
 CE_VARIANT = {"label_smoothing": 0.1, "z_loss": 1e-3, "logit_scale": 1.3, "ignore_index": -100}
 DISTILL_VARIANT = {"temperature": 2.0, "logit_scale": 0.8, "teacher_logit_scale": 1.2}
+# The option variant of each kind (the distillation one for the three KL-type kinds).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "cross_entropy": CE_VARIANT,
+    "entropy": {"temperature": 2.0, "logit_scale": 0.8},
+    "jensen_shannon": {**DISTILL_VARIANT, "beta": 0.3},
+}
 
 
 @dataclasses.dataclass
@@ -113,7 +119,7 @@ def builtin_cases(
     scenario of ``lossspec.SCENARIOS`` under one normalisation each)."""
     specs = []
     for kind in kinds:
-        variant = CE_VARIANT if kind == "cross_entropy" else DISTILL_VARIANT
+        variant = VARIANTS.get(kind, DISTILL_VARIANT)
         for dtype in dtypes:
 
             def case(scenario: str) -> Inputs:

@@ -36,6 +36,36 @@ def test_builtin_matrix_passes_and_writes_report(tmp_path: Path, capsys: pytest.
     assert "PASS cross_entropy/random/valid_tokens/float32/2x5x70" in out
 
 
+def test_builtin_matrix_covers_entropy_and_jensen_shannon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The six kinds are in the built-in matrix (entropy without a target, JSD's beta variant);
+    a 1e-4 error in one backend's JSD gradient is a named failure; --inputs names them as
+    built-in only."""
+    code = main(["--kinds", "entropy,jensen_shannon", "--dtypes", "float32", "--backends", "jax-xla,torch",
+                 "--out", str(tmp_path), *SMALL])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads((tmp_path / "parity_report.json").read_text())
+    kinds = {r["case"].split("/")[0] for r in report["results"]}
+    assert kinds == {"entropy", "jensen_shannon"}
+    assert any("beta=0.3" in r["case"] for r in report["results"])
+    assert all(r["loss_error"] <= 1 and r["grad_error"] <= 1 for r in report["results"])
+    honest = backends_module.BACKENDS["torch"].run
+
+    def perturbed(kind, inputs, options, grad_output):
+        loss, grad = honest(kind, inputs, options, grad_output)
+        return loss, grad * (1 + 1e-4) if kind == "jensen_shannon" else grad
+
+    monkeypatch.setitem(backends_module.BACKENDS, "torch", Backend("torch", "torch", perturbed))
+    code = main(["--kinds", "entropy,jensen_shannon", "--dtypes", "float32", "--backends", "jax-xla,torch",
+                 "--normalizations", "valid_tokens", "--out", str(tmp_path / "again"), *SMALL])
+    err = capsys.readouterr().err
+    assert code == 1 and "jensen_shannon/random/valid_tokens" in err and "entropy/" not in err
+    batch = tmp_path / "batch.npz"
+    np.savez(batch, logits=np.zeros((2, 5), np.float32), labels=np.zeros(2, np.int64))
+    code = main(["--inputs", str(batch), "--kinds", "entropy", "--out", str(tmp_path / "third"), "--no-plot"])
+    assert code == 2 and "built-in matrix only" in capsys.readouterr().err
+
+
 def test_perturbed_backend_fails_and_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     honest = backends_module.BACKENDS["torch"].run
 
