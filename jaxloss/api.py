@@ -314,6 +314,24 @@ def _host_labels(labels: np.ndarray, ignore_index: int, vocab: int) -> tuple[np.
     return safe, (ignored, out_of_range)
 
 
+def _checked_denominator(denominator: Any) -> Any:
+    """``denominator=`` checked (shape; value where concrete) as a 0-d array, or ``None``."""
+    if denominator is None:
+        return None
+    host = not isinstance(denominator, jax.Array)  # a Python / NumPy number: check it as given
+    denominator = np.asarray(denominator) if host else denominator
+    lossspec.check_denominator_shape(tuple(denominator.shape))
+    concrete = _concrete(denominator)
+    if concrete:
+        lossspec.check_denominator_value(np.asarray(denominator))
+    if concrete or denominator.dtype != jnp.float64:
+        # Always the same abstract value (fp32, not weak): any number reuses one
+        # compilation. (A traced float64 denominator, x64 on, is checked before its
+        # conversion in _prepare: a value that float32 flushes to 0 must not pass as 0.)
+        denominator = jnp.asarray(denominator, F32)
+    return denominator.reshape(())
+
+
 def _loss(
     config: LossConfig,
     logits: Any,
@@ -345,19 +363,7 @@ def _loss(
     if sequence_parallel is not None:
         lossspec.check_sequence_parallel_axis(tuple(logits.shape[:-1]))
         time_axes = _sequence_axes(sequence_parallel)
-    if denominator is not None:
-        host = not isinstance(denominator, jax.Array)  # a Python / NumPy number: check it as given
-        denominator = np.asarray(denominator) if host else denominator
-        lossspec.check_denominator_shape(tuple(denominator.shape))
-        concrete = _concrete(denominator)
-        if concrete:
-            lossspec.check_denominator_value(np.asarray(denominator))
-        if concrete or denominator.dtype != jnp.float64:
-            # Always the same abstract value (fp32, not weak): any number reuses one
-            # compilation. (A traced float64 denominator, x64 on, is checked before its
-            # conversion in _prepare: a value that float32 flushes to 0 must not pass as 0.)
-            denominator = jnp.asarray(denominator, F32)
-        denominator = denominator.reshape(())
+    denominator = _checked_denominator(denominator)
     if loss_mask is not None and _concrete(loss_mask):
         # With causal_shift only loss_mask[..., 1:] is ever read (lossspec.causal).
         lossspec.check_weights(np.asarray(loss_mask)[..., 1:] if config.causal_shift else np.asarray(loss_mask))

@@ -307,17 +307,7 @@ def _check_same_device(name: str, value: Any, ref: Any) -> None:
 def _denominator(config: LossConfig, denominator: Any) -> Any:
     """The checked denominator as a 0-d fp32 array (as in :func:`jaxloss.api._loss`)."""
     lossspec.check_denominator_allowed(config, denominator)
-    if denominator is None:
-        return None
-    host = not isinstance(denominator, jax.Array)
-    denominator = np.asarray(denominator) if host else denominator
-    lossspec.check_denominator_shape(tuple(denominator.shape))
-    concrete = api._concrete(denominator)
-    if concrete:
-        lossspec.check_denominator_value(np.asarray(denominator))
-    if concrete or denominator.dtype != jnp.float64:
-        denominator = jnp.asarray(denominator, F32)
-    return denominator.reshape(())
+    return api._checked_denominator(denominator)
 
 
 def _linear_loss(kind: str, **args: Any) -> Array:
