@@ -14,6 +14,9 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 FULL_SHAPES = [(n, v) for n in (1024, 4096, 16384) for v in (32768, 131072)]
 QUICK_SHAPES = [(4096, 32768)]
+# --head-quick: the fused-head figures (cross-entropy, N=4096 x V=32768, hidden 1024, both dtypes)
+HEAD_QUICK_SHAPES = [(4096, 32768)]
+HEAD_QUICK_HIDDEN = 1024
 GPU_QUICK_SHAPES = [(16384, 131072)]
 MASKED_FRACTION = 0.3  # the headline: 30% of the tokens masked (padding, prompts)
 # Both ways: torchloss skips the masked rows of 16-bit logits on the CPU (the peers compute them),
@@ -86,8 +89,11 @@ BACKENDS: dict[str, Backend] = {
         Backend("torch-sol", "torch", "sol", "loss", _ALL, _CPU_GPU,
                 "elementwise pass: reads the logits (and teacher), writes a pre-faulted logits-sized buffer (out=)", mem=(1.1, 1.1), cpu_ns=0.3),
         # ---- torch, LM head + cross-entropy (the fused-head peers) ------------------------------
+        Backend("head-torchloss-fused", "torch", "ours", "head", ("cross_entropy",), _CPU_GPU,
+                "torchloss.linear_cross_entropy (the fused head: logits never materialised)", ("cpu", "gpu"),
+                mem=(0.3, 0.3), cpu_ns=5.0),
         Backend("head-torchloss", "torch", "ours", "head", ("cross_entropy",), _CPU_GPU,
-                "F.linear + torchloss.cross_entropy(inplace=True)", ("cpu", "gpu"), mem=(1.3, 1.3), cpu_ns=5.0,
+                "F.linear + torchloss.cross_entropy(inplace=True) (unfused)", mem=(1.3, 1.3), cpu_ns=5.0,
                 skips_masked_16bit=("cpu",)),
         Backend("head-eager", "torch", "peer", "head", ("cross_entropy",), _CPU_GPU, "F.linear + F.cross_entropy",
                 mem=(3.5, 3.5), cpu_ns=7.0),
@@ -97,6 +103,15 @@ BACKENDS: dict[str, Backend] = {
                 "Liger-Kernel liger_fused_linear_cross_entropy", needs="liger_kernel", mem=(1.0, 1.0)),
         Backend("head-matmul-sol", "torch", "sol", "head", ("cross_entropy",), _CPU_GPU,
                 "the three head matmuls alone (forward, grad of input, grad of weight), into pre-faulted buffers", mem=(1.1, 1.1), cpu_ns=4.0),
+        # ---- JAX, LM head + cross-entropy ------------------------------------------------------
+        Backend("head-jaxloss-fused", "jax", "ours", "head", ("cross_entropy",), _CPU_GPU,
+                "jaxloss.linear_cross_entropy (the fused head: logits never materialised)", ("cpu", "gpu"),
+                mem=(0.3, 0.3), cpu_ns=8.0),
+        Backend("head-jaxloss", "jax", "ours", "head", ("cross_entropy",), _CPU_GPU,
+                "h @ w.T + jaxloss.cross_entropy (unfused)", mem=(2.3, 2.3), cpu_ns=6.0),
+        Backend("head-jax-matmul-sol", "jax", "sol", "head", ("cross_entropy",), _CPU_GPU,
+                "the three head matmuls alone (forward, grad of input, grad of weight), into donated buffers",
+                mem=(1.1, 1.1), cpu_ns=4.0),
     ]
 }
 

@@ -206,6 +206,9 @@ def jax_inputs(spec: Spec) -> dict[str, Any]:
 
     dtype = jnp.dtype(spec.dtype)
     raw = numpy_inputs(spec)
+    if spec.info.group == "head":
+        return {"h": jnp.asarray(raw["hidden"], dtype), "w": jnp.asarray(raw["weight"], dtype),
+                "labels": jnp.asarray(raw["labels"].astype(np.int32)), "teacher": None, "x": None}
     n, rows = spec.n, raw["logits_block"].shape[0]
     copies = -(-n // rows)
     tile = jax.jit(lambda b: jnp.tile(b.astype(dtype), (copies, 1))[:n])
@@ -253,6 +256,30 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
             return masked_mean(per_token, mask)
 
         program, args = jax.value_and_grad(loss), (x, target, mask)
+    elif spec.backend in ("head-jaxloss-fused", "head-jaxloss"):
+        import jaxloss
+
+        h, w = shared["h"], shared["w"]
+        if spec.backend == "head-jaxloss-fused":
+
+            def head_loss(h: Any, w: Any, labels: Any, mask: Any) -> Any:
+                return jaxloss.linear_cross_entropy(h, w, labels, mask)
+        else:
+
+            def head_loss(h: Any, w: Any, labels: Any, mask: Any) -> Any:
+                return jaxloss.cross_entropy(jnp.dot(h, w.T), labels, mask)
+
+        program, args = jax.value_and_grad(head_loss, argnums=(0, 1)), (h, w, labels, mask)
+    elif spec.backend == "head-jax-matmul-sol":
+        h, w = shared["h"], shared["w"]
+        outs = (jnp.zeros((spec.n, spec.v), h.dtype), jnp.zeros_like(h), jnp.zeros_like(w))
+
+        def program(h: Any, w: Any, logits: Any, grad_h: Any, grad_w: Any) -> Any:
+            z = jnp.dot(h, w.T)  # stands in for the gradient of the logits too
+            return z, jnp.dot(z, w), jnp.dot(z.T, h)
+
+        args = (h, w, *outs)
+        donate = (2, 3, 4)
     elif spec.backend == "jax-sol":
         # The output goes into a donated buffer that already holds pages (XLA aliases it to the
         # result; keep_unused stops jit from dropping the unread argument): no allocation and no
@@ -285,7 +312,10 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
         state = list(args)
 
         def step() -> Any:
-            state[-1] = jax.block_until_ready(compiled(*state))  # the result is the next call's buffer
+            result = jax.block_until_ready(compiled(*state))  # the results are the next call's buffers
+            results = result if isinstance(result, tuple) else (result,)
+            for index, value in zip(donate, results):
+                state[index] = value
             return None
 
     else:
@@ -386,7 +416,12 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
     if spec.info.group == "head":
         h, w = shared["h"], shared["w"]
         leaves += [h, w]
-        if spec.backend == "head-torchloss":
+        if spec.backend == "head-torchloss-fused":
+            import torchloss
+
+            def forward() -> Any:
+                return torchloss.linear_cross_entropy(h, w, labels, mask)
+        elif spec.backend == "head-torchloss":
             import torchloss
 
             def forward() -> Any:

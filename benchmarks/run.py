@@ -49,6 +49,8 @@ from benchmarks._registry import (  # noqa: E402
     DTYPES,
     FULL_SHAPES,
     GPU_QUICK_SHAPES,
+    HEAD_QUICK_HIDDEN,
+    HEAD_QUICK_SHAPES,
     KINDS,
     MASKED_FRACTIONS,
     MIN_REPS,
@@ -169,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--quick", action="store_true", help="one mid shape, N=4096 x V=32768 (all kinds, both dtypes)")
     mode.add_argument("--gpu-quick", action="store_true",
                       help="GPU: N=16384 x V=131072, bf16, all kinds (the bandwidth-target shape)")
+    mode.add_argument("--head-quick", action="store_true",
+                      help="the fused LM head: cross-entropy, N=4096 x V=32768, hidden 1024, both dtypes, the head "
+                           "group only (ours fused and unfused, the peers, the three matmuls)")
     mode.add_argument("--shapes", help="comma list of NxV (default: the full matrix N in 1024,4096,16384 x V in 32768,131072)")
     p.add_argument("--kinds", default=",".join(KINDS), help="comma list of loss kinds (default: all four)")
     p.add_argument("--dtypes", default=None, help="comma list (default: float32,bfloat16; --gpu-quick: bfloat16)")
@@ -219,12 +224,14 @@ def plan(args: argparse.Namespace, device: str) -> list[Spec]:
         shapes, default_dtypes = GPU_QUICK_SHAPES, ["bfloat16"]
     elif args.quick:
         shapes, default_dtypes = QUICK_SHAPES, list(DTYPES)
+    elif args.head_quick:
+        shapes, default_dtypes = HEAD_QUICK_SHAPES, list(DTYPES)
     elif args.shapes:
         shapes, default_dtypes = [parse_shape(s) for s in _csv(args.shapes)], list(DTYPES)
     else:
         shapes, default_dtypes = FULL_SHAPES, list(DTYPES)
     dtypes = _csv(args.dtypes) or default_dtypes
-    kinds = _csv(args.kinds)
+    kinds = ["cross_entropy"] if args.head_quick else _csv(args.kinds)
     for kind in kinds:
         if kind not in KINDS:
             raise SystemExit(f"unknown kind {kind!r}; choose from {', '.join(KINDS)}")
@@ -235,7 +242,9 @@ def plan(args: argparse.Namespace, device: str) -> list[Spec]:
     wanted = [b for b in wanted if b not in _csv(args.skip_backends)]
     if args.no_head:
         wanted = [b for b in wanted if BACKENDS[b].group != "head"]
-    hidden = args.hidden or (4096 if device == "gpu" else 256)
+    if args.head_quick:
+        wanted = [b for b in wanted if BACKENDS[b].group == "head"]
+    hidden = args.hidden or (HEAD_QUICK_HIDDEN if args.head_quick else 4096 if device == "gpu" else 256)
     masked = [float(m) for m in _csv(args.masked)]
     if not masked or any(not 0.0 <= m < 1.0 for m in masked):
         raise SystemExit(f"--masked: fractions in [0, 1) expected; got {args.masked!r}")
@@ -430,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         device = "gpu" if has_gpu() else "cpu"
     if device == "gpu" and not has_gpu():
         raise SystemExit("--device gpu / --gpu-quick: no NVIDIA GPU found (nvidia-smi -L failed)")
-    mode = "quick" if args.quick or args.gpu_quick else ("custom" if args.shapes else "full")
+    mode = "quick" if args.quick or args.gpu_quick else "head_quick" if args.head_quick else ("custom" if args.shapes else "full")
     name = args.name or f"{device}_{mode}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / name

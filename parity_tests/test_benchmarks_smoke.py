@@ -105,3 +105,35 @@ def test_runner_writes_sane_results(tmp_path: Path) -> None:
     for suffix in ("_time.png", "_memory.png"):
         png = tmp_path / f"smoke{suffix}"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def _fake(backend: str, seconds: tuple[float, float, float], mem: int | None = None, masked: float | None = 0.3) -> dict:
+    spec = {"backend": backend, "kind": "cross_entropy", "n": 4096, "v": 32768, "dtype": "float32", "device": "cpu",
+            "hidden": 1024, "masked": None if backend.endswith("sol") else masked}
+    return {"spec": spec, "status": "ok", "min_s": seconds[0], "time_s": seconds[1], "max_s": seconds[2], "reps": 7,
+            "mem_extra_bytes": mem}
+
+
+def test_fused_head_rows_judge_against_their_own_frameworks_matmuls() -> None:
+    from benchmarks._report import annotate, summarize
+
+    logits = 4096 * 32768 * 4
+    head_grads = (4096 + 32768) * 1024 * 4
+    results = [
+        _fake("head-torchloss-fused", (1.10, 1.12, 1.14), mem=head_grads + logits // 10),
+        _fake("head-torchloss", (1.5, 1.6, 1.7), mem=logits),
+        _fake("head-eager", (2.0, 2.1, 2.2), mem=3 * logits),
+        _fake("head-matmul-sol", (1.00, 1.01, 1.02)),
+        _fake("head-jaxloss-fused", (1.40, 1.45, 1.50), mem=head_grads + logits // 4),
+        # faster matmuls in the other framework must not judge torch's head
+        _fake("head-jax-matmul-sol", (0.5, 0.5, 0.5)),
+    ]
+    annotate(results)
+    rows = {r["framework"]: r for r in summarize(results) if r["dtype"] == "float32"}
+    torch_row, jax_row = rows["torch"], rows["jax"]
+    assert torch_row["ours"] == "head-torchloss-fused" and torch_row["best_peer"] == "head-eager"
+    assert torch_row["head_sol_verdict"] == "met"  # 1.14 <= 1.15 * 1.00
+    assert torch_row["meets_mem_target"] is True  # 1/10 of a logits buffer + the head's gradients
+    assert jax_row["head_sol_verdict"] == "MISS"  # 1.40 > 1.15 * 0.5
+    assert jax_row["meets_mem_target"] is False  # 1/4 of a logits buffer > 1/8
+    assert math.isclose(torch_row["vs_sol"], 1.12 / 1.00)
