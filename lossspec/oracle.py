@@ -128,7 +128,9 @@ def per_token_oracle(
             else:  # reverse_kl
                 loss = _where_positive(q, log_q - log_p).sum(axis=-1)
                 grad_z = _where_positive(q, log_q - log_p - loss[:, None])
+        # a NaN loss comes with a NaN gradient row (q * ... is 0, not NaN, where q is NaN)
         loss = np.where(bad, np.nan, loss)
+        grad_z = np.where(bad[:, None], np.nan, grad_z)
     loss = np.where(valid, loss, 0.0)
     grad_z = np.where(valid[:, None], grad_z, 0.0)
     return loss, grad_z
@@ -460,6 +462,7 @@ def per_token_vocab_parallel(
                     grads.append(q - np.exp(log_p))
         loss = np.where(bad, np.nan, loss)
     grad_z = np.concatenate(grads, axis=-1)
+    grad_z = np.where(bad[:, None], np.nan, grad_z)  # as in per_token_oracle()
     return np.where(valid, loss, 0.0), np.where(valid[:, None], grad_z, 0.0)
 
 

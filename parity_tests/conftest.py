@@ -47,6 +47,7 @@ SLOW_FILES = {
     "test_jaxloss_kernels.py",
     "test_jaxloss_derivatives.py",
     "test_jaxloss_nnx.py",
+    "test_linear_head_edge.py",  # fused-head edges: a JAX compile per case
 }
 _INTERPRETED = re.compile(r"[\[\-_](triton|pallas)[\]\-_]|triton|pallas", re.IGNORECASE)
 # The newest matrices keep their float32 cases in the fast lane; their 16-bit variants (the same

@@ -316,7 +316,7 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     prepared = api._prepare(call)
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     rows = math.prod(lead)
-    t_args = (None, None, None) if teacher is None else (teacher[0].reshape(rows, -1), teacher[1], teacher[2])
+    t_args = (None, None, None) if teacher is None else (teacher[0].reshape(rows, teacher[0].shape[-1]), teacher[1], teacher[2])
     loss = LinearHeadFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad, (BLOCK_ELEMENTS, BLOCKED_ROWS)
     )

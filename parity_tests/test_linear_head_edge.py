@@ -1,0 +1,82 @@
+"""The fused LM head at its edges, both frameworks against the float64 head oracle: float16
+inputs, no token at all, every token masked, and NaN in the hidden states (of a counted token and
+of a masked one: the chain rule's NaN pattern, the same in both frameworks and as unfused).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import lossspec
+from lossspec import linear as spec_linear
+
+from test_linear_head import KINDS, RUNNERS, _options, grad_output_for, make_inputs, reference
+
+FRAMEWORKS = list(RUNNERS)
+
+
+def _compare(framework: str, kind: str, dtype: str, inputs: dict[str, Any], options: dict[str, Any]) -> tuple:
+    grad_output = grad_output_for(options.get("normalization", "valid_tokens"), np.shape(inputs["loss_mask"]))
+    loss, grads = RUNNERS[framework](kind, inputs, dtype, True, options, grad_output)
+    ref_loss, ref_grads = reference(kind, inputs, True, options, grad_output)
+    lossspec.compare_loss(loss, ref_loss, f"{framework} {kind} loss").check()
+    for name, grad in grads.items():
+        assert grad.shape == np.shape(ref_grads[name]), name
+        spec_linear.compare_head_grad(grad, ref_grads[name], dtype, f"{framework} {kind} grad {name}").check()
+    return loss, grads
+
+
+@pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_float16_inputs(framework: str, kind: str) -> None:
+    _compare(framework, kind, "float16", make_inputs(kind, "float16", seed=3), _options(kind))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_no_tokens(framework: str, kind: str) -> None:
+    inputs = make_inputs(kind, "float32")
+    for name in ("hidden", "loss_mask", "labels", "teacher_hidden"):
+        if name in inputs:
+            inputs[name] = inputs[name][:0]  # lead shape (0, 4)
+    loss, grads = _compare(framework, kind, "float32", inputs, _options(kind))
+    assert float(loss) == 0.0
+    assert not np.any(grads["weight"]) and not np.any(grads["bias"])
+
+
+@pytest.mark.parametrize("kind", ["cross_entropy", "forward_kl"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_every_token_masked(framework: str, kind: str) -> None:
+    inputs = make_inputs(kind, "float32")
+    inputs["loss_mask"] = np.zeros_like(inputs["loss_mask"])
+    loss, grads = _compare(framework, kind, "float32", inputs, _options(kind))
+    assert float(loss) == 0.0
+    assert all(not np.any(g) for g in grads.values())  # exact zeros
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["counted", "masked"])
+@pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_nan_hidden_state(framework: str, kind: str, masked: bool) -> None:
+    inputs = make_inputs(kind, "float32", seed=5)
+    inputs["loss_mask"] = np.ones_like(inputs["loss_mask"])
+    if kind == "cross_entropy":
+        inputs["labels"] = np.where(inputs["labels"] < 0, 0, inputs["labels"])  # every label valid
+    token = (1, 2)
+    inputs["hidden"][token + (0,)] = np.nan
+    inputs["loss_mask"][token] = 0.0 if masked else 1.0
+    loss, grads = _compare(framework, kind, "float32", inputs, _options(kind))
+    # a counted NaN token makes the loss NaN; a masked one does not
+    assert np.isnan(float(loss)) != masked
+    # the token's own hidden gradient: NaN when counted, exact zeros when masked
+    row = grads["hidden"][token]
+    assert np.all(np.isnan(row)) if not masked else not np.any(row)
+    # the other tokens' hidden gradients stay finite (G W with finite rows of G and a finite W)
+    others = np.delete(grads["hidden"].reshape(-1, grads["hidden"].shape[-1]), 1 * 4 + 2, axis=0)
+    assert np.all(np.isfinite(others))
+    # the weight gradient sums over tokens: a NaN (counted) row of G reaches it (masked: the
+    # chain rule's 0 * NaN, whatever the oracle says, checked above)
+    assert masked or np.any(np.isnan(grads["weight"]))
