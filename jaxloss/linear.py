@@ -230,6 +230,7 @@ def head_forward(
     up = lambda a: None if a is None else a.astype(F32)  # noqa: E731  (16-bit: exact)
     student = (None, up(weight), up(bias))
     teacher32 = None if teacher is None else (None, up(teacher[1]), up(teacher[2]))
+    # (JAX's shards are even: every replica's plan is the same.)
     rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, spec_linear.head_live_blocks("jax", cfg.kind, shards is not None))
     # Inside shard_map a loop carry has the varying-axes type of what the body writes into it:
     # the gradients vary with the weight's shard (the loss does not: it is combined).

@@ -298,6 +298,17 @@ def head_plan(
     return chunk, max(1, min(vocab, budget // chunk))
 
 
+def head_plan_shard(
+    rows: int, vocab_local: int, vocab_widest: int, block_elements: Optional[int] = None, blocked_rows: int = HEAD_BLOCKED_ROWS, live_blocks: int = 4
+) -> tuple[int, int]:
+    """``(R, B)`` of one vocabulary shard (``vocab_parallel``). The shards combine each token
+    chunk's statistics with collectives, so every shard must cut the tokens alike: ``R`` is the
+    plan of the widest shard (``vocab_widest``; shards may differ in torch), and ``B`` this
+    shard's block, ``min(V_local, B_widest)`` (so a block never exceeds the widest shard's)."""
+    chunk, block = head_plan(rows, vocab_widest, block_elements, blocked_rows, live_blocks)
+    return chunk, min(vocab_local, block)
+
+
 # --------------------------------------------------------------------------------------------
 # Module forms (jaxloss.nnx, torchloss.nn): options at construction, arrays per call
 # --------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class Shards(NamedTuple):
     group: Any
     offset: int
     vocab: int
+    widest: int  # the largest V_local of the group: every rank chunks the tokens alike
 
 
 def _label_logit(z: Tensor, y: Tensor, first: int) -> Tensor:
@@ -226,7 +227,11 @@ def head_forward(
     up = lambda a: None if a is None else a.detach().to(acc)  # noqa: E731  (16-bit: exact)
     student = (None, up(weight), up(bias))
     teacher_acc = None if teacher is None else (None, up(teacher[1]), up(teacher[2]))
-    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, spec_linear.head_live_blocks("torch", config.kind, shards is not None))
+    live = spec_linear.head_live_blocks("torch", config.kind, shards is not None)
+    if shards is None:
+        rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, live)
+    else:
+        rows, block = spec_linear.head_plan_shard(n, vocab, shards.widest, block_elements, blocked_rows, live)
     loss = torch.zeros(n, dtype=acc, device=device)
     dh = torch.empty((n, width), dtype=acc, device=device) if need_grad else None
     dw = torch.zeros((vocab, width), dtype=acc, device=device) if need_grad else None
@@ -352,6 +357,16 @@ def _check_devices(hidden: Tensor, named: dict[str, Optional[Tensor]]) -> None:
             raise ValueError(spec_linear.device_message(name, tensor.device, hidden.device))
 
 
+def _widest_shard(vocab_local: int, group: Any, device: torch.device) -> int:
+    """The largest ``V_local`` of the group (one ``all_reduce(MAX)`` and a host read): the
+    shards' token chunks must agree (:func:`lossspec.linear.head_plan_shard`)."""
+    import torch.distributed as dist
+
+    widest = torch.tensor([vocab_local], dtype=torch.int64, device=device)
+    dist.all_reduce(widest, op=dist.ReduceOp.MAX, group=group)
+    return int(widest.item())
+
+
 @torch.compiler.disable(reason="torchloss.linear runs eagerly (one graph break)")
 def _linear_loss(kind: str, **args: Any) -> Tensor:
     """Body of the four ``linear_*`` functions (signatures: :mod:`lossspec.linear`)."""
@@ -382,7 +397,7 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     vocab_parallel = args["vocab_parallel"]
     call = api._validate(config, logits, target, args["loss_mask"], args["segment_ids"], args["denominator"], vocab_parallel, None, "torch", False)
     prepared = api._prepare(call)
-    shards = None if vocab_parallel is None else Shards(vocab_parallel, call.backend.offset, call.vocab)
+    shards = None if vocab_parallel is None else Shards(vocab_parallel, call.backend.offset, call.vocab, _widest_shard(vocab, vocab_parallel, hidden.device))
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     rows = math.prod(lead)
     t_args = (None, None, None) if teacher is None else (teacher[0].reshape(rows, -1), teacher[1], teacher[2])
