@@ -20,6 +20,11 @@ fp32 gradients of hidden, weight and bias (the residuals) and the backward scale
 upstream scalar and rounds once. For ``"none"`` the upstream gradient differs per token and
 enters the weight gradient inside the sum over tokens, so the backward recomputes the head with
 ``coef * upstream`` (the forward computes the loss only). First order only.
+
+Vocab parallel (``vocab_parallel=<mesh axis>`` inside ``shard_map``; :class:`Shards`): the weight
+is this replica's ``[V_local, H]`` slice; each chunk's shard statistics are combined over the
+axis (``jaxloss._vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the
+local gradient, and ``dh`` is ``psum``'d once (docs/linear_head.md).
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ gradients of hidden, weight and bias, the backward scales them by the upstream s
 rounds once. ``"none"``: the upstream gradient is per token and enters the weight gradient
 inside the sum over tokens, so the backward recomputes the head with ``coef * upstream``.
 First order only. Under ``torch.compile`` the head runs eagerly behind one graph break.
+
+Vocab parallel (``vocab_parallel=<ProcessGroup>``; :class:`Shards`): the weight is this rank's
+``[V_local, H]`` slice; each chunk's shard statistics are combined over the group
+(``torchloss._vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the local
+gradient, and ``dh`` is all-reduced once (docs/linear_head.md).
 """
 
 from __future__ import annotations
