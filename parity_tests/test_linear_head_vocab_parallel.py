@@ -131,6 +131,33 @@ def test_jax_vocab_parallel_outside_shard_map_is_refused() -> None:
         jaxloss.linear_cross_entropy(problem["hidden"], problem["weight"], problem["labels"], vocab_parallel=3)
 
 
+@pytest.mark.parametrize("shards", [2, 4])
+def test_jax_vocab_parallel_head_memory_is_an_eighth_of_the_local_logits(shards: int) -> None:
+    """XLA's accounting of one replica's compiled value-and-grad (``shard_map``): temporaries at
+    most 1/8 of the shard's fp32 logits ``[N, V_local]`` plus the fp32 gradients of ``hidden`` and
+    the weight shard, whatever the number of shards (the global ``V``); the unfused
+    vocab-parallel loss holds more than the shard's logits (the check can fail)."""
+    n, width, vocab_local = 1024, 16, 4096
+    mesh = Mesh(np.array(jax.devices()[:shards]), ("vocab",))
+    hidden = jnp.zeros((n, width), jnp.float32)
+    weight = jnp.zeros((vocab_local * shards, width), jnp.float32)
+    labels = jnp.zeros((n,), jnp.int32)
+
+    def temp_bytes(loss: Any) -> int:
+        def step(h: Any, w: Any, y: Any) -> Any:
+            return jax.value_and_grad(lambda h, w: loss(h, w, y), argnums=(0, 1))(h, w)
+
+        mapped = shard_map(step, mesh=mesh, in_specs=(P(), P("vocab"), P()), out_specs=(P(), (P(), P("vocab"))))
+        return int(jax.jit(mapped).lower(hidden, weight, labels).compile().memory_analysis().temp_size_in_bytes)
+
+    logits_bytes = n * vocab_local * 4
+    grads_bytes = (n * width + vocab_local * width) * 4
+    fused = temp_bytes(lambda h, w, y: jaxloss.linear_cross_entropy(h, w, y, vocab_parallel="vocab"))
+    assert fused <= logits_bytes / 8 + 2 * grads_bytes, (fused, logits_bytes)
+    unfused = temp_bytes(lambda h, w, y: jaxloss.cross_entropy(h @ w.T, y, vocab_parallel="vocab"))
+    assert unfused > logits_bytes, unfused
+
+
 # --------------------------------------------------------------------------------------------
 # torch: 2 gloo ranks, one launch
 # --------------------------------------------------------------------------------------------
