@@ -40,6 +40,8 @@ for _kind in KINDS:
     CASES[f"{_kind}/whole/sequence_mean_shift"] = (
         _kind, "whole", dict(OPTIONS[_kind], normalization="sequence_mean", causal_shift=True, segment_ids=True)
     )
+# The module form, vocab_parallel given at construction.
+CASES["cross_entropy/blocked/module"] = ("cross_entropy", "blocked", dict(OPTIONS["cross_entropy"], module=True))
 
 
 def upstream(options: dict[str, Any]) -> np.ndarray:
@@ -65,7 +67,11 @@ def run_case(kind: str, plan: str, options: dict[str, Any], lo: int, hi: int, gr
     else:
         target = (torch.tensor(problem["teacher_hidden"]), torch.tensor(problem["teacher_weight"][lo:hi]))
         extra = {"teacher_bias": torch.tensor(problem["teacher_bias"][lo:hi])}
-    loss = fn(hidden, weight, *target, torch.tensor(problem["loss_mask"]), bias=bias, vocab_parallel=group, **extra, **options)
+    mask = torch.tensor(problem["loss_mask"])
+    if options.pop("module", False):
+        loss = torchloss.nn.LinearCrossEntropyLoss(vocab_parallel=group, **options)(hidden, weight, *target, loss_mask=mask, bias=bias)
+    else:
+        loss = fn(hidden, weight, *target, mask, bias=bias, vocab_parallel=group, **extra, **options)
     loss.backward(torch.tensor(upstream(options)))
     return {
         "loss": loss.detach().numpy().copy(),

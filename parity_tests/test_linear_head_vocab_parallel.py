@@ -26,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxloss
 import jaxloss.linear as jax_linear
+import jaxloss.nnx  # noqa: F401  (the module forms)
 import lossspec
 from lossspec import linear as spec_linear
 
@@ -46,6 +47,7 @@ NORMS = {
     "valid_tokens": {},
     "none": {"normalization": "none"},
     "sequence_mean_shift": {"normalization": "sequence_mean", "causal_shift": True, "segment_ids": True},
+    "module": {"module": True},
 }
 FAST = {("cross_entropy", "whole", "valid_tokens"), ("reverse_kl", "blocked", "none"), ("forward_kl", "whole", "sequence_mean_shift")}
 
@@ -74,6 +76,7 @@ def run_jax(kind: str, options: dict[str, Any], problem: dict[str, Any]) -> list
     """The loss and gradients of each of the SHARDS replicas (``jax.vjp`` inside ``shard_map``)."""
     options = dict(options)
     ids = jnp.asarray(problem["segment_ids"]) if options.pop("segment_ids", False) else None
+    module = options.pop("module", False)
     upstream = jnp.asarray(torch_worker.upstream(options))
     mesh = Mesh(np.array(jax.devices()[:SHARDS]), ("vocab",))
     fn = getattr(jaxloss, f"linear_{kind}")
@@ -83,6 +86,8 @@ def run_jax(kind: str, options: dict[str, Any], problem: dict[str, Any]) -> list
 
     def per_replica(hidden: Any, weight: Any, bias: Any, mask: Any, target: Any, *teacher: Any) -> Any:
         def loss_of(h: Any, w: Any, b: Any) -> Any:
+            if module:  # the NNX module, vocab_parallel given at construction
+                return jaxloss.nnx.LinearCrossEntropyLoss(vocab_parallel="vocab", **options)(h, w, target, loss_mask=mask, bias=b)
             if ce:
                 return fn(h, w, target, mask, bias=b, segment_ids=ids, vocab_parallel="vocab", **options)
             t_hidden, t_weight, t_bias = teacher
@@ -112,7 +117,8 @@ def run_jax(kind: str, options: dict[str, Any], problem: dict[str, Any]) -> list
 
 @pytest.mark.parametrize(
     "kind,plan,norm",
-    [pytest.param(k, p, n, marks=[] if (k, p, n) in FAST else [pytest.mark.slow]) for k in KINDS for p in PLANS for n in NORMS if not (n == "sequence_mean_shift" and p == "blocked")],
+    [pytest.param(k, p, n, marks=[] if (k, p, n) in FAST else [pytest.mark.slow]) for k in KINDS for p in PLANS for n in NORMS
+     if not (n == "sequence_mean_shift" and p == "blocked") and not (n == "module" and (k, p) != ("cross_entropy", "blocked"))],
 )
 def test_jax_vocab_parallel_head_matches_oracle(kind: str, plan: str, norm: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(jax_linear, "BLOCK_ELEMENTS", PLANS[plan][0])
@@ -120,7 +126,9 @@ def test_jax_vocab_parallel_head_matches_oracle(kind: str, plan: str, norm: str,
     problem = make_problem(kind, VOCAB, seed=12)
     options = dict(OPTIONS[kind], **NORMS[norm])
     width = VOCAB // SHARDS
-    check_shards(kind, options, problem, run_jax(kind, options, problem), [(k * width, (k + 1) * width) for k in range(SHARDS)], f"jax {kind} {plan} {norm}")
+    results = run_jax(kind, options, problem)
+    options.pop("module", None)
+    check_shards(kind, options, problem, results, [(k * width, (k + 1) * width) for k in range(SHARDS)], f"jax {kind} {plan} {norm}")
 
 
 def test_jax_vocab_parallel_outside_shard_map_is_refused() -> None:
@@ -178,6 +186,7 @@ def torch_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.n
 @pytest.mark.parametrize("case", list(torch_worker.CASES))
 def test_torch_vocab_parallel_head_matches_oracle(torch_ranks: list[dict[str, np.ndarray]], case: str) -> None:
     kind, _, options = torch_worker.CASES[case]
+    options = {name: value for name, value in options.items() if name != "module"}
     problem = make_problem(kind, torch_worker.VOCAB, seed=11)
     bounds = list(zip(torch_worker.BOUNDS[:-1], torch_worker.BOUNDS[1:]))
     results = [{key: ranks[f"{case}/{key}"].astype(np.float64) for key in ("loss", "hidden", "weight", "bias")} for ranks in torch_ranks]
