@@ -52,7 +52,10 @@ NORMS = {
 FAST = {("cross_entropy", "whole", "valid_tokens"), ("reverse_kl", "blocked", "none"), ("forward_kl", "whole", "sequence_mean_shift")}
 
 
-def check_shards(kind: str, options: dict[str, Any], problem: dict[str, Any], shard_results: list[dict[str, np.ndarray]], bounds: list[tuple[int, int]], what: str) -> None:
+def check_shards(
+    kind: str, options: dict[str, Any], problem: dict[str, Any], shard_results: list[dict[str, np.ndarray]], bounds: list[tuple[int, int]], what: str,
+    dtype: str = "float32",
+) -> None:
     """Every shard's loss and ``hidden`` gradient are the whole head's; its weight and bias
     gradients the slices of the whole head's (SPEC sections 6-7 bounds)."""
     upstream = torch_worker.upstream(options)
@@ -60,11 +63,11 @@ def check_shards(kind: str, options: dict[str, Any], problem: dict[str, Any], sh
     for (lo, hi), result in zip(bounds, shard_results):
         where = f"{what} shard [{lo}, {hi})"
         lossspec.compare_loss(result["loss"], ref_loss, f"{where} loss").check()
-        spec_linear.compare_head_grad(result["hidden"], ref["hidden"], "float32", f"{where} grad hidden").check()
+        spec_linear.compare_head_grad(result["hidden"], ref["hidden"], dtype, f"{where} grad hidden").check()
         assert result["weight"].shape == (hi - lo, ref["weight"].shape[1])
         # The bound's scale is the whole gradient's: a wrong shard shows against it just as well.
-        lossspec.compare_grad(result["weight"], ref["weight"][lo:hi], "float32", float(np.abs(ref["weight"]).max()), f"{where} grad weight").check()
-        lossspec.compare_grad(result["bias"], ref["bias"][lo:hi], "float32", float(np.abs(ref["bias"]).max()), f"{where} grad bias").check()
+        lossspec.compare_grad(result["weight"], ref["weight"][lo:hi], dtype, float(np.abs(ref["weight"]).max()), f"{where} grad weight").check()
+        lossspec.compare_grad(result["bias"], ref["bias"][lo:hi], dtype, float(np.abs(ref["bias"]).max()), f"{where} grad bias").check()
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,9 +75,12 @@ def check_shards(kind: str, options: dict[str, Any], problem: dict[str, Any], sh
 # --------------------------------------------------------------------------------------------
 
 
-def run_jax(kind: str, options: dict[str, Any], problem: dict[str, Any]) -> list[dict[str, np.ndarray]]:
-    """The loss and gradients of each of the SHARDS replicas (``jax.vjp`` inside ``shard_map``)."""
+def run_jax(kind: str, options: dict[str, Any], problem: dict[str, Any], dtype: str = "float32") -> list[dict[str, np.ndarray]]:
+    """The loss and gradients of each of the SHARDS replicas (``jax.vjp`` inside ``shard_map``),
+    the floating-point inputs in ``dtype``."""
     options = dict(options)
+    floats = ("hidden", "weight", "bias", "teacher_hidden", "teacher_weight", "teacher_bias")
+    problem = {key: jnp.asarray(value, dtype) if key in floats else value for key, value in problem.items()}
     ids = jnp.asarray(problem["segment_ids"]) if options.pop("segment_ids", False) else None
     module = options.pop("module", False)
     upstream = jnp.asarray(torch_worker.upstream(options))
@@ -109,8 +115,9 @@ def run_jax(kind: str, options: dict[str, Any], problem: dict[str, Any]) -> list
     loss, dh, dw, db = jax.jit(step)(problem["hidden"], problem["weight"], problem["bias"], problem["loss_mask"], target_arg, *teacher)
     width = VOCAB // SHARDS
     return [
-        {"loss": np.asarray(loss[k], np.float64), "hidden": np.asarray(dh[k], np.float64), "weight": np.asarray(dw[k * width : (k + 1) * width], np.float64),
-         "bias": np.asarray(db[k * width : (k + 1) * width], np.float64)}
+        {"loss": np.asarray(loss[k], np.float64), "hidden": np.asarray(dh[k].astype(jnp.float32), np.float64),
+         "weight": np.asarray(dw[k * width : (k + 1) * width].astype(jnp.float32), np.float64),
+         "bias": np.asarray(db[k * width : (k + 1) * width].astype(jnp.float32), np.float64)}
         for k in range(SHARDS)
     ]
 
@@ -129,6 +136,17 @@ def test_jax_vocab_parallel_head_matches_oracle(kind: str, plan: str, norm: str,
     results = run_jax(kind, options, problem)
     options.pop("module", None)
     check_shards(kind, options, problem, results, [(k * width, (k + 1) * width) for k in range(SHARDS)], f"jax {kind} {plan} {norm}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
+def test_jax_vocab_parallel_head_in_bfloat16(kind: str) -> None:
+    """bfloat16 hidden states and head: the fp32 shard gradients (dh summed in fp32) rounded once."""
+    problem = make_problem(kind, VOCAB, seed=13, dtype="bfloat16")
+    options = dict(OPTIONS[kind])
+    width = VOCAB // SHARDS
+    results = run_jax(kind, options, problem, "bfloat16")
+    check_shards(kind, options, problem, results, [(k * width, (k + 1) * width) for k in range(SHARDS)], f"jax bf16 {kind}", "bfloat16")
 
 
 def test_jax_vocab_parallel_outside_shard_map_is_refused() -> None:
