@@ -86,17 +86,20 @@ def assert_matches(loss: Any, grads: dict[str, np.ndarray], ref_loss: Any, ref: 
         spec_linear.compare_head_grad(grads[name], ref[name], "float32", f"{what} grad {name}").check()
 
 
-def _jax_cover(framework: str, kind: str, *rest: Any) -> list[Any]:
-    """Each JAX case compiles (seconds): the fast lane keeps two kinds, the slow tier the rest."""
-    slow = framework == "jax" and kind not in ("cross_entropy", "reverse_kl")
-    return [pytest.mark.slow] if slow else []
+def _jax_cover(framework: str, *combo: Any, fast: tuple = ()) -> list[Any]:
+    """Each JAX case compiles (seconds): the fast lane keeps the ``fast`` combinations (and every
+    torch case), the slow tier the rest."""
+    return [pytest.mark.slow] if framework == "jax" and combo not in fast else []
+
+
+SEQUENCE_FAST = (("cross_entropy", "sequence_mean", True), ("reverse_kl", "sequence_sum", False))
 
 
 @pytest.mark.parametrize("plan", ["whole"], indirect=True)
 @pytest.mark.parametrize(
     "framework,kind,mode,causal_shift",
     [
-        pytest.param(framework, kind, mode, shift, marks=_jax_cover(framework, kind))
+        pytest.param(framework, kind, mode, shift, marks=_jax_cover(framework, kind, mode, shift, fast=SEQUENCE_FAST))
         for framework in FRAMEWORKS
         for kind in KINDS
         for mode in MODES
@@ -112,8 +115,10 @@ def test_sequence_modes_match_oracle(framework: str, kind: str, mode: str, causa
 
 
 @pytest.mark.parametrize("plan", ["blocked"], indirect=True)
-@pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize(
+    "framework,kind",
+    [pytest.param(f, k, marks=_jax_cover(f, k, fast=(("reverse_kl",),))) for f in FRAMEWORKS for k in ("cross_entropy", "reverse_kl")],
+)
 def test_sequence_mean_on_the_blocked_fallback(framework: str, kind: str, plan: str) -> None:
     problem = make_problem(kind, VOCAB, seed=2)
     options = dict(OPTIONS[kind], normalization="sequence_mean", causal_shift=True, segment_ids=True)
@@ -122,8 +127,10 @@ def test_sequence_mean_on_the_blocked_fallback(framework: str, kind: str, plan: 
     assert_matches(loss, grads, ref_loss, ref, f"{framework} {kind} blocked")
 
 
-@pytest.mark.parametrize("normalization", ["valid_tokens", "none", "sequence_sum"])
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize(
+    "framework,normalization",
+    [pytest.param(f, n, marks=_jax_cover(f, n, fast=(("none",),))) for f in FRAMEWORKS for n in ("valid_tokens", "none", "sequence_sum")],
+)
 def test_segment_ids_pad_tokens_in_every_mode(framework: str, normalization: str) -> None:
     """An id < 0 is padding (weight 0) in the token modes too; ``"none"`` with a per-token
     upstream gradient; ``denominator=`` overrides ``S``."""
