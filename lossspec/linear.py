@@ -8,10 +8,15 @@ for the distillation kinds, whose teacher logits are formed the same way and get
 ``weight`` has the layout of a torch ``nn.Linear`` weight and of a tied embedding table in both
 frameworks.
 
+``segment_ids`` and the per-sequence normalisations are the unfused losses' (they only change
+the per-token coefficient); ``vocab_parallel`` (a framework argument) splits the head along
+``V`` (Megatron's column-parallel head; docs/linear_head.md).
+
 This module is the framework-free part, written once for ``jaxloss.linear`` and
 ``torchloss.linear``: the public signatures and docstrings (built on :data:`KIND_SPECS`), the
 shape and dtype checks with their messages, the float64 reference (the chain rule through
-:func:`lossspec.oracle`) and the gradient bound of the head.
+:func:`lossspec.oracle`, which applies ``segment_ids`` as well), the gradient bound of the head
+and the memory plan (also of a vocabulary shard, :func:`head_plan_shard`).
 """
 
 from __future__ import annotations
