@@ -5,7 +5,7 @@ packed rows (_head_problem.py: several documents per row, padding ids, interleav
 all-masked row, float weights), with and without ``causal_shift`` (no scoring across a document
 boundary), both plans (whole rows, the vocabulary-blocked fallback), ``denominator=``,
 ``count_denominator`` (``S``), micro-batches with the global ``S`` equal to the full batch
-(by hand in both frameworks, and torch's ``accumulate``), and the module forms.
+(by hand in both frameworks, and both ``accumulate`` helpers), and the module forms.
 """
 
 from __future__ import annotations
@@ -227,6 +227,31 @@ def test_torch_accumulate_with_the_head_equals_the_full_batch() -> None:
     lossspec.compare_loss(float(loss), ref_loss).check()
     spec_linear.compare_head_grad(head.weight.grad.numpy(), ref["weight"], "float32", "weight").check()
     spec_linear.compare_head_grad(head.bias.grad.numpy(), ref["bias"], "float32", "bias").check()
+
+
+@pytest.mark.slow
+def test_jax_accumulate_with_the_head_equals_the_full_batch() -> None:
+    """``jaxloss.distributed.accumulate`` (K = 2) around ``linear_soft_cross_entropy`` with
+    ``segment_ids`` and ``"sequence_sum"``: the head's parameter gradients of the full batch."""
+    from jaxloss.distributed import accumulate
+
+    problem = make_problem("soft_cross_entropy", VOCAB, seed=9)
+    options = dict(OPTIONS["soft_cross_entropy"], causal_shift=True)
+    params = {"weight": jnp.asarray(problem["weight"]), "bias": jnp.asarray(problem["bias"])}
+    batch = {key: jnp.asarray(problem[key]) for key in ("hidden", "teacher_hidden", "loss_mask", "segment_ids")}
+    teacher = (jnp.asarray(problem["teacher_weight"]), jnp.asarray(problem["teacher_bias"]))
+
+    def loss_fn(p: Any, mb: dict[str, Any], denominator: Any) -> Any:
+        return jaxloss.linear_soft_cross_entropy(
+            mb["hidden"], p["weight"], mb["teacher_hidden"], teacher[0], mb["loss_mask"], bias=p["bias"], teacher_bias=teacher[1],
+            normalization="sequence_sum", denominator=denominator, segment_ids=mb["segment_ids"], **options,
+        )
+
+    loss, grads = accumulate(loss_fn, params, batch, num_microbatches=2, normalization="sequence_sum", labels_key=None, causal_shift=True)
+    ref_loss, ref = reference("soft_cross_entropy", problem, normalization="sequence_sum", segment_ids=True, **options)
+    lossspec.compare_loss(float(loss), ref_loss).check()
+    spec_linear.compare_head_grad(np.asarray(grads["weight"]), ref["weight"], "float32", "weight").check()
+    spec_linear.compare_head_grad(np.asarray(grads["bias"]), ref["bias"], "float32", "bias").check()
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
