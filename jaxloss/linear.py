@@ -20,12 +20,17 @@ fp32 gradients of hidden, weight and bias (the residuals) and the backward scale
 upstream scalar and rounds once. For ``"none"`` the upstream gradient differs per token and
 enters the weight gradient inside the sum over tokens, so the backward recomputes the head with
 ``coef * upstream`` (the forward computes the loss only). First order only.
+
+Vocab parallel (``vocab_parallel=<mesh axis>`` inside ``shard_map``; :class:`Shards`): the weight
+is this replica's ``[V_local, H]`` slice; each chunk's shard statistics are combined over the
+axis (``jaxloss._vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the
+local gradient, and ``dh`` is ``psum``'d once (docs/linear_head.md).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +41,8 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import api
-from ._stats import F32, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block
+from . import _vocab_parallel, api
+from ._stats import F32, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, varying_like
 
 Array = jax.Array
 HIGHEST = lax.Precision.HIGHEST
@@ -76,6 +81,24 @@ def _logits(h: Array, w: Array, b: Optional[Array]) -> Array:
 Head = tuple  # (hidden [N, H] fp32, weight [V, H] fp32, bias [V] fp32 | None)
 
 
+class Shards(NamedTuple):
+    """A vocabulary split over the mesh axes ``axes`` (``vocab_parallel``): this replica's weight
+    holds ``V_local`` rows of the ``vocab`` rows of the whole head (labels are already shifted to
+    its column ids)."""
+
+    axes: tuple
+    vocab: int
+
+
+def _whole_row(cfg: KernelConfig, local: Any, like: Array, shards: Optional[Shards], vocab: int) -> Any:
+    """The :class:`Final` statistics of whole rows: a shard's statistics are combined over the
+    vocabulary axes first (one ``pmax`` / ``psum`` round for the chunk's rows,
+    :func:`jaxloss._vocab_parallel.combine_shards`); the global ``V`` enters ``finalize``."""
+    if shards is None:
+        return finalize(cfg, local, vocab)
+    return finalize(cfg, _vocab_parallel.combine_shards(cfg, local, like, shards.axes), shards.vocab)
+
+
 def _slice_head(head: Head, start: Any, width: int) -> Head:
     """Rows ``start : start + width`` of the weight and bias (a vocabulary block)."""
     h, w, b = head
@@ -83,33 +106,51 @@ def _slice_head(head: Head, start: Any, width: int) -> Head:
     return h, w, None if b is None else lax.dynamic_slice_in_dim(b, start, width, 0)
 
 
-def _chunk_whole(cfg: KernelConfig, student: Head, teacher: Optional[Head], y: Optional[Array], coef: Array, with_grad: bool) -> tuple:
-    """One chunk whose rows fit whole: ``(loss [R], G [R, V] fp32 or None)``."""
+def _chunk_whole(
+    cfg: KernelConfig, student: Head, teacher: Optional[Head], y: Optional[Array], coef: Array, with_grad: bool, shards: Optional[Shards] = None
+) -> tuple:
+    """One chunk whose rows fit whole (or a shard's whole slice of them): ``(loss [R], G [R, V]
+    fp32 or None)``."""
     h, w, b = student
     z = _logits(h, w, b)
     vocab = z.shape[1]
     t = None if teacher is None else _logits(*teacher)
     if cfg.is_ce:
-        x_y = jnp.take_along_axis(z, y[:, None], axis=1)[:, 0]
+        # A shard owns only the labels in [0, V_local) of its column ids; the others add 0.
+        owned = (y >= 0) & (y < vocab)
+        x_y = jnp.where(owned, jnp.take_along_axis(z, jnp.clip(y, 0, vocab - 1)[:, None], axis=1)[:, 0], 0.0)
         st, e, et = block_stats(cfg, z, x_y=x_y)
     else:
         st, e, et = block_stats(cfg, z, t)
-    fin = finalize(cfg, st, vocab)
+    fin = _whole_row(cfg, st, z, shards, vocab)
     loss = jnp.where(coef != 0, fin.l, 0.0)
     if not with_grad:
         return loss, None
+    if shards is not None:  # the exponentials are relative to the shard's maxima, not the row's
+        e = et = None
     hit = (lax.broadcasted_iota(jnp.int32, z.shape, 1) == y[:, None]) if cfg.is_ce else None
-    return loss, grad_block(cfg, fin, coef, z, t, hit=hit, vocab=vocab, e=e, et=et)
+    return loss, grad_block(cfg, fin, coef, z, t, hit=hit, vocab=vocab if shards is None else shards.vocab, e=e, et=et)
 
 
 def _chunk_blocked(
-    cfg: KernelConfig, width: int, student: Head, teacher: Optional[Head], y: Optional[Array], coef: Array, with_grad: bool, dw: Any, db: Any
+    cfg: KernelConfig,
+    width: int,
+    student: Head,
+    teacher: Optional[Head],
+    y: Optional[Array],
+    coef: Array,
+    with_grad: bool,
+    dw: Any,
+    db: Any,
+    shards: Optional[Shards] = None,
 ) -> tuple:
     """One chunk over vocabulary blocks of ``width`` columns: pass 1 folds the blocks'
     statistics (online softmax), pass 2 recomputes each block's logits for its gradient.
     Returns ``(loss [R], dh [R, H] fp32, dw, db)`` with the blocks' ``G^T h`` added to ``dw``,
     ``db``. The last block is moved back to end at ``V``; the columns it shares with the
-    previous block are masked out (``col_ok``) in both passes, so nothing is counted twice."""
+    previous block are masked out (``col_ok``) in both passes, so nothing is counted twice.
+    ``shards``: the weight is a vocabulary shard; its folded statistics are combined over the
+    shards between the two passes."""
     h = student[0]
     vocab = student[1].shape[0]
     num_blocks = -(-vocab // width)
@@ -127,7 +168,9 @@ def _chunk_blocked(
         blk, _, _ = block_stats(cfg, z, t, hit=hit, col_ok=col_ok)
         return combine(cfg, acc, blk)
 
-    fin = finalize(cfg, lax.fori_loop(0, num_blocks, pass1, empty_stats(cfg, h.shape[0])), vocab)
+    acc = empty_stats(cfg, h.shape[0]) if shards is None else varying_like(empty_stats(cfg, h.shape[0]), h, student[1])
+    fin = _whole_row(cfg, lax.fori_loop(0, num_blocks, pass1, acc), h, shards, vocab)
+    vocab_total = vocab if shards is None else shards.vocab
     loss = jnp.where(coef != 0, fin.l, 0.0)
     if not with_grad:
         return loss, None, dw, db
@@ -136,7 +179,7 @@ def _chunk_blocked(
         dh, dw, db = carry
         start, cols, col_ok, z, t = window(j)
         hit = (cols == y[:, None]) if cfg.is_ce else None
-        g = jnp.where(col_ok, grad_block(cfg, fin, coef, z, t, hit=hit, vocab=vocab), 0.0)
+        g = jnp.where(col_ok, grad_block(cfg, fin, coef, z, t, hit=hit, vocab=vocab_total), 0.0)
         _, w_blk, _ = _slice_head(student, start, width)
         dh = dh + _dot(g, w_blk, (1, 0))
         dw = lax.dynamic_update_slice_in_dim(dw, lax.dynamic_slice_in_dim(dw, start, width, 0) + _dot(g, h, (0, 0)), start, 0)
@@ -144,7 +187,8 @@ def _chunk_blocked(
             db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, start, width, 0) + jnp.sum(g, axis=0), start, 0)
         return dh, dw, db
 
-    dh, dw, db = lax.fori_loop(0, num_blocks, pass2, (jnp.zeros(h.shape, F32), dw, db))
+    dh0 = jnp.zeros(h.shape, F32) if shards is None else varying_like(jnp.zeros(h.shape, F32), h, student[1])
+    dh, dw, db = lax.fori_loop(0, num_blocks, pass2, (dh0, dw, db))
     return loss, dh, dw, db
 
 
@@ -160,6 +204,7 @@ def head_forward(
     with_grad: bool,
     block_elements: Optional[int] = None,
     blocked_rows: int = spec_linear.HEAD_BLOCKED_ROWS,
+    shards: Optional[Shards] = None,
 ) -> tuple[Array, Optional[Array], Optional[Array], Optional[Array]]:
     """Per-token loss and the fp32 gradients of the head.
 
@@ -171,23 +216,37 @@ def head_forward(
       coef: ``[N]`` fp32, the per-token coefficient.
       with_grad: also compute the gradients.
       block_elements, blocked_rows: the plan's budget (:func:`lossspec.linear.head_plan`).
+      shards: ``vocab_parallel``: ``weight`` ``[V_local, H]`` (and bias, the teacher's weight and
+        bias) is this replica's contiguous slice of the head along ``V`` (Megatron's
+        column-parallel head), ``hidden`` is replicated and ``labels`` are global ids. Each chunk
+        computes the shard's statistics from its local logits, combines them over
+        ``shards.axes`` (one ``pmax`` / ``psum`` round per chunk: ``[R]`` vectors, never the
+        logits), then the local gradient; ``dh`` is summed over the axes once at the end
+        (``psum``); ``dW``, ``db`` stay local.
 
     Returns:
       ``(l [N], dh [N, H], dW [V, H], db [V] | None)``: the per-token loss (0 where
       ``coef == 0``; not multiplied by ``coef``) and, with ``with_grad``, the fp32 gradients of
-      ``sum_i coef_i l_i`` (``G = coef * c * dl/dz``: ``dh = G W``, ``dW = G^T h``, ``db = sum G``).
+      ``sum_i coef_i l_i`` (``G = coef * c * dl/dz``: ``dh = G W``, ``dW = G^T h``, ``db = sum G``;
+      with ``shards``, ``dW`` and ``db`` of the local slice and ``dh`` the whole ``sum_k G_k W_k``).
     """
     n, width = hidden.shape
     vocab = weight.shape[0]
     up = lambda a: None if a is None else a.astype(F32)  # noqa: E731  (16-bit: exact)
     student = (None, up(weight), up(bias))
     teacher32 = None if teacher is None else (None, up(teacher[1]), up(teacher[2]))
-    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, spec_linear.HEAD_LIVE_BLOCKS["jax"][cfg.kind])
-    dw = jnp.zeros((vocab, width), F32) if with_grad else None
-    db = jnp.zeros((vocab,), F32) if (with_grad and bias is not None) else None
-    dh = jnp.zeros((n, width), F32) if with_grad else None
+    # (JAX's shards are even: every replica's plan is the same.)
+    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, spec_linear.head_live_blocks("jax", cfg.kind, shards is not None))
+    # Inside shard_map a loop carry has the varying-axes type of what the body writes into it:
+    # the gradients vary with the weight's shard (the loss does not: it is combined).
+    local = (lambda a: a) if shards is None else (lambda a: varying_like(a, hidden, weight))  # noqa: E731
+    dw = local(jnp.zeros((vocab, width), F32)) if with_grad else None
+    db = local(jnp.zeros((vocab,), F32)) if (with_grad and bias is not None) else None
+    dh = local(jnp.zeros((n, width), F32)) if with_grad else None
     if n == 0:
         return jnp.zeros((0,), F32), dh, dw, db
+    if shards is not None and labels is not None:
+        labels = _vocab_parallel.shift_labels(labels, vocab, shards.axes)  # global ids -> this shard's columns
     num_chunks = -(-n // rows)
 
     def chunk(i: Array, carry: tuple) -> tuple:
@@ -204,13 +263,13 @@ def head_forward(
         if teacher is not None:
             tt = (lax.dynamic_slice_in_dim(teacher[0], start, rows, 0).astype(F32),) + teacher32[1:]
         if block == vocab:
-            loss, g = _chunk_whole(cfg, st, tt, yc, cc, with_grad)
+            loss, g = _chunk_whole(cfg, st, tt, yc, cc, with_grad, shards)
             if with_grad:
                 dh_c = _dot(g, student[1], (1, 0))
                 dw = dw + _dot(g, hc, (0, 0))
                 db = None if db is None else db + jnp.sum(g, axis=0)
         else:
-            loss, dh_c, dw, db = _chunk_blocked(cfg, block, st, tt, yc, cc, with_grad, dw, db)
+            loss, dh_c, dw, db = _chunk_blocked(cfg, block, st, tt, yc, cc, with_grad, dw, db, shards)
         keep = lambda buf, new: lax.dynamic_update_slice_in_dim(  # noqa: E731
             buf, jnp.where(fresh.reshape((rows,) + (1,) * (new.ndim - 1)), new, lax.dynamic_slice_in_dim(buf, start, rows, 0)), start, 0
         )
@@ -219,7 +278,10 @@ def head_forward(
             dh = keep(dh, dh_c)
         return loss_buf, dh, dw, db
 
-    loss, dh, dw, db = lax.fori_loop(0, num_chunks, chunk, (jnp.zeros((n,), F32), dh, dw, db))
+    loss, dh, dw, db = lax.fori_loop(0, num_chunks, chunk, (varying_like(jnp.zeros((n,), F32), hidden, coef), dh, dw, db))
+    if shards is not None and with_grad:
+        # hidden feeds every shard: its gradient is the sum of the shards' G_k W_k (one psum).
+        dh = lax.psum(dh, _vocab_parallel._axis(shards.axes))
     return loss, dh, dw, db
 
 
@@ -227,7 +289,7 @@ def head_forward(
 # custom_vjp
 # --------------------------------------------------------------------------------------------
 
-Spec = tuple  # (KernelConfig, reduced: bool, (block_elements, blocked_rows), (hidden, weight, bias) dtypes): static
+Spec = tuple  # (KernelConfig, reduced: bool, (block_elements, blocked_rows), (hidden, weight, bias) dtypes, Shards | None): static
 
 
 def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
@@ -236,10 +298,20 @@ def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
 
 
 def _run(spec: Spec, args: tuple, coef: Array, with_grad: bool) -> tuple:
-    cfg, _, (block_elements, blocked_rows), _ = spec
+    cfg, _, (block_elements, blocked_rows), _, shards = spec
     hidden, weight, bias, labels, teacher = args
     return head_forward(
-        cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, block_elements=block_elements, blocked_rows=blocked_rows
+        cfg,
+        hidden,
+        weight,
+        bias,
+        labels,
+        teacher,
+        coef,
+        with_grad=with_grad,
+        block_elements=block_elements,
+        blocked_rows=blocked_rows,
+        shards=shards,
     )
 
 
@@ -260,7 +332,7 @@ def _head_fwd(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, 
 
 
 def _head_bwd(spec: Spec, res: tuple, g: Array) -> tuple:
-    _, reduced, _, (h_dtype, w_dtype, b_dtype) = spec
+    _, reduced, _, (h_dtype, w_dtype, b_dtype), _ = spec
     if reduced:
         dh, dw, db = res
         scale = g.astype(F32)
@@ -324,20 +396,29 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     logits_meta, teacher_meta = spec_linear.check_head(kind, meta(hidden), meta(weight), meta(bias), None if ce else tuple(meta(a) for a in teacher))
     labels = api._as_array(args["labels"]) if ce else None
     loss_mask = _optional(args["loss_mask"])
-    lossspec.check_inputs(config, logits_meta, meta(labels) if ce else teacher_meta, meta(loss_mask))
-    for name, value in (("weight", weight), ("bias", bias), ("labels", labels), ("loss_mask", loss_mask)):
+    segment_ids = _optional(args["segment_ids"])
+    lossspec.check_inputs(config, logits_meta, meta(labels) if ce else teacher_meta, meta(loss_mask), meta(segment_ids))
+    for name, value in (("weight", weight), ("bias", bias), ("labels", labels), ("loss_mask", loss_mask), ("segment_ids", segment_ids)):
         _check_same_device(name, value, hidden)
     denominator = _denominator(config, args["denominator"])
     if loss_mask is not None and api._concrete(loss_mask):
         lossspec.check_weights(np.asarray(loss_mask)[..., 1:] if config.causal_shift else np.asarray(loss_mask))
     lead, vocab = tuple(hidden.shape[:-1]), int(weight.shape[0])
+    shards = None
+    if args["vocab_parallel"] is not None:
+        # weight is this replica's [V_local, H] slice: the labels are global ids of V_local * P.
+        axes = _vocab_parallel.axis_names(args["vocab_parallel"])
+        vocab = vocab * _vocab_parallel.axis_size(axes)
+        shards = Shards(axes, vocab)
     host_flags = None
-    if ce and api._concrete(labels) and (loss_mask is None or api._concrete(loss_mask)):
+    concrete_ids = segment_ids is None or api._concrete(segment_ids)
+    if ce and api._concrete(labels) and (loss_mask is None or api._concrete(loss_mask)) and concrete_ids:
         labels_host = np.asarray(labels)
         mask_host = None if loss_mask is None else np.asarray(loss_mask)
+        ids_host = None if segment_ids is None else lossspec.scored_segment_ids(np.asarray(segment_ids), lead, config.causal_shift)
         if config.causal_shift:
             labels_host, mask_host = lossspec.shift_targets(labels_host, mask_host, lead)
-        valid, _ = lossspec.token_weights(config, labels_host, mask_host, lead)
+        valid, _ = lossspec.token_weights(config, labels_host, mask_host, lead, ids_host)
         lossspec.check_labels(labels_host, valid, vocab, config.causal_shift)
     if ce and isinstance(labels, np.ndarray):
         labels, host_flags = api._host_labels(labels, config.ignore_index, vocab)
@@ -351,7 +432,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
         None,  # no sequence_parallel axes for the head (yet)
         target,
         None if loss_mask is None else api._device(loss_mask),
-        None,  # segment_ids: not an argument of the head (yet)
+        api._device_ids(segment_ids, None),
         None if denominator is None else api._device(denominator),
         host_flags,
     )
@@ -359,7 +440,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
         kind=config.kind, scale=config.student_scale, teacher_scale=config.teacher_scale, label_smoothing=config.label_smoothing, z_loss=config.z_loss
     )
     dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    head_spec = (kcfg, config.normalization != "none", (BLOCK_ELEMENTS, BLOCKED_ROWS), dtypes)
+    head_spec = (kcfg, config.normalization != "none", (BLOCK_ELEMENTS, BLOCKED_ROWS), dtypes, shards)
     device = lambda a: None if a is None else api._device(a)  # noqa: E731
     teacher_arrays = None if teacher is None else tuple(device(a) for a in teacher)
     try:
@@ -371,8 +452,25 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     return api._finish(config.normalization, lead, tokens, bad)
 
 
+HEAD_FRAMEWORK_ARGS = lossspec.FrameworkArgs(
+    (
+        (
+            "vocab_parallel",
+            None,
+            "``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``, inside "
+            "``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, "
+            "``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order, "
+            "``V = V_local * P``), ``hidden`` (and ``teacher_hidden``) the same on every replica, labels global ids. "
+            "The loss is the same on every replica; the gradient of ``hidden`` is the whole one (summed over the axis "
+            "inside the call), those of ``weight`` and ``bias`` the replica's slices. Only ``[N]`` row statistics "
+            "cross the axis, never logits.",
+        ),
+    )
+)
+
+
 def _public(kind: str) -> Any:
-    return spec_linear.head_public_function(kind, _linear_loss, __name__)
+    return spec_linear.head_public_function(kind, _linear_loss, __name__, HEAD_FRAMEWORK_ARGS)
 
 
 linear_cross_entropy = _public("cross_entropy")

@@ -1,7 +1,7 @@
 """Flax NNX module forms of the fused LM head (re-exported by :mod:`jaxloss.nnx`).
 
 ``LinearCrossEntropyLoss(**options)(hidden, head, labels, loss_mask=None, *, bias=None,
-denominator=None)``, and the distillation kinds with ``teacher_hidden, teacher_head``. ``head``
+denominator=None, segment_ids=None)`` (``vocab_parallel=`` among the options), and the distillation kinds with ``teacher_hidden, teacher_head``. ``head``
 is a ``[V, H]`` weight or an ``nnx.Linear`` (kernel ``[H, V]``: its transpose and its bias are
 used; XLA folds the transpose into the matmul). The modules hold no parameters.
 """
@@ -34,15 +34,19 @@ class _LinearLoss(_nnx.Module):
     kind: str = ""
 
     def __init__(self, **options: Any):
-        self.settings = spec_linear.head_module_settings(self.kind, options, type(self).__name__)
+        self.settings = spec_linear.head_module_settings(self.kind, options, type(self).__name__, linear.HEAD_FRAMEWORK_ARGS)
+        if self.settings["vocab_parallel"] is not None:
+            from ._vocab_parallel import axis_names
+
+            axis_names(self.settings["vocab_parallel"])  # a bad value fails here, not at the first call
 
     def __call__(self, hidden: Any, weight: Any, *args: Any, loss_mask: Any = None, bias: Any = None, teacher_bias: Any = None,
-                 denominator: Any = None) -> jax.Array:
+                 denominator: Any = None, segment_ids: Any = None) -> jax.Array:
         """The loss of this module's kind; ``args``: the labels, or the teacher's hidden states
         and head, then optionally the mask (as for the function)."""
         weight, bias = _unpack_linear(weight, bias)
         args_list = list(args)
-        kwargs: dict[str, Any] = {"bias": bias, "denominator": denominator, **self.settings}
+        kwargs: dict[str, Any] = {"bias": bias, "denominator": denominator, "segment_ids": segment_ids, **self.settings}
         if loss_mask is not None:
             kwargs["loss_mask"] = loss_mask
         if self.kind != "cross_entropy":

@@ -8,10 +8,15 @@ for the distillation kinds, whose teacher logits are formed the same way and get
 ``weight`` has the layout of a torch ``nn.Linear`` weight and of a tied embedding table in both
 frameworks.
 
+``segment_ids`` and the per-sequence normalisations are the unfused losses' (they only change
+the per-token coefficient); ``vocab_parallel`` (a framework argument) splits the head along
+``V`` (Megatron's column-parallel head; docs/linear_head.md).
+
 This module is the framework-free part, written once for ``jaxloss.linear`` and
 ``torchloss.linear``: the public signatures and docstrings (built on :data:`KIND_SPECS`), the
 shape and dtype checks with their messages, the float64 reference (the chain rule through
-:func:`lossspec.oracle`) and the gradient bound of the head.
+:func:`lossspec.oracle`, which applies ``segment_ids`` as well), the gradient bound of the head
+and the memory plan (also of a vocabulary shard, :func:`head_plan_shard`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import numpy as np
 
 from .checks import FLOAT_KIND, LOGIT_DTYPES, ArrayMeta, _shape, meta
 from .config import KINDS
-from .kinds import _ARG_DOCS, _RETURNS, KIND_SPECS, KindSpec
+from .kinds import _ARG_DOCS, _RETURNS, KIND_SPECS, FrameworkArgs, KindSpec
 from .oracle import oracle
 from .tolerances import Comparison, compare_grad
 
@@ -63,36 +68,41 @@ def head_biases(spec: KindSpec) -> tuple[str, ...]:
     return ("bias",) if spec.target == "labels" else ("bias", "teacher_bias")
 
 
-def head_parameters(spec: KindSpec) -> list[inspect.Parameter]:
+def head_parameters(spec: KindSpec, extra: FrameworkArgs = FrameworkArgs(())) -> list[inspect.Parameter]:
     """``hidden, weight, <targets>, loss_mask=None, *, <biases>=None, <options>, normalization,
-    denominator`` (the options, defaults and order of the unfused ``spec.kind``)."""
+    denominator, segment_ids`` (the options, defaults and order of the unfused ``spec.kind``),
+    then the framework's own (``extra``: ``vocab_parallel``)."""
     params = [_P("hidden", _P.POSITIONAL_OR_KEYWORD), _P("weight", _P.POSITIONAL_OR_KEYWORD)]
     params += [_P(name, _P.POSITIONAL_OR_KEYWORD) for name in head_targets(spec)]
     params.append(_P("loss_mask", _P.POSITIONAL_OR_KEYWORD, default=None))
     params += [_P(name, _P.KEYWORD_ONLY, default=None) for name in head_biases(spec)]
     params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default in spec.options]
     params += [_P("normalization", _P.KEYWORD_ONLY, default="valid_tokens"), _P("denominator", _P.KEYWORD_ONLY, default=None)]
+    params += [_P("segment_ids", _P.KEYWORD_ONLY, default=None)]
+    params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default, _ in extra.args]
     return params
 
 
-def head_docstring(spec: KindSpec) -> str:
+def head_docstring(spec: KindSpec, extra: FrameworkArgs = FrameworkArgs(())) -> str:
     """The docstring of ``linear_<kind>`` (the same in both frameworks)."""
     title = f"Fused LM head + {spec.kind}: ``{spec.kind}(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits."
     lines = [title, "", spec.title, "", f"    {spec.loss}", f"    {spec.grad}", ""]
     if spec.target != "labels":
         lines += ["The teacher logits are ``teacher_hidden @ teacher_weight.T + teacher_bias``.", ""]
     lines.append("Args:")
-    names = ["hidden", "weight", *head_targets(spec), "loss_mask", *head_biases(spec), *spec.option_names, "normalization", "denominator"]
+    names = ["hidden", "weight", *head_targets(spec), "loss_mask", *head_biases(spec), *spec.option_names, "normalization", "denominator", "segment_ids"]
     lines += [f"  {name}: {_HEAD_ARG_DOCS.get(name) or _ARG_DOCS[name]}" for name in names]
+    lines += [f"  {name}: {doc}" for name, _, doc in extra.args]
     lines += ["", "Returns:"] + ["  " + line for line in _HEAD_RETURNS.splitlines()]
     return "\n".join(lines) + "\n"
 
 
-def head_public_function(kind: str, impl: Callable[..., Any], module: str) -> Callable[..., Any]:
-    """``linear_<kind>`` with :func:`head_parameters`' signature, calling ``impl(kind, **bound)``."""
+def head_public_function(kind: str, impl: Callable[..., Any], module: str, extra: FrameworkArgs = FrameworkArgs(())) -> Callable[..., Any]:
+    """``linear_<kind>`` with :func:`head_parameters`' signature (plus the framework's ``extra``
+    arguments), calling ``impl(kind, **bound)``."""
     spec = KIND_SPECS[kind]
     name = LINEAR_NAMES[kind]
-    signature = inspect.Signature(head_parameters(spec))
+    signature = inspect.Signature(head_parameters(spec, extra))
 
     def loss(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -104,7 +114,7 @@ def head_public_function(kind: str, impl: Callable[..., Any], module: str) -> Ca
 
     loss.__name__ = loss.__qualname__ = name
     loss.__module__ = module
-    loss.__doc__ = head_docstring(spec)
+    loss.__doc__ = head_docstring(spec, extra)
     loss.__signature__ = signature  # type: ignore[attr-defined]
     return loss
 
@@ -250,10 +260,25 @@ HEAD_LIVE_BLOCKS: dict[str, dict[str, int]] = {
     "torch": {"cross_entropy": 1, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4},
     "jax": {"cross_entropy": 2, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4},
 }
+#: the same under ``vocab_parallel`` (a shard's [R, V_local] blocks): a shard's exponentials are
+#: relative to its own maxima, not the global ones, so the gradient cannot reuse them in place;
+#: torch keeps the logits (and the teacher's) intact beside its scratch blocks
+#: (``torchloss._stats.buffers_needed``), XLA recomputes the exponentials from the logits.
+HEAD_LIVE_BLOCKS_VOCAB_PARALLEL: dict[str, dict[str, int]] = {
+    "torch": {"cross_entropy": 2, "soft_cross_entropy": 6, "forward_kl": 6, "reverse_kl": 5},
+    "jax": {"cross_entropy": 2, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4},
+}
 #: the largest [R, B] block by default (64 MiB fp32): bigger blocks gain nothing in matmul speed
 HEAD_MAX_BLOCK_ELEMENTS: int = 1 << 24
 #: rows of a chunk in the vocabulary-blocked fallback (one row's V does not fit the budget)
 HEAD_BLOCKED_ROWS: int = 64
+
+
+def head_live_blocks(framework: str, kind: str, vocab_parallel: bool) -> int:
+    """The fp32 blocks ``framework``'s head holds at once for ``kind`` (:data:`HEAD_LIVE_BLOCKS`,
+    or :data:`HEAD_LIVE_BLOCKS_VOCAB_PARALLEL` for a vocabulary shard)."""
+    table = HEAD_LIVE_BLOCKS_VOCAB_PARALLEL if vocab_parallel else HEAD_LIVE_BLOCKS
+    return table[framework][kind]
 
 
 def head_plan(
@@ -278,6 +303,17 @@ def head_plan(
     return chunk, max(1, min(vocab, budget // chunk))
 
 
+def head_plan_shard(
+    rows: int, vocab_local: int, vocab_widest: int, block_elements: Optional[int] = None, blocked_rows: int = HEAD_BLOCKED_ROWS, live_blocks: int = 4
+) -> tuple[int, int]:
+    """``(R, B)`` of one vocabulary shard (``vocab_parallel``). The shards combine each token
+    chunk's statistics with collectives, so every shard must cut the tokens alike: ``R`` is the
+    plan of the widest shard (``vocab_widest``; shards may differ in torch), and ``B`` this
+    shard's block, ``min(V_local, B_widest)`` (so a block never exceeds the widest shard's)."""
+    chunk, block = head_plan(rows, vocab_widest, block_elements, blocked_rows, live_blocks)
+    return chunk, min(vocab_local, block)
+
+
 # --------------------------------------------------------------------------------------------
 # Module forms (jaxloss.nnx, torchloss.nn): options at construction, arrays per call
 # --------------------------------------------------------------------------------------------
@@ -288,12 +324,13 @@ def head_module_name(kind: str) -> str:
     return "Linear" + KIND_SPECS[kind].module
 
 
-def head_module_settings(kind: str, options: dict[str, Any], owner: str) -> dict[str, Any]:
-    """A head module's settings: ``options`` over the defaults of ``kind``'s options and
-    ``normalization``, validated with the functions' own errors."""
-    from .kinds import FrameworkArgs, module_settings
+def head_module_settings(kind: str, options: dict[str, Any], owner: str, extra: FrameworkArgs = FrameworkArgs(())) -> dict[str, Any]:
+    """A head module's settings: ``options`` over the defaults of ``kind``'s options,
+    ``normalization`` and the framework's ``extra`` arguments (``vocab_parallel``), validated
+    with the functions' own errors."""
+    from .kinds import module_settings
 
-    return module_settings(KIND_SPECS[kind], FrameworkArgs(()), options, owner)
+    return module_settings(KIND_SPECS[kind], extra, options, owner)
 
 
 def head_module_docstring(kind: str, framework: str, linear_class: str) -> str:
@@ -305,7 +342,7 @@ def head_module_docstring(kind: str, framework: str, linear_class: str) -> str:
     return (
         f"Module form of :func:`{framework}.{LINEAR_NAMES[kind]}` (fused LM head + {spec.kind}).\n\n"
         f"Constructed with the keyword options ``{options}, normalization='valid_tokens'`` (validated at\n"
-        f"construction); called as ``module(hidden, weight, {targets}, loss_mask=None, *, {biases},\n"
-        f"denominator=None)``. ``weight`` (and ``teacher_weight``) may be a ``{linear_class}``: its weight\n"
+        f"construction, with ``vocab_parallel=None``); called as ``module(hidden, weight, {targets}, loss_mask=None,\n"
+        f"*, {biases}, denominator=None, segment_ids=None)``. ``weight`` (and ``teacher_weight``) may be a ``{linear_class}``: its weight\n"
         "in the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.\n"
     )

@@ -22,12 +22,17 @@ gradients of hidden, weight and bias, the backward scales them by the upstream s
 rounds once. ``"none"``: the upstream gradient is per token and enters the weight gradient
 inside the sum over tokens, so the backward recomputes the head with ``coef * upstream``.
 First order only. Under ``torch.compile`` the head runs eagerly behind one graph break.
+
+Vocab parallel (``vocab_parallel=<ProcessGroup>``; :class:`Shards`): the weight is this rank's
+``[V_local, H]`` slice; each chunk's shard statistics are combined over the group
+(``torchloss._vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the local
+gradient, and ``dh`` is all-reduced once (docs/linear_head.md).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -36,7 +41,7 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import _stats, _torch, api
+from . import _stats, _torch, _vocab_parallel, api
 from ._stats import compute_dtype
 
 __all__ = [
@@ -58,6 +63,34 @@ BLOCK_ELEMENTS: Optional[int] = None
 BLOCKED_ROWS: int = spec_linear.HEAD_BLOCKED_ROWS
 
 Head = tuple  # (hidden [N, H], weight [V, H], bias [V] | None), in the compute dtype
+
+
+class Shards(NamedTuple):
+    """A head split along ``V`` over the ranks of ``group`` (``vocab_parallel``): this rank's
+    weight holds the rows ``[offset, offset + V_local)`` of the ``vocab`` rows of the whole head
+    (labels are global ids)."""
+
+    group: Any
+    offset: int
+    vocab: int
+    widest: int  # the largest V_local of the group: every rank chunks the tokens alike
+
+
+def _label_logit(z: Tensor, y: Tensor, first: int) -> Tensor:
+    """The label's raw logit where the block of columns ``[first, first + B)`` holds it, else 0
+    (``y``: label ids in the numbering of ``first``)."""
+    local = y - first
+    owned = (local >= 0) & (local < z.shape[1])
+    return torch.where(owned, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
+
+
+def _whole_row(config: LossConfig, local: Any, shards: Optional[Shards], vocab: int) -> Any:
+    """The final statistics of whole rows: a shard's statistics are first combined over the
+    group (one ``all_gather`` of the maxima, one ``all_reduce`` of the sums for the chunk's rows,
+    :func:`torchloss._vocab_parallel.combine_shards`); the global ``V`` enters ``finalize``."""
+    if shards is None:
+        return _stats.finalize(config, local, vocab)
+    return _stats.finalize(config, _vocab_parallel.combine_shards(config, local, shards.group), shards.vocab)
 
 
 def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
@@ -91,15 +124,34 @@ def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
     return loss, z
 
 
+def _chunk_shard(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional[Tensor], cc: Tensor, need_grad: bool, shards: Shards) -> tuple[Tensor, Optional[Tensor]]:
+    """:func:`_chunk_whole` for a vocabulary shard ``z`` ``[R, V_local]``: its statistics
+    (scratch blocks beside ``z`` and ``t``, which stay intact), combined over the group, then
+    its gradient from the rows' final statistics written over ``z`` (the shard's exponentials
+    are relative to its own maxima, so they are recomputed, not reused)."""
+    bufs = [torch.empty_like(z) for _ in range(_stats.buffers_needed(config.kind))]
+    x_y = None if y is None else _label_logit(z, y, shards.offset)
+    stats, _ = _stats.block_stats(config, z, t, bufs, x_y=x_y)
+    fin = _whole_row(config, stats, shards, z.shape[1])
+    loss = torch.where(cc != 0, fin.l, 0.0)
+    if not need_grad:
+        return loss, None
+    _stats.block_grad(config, fin, cc, z, t, y, shards.offset, shards.vocab, z, bufs, None)
+    return loss, z
+
+
 def _chunk_blocked(
     config: LossConfig, block: int, hc: Tensor, student: Head, teacher: Optional[Head], y: Optional[Tensor], cc: Tensor,
-    need_grad: bool, dh: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor],
+    need_grad: bool, dh: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], shards: Optional[Shards] = None,
 ) -> Tensor:
     """Rows ``hc`` over vocabulary blocks of ``block`` columns: pass 1 folds the blocks'
     statistics, pass 2 writes each block's gradient over its recomputed logits and adds its
-    products to ``dh`` (this chunk's rows), ``dw`` and ``db``. Returns the loss ``[R]``."""
+    products to ``dh`` (this chunk's rows), ``dw`` and ``db``. Returns the loss ``[R]``.
+    ``shards``: the weight is a vocabulary shard (columns from ``shards.offset`` on); its folded
+    statistics are combined over the group between the two passes."""
     _, w, b = student
     n, vocab = hc.shape[0], w.shape[0]
+    offset = 0 if shards is None else shards.offset
     acc = hc.dtype
     flat = [torch.empty(n * block, dtype=acc, device=hc.device) for _ in range(_stats.buffers_needed(config.kind))]
     stats = _stats.empty_stats(config, n, acc, hc.device)
@@ -114,14 +166,12 @@ def _chunk_blocked(
         v1 = min(vocab, v0 + block)
         z, t = window(v0, v1)
         if y is not None:
-            local = y - v0
-            owned = (local >= 0) & (local < v1 - v0)
-            x_y += torch.where(owned, z.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0], 0.0)
+            x_y += _label_logit(z, y, offset + v0)
         part, _ = _stats.block_stats(config, z, t, _torch._views(flat, n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
         stats = _stats.combine(config, stats, part)
     if y is not None:
         stats = stats._replace(x_y=x_y)
-    fin = _stats.finalize(config, stats, vocab)
+    fin = _whole_row(config, stats, shards, vocab)
     loss = torch.where(cc != 0, fin.l, 0.0)
     if not need_grad:
         return loss
@@ -130,7 +180,7 @@ def _chunk_blocked(
     for v0 in range(0, vocab, block):
         v1 = min(vocab, v0 + block)
         z, t = window(v0, v1)
-        _stats.block_grad(config, fin, cc, z, t, y, v0, vocab, z, _torch._views(flat, n, v1 - v0), None)
+        _stats.block_grad(config, fin, cc, z, t, y, offset + v0, vocab if shards is None else shards.vocab, z, _torch._views(flat, n, v1 - v0), None)
         dh.addmm_(z, w[v0:v1])
         dw[v0:v1].addmm_(z.t(), hc)
         if db is not None:
@@ -150,6 +200,7 @@ def head_forward(
     need_grad: bool,
     block_elements: Optional[int] = None,
     blocked_rows: int = spec_linear.HEAD_BLOCKED_ROWS,
+    shards: Optional[Shards] = None,
 ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Per-token loss and the gradients of the head, in the compute dtype.
 
@@ -161,11 +212,18 @@ def head_forward(
       coef: ``[N]`` per-token coefficient (compute dtype).
       need_grad: also compute the gradients.
       block_elements, blocked_rows: the plan's budget (:func:`lossspec.linear.head_plan`).
+      shards: ``vocab_parallel``: ``weight`` ``[V_local, H]`` (and bias, the teacher's weight and
+        bias) is this rank's contiguous slice of the head along ``V`` (Megatron's column-parallel
+        head), ``hidden`` is the same on every rank of ``shards.group``, labels are global ids.
+        Each chunk computes the shard's statistics from its local logits, combines them over the
+        group (``[R]`` vectors, never the logits), then the local gradient; ``dh`` is summed over
+        the group once at the end (``all_reduce``); ``dW``, ``db`` stay local.
 
     Returns:
       ``(l [N], dh [N, H], dW [V, H], db [V] | None)``: the per-token loss (0 where
       ``coef == 0``, not multiplied by ``coef``) and, with ``need_grad``, the gradients of
-      ``sum_i coef_i l_i`` (``G = coef * c * dl/dz``: ``dh = G W``, ``dW = G^T h``, ``db = sum G``).
+      ``sum_i coef_i l_i`` (``G = coef * c * dl/dz``: ``dh = G W``, ``dW = G^T h``, ``db = sum G``;
+      with ``shards``, ``dW`` and ``db`` of the local slice and ``dh`` the whole ``sum_k G_k W_k``).
     """
     n, width = hidden.shape
     vocab = weight.shape[0]
@@ -174,7 +232,11 @@ def head_forward(
     up = lambda a: None if a is None else a.detach().to(acc)  # noqa: E731  (16-bit: exact)
     student = (None, up(weight), up(bias))
     teacher_acc = None if teacher is None else (None, up(teacher[1]), up(teacher[2]))
-    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, spec_linear.HEAD_LIVE_BLOCKS["torch"][config.kind])
+    live = spec_linear.head_live_blocks("torch", config.kind, shards is not None)
+    if shards is None:
+        rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, live)
+    else:
+        rows, block = spec_linear.head_plan_shard(n, vocab, shards.widest, block_elements, blocked_rows, live)
     loss = torch.zeros(n, dtype=acc, device=device)
     dh = torch.empty((n, width), dtype=acc, device=device) if need_grad else None
     dw = torch.zeros((vocab, width), dtype=acc, device=device) if need_grad else None
@@ -192,7 +254,7 @@ def head_forward(
                 tt = (teacher[0][r0:r1].detach().to(acc),) + teacher_acc[1:]
             dh_c = None if dh is None else dh[r0:r1]
             if block < vocab:
-                loss[r0:r1] = _chunk_blocked(config, block, hc, student, tt, y, cc, need_grad, dh_c, dw, db)
+                loss[r0:r1] = _chunk_blocked(config, block, hc, student, tt, y, cc, need_grad, dh_c, dw, db, shards)
                 continue
             # One buffer per chunk role, reused: a fresh one per chunk would hold two chunks'
             # logits at once (the previous chunk's until its name is rebound).
@@ -201,13 +263,21 @@ def head_forward(
                 t_buf = None if tt is None else torch.empty(rows * vocab, dtype=acc, device=device)
             z = _logits(hc, student[1], student[2], out=z_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab))
             t = None if tt is None else _logits(*tt, out=t_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab))
-            part, g = _chunk_whole(config, z, t, y, cc, need_grad)
+            if shards is None:
+                part, g = _chunk_whole(config, z, t, y, cc, need_grad)
+            else:
+                part, g = _chunk_shard(config, z, t, y, cc, need_grad, shards)
             loss[r0:r1] = part
             if g is not None:
                 torch.mm(g, student[1], out=dh_c)
                 dw.addmm_(g.t(), hc)
                 if db is not None:
                     db += g.sum(dim=0)
+        if shards is not None and dh is not None and n > 0:
+            # hidden feeds every shard: its gradient is the sum of the shards' G_k W_k.
+            import torch.distributed as dist
+
+            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=shards.group)
     return loss, dh, dw, db
 
 
@@ -215,23 +285,27 @@ class LinearHeadFunction(torch.autograd.Function):
     """Autograd Function of the ``linear_*`` losses.
 
     ``forward(hidden [N, H], weight, bias, labels, teacher_hidden, teacher_weight,
-    teacher_bias, coef, config, need_grad, plan)`` returns ``sum_i coef_i l_i``
-    (reduced) or the per-token ``coef_i l_i`` (``"none"``) in the compute dtype.
+    teacher_bias, coef, config, need_grad, plan, shards)`` returns ``sum_i coef_i l_i``
+    (reduced) or the per-token ``coef_i l_i`` (``"none"``) in the compute dtype. ``shards``:
+    :class:`Shards` (``vocab_parallel``) or ``None``.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Optional[Tensor], t_hidden: Optional[Tensor],
         t_weight: Optional[Tensor], t_bias: Optional[Tensor], coef: Tensor, config: LossConfig, need_grad: bool, plan: tuple,
+        shards: Optional[Shards],
     ) -> Tensor:
         reduced = config.normalization != "none"
         teacher = None if t_hidden is None else (t_hidden, t_weight, t_bias)
         args = (config, hidden, weight, bias, labels, teacher)
-        per_token, dh, dw, db = head_forward(*args, coef, need_grad=need_grad and reduced, block_elements=plan[0], blocked_rows=plan[1])
+        per_token, dh, dw, db = head_forward(
+            *args, coef, need_grad=need_grad and reduced, block_elements=plan[0], blocked_rows=plan[1], shards=shards
+        )
         ctx.reduced, ctx.dtypes = reduced, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.grads = (dh, dw, db)
         if need_grad and not reduced:  # "none": the backward recomputes with coef * upstream
-            ctx.args, ctx.coef, ctx.plan = args, coef, plan
+            ctx.args, ctx.coef, ctx.plan, ctx.shards = args, coef, plan, shards
         contribution = torch.where(coef != 0, coef * per_token, 0.0)
         return contribution.sum() if reduced else contribution
 
@@ -244,7 +318,9 @@ class LinearHeadFunction(torch.autograd.Function):
         else:
             coef = ctx.coef
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
-            _, dh, dw, db = head_forward(*ctx.args, scaled, need_grad=True, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1])
+            _, dh, dw, db = head_forward(
+                *ctx.args, scaled, need_grad=True, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1], shards=ctx.shards
+            )
             scale = None
         # Scaled in place unless the graph is kept for another backward (retain_graph=True),
         # then the one rounding of each gradient to its parameter's dtype.
@@ -260,7 +336,7 @@ class LinearHeadFunction(torch.autograd.Function):
             return a.to(dtype)
 
         h_dtype, w_dtype, b_dtype = ctx.dtypes
-        return (cast(dh, h_dtype), cast(dw, w_dtype), cast(db, b_dtype)) + (None,) * 8
+        return (cast(dh, h_dtype), cast(dw, w_dtype), cast(db, b_dtype)) + (None,) * 9
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,6 +360,16 @@ def _check_devices(hidden: Tensor, named: dict[str, Optional[Tensor]]) -> None:
     for name, tensor in named.items():
         if tensor is not None and tensor.device != hidden.device:
             raise ValueError(spec_linear.device_message(name, tensor.device, hidden.device))
+
+
+def _widest_shard(vocab_local: int, group: Any, device: torch.device) -> int:
+    """The largest ``V_local`` of the group (one ``all_reduce(MAX)`` and a host read): the
+    shards' token chunks must agree (:func:`lossspec.linear.head_plan_shard`)."""
+    import torch.distributed as dist
+
+    widest = torch.tensor([vocab_local], dtype=torch.int64, device=device)
+    dist.all_reduce(widest, op=dist.ReduceOp.MAX, group=group)
+    return int(widest.item())
 
 
 @torch.compiler.disable(reason="torchloss.linear runs eagerly (one graph break)")
@@ -311,20 +397,41 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     lead, vocab = tuple(hidden.shape[:-1]), int(weight.shape[0])
     logits = _stand_in(lead, vocab, hidden)
     target = args["labels"] if ce else _stand_in(lead, vocab, teacher[0])
-    # No segment_ids, vocab_parallel or sequence_parallel for the head (yet).
-    call = api._validate(config, logits, target, args["loss_mask"], None, args["denominator"], None, None, "torch", False)
+    # The unfused losses' validation and coefficients (segment_ids, the label range against the
+    # global V of a vocab_parallel group); no sequence_parallel for the head (yet).
+    vocab_parallel = args["vocab_parallel"]
+    call = api._validate(config, logits, target, args["loss_mask"], args["segment_ids"], args["denominator"], vocab_parallel, None, "torch", False)
     prepared = api._prepare(call)
+    shards = None if vocab_parallel is None else Shards(vocab_parallel, call.backend.offset, call.vocab, _widest_shard(vocab, vocab_parallel, hidden.device))
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     rows = math.prod(lead)
     t_args = (None, None, None) if teacher is None else (teacher[0].reshape(rows, teacher[0].shape[-1]), teacher[1], teacher[2])
     loss = LinearHeadFunction.apply(
-        hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad, (BLOCK_ELEMENTS, BLOCKED_ROWS)
+        hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad,
+        (BLOCK_ELEMENTS, BLOCKED_ROWS), shards,
     )
     return api._finish(call, prepared, loss)
 
 
+HEAD_FRAMEWORK_ARGS = lossspec.FrameworkArgs(
+    (
+        (
+            "vocab_parallel",
+            None,
+            "``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V`` "
+            "(Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this "
+            "rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` "
+            "(and ``teacher_hidden``) the same on every rank, labels global ids. The loss is the same on every rank; the "
+            "gradient of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's "
+            "all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only "
+            "``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.",
+        ),
+    )
+)
+
+
 def _public(kind: str) -> Any:
-    return spec_linear.head_public_function(kind, _linear_loss, __name__)
+    return spec_linear.head_public_function(kind, _linear_loss, __name__, HEAD_FRAMEWORK_ARGS)
 
 
 linear_cross_entropy = _public("cross_entropy")
@@ -352,15 +459,15 @@ class _LinearLoss(torch.nn.Module):
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
-        self.settings = spec_linear.head_module_settings(self.kind, options, type(self).__name__)
+        self.settings = spec_linear.head_module_settings(self.kind, options, type(self).__name__, HEAD_FRAMEWORK_ARGS)
 
     def forward(self, hidden: Tensor, weight: Any, *args: Any, loss_mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                teacher_bias: Optional[Tensor] = None, denominator: api.Denominator = None) -> Tensor:
+                teacher_bias: Optional[Tensor] = None, denominator: api.Denominator = None, segment_ids: Optional[Tensor] = None) -> Tensor:
         """The loss of this module's kind; ``args``: the labels, or the teacher's hidden states
         and weight, then optionally the mask (as for the function)."""
         weight, bias = _unpack_linear(weight, bias)
         args = list(args)
-        kwargs: dict[str, Any] = {"bias": bias, "denominator": denominator, **self.settings}
+        kwargs: dict[str, Any] = {"bias": bias, "denominator": denominator, "segment_ids": segment_ids, **self.settings}
         if loss_mask is not None:
             kwargs["loss_mask"] = loss_mask
         if self.kind != "cross_entropy":

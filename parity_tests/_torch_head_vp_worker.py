@@ -1,0 +1,99 @@
+"""Worker launched as 2 ranks (gloo on the loopback interface, _ranks.py) by
+test_linear_head_vocab_parallel.py: ``torchloss.linear_<kind>(..., vocab_parallel=group)`` with the
+head split along ``V`` in uneven shards (``SHARDS``, rank order; neither a multiple of the
+blocked plan's block), ``hidden`` the same on both ranks, for every case of ``CASES``. Each rank
+writes ``r{rank}.npz``: per case the loss, the gradient of ``hidden`` and of its weight and bias
+shards; the test compares them with the float64 oracle of the whole head. Not a test module.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _head_problem import BATCH, KINDS, OPTIONS, TIME, make_problem  # noqa: E402
+from _ranks import finish, init_gloo  # noqa: E402
+
+import torchloss  # noqa: E402
+import torchloss.linear as torch_linear  # noqa: E402
+
+WORLD = 2
+VOCAB = 23
+SHARDS = (9, 14)  # uneven; the blocked plan's blocks of 4 columns: 9 = 2 * 4 + 1, 14 = 3 * 4 + 2
+BOUNDS = tuple(int(b) for b in np.concatenate(([0], np.cumsum(SHARDS))))
+# (block_elements, blocked_rows): whole shard rows in chunks of 5 tokens (70 // 14), or the
+# fallback, chunks of 5 rows and blocks of 4 columns.
+PLANS = {"whole": (70, 64), "blocked": (20, 5)}
+# name -> (kind, plan, options); "segment_ids": True passes the problem's ids.
+CASES: dict[str, tuple[str, str, dict[str, Any]]] = {}
+for _kind in KINDS:
+    for _plan in PLANS:
+        CASES[f"{_kind}/{_plan}/valid_tokens"] = (_kind, _plan, dict(OPTIONS[_kind]))
+        CASES[f"{_kind}/{_plan}/none"] = (_kind, _plan, dict(OPTIONS[_kind], normalization="none"))
+    CASES[f"{_kind}/whole/sequence_mean_shift"] = (
+        _kind, "whole", dict(OPTIONS[_kind], normalization="sequence_mean", causal_shift=True, segment_ids=True)
+    )
+# The module form, vocab_parallel given at construction.
+CASES["cross_entropy/blocked/module"] = ("cross_entropy", "blocked", dict(OPTIONS["cross_entropy"], module=True))
+
+
+def upstream(options: dict[str, Any]) -> np.ndarray:
+    """A non-unit upstream gradient: per token for ``"none"``, else a scalar."""
+    if options.get("normalization") == "none":
+        return np.linspace(0.5, 2.0, BATCH * TIME).reshape(BATCH, TIME).astype(np.float32)
+    return np.asarray(1.75, np.float32)
+
+
+def run_case(kind: str, plan: str, options: dict[str, Any], lo: int, hi: int, group: Any) -> dict[str, np.ndarray]:
+    torch_linear.BLOCK_ELEMENTS, torch_linear.BLOCKED_ROWS = PLANS[plan]
+    problem = make_problem(kind, VOCAB, seed=11)
+    options = dict(options)
+    if options.pop("segment_ids", False):
+        options["segment_ids"] = torch.tensor(problem["segment_ids"])
+    hidden = torch.tensor(problem["hidden"], requires_grad=True)
+    weight = torch.tensor(problem["weight"][lo:hi], requires_grad=True)
+    bias = torch.tensor(problem["bias"][lo:hi], requires_grad=True)
+    fn = getattr(torchloss, f"linear_{kind}")
+    if kind == "cross_entropy":
+        target: tuple = (torch.tensor(problem["labels"]),)
+        extra: dict[str, Any] = {}
+    else:
+        target = (torch.tensor(problem["teacher_hidden"]), torch.tensor(problem["teacher_weight"][lo:hi]))
+        extra = {"teacher_bias": torch.tensor(problem["teacher_bias"][lo:hi])}
+    mask = torch.tensor(problem["loss_mask"])
+    if options.pop("module", False):
+        loss = torchloss.nn.LinearCrossEntropyLoss(vocab_parallel=group, **options)(hidden, weight, *target, loss_mask=mask, bias=bias)
+    else:
+        loss = fn(hidden, weight, *target, mask, bias=bias, vocab_parallel=group, **extra, **options)
+    loss.backward(torch.tensor(upstream(options)))
+    return {
+        "loss": loss.detach().numpy().copy(),
+        "hidden": hidden.grad.numpy().copy(),
+        "weight": weight.grad.numpy().copy(),
+        "bias": bias.grad.numpy().copy(),
+    }
+
+
+def main(out_dir: str) -> None:
+    rank, world = init_gloo()
+    assert world == WORLD, f"run with {WORLD} ranks, not {world}"
+    group = dist.new_group(list(range(WORLD)))
+    lo, hi = BOUNDS[rank], BOUNDS[rank + 1]
+    results: dict[str, np.ndarray] = {}
+    for name, (kind, plan, options) in CASES.items():
+        for key, value in run_case(kind, plan, options, lo, hi, group).items():
+            results[f"{name}/{key}"] = value
+    np.savez(os.path.join(out_dir, f"r{rank}.npz"), **results)
+    print(f"[rank {rank}] shard [{lo}, {hi}): {len(CASES)} cases", flush=True)
+    finish(rank)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
