@@ -17,7 +17,8 @@ Runs, in both frameworks, from the same NumPy weights on the same batches:
   (d) ``naive K=4``    each micro-batch's own sequence mean, averaged over the 4.
 
 Bound: SPEC section 6 bounds each step's gradient by ``GRAD_RTOL * S`` (``S = max|grad|`` of the
-tensor). Summed over the SGD steps, a parameter may move ``lr * GRAD_RTOL * sum_steps S`` from
+tensor); the update ``param - lr * grad`` rounds to float32 (one ulp of the parameter). Summed
+over the SGD steps, a parameter may be ``sum_steps (lr * GRAD_RTOL * S + ulp(max|param|))`` from
 the full-batch run (:func:`param_bounds`; this ignores how SGD carries a difference forward,
 which over these short runs is far smaller). (b) and (c) must stay within it at every step;
 (d) is reported in units of it (it is off by far more). JAX vs torch (a): within twice the bound.
@@ -38,7 +39,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
 import numpy as np  # noqa: E402
 
-from lossspec import GRAD_RTOL  # noqa: E402
+from lossspec import GRAD_RTOL, ulp  # noqa: E402
 
 LR = 0.5
 HIDDEN = 32
@@ -51,14 +52,18 @@ CONFIGS = {  # name -> (micro-batches K, replicas D, naive)
     "naive K=4": (4, 1, True),
 }
 
-History = dict[str, list]
+History = dict[str, Any]
 
 
 def param_bounds(base: History, lr: float) -> list[dict[str, float]]:
-    """Per step ``t`` and tensor: ``lr * GRAD_RTOL * sum_{s <= t} max|grad_s|`` of the base run."""
+    """Per step ``t`` and tensor: ``sum_{s <= t} (lr * GRAD_RTOL * max|grad_s| + ulp(max|param_s|))``
+    of the base run: the SPEC bound on each step's gradient, plus one float32 ulp per step for the
+    rounding of the update ``param - lr * grad`` itself (two runs whose gradients differ in the last
+    bit may round a parameter near 1 to neighbouring floats)."""
     bounds, total = [], {name: 0.0 for name in base["grad_max"][0]}
-    for grad_max in base["grad_max"]:
-        total = {name: total[name] + lr * GRAD_RTOL * grad_max[name] for name in total}
+    for grad_max, params in zip(base["grad_max"], base["params"]):
+        total = {name: total[name] + lr * GRAD_RTOL * grad_max[name] + float(ulp(np.max(np.abs(params[name])), "float32"))
+                 for name in total}
         bounds.append(dict(total))
     return bounds
 
@@ -152,7 +157,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axes[1].semilogy(steps, np.maximum(gap["max_abs_param_diff"], 1e-12), style, label=name)
         axes[2].semilogy(steps, np.maximum(gap["ratio_to_bound"], 1e-6), style, label=name)
     axes[1].set(title=f"max |param - {BASE} param| (floor 1e-12)", xlabel="optimizer step")
-    axes[2].axhline(1.0, color="red", linestyle=":", label="SPEC bound (lr GRAD_RTOL sum max|grad|)")
+    axes[2].axhline(1.0, color="red", linestyle=":", label="bound: sum over steps of lr GRAD_RTOL max|grad| + ulp(param)")
     axes[2].set(title="the same in units of the bound (floor 1e-6)", xlabel="optimizer step")
     for ax in axes:
         ax.legend(fontsize=7)

@@ -18,7 +18,7 @@ from examples.tiny_lm.model_jax import TinyLM, shard_map
 
 from .data import NORMALIZATION
 
-History = dict[str, list]  # losses [steps], params / grad_max: [steps] of {name: array / float}
+History = dict[str, Any]  # losses [steps]; params, grad_max: [steps] of {name: ...}; first_grads: {name: array}
 
 
 def make_step(graphdef: Any, *, num_microbatches: int = 1, replicas: int = 1, naive: bool = False) -> Any:
@@ -65,19 +65,22 @@ def first_step(weights: dict[str, np.ndarray], batch: dict[str, np.ndarray], **c
 
 def train(weights: dict[str, np.ndarray], batches: list[dict[str, np.ndarray]], *, lr: float, num_microbatches: int = 1,
           replicas: int = 1, naive: bool = False, progress: Any = None) -> History:
-    """Plain SGD; per step: the logged loss, the parameters after the step and ``max|grad|`` of each."""
+    """Plain SGD; per step: the logged loss, the parameters after the step and ``max|grad|`` of
+    each; ``first_grads``: the first step's gradients."""
     graphdef, state = nnx.split(TinyLM(weights))
     step_fn = make_step(graphdef, num_microbatches=num_microbatches, replicas=replicas, naive=naive)
 
     @jax.jit
     def update(state: Any, batch: dict[str, jax.Array]) -> tuple[Any, jax.Array, Any]:
         loss, grads = step_fn(state, batch)
-        new_state = jax.tree_util.tree_map(lambda p, g: p - lr * g, state, grads)
-        return new_state, loss, jax.tree_util.tree_map(lambda g: jnp.max(jnp.abs(g)), grads)
+        return jax.tree_util.tree_map(lambda p, g: p - lr * g, state, grads), loss, grads
 
     history: History = {"losses": [], "params": [], "grad_max": []}
     for index, batch in enumerate(batches):
-        state, loss, grad_max = update(state, {k: jnp.asarray(v) for k, v in batch.items()})
+        state, loss, grads = update(state, {k: jnp.asarray(v) for k, v in batch.items()})
+        if index == 0:
+            history["first_grads"] = _numpy(grads)
+        grad_max = jax.tree_util.tree_map(lambda g: jnp.max(jnp.abs(g)), grads)
         history["losses"].append(float(loss))
         history["params"].append(_numpy(state))
         history["grad_max"].append({name: float(v) for name, v in _numpy(grad_max).items()})

@@ -17,7 +17,7 @@ from examples.tiny_lm.model_torch import TinyLM
 
 from .data import NORMALIZATION
 
-History = dict[str, list]
+History = dict[str, Any]
 
 
 def loss_fn(model: TinyLM, microbatch: dict[str, torch.Tensor], denominator: Any) -> torch.Tensor:
@@ -85,11 +85,14 @@ def first_step(weights: dict[str, np.ndarray], batch: dict[str, np.ndarray], **c
 
 def train(weights: dict[str, np.ndarray], batches: list[dict[str, np.ndarray]], *, lr: float, num_microbatches: int = 1,
           replicas: int = 1, naive: bool = False, progress: Any = None) -> History:
-    """Plain SGD; per step: the logged loss, the parameters after the step and ``max|grad|`` of each."""
+    """Plain SGD; per step: the logged loss, the parameters after the step and ``max|grad|`` of
+    each; ``first_grads``: the first step's gradients."""
     model = TinyLM(weights)
     history: History = {"losses": [], "params": [], "grad_max": []}
     for index, batch in enumerate(batches):
         loss = step(model, batch, num_microbatches=num_microbatches, replicas=replicas, naive=naive)
+        if index == 0:
+            history["first_grads"] = {name: p.grad.numpy().copy() for name, p in model.named_parameters()}
         history["grad_max"].append({name: float(p.grad.abs().max()) for name, p in model.named_parameters()})
         with torch.no_grad():
             for param in model.parameters():
