@@ -1,5 +1,8 @@
 """End-to-end demo: train the same tiny LM in Flax NNX and in torch and show it trains identically.
 
+The model's head is tied to its embedding table and fused with the loss: ``linear_<kind>(hidden,
+tok_emb, ...)`` in both frameworks (the logits are never materialised as one buffer).
+
     python -m examples.tiny_lm.demo [--steps 40] [--out tiny_lm_out]
 
 Runs (a) cross-entropy SFT and (b) distillation from a bigger teacher with forward and reverse
@@ -79,13 +82,17 @@ def run(steps: int, teacher_steps: int, tasks: list[str], configs: list[str], ou
           f"{[int(x) for x in batches[0]['loss_mask'].reshape(4, -1).sum(1)]} (total {valid[0]})")
     student = init_weights(hidden=32, seed=0)
     curves: dict[str, dict[str, list[float]]] = {}
+    teacher_weight = None
     if any(t.startswith("distill") for t in tasks):
         print(f"training the teacher (hidden 64, {teacher_steps} SGD steps, torch)")
         teacher_batches = [data.batch(i) for i in range(teacher_steps)]
         _, teacher = model_torch.train(init_weights(hidden=64, seed=1), teacher_batches, kind="cross_entropy", lr=0.5,
                                        progress=Progress("teacher", teacher_steps))
-        for batch in batches:  # the same teacher logits for both frameworks
-            batch["teacher"] = model_torch.logits_of(teacher, batch["tokens"])
+        # The same teacher for both frameworks: its hidden states and tied embedding table go to
+        # the fused head (linear_forward_kl / linear_reverse_kl), which forms its logits per chunk.
+        teacher_weight = teacher["tok_emb"]
+        for batch in batches:
+            batch["teacher_hidden"] = model_torch.hidden_of(teacher, batch["tokens"])
     for task in tasks:
         kind, lr, temperature = TASKS[task]
         for config in configs:
@@ -94,10 +101,11 @@ def run(steps: int, teacher_steps: int, tasks: list[str], configs: list[str], ou
             k, replicas, naive = CONFIGS[config]
             for framework in frameworks:
                 label = f"{task} {framework} {config}"
-                task_batches = [{key: value for key, value in b.items() if key != ("teacher" if kind == "cross_entropy" else "labels")}
-                                for b in batches]
+                unused = "teacher_hidden" if kind == "cross_entropy" else "labels"
+                task_batches = [{key: value for key, value in b.items() if key != unused} for b in batches]
                 losses, _ = trainers[framework](student, task_batches, kind=kind, lr=lr, num_microbatches=k,
                                                 replicas=replicas, naive=naive, temperature=temperature,
+                                                teacher_weight=None if kind == "cross_entropy" else teacher_weight,
                                                 progress=Progress(label, steps))
                 curves.setdefault(task, {})[f"{framework} {config}"] = losses
     checks = evaluate(curves, frameworks)

@@ -1,9 +1,9 @@
-"""The tiny LM in Flax NNX, trained with ``jaxloss.nnx`` loss modules and ``jaxloss.distributed.accumulate``."""
+"""The tiny LM in Flax NNX with a tied, fused head (``jaxloss.linear_nnx`` modules), trained with
+``jaxloss.distributed.accumulate``."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-import jaxloss.nnx as lossnn
+import jaxloss.linear_nnx as headnn
 from jaxloss.distributed import accumulate
 
 from .weights import LN_EPS
@@ -21,6 +21,8 @@ try:
 except ImportError:  # pragma: no cover - older JAX
     from jax.experimental.shard_map import shard_map
 
+StepFn = Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, Any]]
+
 
 def _layer_norm(x: jax.Array, gain: jax.Array, bias: jax.Array) -> jax.Array:
     mean = x.mean(-1, keepdims=True)
@@ -29,61 +31,57 @@ def _layer_norm(x: jax.Array, gain: jax.Array, bias: jax.Array) -> jax.Array:
 
 
 class TinyLM(nnx.Module):
-    """Embedding, one pre-LN transformer block (one attention head, GELU MLP), untied head."""
+    """Embedding, one pre-LN transformer block (one attention head, GELU MLP); returns the final
+    hidden states, the head being the tied embedding table (``weights.py``)."""
 
     def __init__(self, weights: dict[str, np.ndarray]) -> None:
         for name, value in weights.items():
             setattr(self, name, nnx.Param(jnp.asarray(value)))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        """``tokens [B, T]`` (and the packed documents' ``segment_ids [B, T]``) -> ``[B, T, H]``."""
         seq = tokens.shape[-1]
         x = self.tok_emb[...][tokens] + self.pos_emb[...][:seq]
         h = _layer_norm(x, self.ln1_g[...], self.ln1_b[...])
         q, k, v = h @ self.wq[...], h @ self.wk[...], h @ self.wv[...]
         scores = (q @ jnp.swapaxes(k, -1, -2)) / np.sqrt(q.shape[-1]).astype(np.float32)
-        causal = jnp.tril(jnp.ones((seq, seq), bool))
-        scores = jnp.where(causal, scores, -1e30)
+        allowed = jnp.tril(jnp.ones((seq, seq), bool))
+        if segment_ids is not None:  # a token attends to its own document only
+            allowed = allowed & (segment_ids[..., :, None] == segment_ids[..., None, :])
+        scores = jnp.where(allowed, scores, -1e30)
         x = x + jax.nn.softmax(scores, axis=-1) @ v @ self.wo[...]
         h = _layer_norm(x, self.ln2_g[...], self.ln2_b[...])
         x = x + jax.nn.gelu(h @ self.w1[...] + self.b1[...], approximate=True) @ self.w2[...] + self.b2[...]
-        return _layer_norm(x, self.lnf_g[...], self.lnf_b[...]) @ self.head[...]
+        return _layer_norm(x, self.lnf_g[...], self.lnf_b[...])
 
 
-def logits_of(weights: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
+def hidden_of(weights: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
     return np.asarray(TinyLM(weights)(jnp.asarray(tokens)))
 
 
-def loss_module(kind: str, temperature: float = 1.0) -> nnx.Module:
+def head_loss(kind: str, temperature: float = 1.0) -> nnx.Module:
+    """The fused head's loss module: ``(hidden, tok_emb, labels | teacher_hidden, teacher_weight)``."""
     if kind == "cross_entropy":
-        return lossnn.CrossEntropyLoss()
-    classes = {"forward_kl": lossnn.ForwardKLLoss, "reverse_kl": lossnn.ReverseKLLoss,
-               "soft_cross_entropy": lossnn.SoftCrossEntropyLoss}
+        return headnn.LinearCrossEntropyLoss()
+    classes = {"forward_kl": headnn.LinearForwardKLLoss, "reverse_kl": headnn.LinearReverseKLLoss,
+               "soft_cross_entropy": headnn.LinearSoftCrossEntropyLoss}
     return classes[kind](temperature=temperature)
 
 
-def train(
-    weights: dict[str, np.ndarray],
-    batches: list[dict[str, np.ndarray]],
-    *,
-    kind: str,
-    lr: float,
-    num_microbatches: int = 1,
-    replicas: int = 1,
-    naive: bool = False,
-    temperature: float = 1.0,
-    progress: Any = None,
-) -> tuple[list[float], dict[str, np.ndarray]]:
-    """Plain SGD over ``batches``; returns the logged loss of every step (the full-batch loss,
-    or for ``naive=True`` the mean of micro-batch means a plain accumulation loop logs) and the
-    final weights. ``replicas > 1`` runs data-parallel over that many devices with ``shard_map``."""
-    model = TinyLM(weights)
-    graphdef, state = nnx.split(model)
-    criterion = loss_module(kind, temperature)
-    target_key = "labels" if kind == "cross_entropy" else "teacher"
+def make_step(graphdef: Any, *, kind: str, num_microbatches: int = 1, replicas: int = 1, naive: bool = False,
+              temperature: float = 1.0, teacher_weight: Optional[np.ndarray] = None) -> StepFn:
+    """``step(state, batch) -> (loss, grads)`` of one optimizer step: the full-batch loss and
+    gradients through ``accumulate`` (K micro-batches, ``shard_map`` over ``replicas`` devices),
+    or with ``naive=True`` the mean over micro-batches of each one's own mean."""
+    criterion = head_loss(kind, temperature)
+    teacher_w = None if teacher_weight is None else jnp.asarray(teacher_weight)
 
     def loss_fn(state: Any, microbatch: dict[str, jax.Array], denominator: Any) -> jax.Array:
-        logits = nnx.merge(graphdef, state)(microbatch["tokens"])
-        return criterion(logits, microbatch[target_key], microbatch["loss_mask"], denominator=denominator)
+        model = nnx.merge(graphdef, state)
+        hidden = model(microbatch["tokens"])
+        # Tied head: the embedding table [V, H] is the head's weight; its gradient sums both uses.
+        targets = (microbatch["labels"],) if kind == "cross_entropy" else (microbatch["teacher_hidden"], teacher_w)
+        return criterion(hidden, model.tok_emb[...], *targets, loss_mask=microbatch["loss_mask"], denominator=denominator)
 
     def exact(state: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
         return accumulate(loss_fn, state, batch, num_microbatches=num_microbatches, count_fn=_count,
@@ -99,7 +97,44 @@ def train(
     step_fn = naive_step if naive else exact
     if replicas > 1:
         mesh = Mesh(np.array(jax.devices()[:replicas]), ("data",))
-        step_fn = shard_map(step_fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
+        # check_vma=False: the fused head's chunk loop (jaxloss/linear.py) starts its fori_loop
+        # carry from unvarying zeros, which shard_map's varying-axes check rejects (jax 0.10).
+        # Without the check, accumulate psums the loss and the gradients explicitly (as under pmap).
+        step_fn = shard_map(step_fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=False)
+    return step_fn
+
+
+def _device_batch(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    return {key: jnp.asarray(value) for key, value in batch.items()}
+
+
+def first_step(weights: dict[str, np.ndarray], batch: dict[str, np.ndarray], **options: Any) -> tuple[float, dict[str, np.ndarray]]:
+    """One step's ``(loss, {name: gradient})`` (NumPy) from ``weights``; ``options``: :func:`make_step`'s."""
+    graphdef, state = nnx.split(TinyLM(weights))
+    loss, grads = jax.jit(make_step(graphdef, **options))(state, _device_batch(batch))
+    return float(loss), {name: np.asarray(value) for name, value in nnx.to_pure_dict(grads).items()}
+
+
+def train(
+    weights: dict[str, np.ndarray],
+    batches: list[dict[str, np.ndarray]],
+    *,
+    kind: str,
+    lr: float,
+    num_microbatches: int = 1,
+    replicas: int = 1,
+    naive: bool = False,
+    temperature: float = 1.0,
+    teacher_weight: Optional[np.ndarray] = None,
+    progress: Any = None,
+) -> tuple[list[float], dict[str, np.ndarray]]:
+    """Plain SGD over ``batches``; returns the logged loss of every step (the full-batch loss,
+    or for ``naive=True`` the mean of micro-batch means a plain accumulation loop logs) and the
+    final weights. ``replicas > 1`` runs data-parallel over that many devices with ``shard_map``.
+    Distillation batches hold ``teacher_hidden`` ``[B, T, Ht]``; ``teacher_weight`` ``[V, Ht]``."""
+    graphdef, state = nnx.split(TinyLM(weights))
+    step_fn = make_step(graphdef, kind=kind, num_microbatches=num_microbatches, replicas=replicas, naive=naive,
+                        temperature=temperature, teacher_weight=teacher_weight)
 
     @jax.jit
     def update(state: Any, batch: dict[str, jax.Array]) -> tuple[Any, jax.Array]:
@@ -108,7 +143,7 @@ def train(
 
     losses = []
     for index, batch in enumerate(batches):
-        state, loss = update(state, {key: jnp.asarray(value) for key, value in batch.items()})
+        state, loss = update(state, _device_batch(batch))
         losses.append(float(loss))
         if progress is not None:
             progress(index)

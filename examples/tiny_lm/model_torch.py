@@ -1,4 +1,5 @@
-"""The tiny LM in torch, trained with ``torchloss.nn`` loss modules and ``torchloss.distributed.accumulate``."""
+"""The tiny LM in torch with a tied, fused head (``torchloss.linear`` modules), trained with
+``torchloss.distributed.accumulate``."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import math
 import os
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import torchloss.nn as lossnn
+import torchloss.linear as headnn
 from torchloss.distributed import accumulate
 
 from .weights import LN_EPS
@@ -27,38 +28,43 @@ def _layer_norm(x: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor) -> torc
 
 
 class TinyLM(torch.nn.Module):
-    """Embedding, one pre-LN transformer block (one attention head, GELU MLP), untied head."""
+    """Embedding, one pre-LN transformer block (one attention head, GELU MLP); returns the final
+    hidden states, the head being the tied embedding table (``weights.py``)."""
 
     def __init__(self, weights: dict[str, np.ndarray]) -> None:
         super().__init__()
         for name, value in weights.items():
             self.register_parameter(name, torch.nn.Parameter(torch.tensor(value)))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``tokens [B, T]`` (and the packed documents' ``segment_ids [B, T]``) -> ``[B, T, H]``."""
         p = dict(self.named_parameters())
         seq = tokens.shape[-1]
         x = p["tok_emb"][tokens] + p["pos_emb"][:seq]
         h = _layer_norm(x, p["ln1_g"], p["ln1_b"])
         q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
         scores = (q @ k.transpose(-1, -2)) / np.float32(math.sqrt(q.shape[-1]))
-        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-        scores = torch.where(causal, scores, torch.tensor(-1e30))
+        allowed = torch.ones(seq, seq, dtype=torch.bool).tril()
+        if segment_ids is not None:  # a token attends to its own document only
+            allowed = allowed & (segment_ids[..., :, None] == segment_ids[..., None, :])
+        scores = torch.where(allowed, scores, torch.tensor(-1e30))
         x = x + torch.softmax(scores, dim=-1) @ v @ p["wo"]
         h = _layer_norm(x, p["ln2_g"], p["ln2_b"])
         x = x + F.gelu(h @ p["w1"] + p["b1"], approximate="tanh") @ p["w2"] + p["b2"]
-        return _layer_norm(x, p["lnf_g"], p["lnf_b"]) @ p["head"]
+        return _layer_norm(x, p["lnf_g"], p["lnf_b"])
 
 
-def logits_of(weights: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
+def hidden_of(weights: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return TinyLM(weights)(torch.tensor(tokens)).numpy()
 
 
-def loss_module(kind: str, temperature: float = 1.0) -> torch.nn.Module:
+def head_loss(kind: str, temperature: float = 1.0) -> torch.nn.Module:
+    """The fused head's loss module: ``(hidden, tok_emb, labels | teacher_hidden, teacher_weight)``."""
     if kind == "cross_entropy":
-        return lossnn.CrossEntropyLoss()
-    classes = {"forward_kl": lossnn.ForwardKLLoss, "reverse_kl": lossnn.ReverseKLLoss,
-               "soft_cross_entropy": lossnn.SoftCrossEntropyLoss}
+        return headnn.LinearCrossEntropyLoss()
+    classes = {"forward_kl": headnn.LinearForwardKLLoss, "reverse_kl": headnn.LinearReverseKLLoss,
+               "soft_cross_entropy": headnn.LinearSoftCrossEntropyLoss}
     return classes[kind](temperature=temperature)
 
 
@@ -77,18 +83,23 @@ def _train_local(
     num_microbatches: int,
     naive: bool,
     temperature: float,
+    teacher_weight: Optional[np.ndarray] = None,
     rank: int = 0,
     world: int = 1,
     progress: Any = None,
+    grads_out: Optional[list[dict[str, np.ndarray]]] = None,
 ) -> tuple[list[float], dict[str, np.ndarray]]:
+    """SGD in this process (rank ``rank`` of ``world``); appends each step's gradients to ``grads_out``."""
     model = TinyLM(weights)
     wrapped = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    criterion = loss_module(kind, temperature)
-    target_key = "labels" if kind == "cross_entropy" else "teacher"
+    criterion = head_loss(kind, temperature)
+    teacher_w = None if teacher_weight is None else torch.from_numpy(teacher_weight)
 
     def loss_fn(module: torch.nn.Module, microbatch: dict[str, torch.Tensor], denominator: Any) -> torch.Tensor:
-        logits = module(microbatch["tokens"])
-        return criterion(logits, microbatch[target_key], microbatch["loss_mask"], denominator=denominator)
+        hidden = module(microbatch["tokens"])
+        # Tied head: the embedding table [V, H] is the head's weight; its gradient sums both uses.
+        targets = (microbatch["labels"],) if kind == "cross_entropy" else (microbatch["teacher_hidden"], teacher_w)
+        return criterion(hidden, model.tok_emb, *targets, loss_mask=microbatch["loss_mask"], denominator=denominator)
 
     losses = []
     for index, numpy_batch in enumerate(batches):
@@ -106,6 +117,8 @@ def _train_local(
                 logged += float(loss.detach())
         else:
             logged = float(accumulate(loss_fn, wrapped, batch, num_microbatches=num_microbatches, count_fn=_count))
+        if grads_out is not None:
+            grads_out.append({name: p.grad.numpy().copy() for name, p in model.named_parameters()})
         with torch.no_grad():
             for param in model.parameters():
                 param -= lr * param.grad
@@ -113,6 +126,15 @@ def _train_local(
         if progress is not None:
             progress(index)
     return losses, {name: p.detach().numpy().copy() for name, p in model.named_parameters()}
+
+
+def first_step(weights: dict[str, np.ndarray], batch: dict[str, np.ndarray], *, kind: str, num_microbatches: int = 1,
+               naive: bool = False, temperature: float = 1.0, teacher_weight: Optional[np.ndarray] = None) -> tuple[float, dict[str, np.ndarray]]:
+    """One step's ``(loss, {name: gradient})`` (NumPy) from ``weights``, in this process."""
+    grads: list[dict[str, np.ndarray]] = []
+    losses, _ = _train_local(weights, [batch], kind=kind, lr=1.0, num_microbatches=num_microbatches, naive=naive,
+                             temperature=temperature, teacher_weight=teacher_weight, grads_out=grads)
+    return losses[0], grads[0]
 
 
 def _ddp_worker(rank: int, world: int, init_file: str, kwargs: dict[str, Any], out_path: str) -> None:
@@ -144,13 +166,14 @@ def train(
     replicas: int = 1,
     naive: bool = False,
     temperature: float = 1.0,
+    teacher_weight: Optional[np.ndarray] = None,
     progress: Any = None,
 ) -> tuple[list[float], dict[str, np.ndarray]]:
     """Plain SGD over ``batches`` (the torch twin of ``model_jax.train``). ``replicas > 1``
     launches that many processes (gloo on the loopback interface, FileStore rendezvous) training a ``DistributedDataParallel``
     model, each on its share of every batch."""
     kwargs = dict(weights=weights, batches=batches, kind=kind, lr=lr, num_microbatches=num_microbatches,
-                  naive=naive, temperature=temperature)
+                  naive=naive, temperature=temperature, teacher_weight=teacher_weight)
     if replicas == 1:
         return _train_local(**kwargs, progress=progress)
     with tempfile.TemporaryDirectory() as tmp:
