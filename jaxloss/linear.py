@@ -42,7 +42,7 @@ from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
 from . import _vocab_parallel, api
-from ._stats import F32, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, varying_like
+from ._stats import F32, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
 
 Array = jax.Array
 HIGHEST = lax.Precision.HIGHEST
@@ -168,7 +168,10 @@ def _chunk_blocked(
         blk, _, _ = block_stats(cfg, z, t, hit=hit, col_ok=col_ok)
         return combine(cfg, acc, blk)
 
-    acc = empty_stats(cfg, h.shape[0]) if shards is None else varying_like(empty_stats(cfg, h.shape[0]), h, student[1])
+    # Inside shard_map (data, sequence or vocabulary axes) a carry has the varying-axes type of
+    # everything the body reads; fresh zeros are invariant until cast (a no-op outside).
+    refs = [a for a in (h, student[1], student[2], coef, y) + (teacher or ()) if a is not None]
+    acc = varying_like(empty_stats(cfg, h.shape[0]), *refs)
     fin = _whole_row(cfg, lax.fori_loop(0, num_blocks, pass1, acc), h, shards, vocab)
     vocab_total = vocab if shards is None else shards.vocab
     loss = jnp.where(coef != 0, fin.l, 0.0)
@@ -187,7 +190,7 @@ def _chunk_blocked(
             db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, start, width, 0) + jnp.sum(g, axis=0), start, 0)
         return dh, dw, db
 
-    dh0 = jnp.zeros(h.shape, F32) if shards is None else varying_like(jnp.zeros(h.shape, F32), h, student[1])
+    dh0 = varying_like(jnp.zeros(h.shape, F32), *refs)
     dh, dw, db = lax.fori_loop(0, num_blocks, pass2, (dh0, dw, db))
     return loss, dh, dw, db
 
@@ -237,9 +240,13 @@ def head_forward(
     teacher32 = None if teacher is None else (None, up(teacher[1]), up(teacher[2]))
     # (JAX's shards are even: every replica's plan is the same.)
     rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, spec_linear.head_live_blocks("jax", cfg.kind, shards is not None))
-    # Inside shard_map a loop carry has the varying-axes type of what the body writes into it:
-    # the gradients vary with the weight's shard (the loss does not: it is combined).
-    local = (lambda a: a) if shards is None else (lambda a: varying_like(a, hidden, weight))  # noqa: E731
+    # Inside shard_map (data, sequence or vocabulary axes) a loop carry has the varying-axes type
+    # of what the body writes into it, i.e. of every input it reads; fresh zeros are invariant
+    # until cast (varying_like is a no-op outside shard_map).
+    refs = [a for a in (hidden, weight, bias, coef, labels) + tuple(teacher or ()) if a is not None]
+    local = lambda a: varying_like(a, *refs)  # noqa: E731
+    # The loss of a vocabulary-parallel head is combined over the shards: it does not vary with them.
+    loss_refs = refs if shards is None else [a for a in (hidden, coef, labels) + tuple((teacher or (None,))[:1]) if a is not None]
     dw = local(jnp.zeros((vocab, width), F32)) if with_grad else None
     db = local(jnp.zeros((vocab,), F32)) if (with_grad and bias is not None) else None
     dh = local(jnp.zeros((n, width), F32)) if with_grad else None
@@ -278,7 +285,7 @@ def head_forward(
             dh = keep(dh, dh_c)
         return loss_buf, dh, dw, db
 
-    loss, dh, dw, db = lax.fori_loop(0, num_chunks, chunk, (varying_like(jnp.zeros((n,), F32), hidden, coef), dh, dw, db))
+    loss, dh, dw, db = lax.fori_loop(0, num_chunks, chunk, (varying_like(jnp.zeros((n,), F32), *loss_refs), dh, dw, db))
     if shards is not None and with_grad:
         # hidden feeds every shard: its gradient is the sum of the shards' G_k W_k (one psum).
         dh = lax.psum(dh, _vocab_parallel._axis(shards.axes))
@@ -328,21 +335,38 @@ def _head_fwd(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, 
         loss = _run(spec, args, coef, with_grad=False)[0]
         return _weighted(coef, loss, False), (args, coef)
     loss, dh, dw, db = _run(spec, args, coef, with_grad=True)
-    return _weighted(coef, loss, True), (dh, dw, db)
+    return _weighted(coef, loss, True), (dh, dw, db, _type_probes(args))
+
+
+def _type_probes(args: tuple) -> tuple:
+    """Empty slices of hidden, weight and bias: they carry the inputs' varying-axes types
+    (``shard_map``) into the backward pass at no cost."""
+    hidden, weight, bias = args[:3]
+    return tuple(None if a is None else a[:0] for a in (hidden, weight, bias))
+
+
+def _as_primal_type(grad: Any, probe: Any) -> Any:
+    """Sum ``grad`` over the mesh axes it varies over but its input does not: the gradient of
+    an input replicated over a ``shard_map`` axis (a weight under data parallelism) is the sum
+    of the replicas' contributions, as JAX's own transpose of the implicit broadcast gives."""
+    if grad is None:
+        return None
+    missing = varying_axes(grad) - varying_axes(probe)
+    return lax.psum(grad, tuple(sorted(missing))) if missing else grad
 
 
 def _head_bwd(spec: Spec, res: tuple, g: Array) -> tuple:
     _, reduced, _, (h_dtype, w_dtype, b_dtype), _ = spec
     if reduced:
-        dh, dw, db = res
+        dh, dw, db, probes = res
         scale = g.astype(F32)
     else:
         args, coef = res
         _, dh, dw, db = _run(spec, args, jnp.where(coef != 0, coef * g.astype(F32), 0.0), with_grad=True)
-        scale = jnp.ones((), F32)
+        scale, probes = jnp.ones((), F32), _type_probes(args)
     # The one rounding of each gradient to its parameter's dtype.
-    cast = lambda a, dtype: None if a is None else (a * scale).astype(dtype)  # noqa: E731
-    return cast(dh, h_dtype), cast(dw, w_dtype), cast(db, b_dtype), None, None, None
+    cast = lambda a, probe, dtype: None if a is None else _as_primal_type(a * scale, probe).astype(dtype)  # noqa: E731
+    return cast(dh, probes[0], h_dtype), cast(dw, probes[1], w_dtype), cast(db, probes[2], b_dtype), None, None, None
 
 
 _head.defvjp(_head_fwd, _head_bwd)

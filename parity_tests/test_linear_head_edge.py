@@ -80,3 +80,55 @@ def test_nan_hidden_state(framework: str, kind: str, masked: bool) -> None:
     # the weight gradient sums over tokens: a NaN (counted) row of G reaches it (masked: the
     # chain rule's 0 * NaN, whatever the oracle says, checked above)
     assert masked or np.any(np.isnan(grads["weight"]))
+
+
+@pytest.mark.parametrize("norm", ["valid_tokens", "none"])
+@pytest.mark.parametrize("kind", ["cross_entropy", "forward_kl"])
+def test_jax_head_under_data_parallel_shard_map(kind: str, norm: str) -> None:
+    """The fused head inside ``shard_map`` over a data axis (the default ``check_vma=True``):
+    hidden states sharded, the weight replicated. The weight gradient of the replicated weight is
+    the sum over replicas (as JAX's own autodiff gives): equal to the full batch's, vs the oracle."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    try:
+        from jax import shard_map
+    except ImportError:  # pragma: no cover - older JAX
+        from jax.experimental.shard_map import shard_map
+
+    import jaxloss
+
+    inputs = make_inputs(kind, "float32", seed=7)
+    options = _options(kind) | {"normalization": norm}
+    if norm == "valid_tokens":  # the global denominator: every replica divides by the whole batch's count
+        target = inputs["labels"] if kind == "cross_entropy" else None
+        options["denominator"] = lossspec.count_denominator(target, inputs["loss_mask"])
+    upstream = grad_output_for(norm, np.shape(inputs["loss_mask"]))
+    ref_loss, ref_grads = reference(kind, inputs, False, options, upstream)
+    mesh = Mesh(np.array(jax.devices()[:3]), ("data",))  # 3 rows of LEAD = (3, 4): one per replica
+    fn = getattr(jaxloss, f"linear_{kind}")
+    ce = kind == "cross_entropy"
+    targets = (jnp.asarray(inputs["labels"], jnp.int32),) if ce else (
+        jnp.asarray(inputs["teacher_hidden"]), jnp.asarray(inputs["teacher_weight"]), jnp.asarray(inputs["teacher_bias"]))
+    target_specs = (P("data"),) if ce else (P("data"), P(), P())
+
+    def step(hidden: Any, weight: Any, mask: Any, up: Any, *target: Any) -> Any:
+        extra = {} if ce else {"teacher_bias": target[2]}
+
+        def loss_of(hidden: Any, weight: Any) -> Any:
+            return fn(hidden, weight, *target[:2], mask, **extra, **options)
+
+        loss, vjp = jax.vjp(loss_of, hidden, weight)
+        if norm != "none":  # each replica's scalar loss gets the upstream gradient (a varying value)
+            up = jax.lax.pcast(up, ("data",), to="varying")
+        grad_hidden, grad_weight = vjp(up)
+        return jax.lax.psum(jnp.sum(loss), "data"), grad_hidden, grad_weight
+
+    mapped = shard_map(step, mesh=mesh, in_specs=(P("data"), P(), P("data"), P("data") if norm == "none" else P()) + target_specs,
+                       out_specs=(P(), P("data"), P()))
+    loss, grad_hidden, grad_weight = jax.jit(mapped)(jnp.asarray(inputs["hidden"]), jnp.asarray(inputs["weight"]),
+                                                     jnp.asarray(inputs["loss_mask"]), jnp.asarray(upstream), *targets)
+    lossspec.compare_loss(float(loss), float(np.sum(ref_loss)), "loss").check()
+    spec_linear.compare_head_grad(np.asarray(grad_hidden, np.float64), ref_grads["hidden"], "float32", "grad hidden").check()
+    spec_linear.compare_head_grad(np.asarray(grad_weight, np.float64), ref_grads["weight"], "float32", "grad weight").check()
