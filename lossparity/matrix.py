@@ -120,8 +120,8 @@ def _count_nonfinite(values: Any) -> int:
 
 def packed_row_ids(time: int, row: int, rng: np.random.Generator) -> np.ndarray:
     """The segment ids ``[time]`` of one packed row: documents of very different lengths (one of
-    about two thirds of the live tokens beside ones of 1 to 3 tokens), ids drawn from a wide range
-    (70000 included), a padding tail (ids -1 or -7, a quarter of the odd rows), and on every third
+    about two thirds of the live tokens, id 0 on even rows, beside ones of 1 to 3 tokens), ids
+    from 0 to 70000, a padding tail (ids -1 and -7, a quarter of the odd rows), and on every third
     row the last document reusing the first one's id (a sequence need not be contiguous)."""
     pad = time // 4 if row % 2 else 0
     live = time - pad
@@ -131,7 +131,9 @@ def packed_row_ids(time: int, row: int, rng: np.random.Generator) -> np.ndarray:
         lengths.append(min(1 + (row + len(lengths) - 1) % 3, live - sum(lengths)))
     order = rng.permutation(len(lengths))  # the long document anywhere in the row
     lengths = [lengths[i] for i in order]
-    ids = rng.choice(np.array([0, 1, 2, 3, 5, 9, 41, 70000]), size=len(lengths), replace=len(lengths) > 8)
+    ids = rng.choice(np.array([1, 2, 3, 5, 9, 41, 70000]), size=len(lengths), replace=len(lengths) > 7)
+    if row % 2 == 0 and len(ids):
+        ids[int(np.argmax(order == 0))] = 0  # id 0 (the smallest document id) on the long document
     if row % 3 == 2 and len(ids) > 2:
         ids[-1] = ids[0]
     padding = rng.choice(np.array([-1, -7]), size=pad)
