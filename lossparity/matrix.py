@@ -121,8 +121,8 @@ def _count_nonfinite(values: Any) -> int:
 def packed_row_ids(time: int, row: int, rng: np.random.Generator) -> np.ndarray:
     """The segment ids ``[time]`` of one packed row: documents of very different lengths (one of
     about two thirds of the live tokens, id 0 on even rows, beside ones of 1 to 3 tokens), ids
-    from 0 to 70000, a padding tail (ids -1 and -7, a quarter of the odd rows), and on every third
-    row the last document reusing the first one's id (a sequence need not be contiguous)."""
+    from 0 to 70000, a padding tail (ids -1 and -7, a quarter of the odd rows), and on rows 1, 4,
+    7, ... the last document reusing the first one's id (a sequence need not be contiguous)."""
     pad = time // 4 if row % 2 else 0
     live = time - pad
     long = max(1, (2 * live) // 3)
@@ -134,7 +134,7 @@ def packed_row_ids(time: int, row: int, rng: np.random.Generator) -> np.ndarray:
     ids = rng.choice(np.array([1, 2, 3, 5, 9, 41, 70000]), size=len(lengths), replace=len(lengths) > 7)
     if row % 2 == 0 and len(ids):
         ids[int(np.argmax(order == 0))] = 0  # id 0 (the smallest document id) on the long document
-    if row % 3 == 2 and len(ids) > 2:
+    if row % 3 == 1 and len(ids) > 2:
         ids[-1] = ids[0]
     padding = rng.choice(np.array([-1, -7]), size=pad)
     return np.concatenate([np.repeat(ids, lengths), padding]).astype(np.int64)
@@ -152,11 +152,12 @@ def packed_segment_ids(lead_shape: tuple[int, ...], seed: int = 0) -> np.ndarray
 
 def packed_inputs(kind: str, dtype: str, lead_shape: tuple[int, ...], vocab: int, seed: int = 0) -> Inputs:
     """The ``"random"`` case of ``lossspec.make_case`` with :func:`packed_segment_ids`; the second
-    document of the first row is all masked (its ``n_s == 0``: it does not count in ``S``) and
-    cross-entropy labels at padding positions are out of range (never read)."""
+    document of the first row is all masked (its ``n_s == 0``: it does not count in ``S``).
+    Padding positions are unmasked in ``loss_mask``, so that only their ids exclude them, and hold
+    out-of-range cross-entropy labels (never read)."""
     made = lossspec.make_case(kind, "random", lead_shape=lead_shape, vocab=vocab, dtype=dtype, seed=seed)
     ids = packed_segment_ids(lead_shape, seed)
-    mask = np.asarray(made.loss_mask).copy()
+    mask = np.asarray(made.loss_mask) | (ids < 0)
     first_row, first_mask = ids.reshape(-1, ids.shape[-1])[0], mask.reshape(-1, ids.shape[-1])[0]  # views
     documents = [seq for seq in dict.fromkeys(first_row.tolist()) if seq >= 0]
     if len(documents) > 1:
