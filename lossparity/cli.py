@@ -315,9 +315,10 @@ def write_plot(results: list[Result], path: Path) -> None:
     plt.close(fig)
 
 
-def _group_summary(rows: list[Result]) -> dict[str, Any]:
-    """Counts and worst errors of ``rows`` (one backend, or one normalisation)."""
-    return {"cases": len(rows), "failed": sum(r.status == "fail" for r in rows),
+def _group_summary(rows: list[Result], count: str = "cases") -> dict[str, Any]:
+    """Counts and worst errors of ``rows`` (the comparisons of one backend: one per case, or of
+    one normalisation: ``count`` names the first number)."""
+    return {count: len(rows), "failed": sum(r.status == "fail" for r in rows),
             "nonfinite": sum(r.status == "nonfinite" for r in rows),
             "max_loss_error": max(r.loss_error for r in rows), "max_grad_error": max(r.grad_error for r in rows),
             "seconds": round(sum(r.seconds for r in rows), 3)}
@@ -337,13 +338,13 @@ def _summary_by_normalization(results: list[Result]) -> dict[str, dict[str, Any]
     """Per normalisation, cases with and without segment ids apart, in lossspec's order."""
     order = {name: i for i, name in enumerate(lossspec.ALL_NORMALIZATIONS)}
     groups = sorted({normalization_group(r) for r in results}, key=lambda g: (order[g.split("+")[0]], g))
-    return {group: _group_summary([r for r in results if normalization_group(r) == group]) for group in groups}
+    return {group: _group_summary([r for r in results if normalization_group(r) == group], "comparisons") for group in groups}
 
 
-def _print_table(title: str, summary: dict[str, dict[str, Any]]) -> None:
-    print(f"\n{title:32s} cases  failed  nonfinite  max loss err  max grad err")
+def _print_table(title: str, summary: dict[str, dict[str, Any]], count: str = "cases") -> None:
+    print(f"\n{title:32s} {count:>11s}  failed  nonfinite  max loss err  max grad err")
     for name, row in summary.items():
-        print(f"{name:32s} {row['cases']:5d}  {row['failed']:6d}  {row['nonfinite']:9d}  "
+        print(f"{name:32s} {row[count]:11d}  {row['failed']:6d}  {row['nonfinite']:9d}  "
               f"{row['max_loss_error']:12.3g}  {row['max_grad_error']:12.3g}")
 
 
@@ -402,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lossparity: error: --out {out}: cannot write there ({error.strerror or error})", file=sys.stderr)
         return EXIT["usage"]
     _print_table("backend (vs reference)", summary)
-    _print_table("normalisation (+segment ids)", report["summary_by_normalization"])
+    _print_table("normalisation (+segment ids)", report["summary_by_normalization"], "comparisons")
     if not args.no_plot:
         write_plot(results, out / "parity_report.png")
         print(f"wrote {json_path} and {out / 'parity_report.png'}")
