@@ -17,14 +17,17 @@ BackendFn = Callable[[str, "Inputs", dict[str, Any], Any], tuple[np.ndarray, np.
 
 @dataclasses.dataclass
 class Inputs:
-    """One batch: ``logits`` (float32/float64 values exactly representable in ``dtype``),
-    ``target`` (labels or teacher logits) and ``loss_mask``; ``dtype`` is the logits' dtype
-    each framework casts to (``float32``, ``bfloat16``, ``float16``)."""
+    """One batch: ``logits [..., V]`` (float32/float64 values exactly representable in ``dtype``),
+    ``target`` (labels ``[...]``, teacher logits ``[..., V]``, or None for ``entropy``),
+    ``loss_mask [...]`` and ``segment_ids [...]`` (packed documents, ids < 0 padding; None: each
+    row one sequence, lossspec.sequences); ``dtype`` is the logits' dtype each framework casts
+    to (``float32``, ``bfloat16``, ``float16``)."""
 
     logits: np.ndarray
-    target: np.ndarray
+    target: np.ndarray | None
     loss_mask: np.ndarray | None
     dtype: str
+    segment_ids: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -36,7 +39,8 @@ class Backend:
 
 
 def _oracle(kind: str, inputs: Inputs, options: dict[str, Any], grad_output: Any) -> tuple[np.ndarray, np.ndarray]:
-    loss, grad = lossspec.oracle(kind, inputs.logits, inputs.target, inputs.loss_mask, grad_output=grad_output, **options)
+    loss, grad = lossspec.oracle(kind, inputs.logits, inputs.target, inputs.loss_mask, grad_output=grad_output,
+                                 segment_ids=inputs.segment_ids, **options)
     return np.asarray(loss, np.float64), grad
 
 
@@ -55,8 +59,10 @@ def _jax(impl: str) -> BackendFn:
         elif lossspec.KIND_SPECS[kind].target is not None:
             targets = (jnp.asarray(inputs.target, dtype),)
         mask = None if inputs.loss_mask is None else jnp.asarray(inputs.loss_mask)
+        # NumPy ids as given: jaxloss compacts 64-bit ids itself (lossspec.compact_segment_ids).
+        ids = inputs.segment_ids
         loss_fn = getattr(jaxloss, kind)
-        loss, vjp = jax.vjp(lambda x: loss_fn(x, *targets, mask, impl=impl, **options), logits)
+        loss, vjp = jax.vjp(lambda x: loss_fn(x, *targets, mask, impl=impl, segment_ids=ids, **options), logits)
         cotangent = jnp.ones_like(loss) if grad_output is None else jnp.asarray(grad_output, loss.dtype) * jnp.ones_like(loss)
         (grad,) = vjp(cotangent)
         return np.asarray(loss, np.float64), np.asarray(grad.astype(jnp.float32), np.float64)
@@ -78,7 +84,8 @@ def _torch(impl: str) -> BackendFn:
         elif lossspec.KIND_SPECS[kind].target is not None:
             targets = (torch.from_numpy(np.ascontiguousarray(inputs.target)).to(dtype),)
         mask = None if inputs.loss_mask is None else torch.from_numpy(np.ascontiguousarray(inputs.loss_mask))
-        loss = getattr(torchloss, kind)(logits, *targets, mask, impl=impl, **options)
+        ids = None if inputs.segment_ids is None else torch.from_numpy(np.ascontiguousarray(inputs.segment_ids))
+        loss = getattr(torchloss, kind)(logits, *targets, mask, impl=impl, segment_ids=ids, **options)
         upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(grad_output, dtype=loss.dtype).expand_as(loss)
         loss.backward(upstream)
         return loss.detach().double().numpy(), logits.grad.double().numpy()

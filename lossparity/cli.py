@@ -37,13 +37,12 @@ from .matrix import CaseSpec, Result, builtin_cases, run_matrix  # noqa: E402
 DEFAULT_BACKENDS = ["jax-xla", "jax-pallas", "torch", "torch-triton"]
 DEFAULT_DTYPES = ["float32", "bfloat16", "float16"]
 EXIT = {"pass": 0, "fail": 1, "usage": 2, "nonfinite": 3}
-# The loss options of --inputs runs, their defaults, and the kinds they apply to.
-CE_OPTIONS = {"ignore_index": -100, "label_smoothing": 0.0, "z_loss": 0.0}
-SHARED_OPTIONS = {"logit_scale": 1.0}
-DISTILL_OPTIONS = {"temperature": 1.0, "teacher_logit_scale": 1.0}
-DISTILL_KINDS = [kind for kind in lossspec.KINDS if kind != "cross_entropy"]
-# The array a file needs for each kind.
-TARGET_KEY = {kind: "labels" if kind == "cross_entropy" else "teacher_logits" for kind in lossspec.KINDS}
+# The loss options of --inputs runs and their defaults (those of the public functions,
+# lossspec.KIND_SPECS, which also says which kinds take each).
+FILE_OPTIONS: dict[str, Any] = {name: default for spec in lossspec.KIND_SPECS.values()
+                                for name, default in spec.options if name != "causal_shift"}
+# The array a file needs for each kind (entropy: the logits alone).
+TARGET_KEY: dict[str, str | None] = {kind: lossspec.KIND_SPECS[kind].target for kind in lossspec.ALL_KINDS}
 BUILTIN_SHAPE = ((2, 9), 300)
 
 
@@ -83,29 +82,32 @@ def build_parser() -> argparse.ArgumentParser:
                     "(NaN or +inf in the inputs) and no failure.",
     )
     parser.add_argument("--kinds", type=_csv(lossspec.ALL_KINDS, "kind"), default=None,
-                        help="comma list of loss kinds (default: all six; with --inputs, those of the four original "
-                             "kinds the file has arrays for)")
+                        help="comma list of loss kinds (default: all six; with --inputs, those the file has arrays "
+                             "for: entropy needs the logits alone)")
     parser.add_argument("--backends", type=_csv(list(BACKENDS), "backend"), default=DEFAULT_BACKENDS,
                         help=f"comma list of backends to compare with the oracle (default: {','.join(DEFAULT_BACKENDS)})")
     parser.add_argument("--dtypes", type=_csv(DEFAULT_DTYPES, "dtype"), default=None,
                         help="logit dtypes of the built-in matrix (default: float32,bfloat16,float16); with --inputs, "
                              "the one dtype to run the file's logits in (default: the file's own)")
-    parser.add_argument("--normalizations", type=_csv(lossspec.NORMALIZATIONS, "normalization"), default=None,
-                        help="only cases with these normalisations (default: all)")
+    parser.add_argument("--normalizations", type=_csv(lossspec.ALL_NORMALIZATIONS, "normalization"), default=None,
+                        help="only cases with these normalisations (default: all, the per-sequence sequence_mean and "
+                             "sequence_sum included)")
     parser.add_argument("--shape", type=_shape, default=None, metavar="AxBx...xV",
                         help="built-in matrix only: leading shape and vocabulary (default: 2x9x300)")
     parser.add_argument("--seed", type=int, default=None, help="built-in matrix only: seed of the generated inputs (default: 0)")
     parser.add_argument("--inputs", metavar="FILE",
-                        help="check every backend on your own batch: .npz or .safetensors with 'logits', 'labels' "
-                             "and/or 'teacher_logits', optional 'loss_mask'")
+                        help="check every backend on your own batch: .npz or .safetensors with 'logits', optional "
+                             "'labels' and/or 'teacher_logits', 'loss_mask', 'segment_ids'")
     with_inputs = "with --inputs only (the built-in matrix runs its own variants)"
     parser.add_argument("--ignore-index", type=int, default=None, help=f"cross_entropy, {with_inputs} (default: -100)")
     parser.add_argument("--label-smoothing", type=float, default=None, help=f"cross_entropy, {with_inputs} (default: 0)")
     parser.add_argument("--z-loss", type=float, default=None, help=f"cross_entropy, {with_inputs} (default: 0)")
     parser.add_argument("--logit-scale", type=float, default=None, help=f"every kind, {with_inputs} (default: 1)")
-    parser.add_argument("--temperature", type=float, default=None, help=f"distillation kinds, {with_inputs} (default: 1)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help=f"every kind but cross_entropy, {with_inputs} (default: 1)")
     parser.add_argument("--teacher-logit-scale", type=float, default=None,
-                        help=f"distillation kinds, {with_inputs} (default: 1)")
+                        help=f"the kinds with teacher logits, {with_inputs} (default: 1)")
+    parser.add_argument("--beta", type=float, default=None, help=f"jensen_shannon, {with_inputs} (default: 0.5)")
     parser.add_argument("--out", default=".", help="folder for parity_report.json and parity_report.png, created if "
                                                    "missing; must not be a file (default: .)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
@@ -122,9 +124,13 @@ def _given(args: argparse.Namespace, options: dict[str, Any]) -> list[str]:
     return [option for option in options if getattr(args, option) is not None]
 
 
-def _value(args: argparse.Namespace, option: str, defaults: dict[str, Any]) -> Any:
+def _value(args: argparse.Namespace, option: str) -> Any:
     value = getattr(args, option)
-    return defaults[option] if value is None else value
+    return FILE_OPTIONS[option] if value is None else value
+
+
+def _kinds_taking(option: str) -> list[str]:
+    return [kind for kind in lossspec.ALL_KINDS if option in lossspec.KIND_SPECS[kind].option_names]
 
 
 def check_out(text: str) -> Path:
@@ -154,7 +160,7 @@ def _builtin_cases(args: argparse.Namespace) -> tuple[list[CaseSpec], list[str]]
     if args.normalizations:
         specs = [s for s in specs if s.normalization in args.normalizations]
     warnings = [f"{_flag(option)} applies only with --inputs; ignored (the built-in matrix runs its own option variants)"
-                for option in _given(args, {**CE_OPTIONS, **SHARED_OPTIONS, **DISTILL_OPTIONS})]
+                for option in _given(args, FILE_OPTIONS)]
     return specs, warnings
 
 
@@ -162,12 +168,10 @@ def _file_warnings(args: argparse.Namespace, kinds: list[str]) -> list[str]:
     """One line per option given that this --inputs run does not use."""
     checks = ", ".join(kinds)
     warnings = []
-    if "cross_entropy" not in kinds:
-        warnings += [f"{_flag(o)} applies only to cross_entropy; ignored (this run checks {checks})"
-                     for o in _given(args, CE_OPTIONS)]
-    if not set(kinds) & set(DISTILL_KINDS):
-        warnings += [f"{_flag(o)} applies only to {', '.join(DISTILL_KINDS)}; ignored (this run checks {checks})"
-                     for o in _given(args, DISTILL_OPTIONS)]
+    for option in _given(args, FILE_OPTIONS):
+        takers = _kinds_taking(option)
+        if not set(kinds) & set(takers):
+            warnings.append(f"{_flag(option)} applies only to {', '.join(takers)}; ignored (this run checks {checks})")
     warnings += [f"{_flag(o)} applies only to the built-in matrix; ignored with --inputs"
                  for o in ("shape", "seed") if getattr(args, o) is not None]
     if args.dtypes and len(args.dtypes) > 1:
@@ -176,45 +180,58 @@ def _file_warnings(args: argparse.Namespace, kinds: list[str]) -> list[str]:
     return warnings
 
 
+def _missing_arrays(kinds: list[str]) -> str:
+    """``"cross_entropy needs 'labels'"``, ``"forward_kl, reverse_kl need 'teacher_logits'"``, one
+    part per missing array, for kinds the file lacks the arrays of."""
+    parts = []
+    for key in dict.fromkeys(TARGET_KEY[kind] for kind in kinds):
+        group = [kind for kind in kinds if TARGET_KEY[kind] == key]
+        parts.append(f"{', '.join(group)} {'needs' if len(group) == 1 else 'need'} {key!r}")
+    return "; ".join(parts)
+
+
+def _file_normalizations(args: argparse.Namespace, lead_shape: tuple[int, ...]) -> list[str]:
+    """``--normalizations``, or every one the file's shape allows: the per-sequence modes need a
+    time axis (lossspec.check_sequence_time_axis), so a file of single tokens (logits ``[V]``)
+    leaves them out by default; asked for by name, lossspec's error says why."""
+    if args.normalizations:
+        return list(args.normalizations)
+    return [n for n in lossspec.ALL_NORMALIZATIONS if lead_shape or n not in lossspec.SEQUENCE_NORMALIZATIONS]
+
+
 def _file_cases(args: argparse.Namespace) -> tuple[list[CaseSpec], list[str]]:
-    """The cases of a user's file (every kind it has arrays for, or those of --kinds), each
-    checked by the oracle's own argument checks, and the warnings of the run."""
+    """The cases of a user's file (every kind it has arrays for, or those of --kinds, under every
+    normalisation or those of --normalizations; its ``segment_ids`` in every case when it has
+    them), each checked by the oracle's own argument checks, and the warnings of the run."""
     arrays, dtypes = read_inputs(args.inputs)
-    requested = args.kinds or list(lossspec.KINDS)
-    builtin_only = [kind for kind in requested if kind not in TARGET_KEY]
-    if builtin_only:
-        raise InputError(f"{', '.join(builtin_only)}: checked by the built-in matrix only (run without --inputs); "
-                         f"--inputs checks {', '.join(lossspec.KINDS)}")
-    kinds = [kind for kind in requested if TARGET_KEY[kind] in arrays]
+    requested = args.kinds or list(lossspec.ALL_KINDS)
+    kinds = [kind for kind in requested if TARGET_KEY[kind] is None or TARGET_KEY[kind] in arrays]
     skipped = [kind for kind in requested if kind not in kinds]
     found = f"(found: {found_keys(arrays)})"
-    if not kinds:  # every requested kind lacks the same array (the file has labels or teacher logits)
-        need = "needs" if len(skipped) == 1 else "need"
-        raise InputError(f"{args.inputs}: {', '.join(skipped)} {need} {TARGET_KEY[skipped[0]]!r} {found}")
+    if not kinds:  # every requested kind lacks its array
+        raise InputError(f"{args.inputs}: {_missing_arrays(skipped)} {found}")
     warnings = []
     if skipped and args.kinds:  # by default a file checks the kinds it has arrays for, silently
-        who = "it needs" if len(skipped) == 1 else "they need"
-        warnings.append(f"skipping {', '.join(skipped)}: {who} {TARGET_KEY[skipped[0]]!r} {found}")
+        keys = {TARGET_KEY[kind] for kind in skipped}
+        why = (f"{'it needs' if len(skipped) == 1 else 'they need'} {keys.pop()!r}" if len(keys) == 1
+               else _missing_arrays(skipped))
+        warnings.append(f"skipping {', '.join(skipped)}: {why} {found}")
     warnings += _file_warnings(args, kinds)
 
     dtype = (args.dtypes or [None])[0] or {"float64": "float32"}.get(dtypes["logits"], dtypes["logits"])
     logits = lossspec.round_to_dtype(arrays["logits"], dtype)
-    mask = arrays.get("loss_mask")
+    mask, ids = arrays.get("loss_mask"), arrays.get("segment_ids")
     label = Path(args.inputs).name
     specs = []
     for kind in kinds:
-        if kind == "cross_entropy":
-            target = arrays["labels"]
-            options = {o: _value(args, o, CE_OPTIONS) for o in CE_OPTIONS}
-        else:
-            target = lossspec.round_to_dtype(arrays["teacher_logits"], dtype)
-            options = {o: _value(args, o, DISTILL_OPTIONS) for o in DISTILL_OPTIONS}
-        options["logit_scale"] = _value(args, "logit_scale", SHARED_OPTIONS)
-        inputs = Inputs(logits, target, mask, dtype)
-        for normalization in args.normalizations or list(lossspec.NORMALIZATIONS):
+        key = TARGET_KEY[kind]
+        target = None if key is None else arrays[key] if key == "labels" else lossspec.round_to_dtype(arrays[key], dtype)
+        options = {o: _value(args, o) for o in lossspec.KIND_SPECS[kind].option_names if o in FILE_OPTIONS}
+        inputs = Inputs(logits, target, mask, dtype, ids)
+        for normalization in _file_normalizations(args, logits.shape[:-1]):
             spec = CaseSpec(kind, label, inputs, normalization, options)
             try:  # the file's shapes, dtypes and values, checked once, with lossspec's messages
-                lossspec.oracle(kind, logits, target, mask, **spec.call_options())
+                lossspec.oracle(kind, logits, target, mask, segment_ids=ids, **spec.call_options())
             except (TypeError, ValueError) as error:
                 raise InputError(f"{args.inputs}: {error}") from None
             specs.append(spec)
@@ -298,15 +315,37 @@ def write_plot(results: list[Result], path: Path) -> None:
     plt.close(fig)
 
 
+def _group_summary(rows: list[Result], count: str = "cases") -> dict[str, Any]:
+    """Counts and worst errors of ``rows`` (the comparisons of one backend: one per case, or of
+    one normalisation: ``count`` names the first number)."""
+    return {count: len(rows), "failed": sum(r.status == "fail" for r in rows),
+            "nonfinite": sum(r.status == "nonfinite" for r in rows),
+            "max_loss_error": max(r.loss_error for r in rows), "max_grad_error": max(r.grad_error for r in rows),
+            "seconds": round(sum(r.seconds for r in rows), 3)}
+
+
 def _summary(results: list[Result]) -> dict[str, dict[str, Any]]:
-    summary = {}
-    for name in sorted({_name(r) for r in results}):
-        rows = [r for r in results if _name(r) == name]
-        summary[name] = {"cases": len(rows), "failed": sum(r.status == "fail" for r in rows),
-                         "nonfinite": sum(r.status == "nonfinite" for r in rows),
-                         "max_loss_error": max(r.loss_error for r in rows), "max_grad_error": max(r.grad_error for r in rows),
-                         "seconds": round(sum(r.seconds for r in rows), 3)}
-    return summary
+    """Per backend (``name``) or twin pair (``name~twin``)."""
+    return {name: _group_summary([r for r in results if _name(r) == name]) for name in sorted({_name(r) for r in results})}
+
+
+def normalization_group(result: Result) -> str:
+    """``normalization``, with ``+segment_ids`` when the case passed segment ids."""
+    return result.normalization + ("+segment_ids" if result.segment_ids else "")
+
+
+def _summary_by_normalization(results: list[Result]) -> dict[str, dict[str, Any]]:
+    """Per normalisation, cases with and without segment ids apart, in lossspec's order."""
+    order = {name: i for i, name in enumerate(lossspec.ALL_NORMALIZATIONS)}
+    groups = sorted({normalization_group(r) for r in results}, key=lambda g: (order[g.split("+")[0]], g))
+    return {group: _group_summary([r for r in results if normalization_group(r) == group], "comparisons") for group in groups}
+
+
+def _print_table(title: str, summary: dict[str, dict[str, Any]], count: str = "cases") -> None:
+    print(f"\n{title:32s} {count:>11s}  failed  nonfinite  max loss err  max grad err")
+    for name, row in summary.items():
+        print(f"{name:32s} {row[count]:11d}  {row['failed']:6d}  {row['nonfinite']:9d}  "
+              f"{row['max_loss_error']:12.3g}  {row['max_grad_error']:12.3g}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -352,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "environment": _environment(),
         "inputs": args.inputs,
         "summary": summary,
+        "summary_by_normalization": _summary_by_normalization(results),
         "results": [r.__dict__ for r in results],
         "seconds": round(time.perf_counter() - start, 2),
     }
@@ -362,10 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as error:
         print(f"lossparity: error: --out {out}: cannot write there ({error.strerror or error})", file=sys.stderr)
         return EXIT["usage"]
-    print("\nbackend (vs reference)          cases  failed  nonfinite  max loss err  max grad err")
-    for name, row in summary.items():
-        print(f"{name:32s} {row['cases']:5d}  {row['failed']:6d}  {row['nonfinite']:9d}  "
-              f"{row['max_loss_error']:12.3g}  {row['max_grad_error']:12.3g}")
+    _print_table("backend (vs reference)", summary)
+    _print_table("normalisation (+segment ids)", report["summary_by_normalization"], "comparisons")
     if not args.no_plot:
         write_plot(results, out / "parity_report.png")
         print(f"wrote {json_path} and {out / 'parity_report.png'}")

@@ -1,7 +1,8 @@
 """Reading a user's batch from ``.npz`` or ``.safetensors`` (NumPy only: no framework needed).
 
-Expected arrays: ``logits`` ``[..., V]``; ``labels`` ``[...]`` (cross-entropy) and/or
-``teacher_logits`` ``[..., V]`` (distillation); optional ``loss_mask`` ``[...]``.
+Expected arrays: ``logits`` ``[..., V]`` (alone enough for ``entropy``); ``labels`` ``[...]``
+(cross-entropy) and/or ``teacher_logits`` ``[..., V]`` (the teacher kinds); optional
+``loss_mask`` ``[...]`` and ``segment_ids`` ``[...]`` (packed documents; lossspec.sequences).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-KNOWN_KEYS = ("logits", "labels", "teacher_logits", "loss_mask")
+KNOWN_KEYS = ("logits", "labels", "teacher_logits", "loss_mask", "segment_ids")
 
 
 class InputError(ValueError):
@@ -148,8 +149,6 @@ def read_inputs(path_text: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     found = f"(found: {found_keys(arrays)})"
     if "logits" not in arrays:
         raise InputError(f"{path}: no 'logits' array {found}")
-    if "labels" not in arrays and "teacher_logits" not in arrays:
-        raise InputError(f"{path}: needs 'labels' (cross-entropy) or 'teacher_logits' (distillation) beside 'logits' {found}")
     unknown = sorted(set(arrays) - set(KNOWN_KEYS))
     if unknown:
         raise InputError(f"{path}: unexpected array(s) {', '.join(unknown)}; expected {', '.join(KNOWN_KEYS)} {found}")

@@ -47,9 +47,14 @@ class CaseSpec:
     grad_output: Any = None
 
     @property
+    def uses_segment_ids(self) -> bool:
+        return self.inputs.segment_ids is not None
+
+    @property
     def name(self) -> str:
+        """``kind/label/normalization/dtype/shape[segment_ids,options,D=denominator]``."""
         shape = "x".join(map(str, self.inputs.logits.shape))
-        extra = ",".join(f"{k}={v}" for k, v in self.options.items())
+        extra = ",".join((["segment_ids"] if self.uses_segment_ids else []) + [f"{k}={v}" for k, v in self.options.items()])
         if self.denominator is not None:
             extra += f"{',' if extra else ''}D={self.denominator:g}"
         return f"{self.kind}/{self.label}/{self.normalization}/{self.inputs.dtype}/{shape}" + (f"[{extra}]" if extra else "")
@@ -62,7 +67,7 @@ class CaseSpec:
 
     def g0(self) -> float:
         case = lossspec.Case(self.kind, self.label, self.inputs.dtype, self.inputs.logits, self.inputs.target, self.inputs.loss_mask)
-        return case.g0(**self.call_options(), grad_output=self.grad_output)
+        return case.g0(**self.call_options(), grad_output=self.grad_output, segment_ids=self.inputs.segment_ids)
 
 
 STATUSES = ("pass", "fail", "nonfinite")
@@ -90,6 +95,7 @@ class Result:
     status: str = "pass"
     loss: float | None = None
     reference_loss: float | None = None
+    segment_ids: bool = False  # whether the case passed segment_ids (packed documents)
 
 
 def reported_loss(loss: Any) -> float:
@@ -112,11 +118,72 @@ def _count_nonfinite(values: Any) -> int:
     return int(np.size(values) - np.count_nonzero(np.isfinite(np.asarray(values, dtype=np.float64))))
 
 
+def packed_row_ids(time: int, row: int, rng: np.random.Generator) -> np.ndarray:
+    """The segment ids ``[time]`` of one packed row: documents of very different lengths (one of
+    about two thirds of the live tokens, id 0 on even rows, beside ones of 1 to 3 tokens), ids
+    from 0 to 70000, a padding tail (ids -1 and -7, a quarter of the odd rows), and on rows 1, 4,
+    7, ... the last document reusing the first one's id (a sequence need not be contiguous)."""
+    pad = time // 4 if row % 2 else 0
+    live = time - pad
+    long = max(1, (2 * live) // 3)
+    lengths = [long] if live else []
+    while sum(lengths) < live:  # then documents of 1, 2, 3, 1, ... tokens (shifted by the row)
+        lengths.append(min(1 + (row + len(lengths) - 1) % 3, live - sum(lengths)))
+    order = rng.permutation(len(lengths))  # the long document anywhere in the row
+    lengths = [lengths[i] for i in order]
+    ids = rng.choice(np.array([1, 2, 3, 5, 9, 41, 70000]), size=len(lengths), replace=len(lengths) > 7)
+    if row % 2 == 0 and len(ids):
+        ids[int(np.argmax(order == 0))] = 0  # id 0 (the smallest document id) on the long document
+    if row % 3 == 1 and len(ids) > 2:
+        ids[-1] = ids[0]
+    padding = rng.choice(np.array([-1, -7]), size=pad)
+    return np.concatenate([np.repeat(ids, lengths), padding]).astype(np.int64)
+
+
+def packed_segment_ids(lead_shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """int64 ``segment_ids`` of ``lead_shape`` (the last axis is time): :func:`packed_row_ids`
+    per row of the leading shape."""
+    rng = np.random.default_rng([seed, 15])
+    time = lead_shape[-1]
+    rows = int(np.prod(lead_shape[:-1], dtype=np.int64))
+    return np.stack([packed_row_ids(time, row, rng) for row in range(rows)]).reshape(lead_shape) if rows else \
+        np.zeros(lead_shape, np.int64)
+
+
+def packed_inputs(kind: str, dtype: str, lead_shape: tuple[int, ...], vocab: int, seed: int = 0) -> Inputs:
+    """The ``"random"`` case of ``lossspec.make_case`` with :func:`packed_segment_ids`; the second
+    document of the first row is all masked (its ``n_s == 0``: it does not count in ``S``).
+    Padding positions are unmasked in ``loss_mask``, so that only their ids exclude them, and hold
+    out-of-range cross-entropy labels (never read)."""
+    made = lossspec.make_case(kind, "random", lead_shape=lead_shape, vocab=vocab, dtype=dtype, seed=seed)
+    ids = packed_segment_ids(lead_shape, seed)
+    mask = np.asarray(made.loss_mask) | (ids < 0)
+    first_row, first_mask = ids.reshape(-1, ids.shape[-1])[0], mask.reshape(-1, ids.shape[-1])[0]  # views
+    documents = [seq for seq in dict.fromkeys(first_row.tolist()) if seq >= 0]
+    if len(documents) > 1:
+        first_mask[first_row == documents[1]] = False
+    target = made.target
+    if kind == "cross_entropy":
+        target = np.where(ids < 0, vocab, target)
+    return Inputs(made.logits, target, mask, dtype, ids)
+
+
+# The per-sequence cases of each kind (a subset: the token modes' full cross product is not
+# repeated): (normalisation, dtypes, packed segment ids or one sequence per row, option variant).
+SEQUENCE_CASES: tuple[tuple[str, tuple[str, ...], bool, bool], ...] = (
+    ("sequence_mean", ("float32", "bfloat16", "float16"), True, False),
+    ("sequence_sum", ("float32", "bfloat16"), True, True),
+    ("sequence_mean", ("float32",), False, False),
+)
+
+
 def builtin_cases(
     kinds: Iterable[str], dtypes: Iterable[str], lead_shape: tuple[int, ...], vocab: int, seed: int = 0
 ) -> list[CaseSpec]:
-    """kinds x dtypes x (every normalisation on random inputs, option variants, and each hard
-    scenario of ``lossspec.SCENARIOS`` under one normalisation each)."""
+    """kinds x dtypes x (every token normalisation on random inputs, option variants, each hard
+    scenario of ``lossspec.SCENARIOS`` under one normalisation each), plus the per-sequence
+    subset of :data:`SEQUENCE_CASES`: ``"packed"`` rows (:func:`packed_inputs`) and the random
+    inputs with each row one sequence."""
     specs = []
     for kind in kinds:
         variant = VARIANTS.get(kind, DISTILL_VARIANT)
@@ -142,6 +209,11 @@ def builtin_cases(
                 CaseSpec(kind, "all_masked", case("all_masked"), "valid_tokens"),
                 CaseSpec(kind, "no_mask", case("no_mask"), "valid_tokens"),
             ]
+            for normalization, sequence_dtypes, packed, with_variant in SEQUENCE_CASES:
+                if dtype in sequence_dtypes:
+                    inputs = packed_inputs(kind, dtype, lead_shape, vocab, seed) if packed else random
+                    options = dict(variant) if with_variant else {}
+                    specs.append(CaseSpec(kind, "packed" if packed else "random", inputs, normalization, options))
     return specs
 
 
@@ -167,6 +239,7 @@ def _compare(spec: CaseSpec, backend: str, reference: str, got: tuple, ref: tupl
         spec.name, spec.kind, spec.inputs.dtype, spec.normalization, backend, reference,
         loss_cmp.error_units, grad_cmp.error_units, status == "pass", seconds, message,
         status=status, loss=reported_loss(got[0]), reference_loss=reported_loss(ref[0]),
+        segment_ids=spec.uses_segment_ids,
     )
 
 
@@ -196,7 +269,8 @@ def run_matrix(
                 detail = traceback.format_exception_only(type(error), error)[-1].strip()
                 row.append(Result(spec.name, spec.kind, spec.inputs.dtype, spec.normalization, name, "oracle",
                                   float("inf"), float("inf"), False, time.perf_counter() - start, detail,
-                                  status="fail", loss=None, reference_loss=reported_loss(reference[0])))
+                                  status="fail", loss=None, reference_loss=reported_loss(reference[0]),
+                                  segment_ids=spec.uses_segment_ids))
                 continue
             row.append(_compare(spec, name, "oracle", outputs[name], reference, g0, time.perf_counter() - start))
         for first, second in CROSS_PAIRS:

@@ -3,6 +3,7 @@ torch programs, and one-line errors for bad files and arguments."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import lossspec
 from lossparity import backends as backends_module
 from lossparity.backends import Backend
 from lossparity import cli as cli_module
+from lossparity import matrix as matrix_module
 from lossparity.cli import main
 
 SMALL = ["--shape", "3x40", "--no-plot"]
@@ -38,8 +40,7 @@ def test_builtin_matrix_passes_and_writes_report(tmp_path: Path, capsys: pytest.
 
 def test_builtin_matrix_covers_entropy_and_jensen_shannon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """The six kinds are in the built-in matrix (entropy without a target, JSD's beta variant);
-    a 1e-4 error in one backend's JSD gradient is a named failure; --inputs names them as
-    built-in only."""
+    a 1e-4 error in one backend's JSD gradient is a named failure."""
     code = main(["--kinds", "entropy,jensen_shannon", "--dtypes", "float32", "--backends", "jax-xla,torch",
                  "--out", str(tmp_path), *SMALL])
     out = capsys.readouterr().out
@@ -60,10 +61,90 @@ def test_builtin_matrix_covers_entropy_and_jensen_shannon(tmp_path: Path, monkey
                  "--normalizations", "valid_tokens", "--out", str(tmp_path / "again"), *SMALL])
     err = capsys.readouterr().err
     assert code == 1 and "jensen_shannon/random/valid_tokens" in err and "entropy/" not in err
-    batch = tmp_path / "batch.npz"
-    np.savez(batch, logits=np.zeros((2, 5), np.float32), labels=np.zeros(2, np.int64))
-    code = main(["--inputs", str(batch), "--kinds", "entropy", "--out", str(tmp_path / "third"), "--no-plot"])
-    assert code == 2 and "built-in matrix only" in capsys.readouterr().err
+
+
+PACKED = ["--shape", "2x9x40", "--no-plot"]  # two packed rows of 9 tokens
+
+
+def test_packed_inputs_hold_the_hard_sequence_cases() -> None:
+    """The built-in packed rows: documents of very different lengths, padding ids, an all-masked
+    document, and sequences (row, id) that change both modes' loss against one sequence per row."""
+    inputs = matrix_module.packed_inputs("cross_entropy", "float32", (2, 9), 40)
+    ids, mask = inputs.segment_ids, np.asarray(inputs.loss_mask)
+    assert ids.shape == (2, 9) and (ids < 0).any()
+    lengths = [int((row == seq).sum()) for row in ids for seq in set(row.tolist()) if seq >= 0]
+    assert max(lengths) >= 5 and min(lengths) == 1
+    assert any(not mask[r][ids[r] == seq].any() for r in range(2) for seq in set(ids[r].tolist()) if seq >= 0)
+    assert (inputs.target[ids < 0] == 40).all()  # out-of-range labels where the ids say padding
+    for mode in lossspec.SEQUENCE_NORMALIZATIONS:
+        packed = lossspec.oracle("cross_entropy", inputs.logits, inputs.target, mask, normalization=mode, segment_ids=ids)[0]
+        per_row = lossspec.oracle("cross_entropy", inputs.logits, np.where(ids < 0, 0, inputs.target), np.where(ids < 0, False, mask),
+                                  normalization=mode)[0]
+        assert abs(packed - per_row) > 1e-3 * abs(packed), mode
+
+
+def test_builtin_matrix_covers_the_sequence_modes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """sequence_mean/sequence_sum on packed rows (segment ids) and with one sequence per row; the
+    oracle's losses are lossspec.oracle's with those ids; the JSON and the tables name both."""
+    code = main(["--kinds", "cross_entropy,jensen_shannon", "--dtypes", "float32,float16", "--backends", "jax-xla,torch",
+                 "--normalizations", "sequence_mean,sequence_sum", "--out", str(tmp_path), *PACKED])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "PASS cross_entropy/packed/sequence_mean/float32/2x9x40[segment_ids]" in out
+    assert "PASS jensen_shannon/packed/sequence_sum/float32/2x9x40[segment_ids,temperature=2.0" in out
+    assert "PASS cross_entropy/random/sequence_mean/float32/2x9x40 " in out
+    assert "PASS cross_entropy/packed/sequence_mean/float16/2x9x40[segment_ids]" in out
+    assert "sequence_sum/float16" not in out  # the subset: sequence_sum in float32 and bfloat16 only
+    report = json.loads((tmp_path / "parity_report.json").read_text())
+    assert set(report["summary_by_normalization"]) == {"sequence_mean", "sequence_mean+segment_ids", "sequence_sum+segment_ids"}
+    assert "sequence_mean+segment_ids" in out  # the console table
+    assert all(r["loss_error"] <= 1 and r["grad_error"] <= 1 for r in report["results"])
+    inputs = matrix_module.packed_inputs("cross_entropy", "float32", (2, 9), 40)
+    oracle_loss = lossspec.oracle("cross_entropy", inputs.logits, inputs.target, inputs.loss_mask,
+                                  normalization="sequence_mean", segment_ids=inputs.segment_ids)[0]
+    row = next(r for r in report["results"] if r["case"] == "cross_entropy/packed/sequence_mean/float32/2x9x40[segment_ids]")
+    assert row["segment_ids"] is True and row["reference_loss"] == oracle_loss
+    assert abs(row["loss"] - oracle_loss) <= lossspec.LOSS_RTOL * abs(oracle_loss)
+
+
+def _drops_segment_ids(inputs, options, loss, grad, honest, kind, grad_output):
+    """A backend that ignores segment_ids (each row one sequence, padding counted)."""
+    return honest(kind, dataclasses.replace(inputs, segment_ids=None), options, grad_output)
+
+
+def _sequence_sum_grad_off(inputs, options, loss, grad, honest, kind, grad_output):
+    """A 1e-4 relative error in the gradient of sequence_sum alone (25x the fp32 bound)."""
+    return loss, grad * (1 + 1e-4) if options["normalization"] == "sequence_sum" else grad
+
+
+@pytest.mark.parametrize("mutant, failing", [
+    (_drops_segment_ids, {"packed/sequence_mean", "packed/sequence_sum"}),
+    (_sequence_sum_grad_off, {"packed/sequence_sum"}),
+])
+def test_perturbed_sequence_mode_is_a_named_failure(mutant, failing: set[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    honest = backends_module.BACKENDS["torch"].run
+
+    def perturbed(kind, inputs, options, grad_output):
+        loss, grad = honest(kind, inputs, options, grad_output)
+        return mutant(inputs, options, loss, grad, honest, kind, grad_output)
+
+    monkeypatch.setitem(backends_module.BACKENDS, "torch", Backend("torch", "torch", perturbed))
+    code = main(["--kinds", "cross_entropy,entropy", "--dtypes", "float32", "--backends", "jax-xla,torch",
+                 "--normalizations", "valid_tokens,sequence_mean,sequence_sum", "--out", str(tmp_path), *PACKED])
+    captured = capsys.readouterr()
+    assert code == 1, captured.out
+    report = json.loads((tmp_path / "parity_report.json").read_text())
+    failed = {(r["case"].split("/")[0], "/".join(r["case"].split("/")[1:3]), r["backend"], r["reference"])
+              for r in report["results"] if not r["ok"]}
+    # (Without its ids, torch reads cross-entropy's out-of-range padding labels and raises: a
+    # crash has no output to compare with its twin, so that kind fails against the oracle only.)
+    assert {(kind, case) for kind, case, backend, reference in failed if (backend, reference) == ("torch", "oracle")} \
+        == {(kind, case) for kind in ("cross_entropy", "entropy") for case in failing}
+    assert {case for _, case, _, _ in failed} == failing
+    assert f"cross_entropy/{sorted(failing)[-1]}/float32/2x9x40[segment_ids" in captured.err
+    assert report["summary_by_normalization"]["valid_tokens"]["failed"] == 0
+    assert report["summary_by_normalization"]["sequence_mean"]["failed"] == 0  # one sequence per row: no ids to drop
 
 
 def test_perturbed_backend_fails_and_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
@@ -155,16 +236,54 @@ def test_inputs_from_jax_and_torch_programs(tmp_path: Path, capsys: pytest.Captu
     backends = ["--backends", "jax-xla,torch"]
     assert main(["--inputs", str(jax_file), "--out", str(tmp_path), *backends, "--no-plot"]) == 0
     out = capsys.readouterr().out
-    # labels and teacher logits in the file: all four kinds, all four normalisations, in bf16.
+    # labels and teacher logits in the file: all six kinds, all six normalisations, in bf16.
     assert "PASS cross_entropy/jax_batch.npz/valid_tokens/bfloat16/2x6x50" in out
     assert "PASS reverse_kl/jax_batch.npz/none/bfloat16/2x6x50" in out
-    assert "16 cases" in out
+    assert "PASS jensen_shannon/jax_batch.npz/sequence_mean/bfloat16/2x6x50[beta=0.5" in out
+    assert "36 cases" in out
     assert main(["--inputs", str(torch_file), "--out", str(tmp_path), *backends, "--no-plot", "--label-smoothing", "0.1"]) == 0
     out = capsys.readouterr().out
-    assert "PASS cross_entropy/torch_batch.npz/tokens/float32/4x5x70[" in out and "4 cases" in out
+    assert "PASS cross_entropy/torch_batch.npz/tokens/float32/4x5x70[" in out and "12 cases" in out  # and entropy
     assert main(["--inputs", str(st_file), "--out", str(tmp_path), *backends, "--no-plot", "--temperature", "2"]) == 0
     out = capsys.readouterr().out
-    assert "PASS forward_kl/torch.safetensors/sum/bfloat16/4x5x70[temperature=2.0" in out and "12 cases" in out
+    assert "PASS forward_kl/torch.safetensors/sum/bfloat16/4x5x70[temperature=2.0" in out and "30 cases" in out
+
+
+def test_inputs_with_entropy_jensen_shannon_and_segment_ids(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A packed batch (teacher logits, weights, segment ids with padding): every normalisation of
+    entropy and JSD (--beta) passes, with the oracle's losses for those ids; a logits-only
+    safetensors file checks entropy alone."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(11)
+    logits = (3 * rng.normal(size=(2, 7, 23))).astype(np.float32)
+    teacher = (3 * rng.normal(size=(2, 7, 23))).astype(np.float32)
+    mask = np.where(rng.random((2, 7)) < 0.8, rng.uniform(0.5, 2.0, (2, 7)), 0.0).astype(np.float32)
+    ids = np.array([[0, 0, 0, 0, 0, 1, 2], [5, 5, 9, 9, 9, -1, -1]], np.int32)
+    np.savez(tmp_path / "packed.npz", logits=logits, teacher_logits=teacher, loss_mask=mask, segment_ids=ids)
+    code = main(["--inputs", str(tmp_path / "packed.npz"), "--kinds", "entropy,jensen_shannon", "--beta", "0.3",
+                 "--backends", "jax-xla,torch", "--no-plot", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "12 cases" in out
+    assert "PASS jensen_shannon/packed.npz/sequence_mean/float32/2x7x23[segment_ids,beta=0.3," in out
+    assert "PASS entropy/packed.npz/sequence_sum/float32/2x7x23[segment_ids,temperature=1.0,logit_scale=1.0]" in out
+    report = json.loads((tmp_path / "parity_report.json").read_text())
+    assert {r["normalization"] for r in report["results"]} == set(lossspec.ALL_NORMALIZATIONS)
+    assert all(r["segment_ids"] for r in report["results"])
+    for kind, target, options in (("jensen_shannon", teacher, {"beta": 0.3}), ("entropy", None, {})):
+        for mode in lossspec.SEQUENCE_NORMALIZATIONS:
+            expected = lossspec.oracle(kind, logits, target, mask, normalization=mode, segment_ids=ids, **options)[0]
+            one_per_row = lossspec.oracle(kind, logits, target, mask, normalization=mode, **options)[0]
+            assert abs(expected - one_per_row) > 1e-3 * abs(expected)  # the ids matter
+            row = next(r for r in report["results"]
+                       if r["case"].startswith(f"{kind}/packed.npz/{mode}/") and r["backend"] == "torch" and r["reference"] == "oracle")
+            assert row["reference_loss"] == expected and abs(row["loss"] - expected) <= lossspec.LOSS_RTOL * abs(expected)
+    save_file({"logits": logits, "segment_ids": ids.astype(np.int64)}, str(tmp_path / "logits.safetensors"))
+    code = main(["--inputs", str(tmp_path / "logits.safetensors"), "--backends", "torch", "--no-plot",
+                 "--normalizations", "sequence_mean", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "1 cases" in out and "PASS entropy/logits.safetensors/sequence_mean/float32/2x7x23[segment_ids," in out
 
 
 def _write_bad_files(folder: Path) -> None:
@@ -187,6 +306,9 @@ def _write_bad_files(folder: Path) -> None:
     np.savez(folder / "teacher_only.npz", logits=np.zeros((3, 5), np.float32), teacher_logits=np.zeros((3, 5), np.float32))
     np.savez(folder / "bad_shapes.npz", logits=np.zeros((3, 5), np.float32), labels=np.zeros(4, np.int64))
     np.savez(folder / "bad_label.npz", logits=np.zeros((3, 5), np.float32), labels=np.array([0, 7, 1]))
+    np.savez(folder / "ids_shape.npz", logits=np.zeros((2, 3, 5), np.float32), segment_ids=np.zeros((2, 4), np.int64))
+    np.savez(folder / "ids_float.npz", logits=np.zeros((2, 3, 5), np.float32), segment_ids=np.zeros((2, 3), np.float32))
+    np.savez(folder / "one_token.npz", logits=np.zeros(5, np.float32))
     (folder / "a_file").write_text("")
 
 
@@ -213,8 +335,18 @@ BAD_CASES = {
     "wrong_size_safetensors": (lambda d: ["--inputs", str(d / "wrong_size.safetensors")],
                                "tensor 'logits': shape [3, 5] of F32 needs 60 bytes; data_offsets hold 8"),
     "no_logits": (lambda d: ["--inputs", str(d / "no_logits.npz")], "no 'logits' array (found: labels)"),
-    "no_target": (lambda d: ["--inputs", str(d / "no_target.npz")],
-                  "needs 'labels' (cross-entropy) or 'teacher_logits' (distillation) beside 'logits' (found: logits, loss_mask)"),
+    "no_target": (lambda d: ["--inputs", str(d / "no_target.npz"), "--kinds", "cross_entropy,forward_kl,reverse_kl"],
+                  "cross_entropy needs 'labels'; forward_kl, reverse_kl need 'teacher_logits' (found: logits, loss_mask)"),
+    # segment ids and the sequence modes: lossspec's checks and messages.
+    "segment_ids_shape": (lambda d: ["--inputs", str(d / "ids_shape.npz")],
+                          "ids_shape.npz: segment_ids must have the shape of the labels (the leading shape of logits) "
+                          "[2, 3]; got [2, 4]"),
+    "segment_ids_float": (lambda d: ["--inputs", str(d / "ids_float.npz"), "--normalizations", "sequence_sum"],
+                          "ids_float.npz: segment_ids must be an integer array of shape [2, 3]; got dtype float32"),
+    "sequence_mode_without_time_axis": (lambda d: ["--inputs", str(d / "one_token.npz"), "--normalizations", "sequence_mean"],
+                                        "normalization 'sequence_mean' needs a time axis"),
+    "beta_out_of_range": (lambda d: ["--inputs", str(d / "teacher_only.npz"), "--beta", "1.5"],
+                          "teacher_only.npz: beta must be in [0, 1], got 1.5"),
     "kind_without_its_array": (lambda d: ["--inputs", str(d / "teacher_only.npz"), "--kinds", "cross_entropy"],
                                "cross_entropy needs 'labels' (found: logits, teacher_logits)"),
     "bad_shapes": (lambda d: ["--inputs", str(d / "bad_shapes.npz")], "labels must have the leading shape of logits [3]"),
@@ -317,13 +449,15 @@ def test_bad_file_fails_before_jax_and_torch_are_imported(bad: str, tmp_path: Pa
 
 
 def _user_files(folder: Path) -> dict[str, Path]:
-    """Small user batches: cross-entropy only, distillation only, both."""
+    """Small user batches: cross-entropy only, distillation only, both, logits only (entropy)."""
     rng = np.random.default_rng(3)
     logits = (3 * rng.normal(size=(2, 3, 11))).astype(np.float32)
     labels = rng.integers(0, 11, (2, 3))
     teacher = (3 * rng.normal(size=(2, 3, 11))).astype(np.float32)
-    files = {"ce": folder / "ce.npz", "distill": folder / "distill.npz", "both": folder / "both.npz"}
+    files = {"ce": folder / "ce.npz", "distill": folder / "distill.npz", "both": folder / "both.npz",
+             "logits_only": folder / "logits_only.npz"}
     np.savez(files["ce"], logits=logits, labels=labels)
+    np.savez(files["logits_only"], logits=logits)
     np.savez(files["distill"], logits=logits, teacher_logits=teacher)
     np.savez(files["both"], logits=logits, labels=labels, teacher_logits=teacher)
     return files
@@ -333,12 +467,17 @@ def _user_files(folder: Path) -> dict[str, Path]:
 WARN_CASES = {
     "label_smoothing_distill_file": ("distill", ["--label-smoothing", "0.1"],
                                      "--label-smoothing applies only to cross_entropy; ignored (this run checks "
-                                     "soft_cross_entropy, forward_kl, reverse_kl)"),
+                                     "soft_cross_entropy, forward_kl, reverse_kl, entropy, jensen_shannon)"),
     "ignore_index_distill_file": ("distill", ["--kinds", "reverse_kl", "--ignore-index", "0"],
                                   "--ignore-index applies only to cross_entropy; ignored (this run checks reverse_kl)"),
-    "temperature_ce_file": ("ce", ["--temperature", "2"],
-                            "--temperature applies only to soft_cross_entropy, forward_kl, reverse_kl; ignored "
-                            "(this run checks cross_entropy)"),
+    "temperature_ce_file": ("ce", ["--kinds", "cross_entropy", "--temperature", "2"],
+                            "--temperature applies only to soft_cross_entropy, forward_kl, reverse_kl, entropy, "
+                            "jensen_shannon; ignored (this run checks cross_entropy)"),
+    "beta_without_jsd": ("distill", ["--kinds", "forward_kl,entropy", "--beta", "0.3"],
+                         "--beta applies only to jensen_shannon; ignored (this run checks forward_kl, entropy)"),
+    "kinds_without_their_arrays": ("logits_only", ["--kinds", "entropy,cross_entropy,reverse_kl"],
+                                   "skipping cross_entropy, reverse_kl: cross_entropy needs 'labels'; reverse_kl needs "
+                                   "'teacher_logits' (found: logits)"),
     "kind_without_its_array": ("ce", ["--kinds", "cross_entropy,reverse_kl"],
                                "skipping reverse_kl: it needs 'teacher_logits' (found: labels, logits)"),
     "shape_with_inputs": ("ce", ["--shape", "2x3x4"], "--shape applies only to the built-in matrix; ignored with --inputs"),
@@ -347,7 +486,10 @@ WARN_CASES = {
                                "--dtypes: with --inputs the file runs in one dtype; using float16, ignoring bfloat16"),
     "z_loss_builtin": (None, ["--kinds", "cross_entropy", "--dtypes", "float32", "--shape", "2x6", "--z-loss", "0.1"],
                        "--z-loss applies only with --inputs; ignored (the built-in matrix runs its own option variants)"),
-    "all_options_apply": ("both", ["--label-smoothing", "0.1", "--temperature", "2", "--logit-scale", "1.5"], None),
+    "all_options_apply": ("both", ["--label-smoothing", "0.1", "--temperature", "2", "--logit-scale", "1.5",
+                                   "--beta", "0.3"], None),
+    "beta_builtin": (None, ["--kinds", "jensen_shannon", "--dtypes", "float32", "--shape", "2x6", "--beta", "0.3"],
+                     "--beta applies only with --inputs; ignored (the built-in matrix runs its own option variants)"),
 }
 
 
@@ -404,8 +546,8 @@ def _nan_batch(path: Path) -> None:
 
 def test_nan_that_the_oracle_shares_is_flagged_nonfinite_not_pass(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     _nan_batch(tmp_path / "nan.npz")
-    code = main(["--inputs", str(tmp_path / "nan.npz"), "--backends", "jax-xla,torch", "--normalizations", "valid_tokens,none",
-                 "--out", str(tmp_path), "--no-plot"])
+    code = main(["--inputs", str(tmp_path / "nan.npz"), "--kinds", "cross_entropy", "--backends", "jax-xla,torch",
+                 "--normalizations", "valid_tokens,none", "--out", str(tmp_path), "--no-plot"])
     captured = capsys.readouterr()
     assert code == 3, captured
     assert "PASS" not in captured.out
