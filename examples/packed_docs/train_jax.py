@@ -1,5 +1,5 @@
 """The packed-documents step in JAX: the tiny LM (document-masked attention, tied head) and
-``jaxloss.cross_entropy(..., segment_ids=, normalization="sequence_mean", causal_shift=True)``,
+``jaxloss.linear_cross_entropy(..., segment_ids=, normalization="sequence_mean", causal_shift=True)``,
 with ``jaxloss.distributed.accumulate`` for micro-batches and ``shard_map`` replicas."""
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def make_step(graphdef: Any, *, num_microbatches: int = 1, replicas: int = 1, na
     def loss_fn(state: Any, microbatch: dict[str, jax.Array], denominator: Any) -> jax.Array:
         model = nnx.merge(graphdef, state)
         hidden = model(microbatch["tokens"], microbatch["segment_ids"])
-        # Tied head as a plain matmul: the fused head takes no segment_ids (yet).
-        logits = hidden @ model.tok_emb[...].T
-        return jaxloss.cross_entropy(logits, microbatch["labels"], microbatch["loss_mask"], causal_shift=True,
-                                     segment_ids=microbatch["segment_ids"], normalization=NORMALIZATION, denominator=denominator)
+        # The tied, fused head: the embedding table is the head weight; the logits are never formed.
+        return jaxloss.linear_cross_entropy(hidden, model.tok_emb[...], microbatch["labels"], microbatch["loss_mask"],
+                                            causal_shift=True, segment_ids=microbatch["segment_ids"],
+                                            normalization=NORMALIZATION, denominator=denominator)
 
     def exact(state: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
         return accumulate(loss_fn, state, batch, num_microbatches=num_microbatches, normalization=NORMALIZATION,

@@ -1,5 +1,5 @@
 """The packed-documents step in torch: the tiny LM (document-masked attention, tied head) and
-``torchloss.cross_entropy(..., segment_ids=, normalization="sequence_mean", causal_shift=True)``,
+``torchloss.linear_cross_entropy(..., segment_ids=, normalization="sequence_mean", causal_shift=True)``,
 with ``torchloss.distributed.accumulate`` for micro-batches. D replicas are simulated in this
 process: pass 1 counts on every replica and sums the counts (the all-reduce), pass 2 computes
 each replica's gradients separately and sums them (the all-reduce of the gradients)."""
@@ -22,10 +22,10 @@ History = dict[str, Any]
 
 def loss_fn(model: TinyLM, microbatch: dict[str, torch.Tensor], denominator: Any) -> torch.Tensor:
     hidden = model(microbatch["tokens"], microbatch["segment_ids"])
-    # Tied head as a plain matmul: the fused head takes no segment_ids (yet).
-    logits = hidden @ model.tok_emb.T
-    return torchloss.cross_entropy(logits, microbatch["labels"], microbatch["loss_mask"], causal_shift=True,
-                                   segment_ids=microbatch["segment_ids"], normalization=NORMALIZATION, denominator=denominator)
+    # The tied, fused head: the embedding table is the head weight; the logits are never formed.
+    return torchloss.linear_cross_entropy(hidden, model.tok_emb, microbatch["labels"], microbatch["loss_mask"],
+                                          causal_shift=True, segment_ids=microbatch["segment_ids"],
+                                          normalization=NORMALIZATION, denominator=denominator)
 
 
 def count(microbatch: dict[str, torch.Tensor]) -> torch.Tensor:

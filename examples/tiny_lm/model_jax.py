@@ -97,10 +97,7 @@ def make_step(graphdef: Any, *, kind: str, num_microbatches: int = 1, replicas: 
     step_fn = naive_step if naive else exact
     if replicas > 1:
         mesh = Mesh(np.array(jax.devices()[:replicas]), ("data",))
-        # check_vma=False: the fused head's chunk loop (jaxloss/linear.py) starts its fori_loop
-        # carry from unvarying zeros, which shard_map's varying-axes check rejects (jax 0.10).
-        # Without the check, accumulate psums the loss and the gradients explicitly (as under pmap).
-        step_fn = shard_map(step_fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=False)
+        step_fn = shard_map(step_fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
     return step_fn
 
 
