@@ -36,7 +36,7 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import api
+from . import _pallas_linear, api
 from ._stats import F32, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block
 
 Array = jax.Array
@@ -227,7 +227,7 @@ def head_forward(
 # custom_vjp
 # --------------------------------------------------------------------------------------------
 
-Spec = tuple  # (KernelConfig, reduced: bool, (block_elements, blocked_rows), (hidden, weight, bias) dtypes): static
+Spec = tuple  # (KernelConfig, reduced: bool, (block_elements, blocked_rows, impl, softcaps, tuning), (hidden, weight, bias) dtypes): static
 
 
 def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
@@ -236,8 +236,12 @@ def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
 
 
 def _run(spec: Spec, args: tuple, coef: Array, with_grad: bool) -> tuple:
-    cfg, _, (block_elements, blocked_rows), _ = spec
+    cfg, _, (block_elements, blocked_rows, impl, softcaps, tuning), _ = spec
     hidden, weight, bias, labels, teacher = args
+    if impl == "pallas":  # the one dispatch point: the fused Pallas kernels (jaxloss._pallas_linear)
+        return _pallas_linear.head_forward(
+            cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, softcaps=softcaps, tuning=tuning
+        )
     return head_forward(
         cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, block_elements=block_elements, blocked_rows=blocked_rows
     )
@@ -359,7 +363,9 @@ def _linear_loss(kind: str, **args: Any) -> Array:
         kind=config.kind, scale=config.student_scale, teacher_scale=config.teacher_scale, label_smoothing=config.label_smoothing, z_loss=config.z_loss
     )
     dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    head_spec = (kcfg, config.normalization != "none", (BLOCK_ELEMENTS, BLOCKED_ROWS), dtypes)
+    impl = api.resolve_impl(args["impl"])  # "auto": Pallas on a GPU, as for the unfused losses
+    softcaps = (getattr(config, "logit_softcap", None), getattr(config, "teacher_logit_softcap", None))
+    head_spec = (kcfg, config.normalization != "none", (BLOCK_ELEMENTS, BLOCKED_ROWS, impl, softcaps, _pallas_linear.TUNING), dtypes)
     device = lambda a: None if a is None else api._device(a)  # noqa: E731
     teacher_arrays = None if teacher is None else tuple(device(a) for a in teacher)
     try:

@@ -45,6 +45,13 @@ _HEAD_ARG_DOCS: dict[str, str] = {
     "teacher_weight": "``[V, Ht]``, the dtype of ``teacher_hidden``; gets no gradient.",
     "bias": "``None`` or ``[V]``, the dtype of ``weight``.",
     "teacher_bias": "``None`` or ``[V]``, the dtype of ``teacher_weight``; gets no gradient.",
+    "impl": (
+        '``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the '
+        'XLA / torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` '
+        "(torchloss). The kernels never form a ``[R, V]`` block of the logits: they compute tiles of "
+        "``hidden @ weight.T`` and fold them into the online softmax (forward) and into the gradients "
+        '(backward, recomputed). torch float64 inputs take the torch path whatever ``impl`` says.'
+    ),
 }
 
 _HEAD_RETURNS = _RETURNS + (
@@ -65,13 +72,14 @@ def head_biases(spec: KindSpec) -> tuple[str, ...]:
 
 def head_parameters(spec: KindSpec) -> list[inspect.Parameter]:
     """``hidden, weight, <targets>, loss_mask=None, *, <biases>=None, <options>, normalization,
-    denominator`` (the options, defaults and order of the unfused ``spec.kind``)."""
+    denominator, impl`` (the options, defaults and order of the unfused ``spec.kind``)."""
     params = [_P("hidden", _P.POSITIONAL_OR_KEYWORD), _P("weight", _P.POSITIONAL_OR_KEYWORD)]
     params += [_P(name, _P.POSITIONAL_OR_KEYWORD) for name in head_targets(spec)]
     params.append(_P("loss_mask", _P.POSITIONAL_OR_KEYWORD, default=None))
     params += [_P(name, _P.KEYWORD_ONLY, default=None) for name in head_biases(spec)]
     params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default in spec.options]
     params += [_P("normalization", _P.KEYWORD_ONLY, default="valid_tokens"), _P("denominator", _P.KEYWORD_ONLY, default=None)]
+    params.append(_P("impl", _P.KEYWORD_ONLY, default="auto"))
     return params
 
 
@@ -82,7 +90,7 @@ def head_docstring(spec: KindSpec) -> str:
     if spec.target != "labels":
         lines += ["The teacher logits are ``teacher_hidden @ teacher_weight.T + teacher_bias``.", ""]
     lines.append("Args:")
-    names = ["hidden", "weight", *head_targets(spec), "loss_mask", *head_biases(spec), *spec.option_names, "normalization", "denominator"]
+    names = ["hidden", "weight", *head_targets(spec), "loss_mask", *head_biases(spec), *spec.option_names, "normalization", "denominator", "impl"]
     lines += [f"  {name}: {_HEAD_ARG_DOCS.get(name) or _ARG_DOCS[name]}" for name in names]
     lines += ["", "Returns:"] + ["  " + line for line in _HEAD_RETURNS.splitlines()]
     return "\n".join(lines) + "\n"

@@ -211,6 +211,17 @@ def head_forward(
     return loss, dh, dw, db
 
 
+def _head_forward(plan: tuple) -> Any:
+    """The one dispatch point: ``plan[2]`` is the resolved impl (``torchloss.api``'s convention:
+    ``"auto"`` is Triton on CUDA tensors); ``"triton"`` runs the fused kernels of
+    :mod:`torchloss._triton_linear` (fp32 / 16-bit inputs), anything else :func:`head_forward`."""
+    if plan[2] == "triton":
+        from . import _triton_linear
+
+        return _triton_linear.head_forward
+    return head_forward
+
+
 class LinearHeadFunction(torch.autograd.Function):
     """Autograd Function of the ``linear_*`` losses.
 
@@ -227,7 +238,7 @@ class LinearHeadFunction(torch.autograd.Function):
         reduced = config.normalization != "none"
         teacher = None if t_hidden is None else (t_hidden, t_weight, t_bias)
         args = (config, hidden, weight, bias, labels, teacher)
-        per_token, dh, dw, db = head_forward(*args, coef, need_grad=need_grad and reduced, block_elements=plan[0], blocked_rows=plan[1])
+        per_token, dh, dw, db = _head_forward(plan)(*args, coef, need_grad=need_grad and reduced, block_elements=plan[0], blocked_rows=plan[1])
         ctx.reduced, ctx.dtypes = reduced, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.grads = (dh, dw, db)
         if need_grad and not reduced:  # "none": the backward recomputes with coef * upstream
@@ -244,7 +255,7 @@ class LinearHeadFunction(torch.autograd.Function):
         else:
             coef = ctx.coef
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
-            _, dh, dw, db = head_forward(*ctx.args, scaled, need_grad=True, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1])
+            _, dh, dw, db = _head_forward(ctx.plan)(*ctx.args, scaled, need_grad=True, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1])
             scale = None
         # Scaled in place unless the graph is kept for another backward (retain_graph=True),
         # then the one rounding of each gradient to its parameter's dtype.
@@ -317,8 +328,12 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     rows = math.prod(lead)
     t_args = (None, None, None) if teacher is None else (teacher[0].reshape(rows, -1), teacher[1], teacher[2])
+    lossspec.check_impl(args["impl"], lossspec.TORCH_IMPLS)
+    impl = "torch" if hidden.dtype == torch.float64 else args["impl"]  # the kernels compute in fp32
+    impl = ("triton" if hidden.is_cuda else "torch") if impl == "auto" else impl
     loss = LinearHeadFunction.apply(
-        hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad, (BLOCK_ELEMENTS, BLOCKED_ROWS)
+        hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad,
+        (BLOCK_ELEMENTS, BLOCKED_ROWS, impl),
     )
     return api._finish(call, prepared, loss)
 
