@@ -328,7 +328,7 @@ def _head_dw_kernel(
 #: (BLOCK_N, BLOCK_V, BLOCK_H, num_warps) on a GPU (registers and spills:
 #: ``scripts/triton_aot_report.py``) and in the interpreter (small, so that the tests' shapes take
 #: several blocks of each axis and ragged tails). ``tl.dot`` needs every block >= 16.
-GPU_BLOCKS: tuple[int, int, int, int] = (64, 64, 32, 4)
+GPU_BLOCKS: tuple[int, int, int, int] = (32, 32, 32, 4)
 INTERPRETER_BLOCKS: tuple[int, int, int, int] = (16, 16, 16, 1)
 BLOCKS: tuple[int, int, int, int] = INTERPRETER_BLOCKS if _triton.INTERPRETED else GPU_BLOCKS
 
