@@ -145,7 +145,8 @@ def _compile_head(job: str, kind: str, options: dict, dtype: str, arch: int) -> 
     signature, attrs = _head_signature(job, kind, dtype)
     warps = _triton_linear.GPU_BLOCKS[3]
     src = ASTSource(fn=_triton_linear.KERNELS[job], signature=signature, constexprs=constants, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": _triton.FP_FUSION})
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": _triton.FP_FUSION,
+                                                                              "maxnreg": _triton_linear.MAXNREG})
     return compiled, warps
 
 

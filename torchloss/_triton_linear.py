@@ -327,10 +327,15 @@ def _head_dw_kernel(
 
 #: (BLOCK_N, BLOCK_V, BLOCK_H, num_warps) on a GPU (registers and spills:
 #: ``scripts/triton_aot_report.py``) and in the interpreter (small, so that the tests' shapes take
-#: several blocks of each axis and ragged tails). ``tl.dot`` needs every block >= 16.
-GPU_BLOCKS: tuple[int, int, int, int] = (32, 32, 32, 4)
+#: several blocks of each axis and ragged tails). ``tl.dot`` needs every block >= 16. The fp32
+#: ``ieee`` dot holds its operands' whole ``BLOCK_H`` slice in registers: 32 x 32 x 16 with 4 warps
+#: fits; 64 x 64 x 32 spilled up to ~8 KB, 32 x 32 x 32 a few bytes on sm_80.
+GPU_BLOCKS: tuple[int, int, int, int] = (32, 32, 16, 4)
 INTERPRETER_BLOCKS: tuple[int, int, int, int] = (16, 16, 16, 1)
 BLOCKS: tuple[int, int, int, int] = INTERPRETER_BLOCKS if _triton.INTERPRETED else GPU_BLOCKS
+#: ``.maxnreg`` of the GPU launches: without it ptxas aims at a higher occupancy (64-128 registers)
+#: and spills a few bytes (8-32 B on sm_80); with it none of the head kernels spills.
+MAXNREG: int = 255
 
 KERNELS: dict[str, Any] = {"head_forward": _head_forward_kernel, "head_dh": _head_dh_kernel, "head_dw": _head_dw_kernel}
 
@@ -414,15 +419,18 @@ def head_forward(
     head = (hidden, weight, bias if bias is not None else weight, th, tw, tb if tb is not None else tw, y, coef, params)
     sizes = (n, vocab, width, th.shape[1], hidden.stride(0), weight.stride(0), th.stride(0), tw.stride(0), fin.stride(0))
     caps = (1.0 if cap is None else float(cap), 1.0 if t_cap is None else float(t_cap))
+    launch = {"num_warps": warps}
     guard = contextlib.ExitStack()
-    if _triton.INTERPRETED:
+    if not _triton.INTERPRETED:
+        launch["maxnreg"] = MAXNREG
+    else:
         # Masked lanes are evaluated by NumPy (-inf - -inf): values the kernels discard by design.
         guard.enter_context(np.errstate(all="ignore"))
         guard.enter_context(_triton._INTERPRETER_LOCK)
     with guard:
-        _head_forward_kernel[(triton.cdiv(n, block_n),)](*head, loss, fin, *sizes, *caps, **meta, num_warps=warps)
+        _head_forward_kernel[(triton.cdiv(n, block_n),)](*head, loss, fin, *sizes, *caps, **meta, **launch)
         if need_grad:
-            _head_dh_kernel[(triton.cdiv(n, block_n),)](*head, fin, dh, *sizes, dh.stride(0), *caps, **meta, num_warps=warps)
+            _head_dh_kernel[(triton.cdiv(n, block_n),)](*head, fin, dh, *sizes, dh.stride(0), *caps, **meta, **launch)
             db_arg = db if db is not None else dw
-            _head_dw_kernel[(triton.cdiv(vocab, block_v),)](*head, fin, dw, db_arg, *sizes, dw.stride(0), *caps, **meta, num_warps=warps)
+            _head_dw_kernel[(triton.cdiv(vocab, block_v),)](*head, fin, dw, db_arg, *sizes, dw.stride(0), *caps, **meta, **launch)
     return loss, dh, dw, db
