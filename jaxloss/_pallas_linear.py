@@ -47,8 +47,8 @@ HIGHEST = lax.Precision.HIGHEST
 @dataclasses.dataclass(frozen=True)
 class HeadTuning:
     """Tile sizes (powers of two, >= 16 for the GPU's ``tl.dot``); ``None``: the default of the
-    platform (GPU: 32 x 32 x 16, 4 warps, as the Triton head kernels; interpret mode: 16 x 16 x 16, so the tests' small
-    shapes take several blocks on every axis and ragged tails)."""
+    platform (GPU: 32 x 32 x 16, 4 warps, as the Triton head kernels; interpret mode: 16 x 16 x 16,
+    so the tests' small shapes take several blocks on every axis and ragged tails)."""
 
     block_rows: Optional[int] = None
     block_vocab: Optional[int] = None
