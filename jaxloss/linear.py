@@ -41,7 +41,7 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import _vocab_parallel, api
+from . import _pallas_linear, _vocab_parallel, api
 from ._stats import F32, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
 
 Array = jax.Array
@@ -296,7 +296,7 @@ def head_forward(
 # custom_vjp
 # --------------------------------------------------------------------------------------------
 
-Spec = tuple  # (KernelConfig, reduced: bool, (block_elements, blocked_rows), (hidden, weight, bias) dtypes, Shards | None): static
+Spec = tuple  # (KernelConfig, reduced: bool, (block_elements, blocked_rows, impl, softcaps, tuning), (hidden, weight, bias) dtypes, Shards | None): static
 
 
 def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
@@ -305,8 +305,12 @@ def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
 
 
 def _run(spec: Spec, args: tuple, coef: Array, with_grad: bool) -> tuple:
-    cfg, _, (block_elements, blocked_rows), _, shards = spec
+    cfg, _, (block_elements, blocked_rows, impl, softcaps, tuning), _, shards = spec
     hidden, weight, bias, labels, teacher = args
+    if impl == "pallas":  # the one dispatch point: the fused Pallas kernels (jaxloss._pallas_linear)
+        return _pallas_linear.head_forward(
+            cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, softcaps=softcaps, tuning=tuning
+        )
     return head_forward(
         cfg,
         hidden,
@@ -464,7 +468,9 @@ def _linear_loss(kind: str, **args: Any) -> Array:
         kind=config.kind, scale=config.student_scale, teacher_scale=config.teacher_scale, label_smoothing=config.label_smoothing, z_loss=config.z_loss
     )
     dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    head_spec = (kcfg, config.normalization != "none", (BLOCK_ELEMENTS, BLOCKED_ROWS), dtypes, shards)
+    impl = spec_linear.head_impl(args["impl"], lossspec.JAX_IMPLS, "xla", shards is not None)
+    softcaps = (getattr(config, "logit_softcap", None), getattr(config, "teacher_logit_softcap", None))
+    head_spec = (kcfg, config.normalization != "none", (BLOCK_ELEMENTS, BLOCKED_ROWS, impl, softcaps, _pallas_linear.TUNING), dtypes, shards)
     device = lambda a: None if a is None else api._device(a)  # noqa: E731
     teacher_arrays = None if teacher is None else tuple(device(a) for a in teacher)
     try:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from .checks import FLOAT_KIND, LOGIT_DTYPES, ArrayMeta, _shape, meta
-from .config import KINDS
+from .config import KINDS, check_impl
 from .kinds import _ARG_DOCS, _RETURNS, KIND_SPECS, FrameworkArgs, KindSpec
 from .oracle import oracle
 from .tolerances import Comparison, compare_grad
@@ -50,12 +50,32 @@ _HEAD_ARG_DOCS: dict[str, str] = {
     "teacher_weight": "``[V, Ht]``, the dtype of ``teacher_hidden``; gets no gradient.",
     "bias": "``None`` or ``[V]``, the dtype of ``weight``.",
     "teacher_bias": "``None`` or ``[V]``, the dtype of ``teacher_weight``; gets no gradient.",
+    "impl": (
+        '``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the '
+        'XLA / torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` '
+        "(torchloss). The kernels never form a ``[R, V]`` block of the logits: they compute tiles of "
+        "``hidden @ weight.T`` and fold them into the online softmax (forward) and into the gradients "
+        '(backward, recomputed). torch float64 inputs take the torch path whatever ``impl`` says.'
+    ),
 }
 
 _HEAD_RETURNS = _RETURNS + (
     "\nGradients flow to ``hidden``, ``weight`` and ``bias`` (accumulated in fp32 and rounded once to their\n"
     "dtypes), computed in the forward pass; the backward scales them by the upstream gradient."
 )
+
+
+def head_impl(impl: str, choices: tuple[str, ...], plain: str, vocab_parallel: bool) -> str:
+    """The fused head's path from ``impl`` (checked against the framework's ``choices``):
+    ``"auto"`` is the framework's plain path (``plain``: ``"xla"`` / ``"torch"``) on every device
+    until the fused Pallas / Triton head kernels have been measured on a GPU (select them with
+    ``impl="pallas"`` / ``"triton"``); those kernels have no vocabulary-parallel form."""
+    check_impl(impl, choices)
+    if impl == "auto":
+        return plain
+    if impl != plain and vocab_parallel:
+        raise ValueError(f"impl={impl!r} has no vocab_parallel form for the fused head; use impl={plain!r} (or 'auto')")
+    return impl
 
 
 def head_targets(spec: KindSpec) -> tuple[str, ...]:
@@ -70,8 +90,8 @@ def head_biases(spec: KindSpec) -> tuple[str, ...]:
 
 def head_parameters(spec: KindSpec, extra: FrameworkArgs = FrameworkArgs(())) -> list[inspect.Parameter]:
     """``hidden, weight, <targets>, loss_mask=None, *, <biases>=None, <options>, normalization,
-    denominator, segment_ids`` (the options, defaults and order of the unfused ``spec.kind``),
-    then the framework's own (``extra``: ``vocab_parallel``)."""
+    denominator, segment_ids, impl`` (the options, defaults and order of the unfused
+    ``spec.kind``), then the framework's own (``extra``: ``vocab_parallel``)."""
     params = [_P("hidden", _P.POSITIONAL_OR_KEYWORD), _P("weight", _P.POSITIONAL_OR_KEYWORD)]
     params += [_P(name, _P.POSITIONAL_OR_KEYWORD) for name in head_targets(spec)]
     params.append(_P("loss_mask", _P.POSITIONAL_OR_KEYWORD, default=None))
@@ -79,6 +99,7 @@ def head_parameters(spec: KindSpec, extra: FrameworkArgs = FrameworkArgs(())) ->
     params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default in spec.options]
     params += [_P("normalization", _P.KEYWORD_ONLY, default="valid_tokens"), _P("denominator", _P.KEYWORD_ONLY, default=None)]
     params += [_P("segment_ids", _P.KEYWORD_ONLY, default=None)]
+    params.append(_P("impl", _P.KEYWORD_ONLY, default="auto"))
     params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default, _ in extra.args]
     return params
 
@@ -90,7 +111,7 @@ def head_docstring(spec: KindSpec, extra: FrameworkArgs = FrameworkArgs(())) -> 
     if spec.target != "labels":
         lines += ["The teacher logits are ``teacher_hidden @ teacher_weight.T + teacher_bias``.", ""]
     lines.append("Args:")
-    names = ["hidden", "weight", *head_targets(spec), "loss_mask", *head_biases(spec), *spec.option_names, "normalization", "denominator", "segment_ids"]
+    names = ["hidden", "weight", *head_targets(spec), "loss_mask", *head_biases(spec), *spec.option_names, "normalization", "denominator", "segment_ids", "impl"]
     lines += [f"  {name}: {_HEAD_ARG_DOCS.get(name) or _ARG_DOCS[name]}" for name in names]
     lines += [f"  {name}: {doc}" for name, _, doc in extra.args]
     lines += ["", "Returns:"] + ["  " + line for line in _HEAD_RETURNS.splitlines()]

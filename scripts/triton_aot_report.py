@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from typing import Any
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +43,19 @@ VARIANTS = (
     ("jensen_shannon", "jensen_shannon", {"beta": 0.5}),
 )
 ARCHS = (80, 90)
+# The fused LM head's kernels (torchloss._triton_linear) at their GPU tiles, with a bias (and a
+# teacher bias): the four kinds of the head.
+HEAD_JOBS = ("head_forward", "head_dh", "head_dw")
+HEAD_VARIANTS = tuple(v for v in VARIANTS if v[1] in ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl"))
+
+
+def tasks(archs: tuple[int, ...] = ARCHS) -> list[tuple[str, str, str, int]]:
+    """Every ``(job, variant, dtype, arch)`` compiled, in the report's order."""
+    out = []
+    for arch in archs:
+        for jobs, variants in ((JOBS, VARIANTS), (HEAD_JOBS, HEAD_VARIANTS)):
+            out += [(job, variant[0], dtype, arch) for job in jobs for variant in variants for dtype in DTYPES]
+    return out
 
 _TL_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 
@@ -92,6 +106,50 @@ def _signature(job: str, kind: str, dtype: str) -> tuple[dict[str, str], dict]:
     return signature, attrs
 
 
+def _head_signature(job: str, kind: str, dtype: str) -> tuple[dict[str, str], dict]:
+    """As :func:`_signature` for the head kernels: the hidden states, weights and biases in the
+    inputs' dtype, labels int64, the soft caps fp32 scalars, everything else fp32 buffers."""
+    from torchloss import _triton_linear
+
+    inputs = "*" + _TL_NAMES[dtype]
+    pointer_types = {name: inputs for name in ("h_ptr", "w_ptr", "b_ptr", "th_ptr", "tw_ptr", "tb_ptr")}
+    pointer_types["y_ptr"] = "*i64" if kind == "cross_entropy" else "*fp32"
+    signature: dict[str, str] = {}
+    attrs = {}
+    for i, param in enumerate(_triton_linear.KERNELS[job].params):
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointer_types.get(name, "*fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("cap", "t_cap"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
+def _compile_head(job: str, kind: str, options: dict, dtype: str, arch: int) -> tuple[Any, int]:
+    """``(compiled, num_warps)`` of a head kernel as ``torchloss._triton_linear`` launches it on a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import lossspec
+    from torchloss import _triton, _triton_linear
+
+    config = lossspec.make_config(kind, **options)
+    constants = _triton_linear.constexprs(config, True, kind != "cross_entropy", _triton_linear.GPU_BLOCKS)
+    signature, attrs = _head_signature(job, kind, dtype)
+    warps = _triton_linear.GPU_BLOCKS[3]
+    src = ASTSource(fn=_triton_linear.KERNELS[job], signature=signature, constexprs=constants, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": _triton.FP_FUSION,
+                                                                              "maxnreg": _triton_linear.MAXNREG})
+    return compiled, warps
+
+
 def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
     """Compile one kernel (in a worker process with ``TRITON_INTERPRET=0``) and read its resources."""
     import torch
@@ -104,13 +162,16 @@ def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
 
     assert not _triton.INTERPRETED, "the AOT report must run with TRITON_INTERPRET=0"
     label, kind, options = next(v for v in VARIANTS if v[0] == variant)
-    config = lossspec.make_config(kind, **options)
-    constants = _triton.constexprs(job, config, getattr(torch, dtype), GPU_BLOCK_V)
-    signature, attrs = _signature(job, kind, dtype)
-    warps = _triton.num_warps(GPU_BLOCK_V)
-    kernel = _triton.KERNELS[job]
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": _triton.FP_FUSION})
+    if job in HEAD_JOBS:
+        compiled, warps = _compile_head(job, kind, options, dtype, arch)
+    else:
+        config = lossspec.make_config(kind, **options)
+        constants = _triton.constexprs(job, config, getattr(torch, dtype), GPU_BLOCK_V)
+        signature, attrs = _signature(job, kind, dtype)
+        warps = _triton.num_warps(GPU_BLOCK_V)
+        kernel = _triton.KERNELS[job]
+        src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": _triton.FP_FUSION})
     # ptxas -v as Triton runs it (same binary, architecture name and flags), for its resource report.
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
@@ -141,7 +202,7 @@ def _worker_init() -> None:
 
 def report(archs: tuple[int, ...] = ARCHS, jobs: int = 2) -> list[Row]:
     """Compile every (kernel, kind, dtype, arch) in ``jobs`` processes; rows in a fixed order."""
-    tasks = [(job, variant[0], dtype, arch) for arch in archs for job in JOBS for variant in VARIANTS for dtype in DTYPES]
+    todo = tasks(archs)
     # Fresh processes (spawn): triton must be imported with TRITON_INTERPRET=0.
     env_before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"
@@ -150,7 +211,7 @@ def report(archs: tuple[int, ...] = ARCHS, jobs: int = 2) -> list[Row]:
 
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init) as pool:
-            return list(pool.map(compile_one, *zip(*tasks)))
+            return list(pool.map(compile_one, *zip(*todo)))
     finally:
         if env_before is None:
             os.environ.pop("TRITON_INTERPRET", None)
@@ -164,19 +225,17 @@ def markdown(rows: list[Row]) -> str:
     head = "| kernel | kind | logits | warps | " + " | ".join(f"sm_{a} regs / smem / spill st+ld" for a in archs) + " |"
     lines = [head, "|" + "---|" * (4 + len(archs))]
     index = {(r.job, r.variant, r.dtype, r.arch): r for r in rows}
-    for job in JOBS:
-        for variant, _, _ in VARIANTS:
-            for dtype in DTYPES:
-                cells = []
-                warps = None
-                for a in archs:
-                    r = index.get((job, variant, dtype, a))
-                    if r is None:
-                        cells.append("-")
-                        continue
-                    warps = r.num_warps
-                    cells.append(f"{r.registers} / {r.shared} B / {r.spill_stores}+{r.spill_loads} B")
-                lines.append(f"| `{job}` | {variant} | {dtype} | {warps} | " + " | ".join(cells) + " |")
+    for job, variant, dtype in dict.fromkeys((j, v, d) for j, v, d, _ in tasks(tuple(archs))):
+        cells = []
+        warps = None
+        for a in archs:
+            r = index.get((job, variant, dtype, a))
+            if r is None:
+                cells.append("-")
+                continue
+            warps = r.num_warps
+            cells.append(f"{r.registers} / {r.shared} B / {r.spill_stores}+{r.spill_loads} B")
+        lines.append(f"| `{job}` | {variant} | {dtype} | {warps} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -281,6 +281,21 @@ def head_forward(
     return loss, dh, dw, db
 
 
+def _head_forward(plan: tuple) -> Any:
+    """The one dispatch point: ``plan[2]`` is the resolved impl (:func:`lossspec.linear.head_impl`);
+    ``"triton"`` runs the fused kernels of :mod:`torchloss._triton_linear` (fp32 / 16-bit inputs;
+    no vocabulary shards), anything else :func:`head_forward`."""
+    if plan[2] == "triton":
+        from . import _triton_linear
+
+        def kernels(*args: Any, shards: Any = None, **kwargs: Any) -> Any:
+            assert shards is None  # refused by head_impl
+            return _triton_linear.head_forward(*args, **kwargs)
+
+        return kernels
+    return head_forward
+
+
 class LinearHeadFunction(torch.autograd.Function):
     """Autograd Function of the ``linear_*`` losses.
 
@@ -299,7 +314,7 @@ class LinearHeadFunction(torch.autograd.Function):
         reduced = config.normalization != "none"
         teacher = None if t_hidden is None else (t_hidden, t_weight, t_bias)
         args = (config, hidden, weight, bias, labels, teacher)
-        per_token, dh, dw, db = head_forward(
+        per_token, dh, dw, db = _head_forward(plan)(
             *args, coef, need_grad=need_grad and reduced, block_elements=plan[0], blocked_rows=plan[1], shards=shards
         )
         ctx.reduced, ctx.dtypes = reduced, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -318,7 +333,7 @@ class LinearHeadFunction(torch.autograd.Function):
         else:
             coef = ctx.coef
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
-            _, dh, dw, db = head_forward(
+            _, dh, dw, db = _head_forward(ctx.plan)(
                 *ctx.args, scaled, need_grad=True, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1], shards=ctx.shards
             )
             scale = None
@@ -406,9 +421,11 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     rows = math.prod(lead)
     t_args = (None, None, None) if teacher is None else (teacher[0].reshape(rows, teacher[0].shape[-1]), teacher[1], teacher[2])
+    impl = spec_linear.head_impl(args["impl"], lossspec.TORCH_IMPLS, "torch", vocab_parallel is not None)
+    impl = "torch" if hidden.dtype == torch.float64 else impl  # the kernels compute in fp32
     loss = LinearHeadFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad,
-        (BLOCK_ELEMENTS, BLOCKED_ROWS), shards,
+        (BLOCK_ELEMENTS, BLOCKED_ROWS, impl), shards,
     )
     return api._finish(call, prepared, loss)
 

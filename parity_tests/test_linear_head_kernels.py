@@ -1,0 +1,253 @@
+"""The fused LM head's kernels (``impl="pallas"``: :mod:`jaxloss._pallas_linear`, ``impl="triton"``:
+:mod:`torchloss._triton_linear`) against the float64 head oracle.
+
+Shapes are small (the kernels run interpreted: Pallas interpret mode, the Triton interpreter) but
+chosen so that with the interpreter's 16 x 16 x 16 tiles every axis takes several blocks and a
+ragged tail: N = 36 tokens (3 token blocks), V = 37 (3 vocabulary blocks), H = 40 (3 slices of
+the hidden axis), the teacher's Ht = 20. Masked rows: mask weights 0 and an ignored label. Bounds:
+SPEC section 6 for the loss, section 7 (``lossspec.linear.compare_head_grad``) for the gradients
+of hidden, weight and bias. The whole file is in the slow tier (interpreted kernels).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax import export
+
+import jaxloss
+import lossspec
+import torchloss
+from jaxloss import _pallas_linear
+from jaxloss._stats import KernelConfig
+from lossspec import linear as spec_linear
+from torchloss import _triton_linear
+
+pytestmark = pytest.mark.slow
+
+KINDS = tuple(lossspec.KINDS)
+LEAD, H, HT, V = (4, 9), 40, 20, 37
+OPTIONS = {
+    "cross_entropy": dict(label_smoothing=0.1, z_loss=1e-3, logit_scale=1.3),
+    "distill": dict(temperature=1.5, teacher_logit_scale=0.8, logit_scale=1.1),
+}
+IMPLS = {"pallas": "jax", "triton": "torch"}
+
+
+def _options(kind: str) -> dict[str, Any]:
+    return dict(OPTIONS["cross_entropy" if kind == "cross_entropy" else "distill"])
+
+
+def make_inputs(kind: str, dtype: str, seed: int = 0) -> dict[str, Any]:
+    """Seeded inputs exactly representable in ``dtype``; float mask weights with zeros and one
+    ignored label."""
+    rng = np.random.default_rng(seed)
+    r = lambda shape, scale: lossspec.round_to_dtype(scale * rng.standard_normal(shape), dtype)  # noqa: E731
+    inputs: dict[str, Any] = {
+        "hidden": r(LEAD + (H,), 1.0),
+        "weight": r((V, H), 0.4),
+        "bias": r((V,), 0.5),
+        "loss_mask": rng.choice(np.array([0.0, 0.5, 1.0, 2.0], np.float32), size=LEAD),
+    }
+    if kind == "cross_entropy":
+        labels = rng.integers(0, V, size=LEAD)
+        labels.flat[1] = -100
+        inputs["labels"] = labels
+    else:
+        inputs.update(teacher_hidden=r(LEAD + (HT,), 1.0), teacher_weight=r((V, HT), 0.5), teacher_bias=r((V,), 0.5))
+    return inputs
+
+
+def _grad_output(options: dict[str, Any]) -> np.ndarray:
+    if options.get("normalization") == "none":
+        return np.linspace(0.5, 2.0, int(np.prod(LEAD))).reshape(LEAD).astype(np.float32)
+    return np.asarray(1.75, np.float32)
+
+
+def run(impl: str, kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, options: dict[str, Any]) -> tuple:
+    """``(loss, {name: grad})`` of ``linear_<kind>(..., impl=impl)`` (float64 NumPy)."""
+    grad_output = _grad_output(options)
+    if IMPLS[impl] == "jax":
+        jdt = jnp.dtype(dtype)
+        params = {"hidden": jnp.asarray(inputs["hidden"], jdt), "weight": jnp.asarray(inputs["weight"], jdt)}
+        if with_bias:
+            params["bias"] = jnp.asarray(inputs["bias"], jdt)
+        if kind == "cross_entropy":
+            target: tuple = (jnp.asarray(inputs["labels"], jnp.int32),)
+            extra: dict[str, Any] = {}
+        else:
+            target = (jnp.asarray(inputs["teacher_hidden"], jdt), jnp.asarray(inputs["teacher_weight"], jdt))
+            extra = {"teacher_bias": jnp.asarray(inputs["teacher_bias"], jdt)}
+        fn = getattr(jaxloss, f"linear_{kind}")
+        loss, vjp = jax.vjp(lambda p: fn(p["hidden"], p["weight"], *target, jnp.asarray(inputs["loss_mask"]), bias=p.get("bias"),
+                                         **extra, **options, impl=impl), params)
+        (grads,) = vjp(jnp.asarray(grad_output))
+        assert all(grads[name].dtype == jdt for name in grads)
+        return np.asarray(loss, np.float64), {k: np.asarray(g.astype(jnp.float32), np.float64) for k, g in grads.items()}
+    tdt = getattr(torch, dtype)
+    as_t = lambda a: torch.tensor(np.asarray(a, np.float32)).to(tdt)  # noqa: E731  (exact)
+    params = {"hidden": as_t(inputs["hidden"]), "weight": as_t(inputs["weight"])}
+    if with_bias:
+        params["bias"] = as_t(inputs["bias"])
+    for p in params.values():
+        p.requires_grad_(True)
+    if kind == "cross_entropy":
+        target = (torch.tensor(inputs["labels"]),)
+        extra = {}
+    else:
+        target = (as_t(inputs["teacher_hidden"]), as_t(inputs["teacher_weight"]))
+        extra = {"teacher_bias": as_t(inputs["teacher_bias"])}
+    fn = getattr(torchloss, f"linear_{kind}")
+    loss = fn(params["hidden"], params["weight"], *target, torch.tensor(inputs["loss_mask"]), bias=params.get("bias"), **extra,
+              **options, impl=impl)
+    loss.backward(torch.tensor(grad_output))
+    assert all(p.grad.dtype == tdt for p in params.values())
+    return loss.detach().double().numpy(), {k: p.grad.float().double().numpy() for k, p in params.items()}
+
+
+def check(impl: str, kind: str, dtype: str, with_bias: bool, options: dict[str, Any], seed: int = 0) -> None:
+    inputs = make_inputs(kind, dtype, seed)
+    loss, grads = run(impl, kind, inputs, dtype, with_bias, options)
+    target = inputs["labels"] if kind == "cross_entropy" else (inputs["teacher_hidden"], inputs["teacher_weight"], inputs["teacher_bias"])
+    ref_loss, ref = spec_linear.oracle_head(kind, inputs["hidden"], inputs["weight"], target, inputs["loss_mask"],
+                                            bias=inputs["bias"] if with_bias else None, grad_output=_grad_output(options), **options)
+    lossspec.compare_loss(loss, ref_loss, f"{impl} {kind} loss").check()
+    assert set(grads) == ({"hidden", "weight", "bias"} if with_bias else {"hidden", "weight"})
+    for name, grad in grads.items():
+        spec_linear.compare_head_grad(grad, ref[name], dtype, f"{impl} {kind} grad {name}").check()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_kernels_match_oracle(impl: str, kind: str, dtype: str) -> None:
+    """Every kind with its options and a bias, a scalar upstream gradient, fp32 and bf16."""
+    check(impl, kind, dtype, True, _options(kind))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_kernels_without_bias_per_token(impl: str, kind: str) -> None:
+    """No bias, ``normalization="none"`` (a per-token upstream gradient: the backward reruns the
+    kernels with ``coef * upstream``)."""
+    check(impl, kind, "float32", False, {**_options(kind), "normalization": "none"}, seed=1)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_kernels_plain_cross_entropy_denominator_causal_shift(impl: str) -> None:
+    """Cross-entropy without smoothing / z-loss (the constexpr branches off), a denominator and
+    the causal shift."""
+    check(impl, "cross_entropy", "float32", True, {"denominator": 9.0, "causal_shift": True}, seed=2)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_kernels_are_deterministic(impl: str) -> None:
+    """Two runs give the same bits (no atomics: every output element has one writer)."""
+    inputs = make_inputs("reverse_kl", "float32", seed=5)
+    first = run(impl, "reverse_kl", inputs, "float32", True, _options("reverse_kl"))
+    second = run(impl, "reverse_kl", inputs, "float32", True, _options("reverse_kl"))
+    assert first[0].tobytes() == second[0].tobytes()
+    for name in first[1]:
+        assert first[1][name].tobytes() == second[1][name].tobytes(), name
+
+
+# --------------------------------------------------------------------------------------------
+# Soft caps (the kernels' HAS_SOFTCAP path; LossConfig gains logit_softcap on another branch):
+# the drivers are called directly against the oracle on the capped float64 logits.
+# --------------------------------------------------------------------------------------------
+
+
+class _Capped:
+    """``config`` with ``logit_softcap`` / ``teacher_logit_softcap`` attributes."""
+
+    def __init__(self, config: Any, cap: float, t_cap: float) -> None:
+        self._config, self.logit_softcap, self.teacher_logit_softcap = config, cap, t_cap
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def _capped_reference(kind: str, inputs: dict[str, Any], coef: np.ndarray, cap: float, t_cap: float, options: dict[str, Any]) -> tuple:
+    """``(sum_i coef_i l_i, dh, dW, db)`` in float64 with ``z -> cap tanh(z / cap)``."""
+    h = inputs["hidden"].reshape(-1, H).astype(np.float64)
+    raw = spec_linear.head_logits(h, inputs["weight"], inputs["bias"])
+    z = cap * np.tanh(raw / cap)
+    if kind == "cross_entropy":
+        target = inputs["labels"].reshape(-1)
+    else:
+        t = spec_linear.head_logits(inputs["teacher_hidden"].reshape(-1, HT), inputs["teacher_weight"], inputs["teacher_bias"])
+        target = t_cap * np.tanh(t / t_cap)
+    per_token, g = lossspec.oracle(kind, z, target, coef, normalization="none", **options)
+    g = g * (1.0 - np.tanh(raw / cap) ** 2)
+    return float(np.sum(per_token)), g @ inputs["weight"].astype(np.float64), g.T @ h, g.sum(axis=0)
+
+
+@pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_kernels_softcap(impl: str, kind: str) -> None:
+    cap, t_cap = 1.5, 2.0  # small caps: the logits (|z| up to ~6) are bent hard
+    inputs = make_inputs(kind, "float32", seed=6)
+    options = _options(kind)
+    if kind == "cross_entropy":
+        inputs["labels"] = np.abs(inputs["labels"])  # the drivers take safe labels
+    coef = inputs["loss_mask"].reshape(-1).astype(np.float32)
+    config = lossspec.make_config(kind, **options)
+    n = coef.size
+    teacher_np = None if kind == "cross_entropy" else (inputs["teacher_hidden"].reshape(n, HT), inputs["teacher_weight"], inputs["teacher_bias"])
+    if impl == "triton":
+        labels = None if kind != "cross_entropy" else torch.tensor(inputs["labels"].reshape(-1))
+        teacher = None if teacher_np is None else tuple(torch.tensor(a) for a in teacher_np)
+        out = _triton_linear.head_forward(_Capped(config, cap, t_cap), torch.tensor(inputs["hidden"].reshape(n, H)), torch.tensor(inputs["weight"]),
+                                          torch.tensor(inputs["bias"]), labels, teacher, torch.tensor(coef), need_grad=True)
+        loss, dh, dw, db = (a.double().numpy() for a in out)
+    else:
+        cfg = KernelConfig(kind=kind, scale=config.student_scale, teacher_scale=config.teacher_scale,
+                           label_smoothing=config.label_smoothing, z_loss=config.z_loss)
+        labels = None if kind != "cross_entropy" else jnp.asarray(inputs["labels"].reshape(-1), jnp.int32)
+        teacher = None if teacher_np is None else tuple(jnp.asarray(a) for a in teacher_np)
+        out = _pallas_linear.head_forward(cfg, jnp.asarray(inputs["hidden"].reshape(n, H)), jnp.asarray(inputs["weight"]), jnp.asarray(inputs["bias"]),
+                                          labels, teacher, jnp.asarray(coef), with_grad=True, softcaps=(cap, t_cap))
+        loss, dh, dw, db = (np.asarray(a, np.float64) for a in out)
+    ref_loss, ref_dh, ref_dw, ref_db = _capped_reference(kind, inputs, coef, cap, t_cap, options)
+    lossspec.compare_loss(float(np.sum(coef * loss)), ref_loss, f"{impl} softcap loss").check()
+    for name, got, want in (("hidden", dh, ref_dh), ("weight", dw, ref_dw), ("bias", db, ref_db)):
+        spec_linear.compare_head_grad(got, want, "float32", f"{impl} softcap grad {name}").check()
+
+
+# --------------------------------------------------------------------------------------------
+# GPU readiness without a GPU: the Pallas kernels lower through Pallas' Triton backend (the
+# Triton kernels: parity_tests/test_torchloss_triton_aot.py)
+# --------------------------------------------------------------------------------------------
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pallas_head_lowers_to_triton(kind: str) -> None:
+    """``jax.value_and_grad`` of ``linear_<kind>(impl="pallas")`` exported for CUDA: three Triton
+    kernels (forward, dh, dW/db), named after the kind, at a realistic shape."""
+    n, h, ht, vocab = 64, 256, 128, 50257
+    hidden = jax.ShapeDtypeStruct((n, h), jnp.bfloat16)
+    weight = jax.ShapeDtypeStruct((vocab, h), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((vocab,), jnp.bfloat16)
+    fn = getattr(jaxloss, f"linear_{kind}")
+    if kind == "cross_entropy":
+        target: tuple = (jax.ShapeDtypeStruct((n,), jnp.int32),)
+    else:
+        target = (jax.ShapeDtypeStruct((n, ht), jnp.bfloat16), jax.ShapeDtypeStruct((vocab, ht), jnp.bfloat16))
+
+    def step(hidden: Any, weight: Any, bias: Any, *target: Any) -> Any:
+        return jax.value_and_grad(lambda h, w, b: fn(h, w, *target, bias=b, impl="pallas", **_options(kind)), argnums=(0, 1, 2))(hidden, weight, bias)
+
+    exported = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(
+        hidden, weight, bias, *target
+    )
+    module = exported.mlir_module()
+    assert module.count(TRITON_CALL) == 3
+    for job in ("forward", "dh", "dw"):
+        assert f"jaxloss_linear_{kind}_{job}" in module
