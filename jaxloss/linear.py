@@ -355,9 +355,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
         None if denominator is None else api._device(denominator),
         host_flags,
     )
-    kcfg = KernelConfig(
-        kind=config.kind, scale=config.student_scale, teacher_scale=config.teacher_scale, label_smoothing=config.label_smoothing, z_loss=config.z_loss
-    )
+    kcfg = KernelConfig.of(config)
     dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
     head_spec = (kcfg, config.normalization != "none", (BLOCK_ELEMENTS, BLOCKED_ROWS), dtypes)
     device = lambda a: None if a is None else api._device(a)  # noqa: E731

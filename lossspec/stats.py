@@ -13,6 +13,17 @@ Notation (SPEC section 1): ``c = logit_scale / T``, ``ct = teacher_logit_scale /
 ``e = exp(c (x - m))``, ``et = exp(ct (t - mt))`` (shifted coordinates: subtract the maximum,
 *then* scale, so huge logits lose nothing).
 
+Soft caps (``logit_softcap``, ``teacher_logit_softcap``; ``None`` is off and costs nothing): with
+a cap, ``x`` / ``t`` below stand for the *capped* logits ``cap * tanh(x_raw / cap)``
+(:func:`softcap`), formed in fp32 from each block as it is read and never rounded; everything
+else is unchanged (``tanh`` is monotonic, so the maxima are those of the capped values). Two
+places see the raw values: ``x_y`` holds the label's *raw* logit, capped by :func:`finalize` (so
+the blocks, shards and gathers that supply it need not know of the cap), and the gradient with
+respect to the raw logits is the one below times :func:`softcap_slope`
+``1 - (x / cap)^2`` (``x`` capped: ``d/dx_raw cap tanh(x_raw / cap) = 1 - tanh^2``), in fp32.
+Infinite entries are left as they are: ``-inf`` keeps probability 0 (slope 0), ``+inf`` and NaN
+still make the row bad.
+
 Statistics of a block, relative to the block's own maxima:
 
 =============  ================================================  ==========================
@@ -21,7 +32,7 @@ stat           definition                                        kinds
 ``m``          ``max x`` (``-inf`` when nothing was seen)        all
 ``s``          ``sum e``                                         all
 ``x_y``        the label's raw logit (0 where the block does     cross_entropy
-               not hold the label)
+               not hold the label; uncapped, see above)
 ``sum_shift``  ``sum (x - m)``                                   cross_entropy, eps > 0
 ``n``          number of columns                                 cross_entropy, eps > 0
 ``mt``         ``max t``                                         distillation
@@ -178,6 +189,22 @@ Final.__doc__ = "What the gradient pass needs per row ``[R]`` (:data:`FINAL_STAT
 SUM_STATS: tuple[str, ...] = ("s", "x_y", "sum_shift", "n", "st", "a", "b", "e_d", "h", "kl_qm", "kl_pm")
 
 
+def softcap(xp: Any, x: Any, cap: Optional[float]) -> Any:
+    """``cap * tanh(x / cap)`` on the finite entries of ``x``; ``+-inf`` and NaN unchanged (a
+    banned ``-inf`` entry stays banned, a ``+inf`` or NaN row stays bad). ``cap = None``:
+    ``x`` itself (no work)."""
+    if cap is None:
+        return x
+    return xp.where(x - x == 0, cap * xp.tanh(x / cap), x)
+
+
+def softcap_slope(xp: Any, y: Any, cap: float) -> Any:
+    """``d softcap(x) / dx = 1 - (y / cap)^2`` from the capped value ``y`` (0 at ``+-inf``,
+    NaN at NaN): the factor from the gradient w.r.t. the capped logits to the raw ones."""
+    ratio = xp.clip(y / cap, -1.0, 1.0)
+    return 1.0 - ratio * ratio
+
+
 def finite_max(xp: Any, m: Any) -> Any:
     """A row maximum usable as a shift: ``-inf`` (nothing but ``-inf`` seen) becomes 0."""
     return xp.where(m == NEG_INF, 0.0, m)
@@ -258,7 +285,8 @@ def finalize(xp: Any, config: LossConfig, st: Any, vocab: int) -> Any:
     lse = xp.log(st.s)
     if config.kind == "cross_entropy":
         eps, lam = config.label_smoothing, config.z_loss
-        loss = lse - ((1.0 - eps) * c) * (st.x_y - m)
+        x_y = softcap(xp, st.x_y, config.logit_softcap)  # x_y is the raw logit (above)
+        loss = lse - ((1.0 - eps) * c) * (x_y - m)
         if eps > 0:
             loss = loss - (eps / vocab * c) * st.sum_shift
         q_coef = None
