@@ -125,14 +125,23 @@ def block_stats(
     ``(e, D, clean)`` with ``D = c (x - m) - ct (t - tau)`` and ``clean`` True where no
     product ``e D`` is NaN or infinite (known on the CPU only); entropy ``(e, x - m)``;
     jensen_shannon ``(e, et, x - m, t - mt)`` (its second pass, :func:`mixture_sums`, reads
-    the last two).
+    those two); each followed by the soft cap's slope ``1 - (x / cap)^2`` (``None`` without a
+    cap), taken here because a caller may reuse ``xb``'s memory as scratch before the gradient.
     """
-    kind, c, ct = config.kind, config.student_scale, config.teacher_scale
     acc = bufs[0].dtype
-    u = bufs[0]
     xb = softcapped(xb, config.logit_softcap, acc)
     if tb is not None:
         tb = softcapped(tb, config.teacher_logit_softcap, acc)
+    slope = None if config.logit_softcap is None else stats.softcap_slope(torch, xb, config.logit_softcap)
+    block, cache = _block_stats(config, xb, tb, bufs, x_y)
+    return block, cache + (slope,)
+
+
+def _block_stats(config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: list[Tensor], x_y: Optional[Tensor]) -> tuple[Any, Cache]:
+    """:func:`block_stats` of the (capped) block, without the slope."""
+    kind, c, ct = config.kind, config.student_scale, config.teacher_scale
+    acc = bufs[0].dtype
+    u = bufs[0]
     first = None
     if kind == "reverse_kl":
         top, first = first_max(xb)  # the maximum and the pivot's column (lossspec.stats)
@@ -276,10 +285,12 @@ def block_grad(
     scale = coef * c
     acc = scale.dtype
     slope = None
-    if config.logit_softcap is not None:
+    if cache is not None:
+        slope = cache[-1]  # xb may have been scratch since block_stats; the cache holds all else
+    elif config.logit_softcap is not None:
         xb = softcapped(xb, config.logit_softcap, acc)
         slope = stats.softcap_slope(torch, xb, config.logit_softcap)
-    if tb is not None:
+    if cache is None and tb is not None:
         tb = softcapped(tb, config.teacher_logit_softcap, acc)
     direct = out.dtype == acc  # the gradient can be formed in out itself
     bad = bad_rows(fin)

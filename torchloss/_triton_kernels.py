@@ -56,9 +56,6 @@ Import this module only after ``TRITON_INTERPRET`` is decided (``torchloss._trit
 
 from __future__ import annotations
 
-from fractions import Fraction
-from math import comb, factorial
-
 import triton
 import triton.language as tl
 
@@ -87,21 +84,10 @@ P_CAP = tl.constexpr(PARAMS.index("cap"))
 P_TEACHER_CAP = tl.constexpr(PARAMS.index("teacher_cap"))
 
 
-def tanh_series(terms: int) -> tuple[float, ...]:
-    """The first ``terms`` coefficients of ``tanh(u) / u`` as a series in ``u^2`` (the Maclaurin
-    series of ``tanh``: ``2^2n (2^2n - 1) B_2n / (2n)!``, Bernoulli numbers ``B`` computed
-    exactly here): ``1, -1/3, 2/15, -17/315, ...``."""
-    bern = [Fraction(1)]
-    for m in range(1, 2 * terms + 1):
-        bern.append(-sum(comb(m + 1, k) * bern[k] for k in range(m)) / (m + 1))
-    return tuple(float(Fraction(4**n * (4**n - 1)) * bern[2 * n] / factorial(2 * n)) for n in range(1, terms + 1))
-
-
-# tanh in ACC without libdevice (the interpreter has none): below TANH_SERIES_LIMIT the series
-# (8 terms: truncation < 1e-8 relative at the limit), above it (1 - e) / (1 + e) with
-# e = exp(-2 |u|) <= 1/3 (no cancellation). Both within 2 fp32 ulps of tanh (checked in tests).
-_TANH = tanh_series(8)
-TANH_SERIES_LIMIT = tl.constexpr(0.55)
+# tanh without libdevice (the interpreter has none): lossspec.stats.tanh's arithmetic, the series
+# below TANH_SERIES_LIMIT, (1 - e) / (1 + e) with e = exp(-2 |u|) above it.
+_TANH = lossspec.stats.TANH_SERIES
+TANH_SERIES_LIMIT = tl.constexpr(lossspec.stats.TANH_SERIES_LIMIT)
 TANH_C1 = tl.constexpr(_TANH[1])
 TANH_C2 = tl.constexpr(_TANH[2])
 TANH_C3 = tl.constexpr(_TANH[3])
@@ -176,7 +162,7 @@ def _is_bad(v):
 
 @triton.jit
 def _tanh(u):
-    """``tanh(u)`` from ``exp`` (see :data:`TANH_SERIES_LIMIT`)."""
+    """``tanh(u)`` from ``exp``: ``lossspec.stats.tanh``, the same operations."""
     z = u * u
     series = TANH_C7
     series = series * z + TANH_C6
