@@ -70,6 +70,18 @@ def _scaled(case: lossspec.Case, factor: float) -> lossspec.Case:
     return dataclasses.replace(case, logits=case.logits * factor, target=target)
 
 
+def _params(names: str, combos: list[tuple], fast: Any, indirect: tuple[str, ...] = ()) -> Any:
+    """``pytest.mark.parametrize`` over ``combos``, those for which ``fast(*combo)`` is false marked
+    slow: JAX compiles every case, so the fast lane keeps a cover (the torch path, and JAX for
+    some kinds); CI runs them all."""
+    params = [pytest.param(*c, marks=[] if fast(*c) else [pytest.mark.slow]) for c in combos]
+    return pytest.mark.parametrize(names, params, indirect=list(indirect))
+
+
+IMPLS = ("xla", "torch")
+FAST_JAX_KINDS = ("cross_entropy", "jensen_shannon")
+
+
 def _reference(case: lossspec.Case, grad_output: Any, options: dict[str, Any]) -> lossspec.Reference:
     ref_options = dict(options)
     if grad_output is not None:
@@ -220,9 +232,11 @@ def test_signatures_have_the_options() -> None:
 SCENARIOS = ("random", "neg_inf", "confident", "float_weights")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("impl", ("xla", "torch"))
+@_params(
+    "impl,kind,dtype",
+    [(i, k, d) for i in IMPLS for k in KINDS for d in DTYPES],
+    fast=lambda impl, kind, dtype: impl == "torch" or (kind in FAST_JAX_KINDS and dtype == "float32"),
+)
 def test_matches_oracle(impl: str, kind: str, dtype: str) -> None:
     for i, scenario in enumerate(SCENARIOS):
         norm = lossspec.NORMALIZATIONS[i % len(lossspec.NORMALIZATIONS)]
@@ -230,8 +244,7 @@ def test_matches_oracle(impl: str, kind: str, dtype: str) -> None:
         check(_case(kind, scenario, dtype, vocab=67, lead_shape=(3, 5)), impl, normalization=norm, **options)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("impl", ("xla", "torch"))
+@_params("impl,kind", [(i, k) for i in IMPLS for k in KINDS], fast=lambda impl, kind: impl == "torch")
 def test_gemma_like_caps(impl: str, kind: str) -> None:
     """Gemma 2's final cap (30) on logits of N(0, 8) (entries up to ~30), huge logits (+-1e4:
     every entry saturated), the student cap alone and the teacher cap alone. (Logits far past
@@ -245,8 +258,7 @@ def test_gemma_like_caps(impl: str, kind: str) -> None:
         check(case, impl, **softcap_options(kind, 30.0, None))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("impl", ("xla", "torch"))
+@_params("impl,kind", [(i, k) for i in IMPLS for k in KINDS], fast=lambda impl, kind: impl == "torch")
 def test_blocked_rows_and_16bit_upstream(impl: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows longer than one vocabulary block (online statistics over capped blocks, the label's
     logit gathered raw and capped at the end), and the 16-bit recompute for a non-unit
@@ -277,8 +289,7 @@ def _poisoned(kind: str) -> tuple[lossspec.Case, list[int]]:
     return dataclasses.replace(case, logits=logits, target=target, loss_mask=mask), bad
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("impl", ("xla", "torch"))
+@_params("impl,kind", [(i, k) for i in IMPLS for k in KINDS], fast=lambda impl, kind: impl == "torch" or kind == "reverse_kl")
 def test_nan_and_inf_entries(impl: str, kind: str) -> None:
     case, bad = _poisoned(kind)
     options = dict(softcap_options(kind), normalization="none")
@@ -360,11 +371,16 @@ def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return request.param
 
 
-@pytest.mark.parametrize("plan", ["whole", "blocked"], indirect=True)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", lossspec.KINDS)
-@pytest.mark.parametrize("framework", ("jax", "torch"))
+@_params(
+    "framework,kind,dtype,plan",
+    [(f, k, d, p) for f in ("jax", "torch") for k in lossspec.KINDS for d in DTYPES for p in ("whole", "blocked")],
+    fast=lambda framework, kind, dtype, plan: framework == "torch" or (kind == "cross_entropy" and dtype == "float32" and plan == "whole"),
+    indirect=("plan",),
+)
 def test_fused_head(framework: str, kind: str, dtype: str, plan: str) -> None:
+    import jaxloss.linear as jax_linear
+
+    assert jax_linear.BLOCK_ELEMENTS == PLANS[plan][0]  # the plan fixture set it
     inputs = make_inputs(kind, dtype, seed=5)
     options = _head_options(kind)
     grad_output = grad_output_for("valid_tokens")
@@ -420,6 +436,7 @@ def _check_jax_vp(kind: str, impl: str, dtype: str, norm: str) -> None:
     lossspec.assert_close_to_oracle(loss, grad, ref.loss, ref.grad, dtype=dtype, g0=ref.g0, what=f"jax vp {impl} {case.name} {norm}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_jax_vocab_parallel(kind: str) -> None:
     _check_jax_vp(kind, "xla", "float32", "valid_tokens")
