@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._stats import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block
+from ._stats import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, softcap
 
 Array = jax.Array
 HIGHEST = lax.Precision.HIGHEST
@@ -113,7 +113,7 @@ def _tile_logits(x_ref: Any, w_ref: Any, b_ref: Any, rows: tuple, cols: tuple, w
     if has_bias:
         z = z + plgpu.load(b_ref.at[c], mask=c_ok, other=0.0).astype(F32)[None, :]
     if cap is not None:
-        z = cap * jnp.tanh(z / cap)
+        z = softcap(z, cap)  # the shared cap (lossspec.stats.softcap: one tanh on every backend)
     return z
 
 
@@ -289,6 +289,9 @@ def head_forward(
     vocab = weight.shape[0]
     ce = cfg.is_ce
     cap, t_cap = softcaps
+    # The kernels apply the caps themselves (runtime operands): the shared block math they call
+    # must not apply them a second time.
+    cfg = dataclasses.replace(cfg, logit_softcap=None, teacher_logit_softcap=None)
     shape = HeadShape(
         n=n, vocab=vocab, width=width, t_width=0 if ce else teacher[0].shape[1], has_bias=bias is not None,
         has_t_bias=(not ce) and teacher[2] is not None, has_softcap=cap is not None, has_t_softcap=(not ce) and t_cap is not None,

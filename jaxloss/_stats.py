@@ -42,6 +42,24 @@ class KernelConfig:
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     beta: float = 0.5  # jensen_shannon's teacher share of the mixture (0 < beta < 1 here)
+    # Soft caps of the raw logits (lossspec.stats): None is off and traces no extra op.
+    logit_softcap: Optional[float] = None
+    teacher_logit_softcap: Optional[float] = None
+
+    @classmethod
+    def of(cls, config: lossspec.LossConfig) -> "KernelConfig":
+        """The kernel configuration of a validated :class:`lossspec.LossConfig` (its
+        ``kernel_config()`` already applied where the kind changes)."""
+        return cls(
+            kind=config.kind,
+            scale=config.student_scale,
+            teacher_scale=config.teacher_scale,
+            label_smoothing=config.label_smoothing,
+            z_loss=config.z_loss,
+            beta=config.beta,
+            logit_softcap=config.logit_softcap,
+            teacher_logit_softcap=config.teacher_logit_softcap,
+        )
 
     @property
     def is_ce(self) -> bool:
@@ -77,10 +95,10 @@ def block_stats(
 
     Args:
       cfg: the kernel configuration.
-      x: student logits ``[R, B]`` fp32.
-      t: teacher logits ``[R, B]`` fp32 (distillation kinds).
+      x: student logits ``[R, B]`` fp32, raw (soft-capped here when the config says so).
+      t: teacher logits ``[R, B]`` fp32 (distillation kinds), raw.
       x_y: the label's raw logit ``[R]`` when the caller gathered it (cross-entropy);
-        otherwise it is summed from ``hit``.
+        otherwise it is summed from ``hit``. It stays raw: :func:`finalize` caps it.
       hit: ``[R, B]`` bool, the label's column (cross-entropy, when ``x_y`` is not given).
       col_ok: ``[B]`` or ``[R, B]`` bool, columns that belong to this block (ragged tails,
         overlapping blocks); ``None`` for all.
@@ -92,6 +110,10 @@ def block_stats(
       ``col_ok``), which a caller may reuse for the gradient when no other block follows.
     """
     c, ct = cfg.scale, cfg.teacher_scale
+    x_raw = x
+    x = softcap(x, cfg.logit_softcap)
+    if t is not None:
+        t = softcap(t, cfg.teacher_logit_softcap)
     if col_ok is not None:
         col_ok = jnp.broadcast_to(col_ok, x.shape)
         xm = jnp.where(col_ok, x, NEG_INF)
@@ -103,7 +125,7 @@ def block_stats(
     s = jnp.sum(e, axis=-1)
     if cfg.is_ce:
         if x_y is None:
-            x_y = jnp.sum(jnp.where(hit, x, 0.0), axis=-1)
+            x_y = jnp.sum(jnp.where(hit, x_raw, 0.0), axis=-1)
         sum_shift = n = None
         if cfg.label_smoothing > 0:
             if col_ok is not None:
@@ -157,6 +179,11 @@ def empty_stats(cfg: KernelConfig, rows: int) -> Stats:
 finite_max, rescale, rescale_e_d, combine, finalize, bad_rows = stats.bind(jnp)
 
 
+def softcap(x: Array, cap: Optional[float]) -> Array:
+    """``cap * tanh(x / cap)`` on the finite entries (``lossspec.stats.softcap``); ``x`` for ``None``."""
+    return stats.softcap(jnp, x, cap)
+
+
 def grad_block(
     cfg: KernelConfig,
     fin: Final,
@@ -177,9 +204,13 @@ def grad_block(
     ``q = exp(c (x - m) - lse')`` and ``p = exp(ct (t - mt) - log st)``. ``e``/``et``, when
     given, are the block's ``exp(c (x - m))`` relative to the *final* maxima (single-block
     rows), which saves recomputing the exponentials. Rows with ``coef == 0`` are exactly 0,
-    bad rows (NaN / ``+inf``) NaN.
+    bad rows (NaN / ``+inf``) NaN. ``x``, ``t`` are raw: with a soft cap the gradient is formed
+    on the capped logits and multiplied by the cap's slope ``1 - (x / cap)^2``.
     """
     c, ct = cfg.scale, cfg.teacher_scale
+    x = softcap(x, cfg.logit_softcap)
+    if t is not None:
+        t = softcap(t, cfg.teacher_logit_softcap)
     dx = x - fin.m[:, None]
     if e is None:
         q = jnp.exp(c * dx - fin.lse[:, None])
@@ -206,6 +237,8 @@ def grad_block(
             gz = q - p
     scale = (coef * c)[:, None]
     grad = scale * gz
+    if cfg.logit_softcap is not None:  # the chain rule to the raw logits, in fp32
+        grad = grad * stats.softcap_slope(jnp, x, cfg.logit_softcap)
     grad = jnp.where(bad_rows(fin)[:, None], jnp.nan, grad)
     return jnp.where(scale != 0, grad, 0.0)
 
@@ -215,7 +248,9 @@ def grad_block(
 def mixture_block(cfg: KernelConfig, fin: Final, x: Array, t: Array, col_ok: Optional[Array] = None) -> tuple[Array, Array]:
     """``jensen_shannon``'s second pass over one block ``[R, B]`` (fp32) given the global
     statistics: the block's :data:`lossspec.MIXTURE_STATS` ``(kl_qm, kl_pm)`` ``[R]``, plain
-    sums that blocks and shards add. ``col_ok``: the columns that belong to this block."""
+    sums that blocks and shards add. ``col_ok``: the columns that belong to this block. ``x``,
+    ``t`` raw (capped here)."""
+    x, t = softcap(x, cfg.logit_softcap), softcap(t, cfg.teacher_logit_softcap)
     _, wq, wp, _ = stats.mixture_terms(jnp, cfg, fin, x - fin.m[:, None], t - fin.mt[:, None])
     if col_ok is not None:
         wq, wp = jnp.where(col_ok, wq, 0.0), jnp.where(col_ok, wp, 0.0)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _pallas
+from . import _pallas, _xla
 from lossspec.stats import finalize_mixture
 
 from ._stats import (
@@ -165,11 +165,54 @@ def losses(
 
 def mixture_shards(cfg: KernelConfig, fin: Final, x: Array, target: Array, axes: Sequence[str]) -> Final:
     """``jensen_shannon``'s second pass (:mod:`lossspec.stats`): each shard's mixture sums from the
-    global ``lse``'s (no collective), one ``psum`` of the two ``[N]`` sums, then the loss. The
-    same code for both impls (it reads the shard once more, in XLA)."""
-    sums = mixture_block(cfg, fin, x.astype(F32), target.astype(F32))
+    global ``lse``'s (:func:`mixture_shard_sums`, tiled; no collective), one ``psum`` of the two
+    ``[N]`` sums, then the loss. The same code for both impls (it reads the shard once more)."""
+    sums = mixture_shard_sums(cfg, fin, x, target)
     kl_qm, kl_pm = lax.psum(varying_like(sums, x), _axis(axes))
     return finalize_mixture(jnp, cfg, fin, kl_qm, kl_pm)
+
+
+def mixture_shard_sums(
+    cfg: KernelConfig, fin: Final, x: Array, target: Array, tuning: Optional[_xla.XlaTuning] = None
+) -> tuple[Array, Array]:
+    """This shard's :data:`lossspec.MIXTURE_STATS` ``(kl_qm, kl_pm)`` ``[N]`` fp32 from the global
+    :class:`Final`, tiled like the XLA driver (:class:`jaxloss._xla.XlaTuning`): chunks of
+    ``R = chunk_elements // B`` rows, each in column blocks of ``B = vocab_block`` columns when
+    the shard is wider than ``max_single_block_vocab`` (else the whole width), so the fp32
+    temporaries are one ``[R, B]`` block, whatever the shard's width. The sums are plain sums
+    relative to the global ``lse``'s: blocks add. As in the driver, the last chunk / block is
+    moved back to end at ``N`` / ``V_local`` (rows written twice get the same values; columns
+    read twice are masked out of the sum), so no padded copy is made."""
+    tuning = tuning or _xla.TUNING
+    n, width = x.shape
+    zero = jnp.zeros((n,), F32)
+    if n == 0 or width == 0:
+        return zero, zero
+    block = min(width, tuning.vocab_block) if width > tuning.max_single_block_vocab else width
+    rows = max(1, min(n, tuning.chunk_elements // block))
+    num_chunks, num_blocks = -(-n // rows), -(-width // block)
+    x_store, x_logical = _xla._storage(x)
+    t_store, t_logical = _xla._storage(target)
+
+    def chunk(i: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
+        start = jnp.minimum(i * rows, n - rows)
+        part = Final(*(None if v is None else lax.dynamic_slice_in_dim(v, start, rows, 0) for v in fin))
+        xc = lax.dynamic_slice_in_dim(x_store, start, rows, 0)
+        tc = lax.dynamic_slice_in_dim(t_store, start, rows, 0)
+
+        def column_block(j: Array, sums: tuple[Array, Array]) -> tuple[Array, Array]:
+            c0 = jnp.minimum(j * block, width - block)
+            cols = c0 + lax.broadcasted_iota(jnp.int32, (1, block), 1)
+            xb = _xla._load(lax.dynamic_slice_in_dim(xc, c0, block, 1), x_logical)
+            tb = _xla._load(lax.dynamic_slice_in_dim(tc, c0, block, 1), t_logical)
+            kl_qm, kl_pm = mixture_block(cfg, part, xb, tb, col_ok=cols >= j * block)
+            return sums[0] + kl_qm, sums[1] + kl_pm
+
+        row_zero = jnp.zeros((rows,), F32)
+        kl_qm, kl_pm = lax.fori_loop(0, num_blocks, column_block, varying_like((row_zero, row_zero), x, target))
+        return lax.dynamic_update_slice_in_dim(acc[0], kl_qm, start, 0), lax.dynamic_update_slice_in_dim(acc[1], kl_pm, start, 0)
+
+    return lax.fori_loop(0, num_chunks, chunk, varying_like((zero, zero), x, target))
 
 
 def shard_grad(

@@ -402,14 +402,7 @@ def _loss(
         host_flags,
     )
     formula = config.kernel_config()  # jensen_shannon at beta = 0 / 1: the KL kinds, exactly
-    kcfg = KernelConfig(
-        kind=formula.kind,
-        scale=formula.student_scale,
-        teacher_scale=formula.teacher_scale,
-        label_smoothing=formula.label_smoothing,
-        z_loss=formula.z_loss,
-        beta=formula.beta,
-    )
+    kcfg = KernelConfig.of(formula)
     tuning = _xla.TUNING if impl == "xla" else _pallas.TUNING
     try:
         if axes is None:

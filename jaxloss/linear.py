@@ -464,9 +464,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
         None if denominator is None else api._device(denominator),
         host_flags,
     )
-    kcfg = KernelConfig(
-        kind=config.kind, scale=config.student_scale, teacher_scale=config.teacher_scale, label_smoothing=config.label_smoothing, z_loss=config.z_loss
-    )
+    kcfg = KernelConfig.of(config)
     dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
     impl = spec_linear.head_impl(args["impl"], lossspec.JAX_IMPLS, "xla", shards is not None)
     softcaps = (getattr(config, "logit_softcap", None), getattr(config, "teacher_logit_softcap", None))

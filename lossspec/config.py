@@ -8,7 +8,7 @@ invalid option raises the same error, with the same message, in the oracle, in
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 from .causal import check_causal_shift
 from .sequences import SEQUENCE_NORMALIZATIONS
@@ -34,10 +34,17 @@ JAX_IMPLS: tuple[str, ...] = ("auto", "xla", "pallas")
 TORCH_IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
 
 # Keyword options each kind accepts (besides loss_mask, normalization, denominator).
-CE_OPTIONS: tuple[str, ...] = ("ignore_index", "label_smoothing", "z_loss", "logit_scale", "causal_shift")
-DISTILL_OPTIONS: tuple[str, ...] = ("temperature", "logit_scale", "teacher_logit_scale", "causal_shift")
-ENTROPY_OPTIONS: tuple[str, ...] = ("temperature", "logit_scale", "causal_shift")
-JSD_OPTIONS: tuple[str, ...] = ("beta", "temperature", "logit_scale", "teacher_logit_scale", "causal_shift")
+CE_OPTIONS: tuple[str, ...] = ("ignore_index", "label_smoothing", "z_loss", "logit_scale", "logit_softcap", "causal_shift")
+DISTILL_OPTIONS: tuple[str, ...] = (
+    "temperature",
+    "logit_scale",
+    "teacher_logit_scale",
+    "logit_softcap",
+    "teacher_logit_softcap",
+    "causal_shift",
+)
+ENTROPY_OPTIONS: tuple[str, ...] = ("temperature", "logit_scale", "logit_softcap", "causal_shift")
+JSD_OPTIONS: tuple[str, ...] = ("beta",) + DISTILL_OPTIONS
 KIND_OPTIONS: dict[str, tuple[str, ...]] = {
     "cross_entropy": CE_OPTIONS,
     "soft_cross_entropy": DISTILL_OPTIONS,
@@ -57,6 +64,17 @@ def _finite_number(name: str, value: Any) -> float:
     if not value - value == 0:
         raise ValueError(f"{name} must be finite, got {value}")
     return value
+
+
+def check_softcap(name: str, value: Any) -> Optional[float]:
+    """A soft cap (``logit_softcap``, ``teacher_logit_softcap``): ``None`` (off) or a finite
+    number ``> 0``, as a Python ``float``."""
+    if value is None:
+        return None
+    cap = _finite_number(name, value)
+    if cap <= 0.0:
+        raise ValueError(f"{name} must be None or > 0, got {cap}")
+    return cap
 
 
 def _is_numpy_scalar(value: Any) -> bool:
@@ -117,7 +135,9 @@ class LossConfig:
     ``temperature`` applies to every kind but ``cross_entropy``, ``teacher_logit_scale`` to the
     distillation kinds; ``ignore_index``, ``label_smoothing`` and ``z_loss`` only to
     ``cross_entropy``; ``beta`` (in ``[0, 1]``) only to ``jensen_shannon``; ``causal_shift`` to
-    every kind (:mod:`lossspec.causal`).
+    every kind (:mod:`lossspec.causal`). ``logit_softcap`` (every kind) and
+    ``teacher_logit_softcap`` (the kinds with a teacher) are ``None`` (off) or a cap ``> 0``:
+    ``x -> cap * tanh(x / cap)`` on the raw logits, before the scales and the temperature.
     The effective student scale is ``student_scale = logit_scale / temperature`` and the
     teacher's ``teacher_scale = teacher_logit_scale / temperature``.
     """
@@ -132,6 +152,8 @@ class LossConfig:
     temperature: float = 1.0
     causal_shift: bool = False
     beta: float = 0.5
+    logit_softcap: Optional[float] = None
+    teacher_logit_softcap: Optional[float] = None
 
     def __post_init__(self) -> None:
         check_kind(self.kind)
@@ -162,7 +184,13 @@ class LossConfig:
             raise ValueError(f"beta must be in [0, 1], got {beta}")
         if self.kind != "jensen_shannon" and beta != 0.5:
             raise ValueError("beta applies to jensen_shannon only")
+        softcap = check_softcap("logit_softcap", self.logit_softcap)
+        teacher_softcap = check_softcap("teacher_logit_softcap", self.teacher_logit_softcap)
+        if teacher_softcap is not None and self.kind not in DISTILL_KINDS:
+            raise ValueError(f"teacher_logit_softcap applies to the kinds with a teacher only, not {self.kind}")
         for name, value in (
+            ("logit_softcap", softcap),
+            ("teacher_logit_softcap", teacher_softcap),
             ("label_smoothing", eps),
             ("z_loss", lam),
             ("temperature", temperature),

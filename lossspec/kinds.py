@@ -38,9 +38,16 @@ class KindSpec:
 
 # Every kind ends with causal_shift (lossspec.causal), after its own options.
 _SHIFT_OPTION = (("causal_shift", False),)
-_CE_OPTIONS = (("ignore_index", -100), ("label_smoothing", 0.0), ("z_loss", 0.0), ("logit_scale", 1.0)) + _SHIFT_OPTION
-_DISTILL_OPTIONS = (("temperature", 1.0), ("logit_scale", 1.0), ("teacher_logit_scale", 1.0)) + _SHIFT_OPTION
-_ENTROPY_OPTIONS = (("temperature", 1.0), ("logit_scale", 1.0)) + _SHIFT_OPTION
+# The soft caps come after the scales: x -> cap * tanh(x / cap) on the raw logits (None: off).
+_CE_OPTIONS = (("ignore_index", -100), ("label_smoothing", 0.0), ("z_loss", 0.0), ("logit_scale", 1.0), ("logit_softcap", None)) + _SHIFT_OPTION
+_DISTILL_OPTIONS = (
+    ("temperature", 1.0),
+    ("logit_scale", 1.0),
+    ("teacher_logit_scale", 1.0),
+    ("logit_softcap", None),
+    ("teacher_logit_softcap", None),
+) + _SHIFT_OPTION
+_ENTROPY_OPTIONS = (("temperature", 1.0), ("logit_scale", 1.0), ("logit_softcap", None)) + _SHIFT_OPTION
 _JSD_OPTIONS = (("beta", 0.5),) + _DISTILL_OPTIONS
 
 KIND_SPECS: dict[str, KindSpec] = {
@@ -137,6 +144,15 @@ _ARG_DOCS: dict[str, str] = {
     "logit_scale": "``> 0``, multiplies the student's logits (before the temperature).",
     "temperature": "``T > 0``, divides student and teacher alike.",
     "teacher_logit_scale": "``> 0``, multiplies the teacher's logits.",
+    "logit_softcap": (
+        "``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)`` "
+        "before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken "
+        "through the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss)."
+    ),
+    "teacher_logit_softcap": (
+        "``None`` (default: off) or a cap ``> 0``: the same soft cap on the teacher's raw logits, before "
+        "``teacher_logit_scale`` and the temperature."
+    ),
     "beta": (
         "``beta`` in ``[0, 1]``, the teacher's share of the mixture ``M = beta p + (1 - beta) q`` (TRL's GKD and "
         "Liger-Kernel's JSD): 0.5 the symmetric JSD, 0 forward KL ``KL(p || q)``, 1 reverse KL ``KL(q || p)``."

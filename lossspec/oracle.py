@@ -21,6 +21,12 @@ Losses (per token) and their gradients with respect to ``z``::
 Entropy and the JSD are written here in their textbook form (``log M`` by ``logaddexp`` in
 float64), independently of the pivoted / two-pass formulation of :mod:`lossspec.stats`.
 
+Soft caps (``logit_softcap``, ``teacher_logit_softcap``; SPEC section 7): the raw logits are
+first replaced by ``cap * tanh(x / cap)`` (finite entries; ``+-inf`` and NaN are kept), then
+everything above applies to the capped values; the gradient with respect to the raw logits is
+the one with respect to the capped ones times ``d/dx cap tanh(x / cap) = 1 / cosh(x / cap)^2``
+(written here from the raw logit, independently of the kernels' ``1 - (capped / cap)^2``).
+
 Normalised loss: ``sum_i coef_i l_i`` with ``coef_i = w_i / D`` (SPEC section 2), or the
 per-sequence ``coef_i = w_i / (n_s S)`` / ``w_i / S`` (:mod:`lossspec.sequences`); the gradient
 with respect to ``x`` is ``dl/dz * c * coef_i * upstream``.
@@ -49,6 +55,24 @@ def _where_positive(prob: np.ndarray, value: np.ndarray) -> np.ndarray:
 def _row_is_bad(array: np.ndarray) -> np.ndarray:
     """Rows holding NaN or +inf: their loss must be NaN, never a plausible number."""
     return np.any(np.isnan(array) | (array == np.inf), axis=-1)
+
+
+def _softcapped(array: np.ndarray, cap: float | None) -> np.ndarray:
+    """``cap * tanh(array / cap)`` in float64 on the finite entries (``+-inf``, NaN kept);
+    ``array`` itself for ``cap = None``."""
+    if cap is None:
+        return array
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isfinite(array), cap * np.tanh(array / cap), array)
+
+
+def _softcap_derivative(array: np.ndarray, cap: float | None) -> np.ndarray | float:
+    """``d/dx cap tanh(x / cap) = 1 / cosh(x / cap)^2`` at the raw logits (0 at ``+-inf``);
+    1 without a cap."""
+    if cap is None:
+        return 1.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        return 1.0 / np.cosh(array / cap) ** 2
 
 
 def _shifted(array: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
@@ -80,7 +104,8 @@ def per_token_oracle(
     gradient 0.
     """
     kind = config.formula  # jensen_shannon at beta = 0 / 1 is forward / reverse KL
-    x = np.asarray(logits, dtype=np.float64)
+    raw = np.asarray(logits, dtype=np.float64)
+    x = _softcapped(raw, config.logit_softcap)
     rows, vocab = x.shape
     valid = np.ones(rows, dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
     c = config.student_scale
@@ -106,7 +131,7 @@ def per_token_oracle(
             np.put_along_axis(onehot, labels[:, None], 1.0, axis=-1)
             grad_z = (1.0 + 2.0 * lam * lse)[:, None] * q - (1.0 - eps) * onehot - eps / vocab
         else:
-            t = np.asarray(target, dtype=np.float64)
+            t = _softcapped(np.asarray(target, dtype=np.float64), config.teacher_logit_softcap)
             dt, _ = _shifted(t, config.teacher_scale)
             lse_t_shift, p = _log_softmax_parts(dt)
             bad = bad | _row_is_bad(t)
@@ -130,6 +155,7 @@ def per_token_oracle(
                 grad_z = _where_positive(q, log_q - log_p - loss[:, None])
         # a NaN loss comes with a NaN gradient row (q * ... is 0, not NaN, where q is NaN)
         loss = np.where(bad, np.nan, loss)
+        grad_z = grad_z * _softcap_derivative(raw, config.logit_softcap)  # chain rule to the raw logits
         grad_z = np.where(bad[:, None], np.nan, grad_z)
     loss = np.where(valid, loss, 0.0)
     grad_z = np.where(valid[:, None], grad_z, 0.0)
@@ -309,7 +335,8 @@ def oracle(
       loss_mask: ``[...]`` boolean or float weights, or ``None``.
       **options: the keyword options of the matching public function (``ignore_index``,
         ``label_smoothing``, ``z_loss``, ``logit_scale``, ``temperature``,
-        ``teacher_logit_scale``, ``beta``, ``causal_shift``, ``normalization``, ``denominator``,
+        ``teacher_logit_scale``, ``logit_softcap``, ``teacher_logit_softcap``, ``beta``,
+        ``causal_shift``, ``normalization``, ``denominator``,
         ``segment_ids``), plus ``grad_output``: the
         upstream gradient (a scalar, or per-token ``[...]`` for ``"none"``; default 1).
 
@@ -346,7 +373,8 @@ def per_token_vocab_parallel(
     rescale their moments by ``exp(c (m_k - m))`` and add them (a psum); each shard finally
     writes the gradient of its own slice. This is the algebra the vocab-parallel kernels follow.
     """
-    x = np.asarray(logits, dtype=np.float64)
+    raw = np.asarray(logits, dtype=np.float64)
+    x = _softcapped(raw, config.logit_softcap)
     rows, vocab = x.shape
     kind = config.formula  # jensen_shannon at beta = 0 / 1 is forward / reverse KL
     bounds = np.linspace(0, vocab, num_shards + 1).astype(int)
@@ -397,7 +425,7 @@ def per_token_vocab_parallel(
                 onehot = (np.arange(s.start, s.stop)[None, :] == labels[:, None]).astype(np.float64)
                 grads.append((1.0 + 2.0 * lam * lse)[:, None] * q - (1.0 - eps) * onehot - eps / vocab)
         else:
-            t = np.asarray(target, dtype=np.float64)
+            t = _softcapped(np.asarray(target, dtype=np.float64), config.teacher_logit_softcap)
             bad = bad | _row_is_bad(t)
             mt_k = np.stack([np.max(t[:, s], axis=-1) if s.stop > s.start else np.full(rows, -np.inf) for s in slices])
             mt = np.max(mt_k, axis=0)
@@ -461,8 +489,8 @@ def per_token_vocab_parallel(
                     log_p = dt_local[k] + shift_t[k][:, None] - lse_t_shift[:, None]
                     grads.append(q - np.exp(log_p))
         loss = np.where(bad, np.nan, loss)
-    grad_z = np.concatenate(grads, axis=-1)
-    grad_z = np.where(bad[:, None], np.nan, grad_z)  # as in per_token_oracle()
+        grad_z = np.concatenate(grads, axis=-1) * _softcap_derivative(raw, config.logit_softcap)
+        grad_z = np.where(bad[:, None], np.nan, grad_z)  # as in per_token_oracle()
     return np.where(valid, loss, 0.0), np.where(valid[:, None], grad_z, 0.0)
 
 

@@ -13,6 +13,17 @@ Notation (SPEC section 1): ``c = logit_scale / T``, ``ct = teacher_logit_scale /
 ``e = exp(c (x - m))``, ``et = exp(ct (t - mt))`` (shifted coordinates: subtract the maximum,
 *then* scale, so huge logits lose nothing).
 
+Soft caps (``logit_softcap``, ``teacher_logit_softcap``; ``None`` is off and costs nothing): with
+a cap, ``x`` / ``t`` below stand for the *capped* logits ``cap * tanh(x_raw / cap)``
+(:func:`softcap`), formed in fp32 from each block as it is read and never rounded; everything
+else is unchanged (``tanh`` is monotonic, so the maxima are those of the capped values). Two
+places see the raw values: ``x_y`` holds the label's *raw* logit, capped by :func:`finalize` (so
+the blocks, shards and gathers that supply it need not know of the cap), and the gradient with
+respect to the raw logits is the one below times :func:`softcap_slope`
+``1 - (x / cap)^2`` (``x`` capped: ``d/dx_raw cap tanh(x_raw / cap) = 1 - tanh^2``), in fp32.
+Infinite entries are left as they are: ``-inf`` keeps probability 0 (slope 0), ``+inf`` and NaN
+still make the row bad.
+
 Statistics of a block, relative to the block's own maxima:
 
 =============  ================================================  ==========================
@@ -21,7 +32,7 @@ stat           definition                                        kinds
 ``m``          ``max x`` (``-inf`` when nothing was seen)        all
 ``s``          ``sum e``                                         all
 ``x_y``        the label's raw logit (0 where the block does     cross_entropy
-               not hold the label)
+               not hold the label; uncapped, see above)
 ``sum_shift``  ``sum (x - m)``                                   cross_entropy, eps > 0
 ``n``          number of columns                                 cross_entropy, eps > 0
 ``mt``         ``max t``                                         distillation
@@ -114,6 +125,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+from fractions import Fraction
 from typing import Any, Optional
 
 from .config import LossConfig
@@ -176,6 +188,53 @@ Final = collections.namedtuple("Final", FINAL_STATS, defaults=(None,) * len(FINA
 Final.__doc__ = "What the gradient pass needs per row ``[R]`` (:data:`FINAL_STATS`)."
 
 SUM_STATS: tuple[str, ...] = ("s", "x_y", "sum_shift", "n", "st", "a", "b", "e_d", "h", "kl_qm", "kl_pm")
+
+
+def tanh_series(terms: int) -> tuple[float, ...]:
+    """The first ``terms`` coefficients of ``tanh(u) / u`` as a series in ``u^2`` (the Maclaurin
+    series of ``tanh``, ``2^2n (2^2n - 1) B_2n / (2n)!`` with the Bernoulli numbers ``B``
+    computed exactly here): ``1, -1/3, 2/15, -17/315, ...``."""
+    bern = [Fraction(1)]
+    for m in range(1, 2 * terms + 1):
+        bern.append(-sum(math.comb(m + 1, k) * bern[k] for k in range(m)) / (m + 1))
+    return tuple(float(Fraction(4**n * (4**n - 1)) * bern[2 * n] / math.factorial(2 * n)) for n in range(1, terms + 1))
+
+
+# One tanh for every backend (the soft cap's): below TANH_SERIES_LIMIT the series (8 terms:
+# truncation < 1e-8 relative there), above it (1 - e) / (1 + e) with e = exp(-2 |u|) <= 1/3 (no
+# cancellation). Within 2 fp32 ulps of tanh on NumPy, XLA, torch and the Triton interpreter; XLA's own f32 tanh is off by up to 4.4 ulps (2.6e-7 near |u| = 5.7), which at a cap
+# of 30 moves a capped logit by 8e-6, more than the SPEC bound allows.
+TANH_SERIES: tuple[float, ...] = tanh_series(8)
+TANH_SERIES_LIMIT = 0.55
+
+
+def tanh(xp: Any, u: Any) -> Any:
+    """``tanh(u)`` from ``exp`` and the series (:data:`TANH_SERIES`), the same arithmetic on
+    every namespace (and in the Triton kernels)."""
+    z = u * u
+    series = TANH_SERIES[-1]
+    for coefficient in TANH_SERIES[-2:0:-1]:
+        series = series * z + coefficient
+    small = u + u * (z * series)
+    e = xp.exp(-2.0 * xp.abs(u))
+    big = (1.0 - e) / (1.0 + e)
+    return xp.where(xp.abs(u) < TANH_SERIES_LIMIT, small, xp.where(u < 0, -big, big))
+
+
+def softcap(xp: Any, x: Any, cap: Optional[float]) -> Any:
+    """``cap * tanh(x / cap)`` on the finite entries of ``x``; ``+-inf`` and NaN unchanged (a
+    banned ``-inf`` entry stays banned, a ``+inf`` or NaN row stays bad). ``cap = None``:
+    ``x`` itself (no work)."""
+    if cap is None:
+        return x
+    return xp.where(x - x == 0, cap * tanh(xp, x / cap), x)
+
+
+def softcap_slope(xp: Any, y: Any, cap: float) -> Any:
+    """``d softcap(x) / dx = 1 - (y / cap)^2`` from the capped value ``y`` (0 at ``+-inf``,
+    NaN at NaN): the factor from the gradient w.r.t. the capped logits to the raw ones."""
+    ratio = xp.clip(y / cap, -1.0, 1.0)
+    return 1.0 - ratio * ratio
 
 
 def finite_max(xp: Any, m: Any) -> Any:
@@ -258,7 +317,8 @@ def finalize(xp: Any, config: LossConfig, st: Any, vocab: int) -> Any:
     lse = xp.log(st.s)
     if config.kind == "cross_entropy":
         eps, lam = config.label_smoothing, config.z_loss
-        loss = lse - ((1.0 - eps) * c) * (st.x_y - m)
+        x_y = softcap(xp, st.x_y, config.logit_softcap)  # x_y is the raw logit (above)
+        loss = lse - ((1.0 - eps) * c) * (x_y - m)
         if eps > 0:
             loss = loss - (eps / vocab * c) * st.sum_shift
         q_coef = None

@@ -8,7 +8,8 @@ Usage::
 Each kernel is compiled exactly as ``torchloss._triton`` would launch it on a GPU: the
 constexprs of :func:`torchloss._triton.constexprs` at the GPU block size (4096 columns, the
 default ``MAX_BLOCK_V`` on a GPU) and :func:`torchloss._triton.num_warps`, for fp32 and bf16
-logits and every kind (cross-entropy plain and with label smoothing + z-loss). Compilation runs
+logits and every kind (cross-entropy plain and with label smoothing + z-loss; three kinds with
+the soft caps compiled in). Compilation runs
 with ``TRITON_INTERPRET=0`` in worker processes; ``ptxas -v`` on the generated PTX gives the
 registers and spill bytes, Triton's metadata the shared memory. Exit status 1 if anything spills.
 """
@@ -41,6 +42,10 @@ VARIANTS = (
     ("reverse_kl", "reverse_kl", {}),
     ("entropy", "entropy", {}),
     ("jensen_shannon", "jensen_shannon", {"beta": 0.5}),
+    # The soft caps compiled in (the student's alone; both, on the kinds with the most live values).
+    ("cross_entropy+softcap", "cross_entropy", {"logit_softcap": 30.0}),
+    ("reverse_kl+softcaps", "reverse_kl", {"logit_softcap": 30.0, "teacher_logit_softcap": 50.0}),
+    ("jensen_shannon+softcaps", "jensen_shannon", {"beta": 0.5, "logit_softcap": 30.0, "teacher_logit_softcap": 50.0}),
 )
 ARCHS = (80, 90)
 # The fused LM head's kernels (torchloss._triton_linear) at their GPU tiles, with a bias (and a

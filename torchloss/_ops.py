@@ -35,7 +35,7 @@ Target and ``coef`` get no gradient (the teacher and the mask are data). First o
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -47,7 +47,7 @@ from ._stats import compute_dtype
 
 __all__ = ["CONFIG_FIELDS", "masked_loss", "config_args"]
 
-# The LossConfig fields passed to the ops, in order (all primitives: str, int, float).
+# The LossConfig fields passed to the ops, in order (all primitives: str, int, float, float?).
 CONFIG_FIELDS: tuple[str, ...] = (
     "kind",
     "normalization",
@@ -58,6 +58,8 @@ CONFIG_FIELDS: tuple[str, ...] = (
     "teacher_logit_scale",
     "temperature",
     "beta",
+    "logit_softcap",
+    "teacher_logit_softcap",
 )
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -104,11 +106,15 @@ def _masked_loss_op(
     teacher_logit_scale: float,
     temperature: float,
     beta: float,
+    logit_softcap: Optional[float],
+    teacher_logit_softcap: Optional[float],
     impl: str,
     need_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """``(loss, grad)`` of one call (module docstring); the body of the eager Function's forward."""
-    config = _config(kind, normalization, ignore_index, label_smoothing, z_loss, logit_scale, teacher_logit_scale, temperature, beta)
+    config = _config(
+        kind, normalization, ignore_index, label_smoothing, z_loss, logit_scale, teacher_logit_scale, temperature, beta, logit_softcap, teacher_logit_softcap
+    )
     per_token, grad = _backend(impl).forward(config, logits, target, coef, need_grad=need_grad)
     contribution = torch.where(coef != 0, coef * per_token, 0.0)
     loss = contribution.sum() if normalization != "none" else contribution
@@ -150,11 +156,15 @@ def _regrad_op(
     teacher_logit_scale: float,
     temperature: float,
     beta: float,
+    logit_softcap: Optional[float],
+    teacher_logit_softcap: Optional[float],
     impl: str,
 ) -> None:
     """Rewrite ``grad`` in place for ``coef * upstream`` (``backend.regrad_``, the eager
     backward's call)."""
-    config = _config(kind, normalization, ignore_index, label_smoothing, z_loss, logit_scale, teacher_logit_scale, temperature, beta)
+    config = _config(
+        kind, normalization, ignore_index, label_smoothing, z_loss, logit_scale, teacher_logit_scale, temperature, beta, logit_softcap, teacher_logit_softcap
+    )
     _backend(impl).regrad_(config, logits, target, coef, upstream, grad)
 
 

@@ -100,6 +100,14 @@ def _exp_sum(u: Tensor, scale: float, out: Tensor) -> tuple[Tensor, Tensor]:
 Cache = tuple[Tensor, ...]
 
 
+def softcapped(xb: Tensor, cap: Optional[float], acc: torch.dtype) -> Tensor:
+    """The block with the soft cap applied (``lossspec.stats.softcap``), a new tensor in the
+    compute dtype (never rounded to the logits' dtype); ``xb`` itself for ``cap = None``."""
+    if cap is None:
+        return xb
+    return stats.softcap(torch, xb.to(acc), cap)
+
+
 def block_stats(
     config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: list[Tensor], x_y: Optional[Tensor] = None
 ) -> tuple[Any, Cache]:
@@ -109,13 +117,28 @@ def block_stats(
     distillation kinds); ``x_y``: the label's raw logit ``[R]`` (cross-entropy; the caller
     gathers it, or passes zeros for a block that is not the whole row).
 
+    ``xb``, ``tb`` are the raw logits: with a soft cap the statistics are those of the capped
+    block (a new compute-dtype tensor; ``x_y`` stays raw, ``finalize`` caps it).
+
     Returns ``(stats, cache)`` with ``cache`` what :func:`block_grad` reuses when this block is
     the whole row: cross-entropy ``(e,)``; soft CE / forward KL ``(e, et)``; reverse KL
     ``(e, D, clean)`` with ``D = c (x - m) - ct (t - tau)`` and ``clean`` True where no
     product ``e D`` is NaN or infinite (known on the CPU only); entropy ``(e, x - m)``;
     jensen_shannon ``(e, et, x - m, t - mt)`` (its second pass, :func:`mixture_sums`, reads
-    the last two).
+    those two); each followed by the soft cap's slope ``1 - (x / cap)^2`` (``None`` without a
+    cap), taken here because a caller may reuse ``xb``'s memory as scratch before the gradient.
     """
+    acc = bufs[0].dtype
+    xb = softcapped(xb, config.logit_softcap, acc)
+    if tb is not None:
+        tb = softcapped(tb, config.teacher_logit_softcap, acc)
+    slope = None if config.logit_softcap is None else stats.softcap_slope(torch, xb, config.logit_softcap)
+    block, cache = _block_stats(config, xb, tb, bufs, x_y)
+    return block, cache + (slope,)
+
+
+def _block_stats(config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: list[Tensor], x_y: Optional[Tensor]) -> tuple[Any, Cache]:
+    """:func:`block_stats` of the (capped) block, without the slope."""
     kind, c, ct = config.kind, config.student_scale, config.teacher_scale
     acc = bufs[0].dtype
     u = bufs[0]
@@ -181,7 +204,11 @@ def buffers_needed(kind: str) -> int:
 def mixture_sums(config: LossConfig, fin: Any, xb: Tensor, tb: Tensor, cache: Optional[Cache]) -> tuple[Tensor, Tensor]:
     """``jensen_shannon``'s second pass over one block (``lossspec.stats``): its
     ``(kl_qm, kl_pm)`` ``[R]`` given the global statistics ``fin``, plain sums that blocks and
-    shards add. ``cache``: the block's :func:`block_stats` cache when it is the whole row."""
+    shards add. ``cache``: the block's :func:`block_stats` cache when it is the whole row;
+    ``xb``, ``tb`` raw (capped here when there is no cache)."""
+    if cache is None:
+        xb = softcapped(xb, config.logit_softcap, fin.s.dtype)
+        tb = softcapped(tb, config.teacher_logit_softcap, fin.s.dtype)
     u, ut = _mixture_inputs(fin, xb, tb, cache)
     _, wq, wp, _ = stats.mixture_terms(torch, config, fin, u, ut)
     return wq.sum(dim=1), wp.sum(dim=1)
@@ -250,11 +277,21 @@ def block_grad(
     ``cache``: this block's exponentials from :func:`block_stats` when it is the whole row;
     ``None`` recomputes them from the final statistics (``bufs``, or ``out`` itself where it
     has the compute dtype, as scratch). Rows with ``coef == 0`` are exact zeros, bad rows
-    (NaN / ``+inf``) NaN.
+    (NaN / ``+inf``) NaN. ``xb``, ``tb`` are raw: with a soft cap the gradient is formed on the
+    capped block (taken before ``out``, which may be ``xb`` itself, is written) and multiplied
+    by the cap's slope ``1 - (x / cap)^2`` in the compute dtype, before the one rounding.
     """
     kind, c, ct = config.kind, config.student_scale, config.teacher_scale
     scale = coef * c
     acc = scale.dtype
+    slope = None
+    if cache is not None:
+        slope = cache[-1]  # xb may have been scratch since block_stats; the cache holds all else
+    elif config.logit_softcap is not None:
+        xb = softcapped(xb, config.logit_softcap, acc)
+        slope = stats.softcap_slope(torch, xb, config.logit_softcap)
+    if cache is None and tb is not None:
+        tb = softcapped(tb, config.teacher_logit_softcap, acc)
     direct = out.dtype == acc  # the gradient can be formed in out itself
     bad = bad_rows(fin)
     if kind == "jensen_shannon":
@@ -303,6 +340,8 @@ def block_grad(
             et = cache[1]
         g = torch.mul(e, (scale / fin.s)[:, None], out=out if direct else e)
         g.addcmul_(et, (-scale / fin.st)[:, None])
+    if slope is not None:  # the chain rule to the raw logits (dead rows are refilled below)
+        g.mul_(slope)
     dead = coef == 0
     # Masked rows are exact zeros even where their statistics are NaN, inf or 0 (0 * NaN).
     degenerate = bad | ~(fin.s > 0) | torch.isinf(fin.s)

@@ -93,6 +93,9 @@ def constexprs(job: str, config: LossConfig, logits_dtype: torch.dtype, block_v:
     out: dict[str, Any] = {
         "KIND": lossspec.KIND_IDS[config.kind],
         "SMOOTHING": config.kind == "cross_entropy" and config.label_smoothing > 0,
+        # The soft caps are compiled in only when set (their values are runtime parameters).
+        "SOFTCAP": config.logit_softcap is not None,
+        "TEACHER_SOFTCAP": config.teacher_logit_softcap is not None,
     }
     if job != "shard_stats":
         out["Z_LOSS"] = config.kind == "cross_entropy" and config.z_loss > 0
@@ -114,18 +117,24 @@ KERNELS: dict[str, Any] = {
 
 
 @functools.lru_cache(maxsize=64)
-def _params(c: float, ct: float, eps: float, lam: float, beta: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``[c, ct, eps, lam, beta, log(beta), log(1 - beta)]`` (order ``_triton_kernels.PARAMS``) on
+def _params(
+    c: float, ct: float, eps: float, lam: float, beta: float, cap: float, teacher_cap: float, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """``[c, ct, eps, lam, beta, log(beta), log(1 - beta), cap, teacher_cap]`` (order ``_triton_kernels.PARAMS``) on
     the device, in the compute dtype (exact for fp64; the logs in float64 on the host, then
     rounded once). Cached: a fresh host-to-device copy per call would synchronise the host."""
     log_beta = math.log(beta) if beta > 0 else float("-inf")  # only jensen_shannon (0 < beta < 1) reads them
     log_rest = math.log1p(-beta) if beta < 1 else float("-inf")
-    values = {"c": c, "ct": ct, "eps": eps, "lam": lam, "beta": beta, "log_beta": log_beta, "log_rest": log_rest}
+    values = {"c": c, "ct": ct, "eps": eps, "lam": lam, "beta": beta, "log_beta": log_beta, "log_rest": log_rest,
+              "cap": cap, "teacher_cap": teacher_cap}
     return torch.tensor([values[name] for name in K.PARAMS], dtype=dtype, device=device)
 
 
 def _params_for(config: LossConfig, acc: torch.dtype, device: torch.device) -> Tensor:
-    return _params(config.student_scale, config.teacher_scale, config.label_smoothing, config.z_loss, config.beta, acc, device)
+    # A cap that is off is never read (its constexpr is False): 1.0 stands in.
+    cap = 1.0 if config.logit_softcap is None else config.logit_softcap
+    teacher_cap = 1.0 if config.teacher_logit_softcap is None else config.teacher_logit_softcap
+    return _params(config.student_scale, config.teacher_scale, config.label_smoothing, config.z_loss, config.beta, cap, teacher_cap, acc, device)
 
 
 def _check_runnable(logits: Tensor) -> None:

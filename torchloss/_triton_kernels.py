@@ -32,6 +32,14 @@ Helpers: :func:`_row_stats` (pass 1), :func:`_finalize` (loss and what pass 2 ne
 :func:`_row_mixture` (jensen_shannon's second pass, per entry :func:`_mixture_log_ratios`),
 :func:`_row_grad` (the gradient pass), :func:`_zero_row`, :func:`_round_for_store`, :func:`_shift`.
 
+Soft caps (``lossspec.stats``): with ``SOFTCAP`` / ``TEACHER_SOFTCAP`` (``constexpr``; the caps
+themselves are runtime scalars of the parameter tensor) every block of raw logits is replaced
+by ``cap * tanh(x / cap)`` in ``ACC`` as it is loaded (:func:`_load_logits`; ``+-inf``, NaN and
+the ragged tail's ``-inf`` kept), the fused kernels cap the label's logit ``x_y`` before
+:func:`_finalize` (the shard statistics hand it out raw: ``lossspec.stats.finalize`` caps it), and
+:func:`_row_grad` multiplies the gradient by the slope ``1 - (x / cap)^2`` before the one
+rounding. Off, the branches are not compiled in: the code is that of a call without caps.
+
 Rows with ``coef == 0`` are skipped (loss 0, gradient 0, empty statistics). NaN or ``+inf`` in a
 row (student or teacher) is detected explicitly (a GPU ``max`` may drop NaN) and makes ``s`` NaN:
 the loss is NaN and, where ``coef != 0``, the whole gradient row is NaN.
@@ -62,8 +70,9 @@ ENTROPY = tl.constexpr(lossspec.KIND_IDS["entropy"])
 JENSEN_SHANNON = tl.constexpr(lossspec.KIND_IDS["jensen_shannon"])
 
 # --- Scalar parameters: a tiny tensor in the compute dtype (exact for fp64) ----------------------
-# scale, teacher scale, label smoothing, z-loss; jensen_shannon's beta, log(beta), log(1 - beta)
-PARAMS: tuple[str, ...] = ("c", "ct", "eps", "lam", "beta", "log_beta", "log_rest")
+# scale, teacher scale, label smoothing, z-loss; jensen_shannon's beta, log(beta), log(1 - beta);
+# the soft caps of the student and the teacher (read only with SOFTCAP / TEACHER_SOFTCAP)
+PARAMS: tuple[str, ...] = ("c", "ct", "eps", "lam", "beta", "log_beta", "log_rest", "cap", "teacher_cap")
 P_C = tl.constexpr(PARAMS.index("c"))
 P_CT = tl.constexpr(PARAMS.index("ct"))
 P_EPS = tl.constexpr(PARAMS.index("eps"))
@@ -71,6 +80,21 @@ P_LAM = tl.constexpr(PARAMS.index("lam"))
 P_BETA = tl.constexpr(PARAMS.index("beta"))
 P_LOG_BETA = tl.constexpr(PARAMS.index("log_beta"))
 P_LOG_REST = tl.constexpr(PARAMS.index("log_rest"))
+P_CAP = tl.constexpr(PARAMS.index("cap"))
+P_TEACHER_CAP = tl.constexpr(PARAMS.index("teacher_cap"))
+
+
+# tanh without libdevice (the interpreter has none): lossspec.stats.tanh's arithmetic, the series
+# below TANH_SERIES_LIMIT, (1 - e) / (1 + e) with e = exp(-2 |u|) above it.
+_TANH = lossspec.stats.TANH_SERIES
+TANH_SERIES_LIMIT = tl.constexpr(lossspec.stats.TANH_SERIES_LIMIT)
+TANH_C1 = tl.constexpr(_TANH[1])
+TANH_C2 = tl.constexpr(_TANH[2])
+TANH_C3 = tl.constexpr(_TANH[3])
+TANH_C4 = tl.constexpr(_TANH[4])
+TANH_C5 = tl.constexpr(_TANH[5])
+TANH_C6 = tl.constexpr(_TANH[6])
+TANH_C7 = tl.constexpr(_TANH[7])
 
 # --- Shard statistics out: buffer [len(ROW_STATS), N], row ROW_<name> holds stat <name> ----------
 _ROW = lossspec.ROW_STAT_INDEX
@@ -137,6 +161,40 @@ def _is_bad(v):
 
 
 @triton.jit
+def _tanh(u):
+    """``tanh(u)`` from ``exp``: ``lossspec.stats.tanh``, the same operations."""
+    z = u * u
+    series = TANH_C7
+    series = series * z + TANH_C6
+    series = series * z + TANH_C5
+    series = series * z + TANH_C4
+    series = series * z + TANH_C3
+    series = series * z + TANH_C2
+    series = series * z + TANH_C1
+    small = u + u * (z * series)
+    e = tl.exp(-2.0 * tl.abs(u))
+    big = (1.0 - e) / (1.0 + e)
+    big = tl.where(u < 0, -big, big)
+    return tl.where(tl.abs(u) < TANH_SERIES_LIMIT, small, big)
+
+
+@triton.jit
+def _softcap(v, cap):
+    """``cap * tanh(v / cap)`` on finite entries; ``+-inf`` and NaN unchanged (``lossspec.stats.softcap``)."""
+    return tl.where(v - v == 0, cap * _tanh(v / cap), v)
+
+
+@triton.jit
+def _load_logits(row_ptr, cols, inside, params_ptr, CAP_SLOT: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+    """A block of logits in ``ACC`` (the ragged tail reads ``-inf``), soft-capped with the cap in
+    ``params[CAP_SLOT]`` when ``SOFTCAP``."""
+    v = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(ACC)
+    if SOFTCAP:
+        v = _softcap(v, tl.load(params_ptr + CAP_SLOT))
+    return v
+
+
+@triton.jit
 def _load_params(params_ptr):
     """``(c, ct, eps, lam)`` from the parameter tensor (compute dtype)."""
     c = tl.load(params_ptr + P_C)
@@ -170,7 +228,10 @@ def _mixture_log_ratios(diff, log_beta, log_rest):
 
 
 @triton.jit
-def _row_mixture(x_row, t_row, V, m, lse, mt, lse_t, c, ct, log_beta, log_rest, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
+def _row_mixture(
+    x_row, t_row, params_ptr, V, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
+    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):
     """jensen_shannon's second pass over one row: ``(kl_qm, kl_pm) = (sum q (log q - log M),
     sum p (log p - log M))`` from the global ``m``, ``lse = log s``, ``mt``, ``lse_t = log st``
     of pass 1 (``lossspec.stats``); an entry's term is 0 where its weight is 0."""
@@ -180,8 +241,8 @@ def _row_mixture(x_row, t_row, V, m, lse, mt, lse_t, c, ct, log_beta, log_rest, 
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs
         inside = cols < V
-        x = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(ACC)
-        t = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(ACC)
+        x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, SOFTCAP, ACC)
+        t = _load_logits(t_row, cols, inside, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC)
         log_q = c * (x - m) - lse
         log_p = ct * (t - mt) - lse_t
         q = tl.exp(log_q)
@@ -193,7 +254,11 @@ def _row_mixture(x_row, t_row, V, m, lse, mt, lse_t, c, ct, log_beta, log_rest, 
 
 
 @triton.jit
-def _row_stats(x_row, t_row, V, c, ct, KIND: tl.constexpr, SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
+def _row_stats(
+    x_row, t_row, params_ptr, V, c, ct,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):
     """Pass 1: the :mod:`lossspec.stats` statistics of one row ``x_row[0:V]`` (teacher ``t_row``),
     online over blocks of ``BLOCK_V`` columns.
 
@@ -237,7 +302,7 @@ def _row_stats(x_row, t_row, V, c, ct, KIND: tl.constexpr, SMOOTHING: tl.constex
         cols = v0 + offs
         inside = cols < V
         # The ragged tail reads -inf: probability 0, never a maximum, never a pivot.
-        x = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(ACC)
+        x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, SOFTCAP, ACC)
         bad = bad | tl.max(tl.where(inside, _is_bad(x), 0), axis=0)
         block_m = tl.max(x, axis=0)
         m_new = tl.maximum(m, block_m)
@@ -250,7 +315,7 @@ def _row_stats(x_row, t_row, V, c, ct, KIND: tl.constexpr, SMOOTHING: tl.constex
         elif KIND == ENTROPY:
             h = r * (h + s * dm) + tl.sum(tl.where(e > 0, e * u, 0.0), axis=0)
         else:
-            t = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(ACC)
+            t = _load_logits(t_row, cols, inside, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC)
             bad = bad | tl.max(tl.where(inside, _is_bad(t), 0), axis=0)
             mt_new = tl.maximum(mt, tl.max(t, axis=0))
             rt, dmt = _shift(mt, mt_new, ct)
@@ -347,7 +412,8 @@ def _round_for_store(g, GRAD_BF16: tl.constexpr):
 @triton.jit
 def _row_grad(
     x_row, t_row, g_row, params_ptr, y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, V, V_total, c, ct, eps,
-    KIND: tl.constexpr, SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr, GRAD_BF16: tl.constexpr,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr, GRAD_BF16: tl.constexpr,
 ):
     """Pass 2: ``g_row[0:V] = scale * dl/dz`` (``scale = coef * c``) from the row's final
     statistics (finite maxima ``m``, ``mt``), formed in ``ACC`` and rounded once on store::
@@ -360,7 +426,9 @@ def _row_grad(
 
     with ``q = e / s``, ``p = et / st``. ``y`` is the label's column in this row (out of
     ``[0, V)`` when another shard owns it), ``V_total`` the global vocabulary. A bad row
-    (``bad != 0``) is NaN everywhere: a NaN loss never comes with a plausible gradient.
+    (``bad != 0``) is NaN everywhere: a NaN loss never comes with a plausible gradient. With
+    ``SOFTCAP`` ``x`` is the capped block and the gradient is multiplied by the slope
+    ``1 - (x / cap)^2`` (0 at ``+-inf``) before the rounding.
     """
     offs = tl.arange(0, BLOCK_V)
     p_scale = scale / s
@@ -378,7 +446,7 @@ def _row_grad(
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs
         inside = cols < V
-        x = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(ACC)
+        x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, SOFTCAP, ACC)
         u = x - m
         e = tl.exp(c * u)
         if KIND == CROSS_ENTROPY:
@@ -388,7 +456,7 @@ def _row_grad(
         elif KIND == ENTROPY:
             g = tl.where(e > 0, e * (u - mean_h), 0.0) * h_scale
         else:
-            t = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(ACC)
+            t = _load_logits(t_row, cols, inside, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC)
             if KIND == REVERSE_KL:
                 d = c * u - ct * (t - tau)
                 # q == 0 (a -inf logit) is exactly 0: not 0 * inf, not 0 * NaN.
@@ -401,6 +469,9 @@ def _row_grad(
                 g = tl.where(q > 0, q * (log_qm - kl_qm), 0.0) * j_scale
             else:
                 g = e * p_scale - tl.exp(ct * (t - mt)) * t_scale
+        if SOFTCAP:
+            ratio = tl.minimum(tl.maximum(x / tl.load(params_ptr + P_CAP), -1.0), 1.0)
+            g = g * (1.0 - ratio * ratio)
         g = tl.where(bad != 0, float("nan"), g)
         g = _round_for_store(g, GRAD_BF16)
         tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=inside)
@@ -419,25 +490,32 @@ def _zero_row(g_row, V, BLOCK_V: tl.constexpr):
 @triton.jit
 def _row_forward(
     x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam,
-    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
     """Pass 1 and finalize of one whole row (and jensen_shannon's second pass):
     ``(loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y)`` (``y``: the label,
     cross-entropy; 0 otherwise)."""
-    m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(x_row, t_row, V, c, ct, KIND, SMOOTHING, BLOCK_V, ACC)
+    m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(
+        x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
+    )
     y = tl.full((), 0, tl.int64)
     x_y = s * 0.0
     if KIND == CROSS_ENTROPY:
         # The caller passes safe labels (0 where the token is masked; this row has coef != 0).
         y = tl.load(y_ptr + row).to(tl.int64)
         x_y = tl.load(x_row + y).to(ACC)
+        if SOFTCAP:
+            x_y = _softcap(x_y, tl.load(params_ptr + P_CAP))
     loss, m, mt, q_coef, mean_d, mean_h = _finalize(
         m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, h, bad, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS
     )
     kl_qm = s * 0.0
     if KIND == JENSEN_SHANNON:
         beta, log_beta, log_rest = _load_mixture_params(params_ptr)
-        kl_qm, kl_pm = _row_mixture(x_row, t_row, V, m, tl.log(s), mt, tl.log(st), c, ct, log_beta, log_rest, BLOCK_V, ACC)
+        kl_qm, kl_pm = _row_mixture(
+            x_row, t_row, params_ptr, V, m, tl.log(s), mt, tl.log(st), c, ct, log_beta, log_rest, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
+        )
         loss = tl.where(bad != 0, float("nan"), beta * kl_pm + (1.0 - beta) * kl_qm)
     return loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y
 
@@ -452,7 +530,7 @@ def _fused_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr,
     V, stride_x, stride_t, stride_g,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    GRAD_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
     """The forward: ``loss[row] = l`` (0 where ``coef == 0``, not multiplied by ``coef``) and, with
     ``WRITE_GRAD``, ``grad[row, :] = coef * c * dl/dz`` (0 where ``coef == 0``).
@@ -467,12 +545,12 @@ def _fused_kernel(
     if coef != 0:
         c, ct, eps, lam = _load_params(params_ptr)
         loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y = _row_forward(
-            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, BLOCK_V, ACC
+            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
         )
         tl.store(loss_ptr + row, loss)
         if WRITE_GRAD:
             _row_grad(x_row, t_row, g_row, params_ptr, y, coef * c, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
-                      V, V, c, ct, eps, KIND, SMOOTHING, BLOCK_V, ACC, GRAD_BF16)
+                      V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, GRAD_BF16)
     else:
         tl.store(loss_ptr + row, coef * 0.0)
         if WRITE_GRAD:
@@ -483,7 +561,7 @@ def _fused_kernel(
 def _regrad_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr,
     V, stride_x, stride_t, stride_g, stride_up,
-    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
     GRAD_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
     """The backward of 16-bit logits for an upstream gradient ``g = up[row * stride_up]`` read on
@@ -501,23 +579,25 @@ def _regrad_kernel(
         c, ct, eps, lam = _load_params(params_ptr)
         scale = (coef * up) * c  # one value live across pass 1, not two
         loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y = _row_forward(
-            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, BLOCK_V, ACC
+            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
         )
         _row_grad(x_row, t_row, g_row, params_ptr, y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
-                  V, V, c, ct, eps, KIND, SMOOTHING, BLOCK_V, ACC, GRAD_BF16)
+                  V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, GRAD_BF16)
 
 
 @triton.jit
 def _shard_stats_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, stats_ptr,
     V, offset, stride_x, stride_t, stride_stat,
-    KIND: tl.constexpr, SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
     """Vocab-parallel pass 1: the statistics of this shard (global columns ``[offset, offset + V)``)
     into ``stats[ROW_<name>, row]`` for the statistics the kind uses (``lossspec.stats_used``).
 
     ``x_y`` is the label's raw logit where this shard owns the (global) label, else 0; ``n = V``
-    with label smoothing. Rows with ``coef == 0`` hold the empty statistics (``m = mt = tau =
+    with label smoothing (raw also with a soft cap: the caller's finalize caps it). Rows with
+    ``coef == 0`` hold the empty statistics (``m = mt = tau =
     -inf``, sums 0), the identity of the combine. A bad row's ``s`` is NaN."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -530,7 +610,9 @@ def _shard_stats_kernel(
     n = zero
     if coef != 0:
         c, ct, eps, lam = _load_params(params_ptr)
-        m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(x_row, t_row, V, c, ct, KIND, SMOOTHING, BLOCK_V, ACC)
+        m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(
+            x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
+        )
         if KIND == CROSS_ENTROPY:
             y_local = tl.load(y_ptr + row).to(tl.int64) - offset
             owned = (y_local >= 0) & (y_local < V)
@@ -562,7 +644,7 @@ def _shard_stats_kernel(
 def _shard_grad_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, final_ptr, grad_ptr,
     V, V_total, offset, stride_x, stride_t, stride_g, stride_fin,
-    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
     GRAD_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
     """Vocab-parallel pass 2: ``grad[row, :] = coef * c * dl/dz`` of this shard from the global
@@ -606,6 +688,6 @@ def _shard_grad_kernel(
             if KIND == JENSEN_SHANNON:
                 kl_qm = tl.load(fin + FIN_KL_QM * stride_fin)
         _row_grad(x_row, t_row, g_row, params_ptr, y, coef * c, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
-                  V, V_total, c, ct, eps, KIND, SMOOTHING, BLOCK_V, ACC, GRAD_BF16)
+                  V, V_total, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, GRAD_BF16)
     else:
         _zero_row(g_row, V, BLOCK_V)

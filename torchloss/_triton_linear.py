@@ -65,16 +65,8 @@ from ._triton_kernels import (  # noqa: E402
     _is_bad,
     _load_params,
     _shift,
+    _softcap,
 )
-
-
-@triton.jit
-def _tanh(u):
-    """``tanh(u)`` from one ``exp`` (``(1 - e) / (1 + e)``, ``e = exp(-2 |u|)``): no overflow, odd
-    by construction; absolute error ~1 ulp of 1."""
-    e = tl.exp(-2.0 * tl.abs(u))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(u < 0, -t, t)
 
 
 @triton.jit
@@ -98,7 +90,7 @@ def _tile_logits(
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
-        acc = cap * _tanh(acc / cap)
+        acc = _softcap(acc, cap)  # the unfused kernels' cap (lossspec.stats.softcap)
     return acc
 
 

@@ -118,13 +118,38 @@ def combine_shards(config: LossConfig, local: Any, group: Any) -> Any:
     return glob._replace(**dict(zip(names, sums.unbind(0))))
 
 
+def mixture_shard_sums(config: LossConfig, fin: Any, x: Tensor, target: Tensor) -> Tensor:
+    """This shard's :data:`lossspec.MIXTURE_STATS` ``[2, N]`` (``kl_qm``, ``kl_pm``) from the global
+    :class:`_stats.Final`, no collective, tiled: row tiles of column blocks of at most
+    ``_cpu.TILE_ELEMENTS`` entries (the sums are plain sums, relative to the global ``lse``'s,
+    so blocks simply add), so the fp32 temporaries never grow with the shard's width."""
+    rows, width = x.shape
+    sums = torch.zeros((2, rows), dtype=fin.s.dtype, device=x.device)
+    block = max(1, min(width, _cpu.TILE_ELEMENTS))
+    tile_rows = _tile_rows(rows, block)
+
+    def run(tiles: Iterable[_cpu.Tile]) -> None:
+        with torch.no_grad():
+            for r0, r1, _ in tiles:
+                part = _stats.Final(*(None if v is None else v[r0:r1] for v in fin))
+                for v0 in range(0, width, block):
+                    v1 = min(width, v0 + block)
+                    kl_qm, kl_pm = _stats.mixture_sums(config, part, x[r0:r1, v0:v1], target[r0:r1, v0:v1], None)
+                    sums[0, r0:r1] += kl_qm
+                    sums[1, r0:r1] += kl_pm
+
+    if rows and width:
+        _cpu.map_tiles(run, _cpu.row_tiles(rows, tile_rows), x.device)
+    return sums
+
+
 def mixture_shards(config: LossConfig, fin: Any, x: Tensor, target: Tensor, group: Any) -> Any:
     """``jensen_shannon``'s second pass (``lossspec.stats``): this shard's mixture sums from the
-    global ``lse``'s (no collective), one ``all_reduce(SUM)`` of the two ``[N]`` sums, then the
-    loss. Both backends use this torch code (it reads the shard once more, whole)."""
+    global ``lse``'s (:func:`mixture_shard_sums`, tiled), one ``all_reduce(SUM)`` of the two
+    ``[N]`` sums, then the loss. Both backends use this torch code (it reads the shard once more)."""
     import torch.distributed as dist
 
-    sums = torch.stack(_stats.mixture_sums(config, fin, x, target, None))
+    sums = mixture_shard_sums(config, fin, x, target)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
     return _stats.stats.finalize_mixture(torch, config, fin, sums[0], sums[1])
 

@@ -1,0 +1,586 @@
+"""``logit_softcap`` / ``teacher_logit_softcap`` (``x -> cap * tanh(x / cap)`` on the raw logits,
+before the scales and the temperature) in both frameworks against the float64 oracle.
+
+Every kind x {jax XLA, torch path} x {float32, bfloat16} at the SPEC bounds, with the scales and
+the temperature set (the order matters: cap first), whole and vocabulary-blocked rows, the
+16-bit recompute for a non-unit upstream gradient, NaN / +-inf entries, the fused head,
+``torch.compile(fullgraph=True)``, JAX vocab-parallel; the option checks (the same message in
+both frameworks); the oracle itself against finite differences. Slow: interpreted Pallas and
+Triton (and Triton's own ``tanh``), torch vocab-parallel (2 gloo ranks, torch and Triton).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax.sharding import Mesh, PartitionSpec as P
+from test_linear_head import PLANS, grad_output_for, make_inputs, reference, run_jax, run_torch
+from test_torchloss_helpers import TORCH_DTYPES, quiet
+
+import jaxloss
+import lossspec
+import torchloss
+from jaxloss import _pallas, _xla
+from lossspec import linear as spec_linear
+from torchloss import _torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _ranks  # noqa: E402
+
+KINDS = lossspec.ALL_KINDS
+DTYPES = ("float32", "bfloat16")
+# Strong caps on N(0, 2) logits: most entries are on the curved part of tanh.
+STUDENT_CAP, TEACHER_CAP = 3.5, 5.0
+
+
+def softcap_options(
+    kind: str, student: Optional[float] = STUDENT_CAP, teacher: Optional[float] = TEACHER_CAP, smoothing: bool = False
+) -> dict[str, Any]:
+    """The caps of ``kind`` (the teacher's only where there is a teacher) with non-unit scales
+    and temperature, so that applying the cap after them would show; cross-entropy with z-loss
+    (and label smoothing, where no logit is ``-inf``: the true loss is ``+inf`` there)."""
+    options: dict[str, Any] = {"logit_softcap": student, "logit_scale": 1.3}
+    if kind != "cross_entropy":
+        options["temperature"] = 1.5
+    if kind in lossspec.DISTILL_KINDS:
+        options.update(teacher_logit_softcap=teacher, teacher_logit_scale=0.8)
+    if kind == "cross_entropy":
+        options.update(label_smoothing=0.1 if smoothing else 0.0, z_loss=1e-3)
+    if kind == "jensen_shannon":
+        options["beta"] = 0.3
+    return options
+
+
+def _case(kind: str, scenario: str = "random", dtype: str = "float32", **kwargs: Any) -> lossspec.Case:
+    return lossspec.make_case(kind, scenario, dtype=dtype, **kwargs)
+
+
+def _scaled(case: lossspec.Case, factor: float) -> lossspec.Case:
+    """``case`` with its logits (and teacher logits) times a power of two (still exact)."""
+    target = case.target if case.kind in ("cross_entropy", "entropy") else case.target * factor
+    return dataclasses.replace(case, logits=case.logits * factor, target=target)
+
+
+def _params(names: str, combos: list[tuple], fast: Any, indirect: tuple[str, ...] = ()) -> Any:
+    """``pytest.mark.parametrize`` over ``combos``, those for which ``fast(*combo)`` is false marked
+    slow: JAX compiles every case, so the fast lane keeps a cover (the torch path, and JAX for
+    some kinds); CI runs them all."""
+    params = [pytest.param(*c, marks=[] if fast(*c) else [pytest.mark.slow]) for c in combos]
+    return pytest.mark.parametrize(names, params, indirect=list(indirect))
+
+
+IMPLS = ("xla", "torch")
+FAST_JAX_KINDS = ("cross_entropy", "jensen_shannon")
+
+
+def _reference(case: lossspec.Case, grad_output: Any, options: dict[str, Any]) -> lossspec.Reference:
+    ref_options = dict(options)
+    if grad_output is not None:
+        ref_options["grad_output"] = np.asarray(grad_output, np.float64)
+    return case.reference(**ref_options)
+
+
+# --------------------------------------------------------------------------------------------
+# Runners
+# --------------------------------------------------------------------------------------------
+
+
+def run_jax_loss(case: lossspec.Case, impl: str = "xla", grad_output: Any = None, **options: Any) -> tuple[np.ndarray, np.ndarray]:
+    fn = getattr(jaxloss, case.kind)
+    x = jnp.asarray(case.logits).astype(case.dtype)
+    target = () if case.target is None else (jnp.asarray(case.target) if case.kind == "cross_entropy" else jnp.asarray(case.target).astype(case.dtype),)
+    mask = None if case.loss_mask is None else jnp.asarray(case.loss_mask)
+    loss, vjp = jax.vjp(lambda z: fn(z, *target, mask, impl=impl, **options), x)
+    (grad,) = vjp(jnp.ones_like(loss) if grad_output is None else jnp.asarray(grad_output, jnp.float32))
+    assert grad.dtype == x.dtype
+    return np.asarray(loss, np.float64), np.asarray(grad.astype(jnp.float32), np.float64)
+
+
+def run_torch_loss(case: lossspec.Case, impl: str = "torch", grad_output: Any = None, **options: Any) -> tuple[np.ndarray, np.ndarray]:
+    fn = getattr(torchloss, case.kind)
+    dtype = TORCH_DTYPES[case.dtype]
+    x = torch.from_numpy(case.logits).to(dtype).requires_grad_(True)
+    target = () if case.target is None else (torch.from_numpy(case.target) if case.kind == "cross_entropy" else torch.from_numpy(case.target).to(dtype),)
+    mask = None if case.loss_mask is None else torch.from_numpy(np.array(case.loss_mask))
+    with quiet():
+        loss = fn(x, *target, mask, impl=impl, **options)
+        upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(np.asarray(grad_output), dtype=loss.dtype)
+        loss.backward(upstream.expand_as(loss))
+    assert x.grad is not None and x.grad.dtype == dtype
+    return loss.detach().double().numpy(), x.grad.double().numpy()
+
+
+RUNNERS = {"xla": run_jax_loss, "torch": run_torch_loss, "pallas": run_jax_loss, "triton": run_torch_loss}
+
+
+def check(case: lossspec.Case, impl: str, grad_output: Any = None, **options: Any) -> None:
+    loss, grad = RUNNERS[impl](case, impl, grad_output, **options)
+    ref = _reference(case, grad_output, options)
+    lossspec.assert_close_to_oracle(loss, grad, ref.loss, ref.grad, dtype=case.dtype, g0=ref.g0, what=f"{impl} {case.name} {options}")
+
+
+# --------------------------------------------------------------------------------------------
+# The oracle and the option checks (lossspec)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_oracle_gradient_is_the_derivative(kind: str) -> None:
+    """The oracle's analytic gradient (chain rule through the cap) against central differences
+    of its loss in float64, and the loss against the uncapped oracle on capped logits."""
+    case = _case(kind, "float_weights", vocab=9, lead_shape=(4,), seed=2)
+    options = softcap_options(kind, smoothing=True)
+    loss, grad = lossspec.oracle(kind, case.logits, case.target, case.loss_mask, **options)
+    x = case.logits.astype(np.float64)
+    step = 1e-6
+    numeric = np.zeros_like(x)
+    for index in np.ndindex(*x.shape):
+        delta = np.zeros_like(x)
+        delta[index] = step
+        up, _ = lossspec.oracle(kind, x + delta, case.target, case.loss_mask, **options)
+        down, _ = lossspec.oracle(kind, x - delta, case.target, case.loss_mask, **options)
+        numeric[index] = (up - down) / (2 * step)
+    np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-9)
+    capped = STUDENT_CAP * np.tanh(x / STUDENT_CAP)
+    target = case.target
+    if kind in lossspec.DISTILL_KINDS:
+        target = TEACHER_CAP * np.tanh(case.target.astype(np.float64) / TEACHER_CAP)
+    plain = {k: v for k, v in options.items() if not k.endswith("softcap")}
+    want, _ = lossspec.oracle(kind, capped, target, case.loss_mask, **plain)
+    assert abs(loss - want) <= 1e-12 * max(1.0, abs(want))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_oracle_vocab_parallel_agrees(kind: str) -> None:
+    case = _case(kind, "neg_inf", vocab=23, lead_shape=(5,))
+    options = softcap_options(kind)
+    loss, grad = lossspec.oracle(kind, case.logits, case.target, case.loss_mask, **options)
+    loss_vp, grad_vp = lossspec.oracle_vocab_parallel(kind, case.logits, case.target, case.loss_mask, num_shards=3, **options)
+    assert abs(loss - loss_vp) <= 1e-12 * max(1.0, abs(loss))
+    np.testing.assert_allclose(grad_vp, grad, rtol=0, atol=1e-14)
+
+
+BAD_CAPS = [
+    (0.0, ValueError, "logit_softcap must be None or > 0, got 0.0"),
+    (-2.0, ValueError, "logit_softcap must be None or > 0, got -2.0"),
+    (float("inf"), ValueError, "logit_softcap must be finite, got inf"),
+    (float("nan"), ValueError, "logit_softcap must be finite, got nan"),
+    ("30", TypeError, "logit_softcap must be a Python number, got str"),
+    (True, TypeError, "logit_softcap must be a Python number, got bool"),
+]
+
+
+@pytest.mark.parametrize("value,error,message", BAD_CAPS)
+def test_bad_caps_same_error_everywhere(value: Any, error: type, message: str) -> None:
+    """The same exception and message from lossspec, jaxloss, torchloss, their modules and heads,
+    for the student's and the teacher's cap."""
+    x = np.zeros((2, 5), np.float32)
+    calls = {
+        "lossspec": lambda **o: lossspec.make_config("forward_kl", **o),
+        "jaxloss": lambda **o: jaxloss.forward_kl(jnp.asarray(x), jnp.asarray(x), **o),
+        "torchloss": lambda **o: torchloss.forward_kl(torch.from_numpy(x), torch.from_numpy(x), **o),
+        "torchloss.nn": lambda **o: torchloss.nn.ForwardKLLoss(**o),
+        "jaxloss.linear": lambda **o: jaxloss.linear_forward_kl(jnp.ones((2, 3)), jnp.ones((5, 3)), jnp.ones((2, 3)), jnp.ones((5, 3)), **o),
+        "torchloss.linear": lambda **o: torchloss.linear_forward_kl(torch.ones(2, 3), torch.ones(5, 3), torch.ones(2, 3), torch.ones(5, 3), **o),
+    }
+    for name, call in calls.items():
+        for option in ("logit_softcap", "teacher_logit_softcap"):
+            want = message.replace("logit_softcap", option, 1)
+            with pytest.raises(error) as info:
+                call(**{option: value})
+            assert str(info.value) == want, (name, option)
+
+
+def test_teacher_cap_only_with_a_teacher() -> None:
+    x = np.zeros((2, 5), np.float32)
+    for kind in ("cross_entropy", "entropy"):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'teacher_logit_softcap'"):
+            getattr(jaxloss, kind)(jnp.asarray(x), *((jnp.zeros(2, jnp.int32),) if kind == "cross_entropy" else ()), teacher_logit_softcap=2.0)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'teacher_logit_softcap'"):
+            getattr(torchloss, kind)(torch.from_numpy(x), *((torch.zeros(2, dtype=torch.long),) if kind == "cross_entropy" else ()), teacher_logit_softcap=2.0)
+        with pytest.raises(TypeError, match="got unexpected option"):
+            lossspec.make_config(kind, teacher_logit_softcap=2.0)
+        with pytest.raises(ValueError, match="teacher_logit_softcap applies to the kinds with a teacher only"):
+            lossspec.LossConfig(kind=kind, teacher_logit_softcap=2.0)
+    assert lossspec.make_config("entropy", logit_softcap=np.float32(30.0)).logit_softcap == 30.0
+
+
+def test_signatures_have_the_options() -> None:
+    import inspect
+
+    for kind in KINDS:
+        for fn in (getattr(jaxloss, kind), getattr(torchloss, kind)):
+            params = inspect.signature(fn).parameters
+            assert params["logit_softcap"].default is None
+            assert ("teacher_logit_softcap" in params) == (kind in lossspec.DISTILL_KINDS)
+            assert "logit_softcap" in fn.__doc__
+
+
+# --------------------------------------------------------------------------------------------
+# jaxloss (XLA) and torchloss (torch path) against the oracle
+# --------------------------------------------------------------------------------------------
+
+SCENARIOS = ("random", "neg_inf", "confident", "float_weights")
+
+
+@_params(
+    "impl,kind,dtype",
+    [(i, k, d) for i in IMPLS for k in KINDS for d in DTYPES],
+    fast=lambda impl, kind, dtype: impl == "torch" or (kind in FAST_JAX_KINDS and dtype == "float32"),
+)
+def test_matches_oracle(impl: str, kind: str, dtype: str) -> None:
+    for i, scenario in enumerate(SCENARIOS):
+        norm = lossspec.NORMALIZATIONS[i % len(lossspec.NORMALIZATIONS)]
+        options = softcap_options(kind, smoothing=scenario != "neg_inf")
+        check(_case(kind, scenario, dtype, vocab=67, lead_shape=(3, 5)), impl, normalization=norm, **options)
+
+
+@_params("impl,kind", [(i, k) for i in IMPLS for k in KINDS], fast=lambda impl, kind: impl == "torch")
+def test_gemma_like_caps(impl: str, kind: str) -> None:
+    """Gemma 2's final cap (30) on logits of N(0, 8) (entries up to ~30), huge logits (+-1e4:
+    every entry saturated), the student cap alone and the teacher cap alone. (Logits far past
+    the cap, N(0, 32), can miss the bound by up to ~1.3x: the capped values carry one fp32
+    rounding, up to 1 ulp of the cap; docs/spec.md.)"""
+    case = _scaled(_case(kind, "random", vocab=101, lead_shape=(12,), seed=4), 4.0)
+    check(case, impl, logit_softcap=30.0)
+    check(_case(kind, "huge", vocab=101, lead_shape=(12,)), impl, **softcap_options(kind, 30.0, 50.0, smoothing=True))
+    if kind in lossspec.DISTILL_KINDS:
+        check(case, impl, **softcap_options(kind, None, 30.0))
+        check(case, impl, **softcap_options(kind, 30.0, None))
+
+
+@_params("impl,kind", [(i, k) for i in IMPLS for k in KINDS], fast=lambda impl, kind: impl == "torch")
+def test_blocked_rows_and_16bit_upstream(impl: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows longer than one vocabulary block (online statistics over capped blocks, the label's
+    logit gathered raw and capped at the end), and the 16-bit recompute for a non-unit
+    per-token upstream gradient."""
+    monkeypatch.setattr(_xla, "TUNING", _xla.XlaTuning(chunk_elements=64, max_single_block_vocab=16, vocab_block=16))
+    monkeypatch.setattr(_torch, "MAX_VOCAB_BLOCK", 24)
+    upstream = np.random.default_rng(0).uniform(0.5, 2.0, (3, 5)).astype(np.float32)
+    for dtype in DTYPES:
+        case = _case(kind, "neg_inf", dtype, vocab=101, lead_shape=(3, 5))
+        check(case, impl, grad_output=upstream, normalization="none", **softcap_options(kind))
+        check(case, impl, normalization="valid_tokens", **softcap_options(kind))
+
+
+def _poisoned(kind: str) -> tuple[lossspec.Case, list[int]]:
+    case = _case(kind, "no_mask", vocab=40, lead_shape=(8,))
+    logits = case.logits.copy()
+    logits[2, 10] = np.nan
+    logits[5, 20] = np.inf  # a cap must not turn +inf into a plausible number
+    logits[6, :] = np.nan  # masked below
+    logits[7, 3] = -np.inf  # a banned entry stays banned under the cap
+    target = None if case.target is None else case.target.copy()
+    bad = [2, 5]
+    if target is not None and kind != "cross_entropy":
+        target[4, 3] = np.nan
+        bad.append(4)
+    mask = np.ones(8, bool)
+    mask[6] = False
+    return dataclasses.replace(case, logits=logits, target=target, loss_mask=mask), bad
+
+
+@_params("impl,kind", [(i, k) for i in IMPLS for k in KINDS], fast=lambda impl, kind: impl == "torch" or kind == "reverse_kl")
+def test_nan_and_inf_entries(impl: str, kind: str) -> None:
+    case, bad = _poisoned(kind)
+    options = dict(softcap_options(kind), normalization="none")
+    loss, grad = RUNNERS[impl](case, impl, None, **options)
+    ref = case.reference(**options)
+    good = [i for i in range(8) if i not in bad and i != 6]
+    assert np.all(np.isnan(loss[bad])) and np.all(np.isnan(grad[bad]))
+    assert loss[6] == 0.0 and np.all(grad[6] == 0.0)
+    assert grad[7, 3] == 0.0
+    lossspec.compare_loss(loss[good], ref.loss[good]).check()
+    lossspec.compare_grad(grad[good], ref.grad[good], "float32", ref.g0).check()
+
+
+def test_no_cap_adds_no_work() -> None:
+    """``None`` (the default) traces exactly the program of a call without the option; a cap
+    adds operations (its tanh and slope)."""
+    x = jnp.zeros((4, 16), jnp.float32)
+    t = jnp.ones((4, 16), jnp.float32)
+    for kind, target in (("cross_entropy", jnp.zeros((4,), jnp.int32)), ("forward_kl", t)):
+        fn = getattr(jaxloss, kind)
+        plain = str(jax.make_jaxpr(lambda z: fn(z, target, impl="xla"))(x))
+        default = str(jax.make_jaxpr(lambda z: fn(z, target, impl="xla", logit_softcap=None))(x))
+        capped = str(jax.make_jaxpr(lambda z: fn(z, target, impl="xla", logit_softcap=30.0))(x))
+        assert default == plain
+        assert capped.count(" exp ") > plain.count(" exp ")
+
+
+@_params("kind", [("cross_entropy",), ("reverse_kl",), ("jensen_shannon",)], fast=lambda kind: kind == "jensen_shannon")
+def test_torch_compile_fullgraph(kind: str) -> None:
+    """The custom op carries both caps under ``torch.compile(fullgraph=True)``; a new cap value
+    gives the new numbers."""
+    case = _case(kind, "random", vocab=33, lead_shape=(6,))
+    x = torch.from_numpy(case.logits).requires_grad_(True)
+    target = torch.from_numpy(case.target)
+    mask = torch.from_numpy(case.loss_mask)
+    fn = getattr(torchloss, kind)
+    compiled = torch.compile(lambda z, **o: fn(z, target, mask, **o), backend="eager", fullgraph=True)
+    for cap in (STUDENT_CAP, 7.0):
+        options = softcap_options(kind, cap)
+        x.grad = None
+        loss = compiled(x, **options)
+        loss.backward()
+        ref = case.reference(**options)
+        lossspec.assert_close_to_oracle(loss.item(), x.grad.numpy(), ref.loss, ref.grad, dtype="float32", g0=ref.g0, what=f"compiled cap={cap}")
+
+
+def test_nn_and_nnx_modules() -> None:
+    from jaxloss import nnx
+
+    case = _case("forward_kl", "random", vocab=33, lead_shape=(6,))
+    options = softcap_options("forward_kl")
+    ref = case.reference(**options)
+    torch_loss = torchloss.nn.ForwardKLLoss(**options)(torch.from_numpy(case.logits), torch.from_numpy(case.target), torch.from_numpy(case.loss_mask))
+    jax_loss = nnx.ForwardKLLoss(**options)(jnp.asarray(case.logits), jnp.asarray(case.target), jnp.asarray(case.loss_mask))
+    lossspec.compare_loss(torch_loss.item(), ref.loss).check()
+    lossspec.compare_loss(float(jax_loss), ref.loss).check()
+
+
+# --------------------------------------------------------------------------------------------
+# The fused head
+# --------------------------------------------------------------------------------------------
+
+
+def _head_options(kind: str) -> dict[str, Any]:
+    options = softcap_options(kind, 2.0, 2.5)  # the head's logits are small: strong caps
+    options.pop("beta", None)
+    return options
+
+
+@pytest.fixture
+def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    import jaxloss.linear as jax_linear
+    import torchloss.linear as torch_linear
+
+    block_elements, blocked_rows = PLANS[request.param]
+    for module in (jax_linear, torch_linear):
+        monkeypatch.setattr(module, "BLOCK_ELEMENTS", block_elements)
+        monkeypatch.setattr(module, "BLOCKED_ROWS", blocked_rows)
+    return request.param
+
+
+@_params(
+    "framework,kind,dtype,plan",
+    [(f, k, d, p) for f in ("jax", "torch") for k in lossspec.KINDS for d in DTYPES for p in ("whole", "blocked")],
+    fast=lambda framework, kind, dtype, plan: framework == "torch" or (kind == "cross_entropy" and dtype == "float32" and plan == "whole"),
+    indirect=("plan",),
+)
+def test_fused_head(framework: str, kind: str, dtype: str, plan: str) -> None:
+    import jaxloss.linear as jax_linear
+
+    assert jax_linear.BLOCK_ELEMENTS == PLANS[plan][0]  # the plan fixture set it
+    inputs = make_inputs(kind, dtype, seed=5)
+    options = _head_options(kind)
+    grad_output = grad_output_for("valid_tokens")
+    loss, grads = {"jax": run_jax, "torch": run_torch}[framework](kind, inputs, dtype, True, options, grad_output)
+    ref_loss, ref_grads = reference(kind, inputs, True, options, grad_output)
+    lossspec.compare_loss(loss, ref_loss, f"{framework} {kind} loss").check()
+    for name, grad in grads.items():
+        spec_linear.compare_head_grad(grad, ref_grads[name], dtype, f"{framework} {kind} grad {name}").check()
+
+
+# --------------------------------------------------------------------------------------------
+# JAX vocab-parallel (shard_map over host devices)
+# --------------------------------------------------------------------------------------------
+
+VP_LEAD = (4, 6)
+
+
+def _jax_vp(case: lossspec.Case, shards: int, impl: str, norm: str, options: dict[str, Any], upstream: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    kind = case.kind
+    fn = getattr(jaxloss, kind)
+    logits = jnp.asarray(case.logits).astype(case.dtype)
+    if kind == "cross_entropy":
+        target = jnp.asarray(case.target)
+        t_spec = P()
+    else:
+        target = jnp.zeros(VP_LEAD + (case.logits.shape[-1],), case.dtype) if case.target is None else jnp.asarray(case.target).astype(case.dtype)
+        t_spec = P(None, None, "model")
+    mask = jnp.asarray(case.loss_mask)
+
+    def body(x, t, m, up):
+        def objective(x):
+            args = () if kind == "entropy" else (t,)
+            loss = fn(x, *args, m, normalization=norm, vocab_parallel="model", impl=impl, **options)
+            return (jnp.sum(loss * up) if norm == "none" else loss * up[0, 0]), loss
+
+        (_, loss), grad = jax.value_and_grad(objective, has_aux=True)(x)
+        return loss, grad
+
+    mesh = Mesh(np.array(jax.devices()[:shards]), ("model",))
+    spec = P(None, None, "model")
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=(spec, t_spec, P(), P()), out_specs=(P(), spec), check_vma=impl != "pallas")
+    loss, grad = jax.jit(sharded)(logits, target, mask, jnp.asarray(upstream))
+    return np.asarray(loss, np.float64), np.asarray(jnp.asarray(grad, jnp.float32), np.float64)
+
+
+def _check_jax_vp(kind: str, impl: str, dtype: str, norm: str) -> None:
+    case = _case(kind, "neg_inf", dtype, vocab=100, lead_shape=VP_LEAD, seed=7)
+    upstream = np.random.default_rng(3).uniform(0.5, 2.0, VP_LEAD).astype(np.float32)
+    options = softcap_options(kind)
+    loss, grad = _jax_vp(case, 2, impl, norm, options, upstream)
+    grad_output = upstream if norm == "none" else upstream[0, 0]
+    ref = _reference(case, grad_output, dict(options, normalization=norm))
+    lossspec.assert_close_to_oracle(loss, grad, ref.loss, ref.grad, dtype=dtype, g0=ref.g0, what=f"jax vp {impl} {case.name} {norm}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_jax_vocab_parallel(kind: str) -> None:
+    _check_jax_vp(kind, "xla", "float32", "valid_tokens")
+    _check_jax_vp(kind, "xla", "bfloat16", "none")
+
+
+# --------------------------------------------------------------------------------------------
+# Interpreted kernels (slow by name): Pallas, Triton, Triton's tanh
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pallas_matches_oracle(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_pallas, "TUNING", _pallas.PallasTuning(block_rows=2, block_vocab=32))
+    upstream = np.linspace(0.5, 2.0, 5).astype(np.float32)
+    for dtype in DTYPES:
+        case = _case(kind, "neg_inf", dtype, vocab=75, lead_shape=(5,))
+        check(case, "pallas", normalization="valid_tokens", **softcap_options(kind))
+        check(case, "pallas", grad_output=upstream, normalization="none", **softcap_options(kind))
+    _check_jax_vp(kind, "pallas", "float32", "valid_tokens")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_triton_matches_oracle(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchloss import _triton
+
+    monkeypatch.setattr(_triton, "MAX_BLOCK_V", 32)  # several blocks and a ragged tail
+    upstream = np.linspace(0.5, 2.0, 6).astype(np.float32)  # the 16-bit regrad kernel
+    for dtype in DTYPES:
+        case = _case(kind, "neg_inf", dtype, vocab=75, lead_shape=(6,))
+        check(case, "triton", normalization="valid_tokens", **softcap_options(kind))
+        check(case, "triton", grad_output=upstream, normalization="none", **softcap_options(kind))
+    check(_scaled(_case(kind, "random", vocab=75, lead_shape=(6,)), 4.0), "triton", logit_softcap=30.0)
+    case, bad = _poisoned(kind)
+    loss, grad = run_torch_loss(case, "triton", None, normalization="none", **softcap_options(kind))
+    assert np.all(np.isnan(loss[bad])) and np.all(np.isnan(grad[bad])) and np.all(grad[6] == 0.0) and grad[7, 3] == 0.0
+
+
+def test_shared_tanh_is_accurate() -> None:
+    """``lossspec.stats.tanh`` (the soft cap's) on NumPy, XLA and torch fp32 within 2 ulps of
+    the float64 value (XLA's own f32 tanh: 4.4)."""
+    u = np.linspace(-12, 12, 400001).astype(np.float32)
+    want = np.tanh(u.astype(np.float64))
+    spacing = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    got = {
+        "numpy": lossspec.stats.tanh(np, u),
+        "jax": np.asarray(jax.jit(lambda v: lossspec.stats.tanh(jnp, v))(u)),
+        "torch": lossspec.stats.tanh(torch, torch.from_numpy(u)).numpy(),
+    }
+    for name, values in got.items():
+        assert values.dtype == np.float32
+        assert float(np.max(np.abs(values.astype(np.float64) - want) / spacing)) <= 2.0, name
+
+
+def test_triton_tanh_is_accurate() -> None:
+    """The kernels' ``tanh`` (series below the limit, exp-based above) within 2 fp32 ulps of the
+    float64 value, and its series coefficients those of tanh."""
+    import triton
+    import triton.language as tl
+
+    global _kernels
+    from torchloss import _triton  # noqa: F401  (sets the interpreter up first)
+    from torchloss import _triton_kernels as _kernels  # a global: the jitted function reads it
+
+    assert lossspec.stats.tanh_series(4) == (1.0, -1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0)
+
+    @triton.jit
+    def tanh_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        tl.store(y_ptr + offs, _kernels._tanh(tl.load(x_ptr + offs, mask=inside, other=0.0)), mask=inside)
+
+    u = np.concatenate([np.linspace(-12, 12, 200001), np.geomspace(1e-20, 1.0, 2001), [0.0, 0.55, -0.55]]).astype(np.float32)
+    x = torch.from_numpy(u)
+    y = torch.empty_like(x)
+    with np.errstate(all="ignore"):
+        tanh_kernel[(triton.cdiv(u.size, 4096),)](x, y, u.size, BLOCK=4096)
+    want = np.tanh(u.astype(np.float64))
+    ulps = np.abs(y.numpy().astype(np.float64) - want) / np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    assert float(ulps.max()) <= 2.0
+
+
+# --------------------------------------------------------------------------------------------
+# torch vocab-parallel: 2 gloo ranks, uneven shards, torch and Triton (slow)
+# --------------------------------------------------------------------------------------------
+
+TVP_LEAD, TVP_VOCAB, TVP_SHARDS = (3, 6), 37, (15, 22)
+TVP_CONFIGS = (("neg_inf", "valid_tokens", "torch"), ("random", "none", "torch"), ("neg_inf", "none", "triton"))
+
+
+def _tvp_case(kind: str, scenario: str) -> lossspec.Case:
+    return lossspec.make_case(kind, scenario, lead_shape=TVP_LEAD, vocab=TVP_VOCAB, seed=5)
+
+
+def _tvp_worker(out_dir: str) -> None:
+    import torch.distributed as dist
+
+    rank, _ = _ranks.init_gloo()
+    bounds = np.cumsum((0,) + TVP_SHARDS)
+    lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+    results: dict[str, np.ndarray] = {}
+    for kind in KINDS:
+        for scenario, norm, impl in TVP_CONFIGS:
+            case = _tvp_case(kind, scenario)
+            logits = torch.tensor(case.logits[..., lo:hi]).requires_grad_(True)
+            if case.target is None:
+                target: tuple = ()
+            elif kind == "cross_entropy":
+                target = (torch.tensor(case.target),)
+            else:
+                target = (torch.tensor(case.target[..., lo:hi]),)
+            mask = None if case.loss_mask is None else torch.tensor(case.loss_mask)
+            with quiet():
+                loss = getattr(torchloss, kind)(logits, *target, mask, normalization=norm, vocab_parallel=dist.group.WORLD, impl=impl, **softcap_options(kind))
+                loss.sum().backward()
+            key = f"{kind}/{scenario}/{norm}/{impl}"
+            results[key + "/loss"] = loss.detach().double().numpy()
+            results[key + "/grad"] = logits.grad.double().numpy()
+    np.savez(os.path.join(out_dir, f"r{rank}.npz"), **results)
+    _ranks.finish(rank)
+
+
+@pytest.fixture(scope="module")
+def tvp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
+    out_dir = tmp_path_factory.mktemp("softcap_vp")
+    _ranks.launch(Path(__file__), [str(out_dir)], world_size=len(TVP_SHARDS), log_dir=out_dir)
+    loaded = []
+    for rank in range(len(TVP_SHARDS)):
+        with np.load(out_dir / f"r{rank}.npz") as data:
+            loaded.append({key: data[key] for key in data.files})
+    return loaded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_torch_vocab_parallel(tvp_results: list[dict[str, np.ndarray]], kind: str) -> None:
+    for scenario, norm, impl in TVP_CONFIGS:
+        case = _tvp_case(kind, scenario)
+        ref = case.reference(normalization=norm, **softcap_options(kind))
+        key = f"{kind}/{scenario}/{norm}/{impl}"
+        assert np.array_equal(tvp_results[0][key + "/loss"], tvp_results[1][key + "/loss"])
+        grad = np.concatenate([r[key + "/grad"] for r in tvp_results], axis=-1)
+        lossspec.assert_close_to_oracle(tvp_results[0][key + "/loss"], grad, ref.loss, ref.grad, dtype="float32", g0=ref.g0, what=key)
+
+
+if __name__ == "__main__":
+    _tvp_worker(sys.argv[1])
