@@ -364,6 +364,7 @@ def _assert_lm(loss: Any, grads: dict[str, Any], ref: tuple[float, dict[str, np.
         lossspec.compare_grad(np.asarray(value, np.float64), ref[1][name], "float32", 0.0, f"{what} grad[{name}]").check()
 
 
+@pytest.mark.slow  # two accumulate scans per normalisation: JAX compiles
 @pytest.mark.parametrize("normalization", ("valid_tokens", "tokens"))
 def test_jax_accumulate_with_labels_equal_input_ids(normalization: str) -> None:
     ids, emb, head = _lm_problem()
