@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--teacher-logit-scale", type=float, default=None,
                         help=f"the kinds with teacher logits, {with_inputs} (default: 1)")
     parser.add_argument("--beta", type=float, default=None, help=f"jensen_shannon, {with_inputs} (default: 0.5)")
+    parser.add_argument("--logit-softcap", type=float, default=None,
+                        help=f"every kind: cap * tanh(x / cap) before the scale, {with_inputs} (default: off)")
+    parser.add_argument("--teacher-logit-softcap", type=float, default=None,
+                        help=f"the kinds with teacher logits, {with_inputs} (default: off)")
     parser.add_argument("--out", default=".", help="folder for parity_report.json and parity_report.png, created if "
                                                    "missing; must not be a file (default: .)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")

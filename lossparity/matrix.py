@@ -54,7 +54,7 @@ class CaseSpec:
     def name(self) -> str:
         """``kind/label/normalization/dtype/shape[segment_ids,options,D=denominator]``."""
         shape = "x".join(map(str, self.inputs.logits.shape))
-        extra = ",".join((["segment_ids"] if self.uses_segment_ids else []) + [f"{k}={v}" for k, v in self.options.items()])
+        extra = ",".join((["segment_ids"] if self.uses_segment_ids else []) + [f"{k}={v}" for k, v in self.options.items() if v is not None])
         if self.denominator is not None:
             extra += f"{',' if extra else ''}D={self.denominator:g}"
         return f"{self.kind}/{self.label}/{self.normalization}/{self.inputs.dtype}/{shape}" + (f"[{extra}]" if extra else "")
