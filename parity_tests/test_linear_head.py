@@ -46,23 +46,33 @@ def _options(kind: str) -> dict[str, Any]:
     return dict(OPTIONS["cross_entropy" if kind == "cross_entropy" else "distill"])
 
 
-def make_inputs(kind: str, dtype: str, seed: int = 0, lead: tuple[int, ...] = LEAD) -> dict[str, Any]:
+def make_inputs(
+    kind: str,
+    dtype: str,
+    seed: int = 0,
+    lead: tuple[int, ...] = LEAD,
+    sizes: tuple[int, int, int] = (H, HT, V),
+    weight_scales: tuple[float, float] = (0.6, 0.6),
+) -> dict[str, Any]:
     """Seeded float32 inputs, exactly representable in ``dtype``; labels with ignored tokens and
-    float mask weights (0 included)."""
+    float mask weights (0 included). ``sizes``: ``(H, Ht, V)``; ``weight_scales``: the student's
+    and the teacher's weight scale."""
+    hidden, t_hidden, vocab = sizes
     rng = np.random.default_rng(seed)
     r = lambda shape, scale: lossspec.round_to_dtype(scale * rng.standard_normal(shape), dtype)  # noqa: E731
     inputs: dict[str, Any] = {
-        "hidden": r(lead + (H,), 1.0),
-        "weight": r((V, H), 0.6),
-        "bias": r((V,), 0.5),
+        "hidden": r(lead + (hidden,), 1.0),
+        "weight": r((vocab, hidden), weight_scales[0]),
+        "bias": r((vocab,), 0.5),
         "loss_mask": rng.choice(np.array([0.0, 0.5, 1.0, 2.0], np.float32), size=lead),
     }
     if kind == "cross_entropy":
-        labels = rng.integers(0, V, size=lead)
+        labels = rng.integers(0, vocab, size=lead)
         labels.flat[1] = -100
         inputs["labels"] = labels
     else:
-        inputs.update(teacher_hidden=r(lead + (HT,), 1.0), teacher_weight=r((V, HT), 0.6), teacher_bias=r((V,), 0.5))
+        inputs.update(teacher_hidden=r(lead + (t_hidden,), 1.0), teacher_weight=r((vocab, t_hidden), weight_scales[1]),
+                      teacher_bias=r((vocab,), 0.5))
     return inputs
 
 

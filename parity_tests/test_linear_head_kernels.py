@@ -28,39 +28,20 @@ from jaxloss._stats import KernelConfig
 from lossspec import linear as spec_linear
 from torchloss import _triton_linear
 
+from test_linear_head import _options
+from test_linear_head import make_inputs as head_inputs
+
 pytestmark = pytest.mark.slow
 
 KINDS = tuple(lossspec.KINDS)
 LEAD, H, HT, V = (4, 9), 40, 20, 37
-OPTIONS = {
-    "cross_entropy": dict(label_smoothing=0.1, z_loss=1e-3, logit_scale=1.3),
-    "distill": dict(temperature=1.5, teacher_logit_scale=0.8, logit_scale=1.1),
-}
 IMPLS = {"pallas": "jax", "triton": "torch"}
 
 
-def _options(kind: str) -> dict[str, Any]:
-    return dict(OPTIONS["cross_entropy" if kind == "cross_entropy" else "distill"])
-
-
 def make_inputs(kind: str, dtype: str, seed: int = 0) -> dict[str, Any]:
-    """Seeded inputs exactly representable in ``dtype``; float mask weights with zeros and one
-    ignored label."""
-    rng = np.random.default_rng(seed)
-    r = lambda shape, scale: lossspec.round_to_dtype(scale * rng.standard_normal(shape), dtype)  # noqa: E731
-    inputs: dict[str, Any] = {
-        "hidden": r(LEAD + (H,), 1.0),
-        "weight": r((V, H), 0.4),
-        "bias": r((V,), 0.5),
-        "loss_mask": rng.choice(np.array([0.0, 0.5, 1.0, 2.0], np.float32), size=LEAD),
-    }
-    if kind == "cross_entropy":
-        labels = rng.integers(0, V, size=LEAD)
-        labels.flat[1] = -100
-        inputs["labels"] = labels
-    else:
-        inputs.update(teacher_hidden=r(LEAD + (HT,), 1.0), teacher_weight=r((V, HT), 0.5), teacher_bias=r((V,), 0.5))
-    return inputs
+    """Seeded inputs exactly representable in ``dtype`` (``test_linear_head.make_inputs`` at this
+    file's shapes); float mask weights with zeros and one ignored label."""
+    return head_inputs(kind, dtype, seed, lead=LEAD, sizes=(H, HT, V), weight_scales=(0.4, 0.5))
 
 
 def _grad_output(options: dict[str, Any]) -> np.ndarray:
