@@ -100,3 +100,16 @@ def finish(rank: int) -> None:
     print(f"[rank {rank}] done", flush=True)
     sys.stderr.flush()
     os._exit(0)
+
+
+def launch_and_load(script: Path, args: list[str], world_size: int, out_dir: Path) -> list[dict[str, "np.ndarray"]]:
+    """:func:`launch` the ranks (their logs in ``out_dir``), then each rank's ``r{rank}.npz``
+    from ``out_dir`` as a dict, in rank order."""
+    import numpy as np
+
+    launch(script, args, world_size=world_size, log_dir=out_dir)
+    loaded = []
+    for rank in range(world_size):
+        with np.load(out_dir / f"r{rank}.npz") as data:
+            loaded.append({key: data[key] for key in data.files})
+    return loaded

@@ -28,12 +28,7 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
     out_dir = tmp_path_factory.mktemp("tp_ranks")
-    _ranks.launch(HERE / "_torch_tp_worker.py", [str(out_dir)], world_size=WORLD, log_dir=out_dir)
-    loaded = []
-    for rank in range(WORLD):
-        with np.load(out_dir / f"r{rank}.npz") as data:
-            loaded.append({key: data[key] for key in data.files})
-    return loaded
+    return _ranks.launch_and_load(HERE / "_torch_tp_worker.py", [str(out_dir)], WORLD, out_dir)
 
 
 @pytest.mark.parametrize("kind", KINDS)

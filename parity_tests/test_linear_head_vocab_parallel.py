@@ -192,12 +192,7 @@ def test_jax_vocab_parallel_head_memory_is_an_eighth_of_the_local_logits(shards:
 @pytest.fixture(scope="module")
 def torch_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
     out_dir = tmp_path_factory.mktemp("head_vp_ranks")
-    _ranks.launch(HERE / "_torch_head_vp_worker.py", [str(out_dir)], world_size=torch_worker.WORLD, log_dir=out_dir)
-    loaded = []
-    for rank in range(torch_worker.WORLD):
-        with np.load(out_dir / f"r{rank}.npz") as data:
-            loaded.append({key: data[key] for key in data.files})
-    return loaded
+    return _ranks.launch_and_load(HERE / "_torch_head_vp_worker.py", [str(out_dir)], torch_worker.WORLD, out_dir)
 
 
 @pytest.mark.slow

@@ -223,12 +223,7 @@ def _worker(out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def torch_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
     out_dir = tmp_path_factory.mktemp("sequence_parallel")
-    _ranks.launch(Path(__file__), [str(out_dir)], world_size=len(TORCH_SLICES), log_dir=out_dir)
-    loaded = []
-    for rank in range(len(TORCH_SLICES)):
-        with np.load(out_dir / f"r{rank}.npz") as data:
-            loaded.append({key: data[key] for key in data.files})
-    return loaded
+    return _ranks.launch_and_load(Path(__file__), [str(out_dir)], len(TORCH_SLICES), out_dir)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -562,12 +562,7 @@ def _tvp_worker(out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def tvp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
     out_dir = tmp_path_factory.mktemp("softcap_vp")
-    _ranks.launch(Path(__file__), [str(out_dir)], world_size=len(TVP_SHARDS), log_dir=out_dir)
-    loaded = []
-    for rank in range(len(TVP_SHARDS)):
-        with np.load(out_dir / f"r{rank}.npz") as data:
-            loaded.append({key: data[key] for key in data.files})
-    return loaded
+    return _ranks.launch_and_load(Path(__file__), [str(out_dir)], len(TVP_SHARDS), out_dir)
 
 
 @pytest.mark.slow

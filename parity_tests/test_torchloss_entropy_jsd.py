@@ -241,12 +241,7 @@ def _vp_worker(out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def vp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
     out_dir = tmp_path_factory.mktemp("entropy_jsd_vp")
-    _ranks.launch(Path(__file__), [str(out_dir)], world_size=len(VP_SHARDS), log_dir=out_dir)
-    loaded = []
-    for rank in range(len(VP_SHARDS)):
-        with np.load(out_dir / f"r{rank}.npz") as data:
-            loaded.append({key: data[key] for key in data.files})
-    return loaded
+    return _ranks.launch_and_load(Path(__file__), [str(out_dir)], len(VP_SHARDS), out_dir)
 
 
 @pytest.mark.slow
