@@ -110,8 +110,8 @@ BACKENDS: dict[str, Backend] = {
         Backend("head-jaxloss", "jax", "ours", "head", ("cross_entropy",), _CPU_GPU,
                 "h @ w.T + jaxloss.cross_entropy (unfused)", mem=(2.3, 2.3), cpu_ns=6.0),
         Backend("head-jax-matmul-sol", "jax", "sol", "head", ("cross_entropy",), _CPU_GPU,
-                "the three head matmuls alone (forward, grad of input, grad of weight), into donated buffers",
-                mem=(1.1, 1.1), cpu_ns=4.0),
+                "the three head matmuls alone (forward, grad of input, grad of weight; products accumulated in fp32, "
+                "fp32 logits), into donated buffers", mem=(1.1, 1.1), cpu_ns=4.0),
     ]
 }
 

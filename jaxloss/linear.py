@@ -11,9 +11,11 @@ logits' gradient ``G = coef * c * dl/dz`` of :mod:`jaxloss._stats` (the formulat
 :mod:`lossspec.stats`), then ``dh = G W`` and ``dW += G^T h``, ``db += sum G``: three matmuls,
 no recompute. Otherwise the chunk runs over vocabulary blocks of ``B`` columns twice: an
 online softmax (``combine``) for the statistics, then the gradient of each block from the
-recomputed logits (five matmuls). 16-bit inputs are upcast to fp32 (exact) and every product is
-accumulated in fp32 (``preferred_element_type=float32``, ``Precision.HIGHEST``: no TF32 on a
-GPU); the fp32 gradients are rounded once to the parameters' dtypes.
+recomputed logits (five matmuls). Every product is exact and accumulated in fp32
+(``preferred_element_type=float32``, ``Precision.HIGHEST``: no TF32 on a GPU): the forward
+dots read bf16 hidden states and weights as they are (:func:`_dot`), other 16-bit inputs and
+the backward's slices of the weight are upcast (exact); the fp32 gradients are rounded once to
+the parameters' dtypes.
 
 Differentiation: a ``jax.custom_vjp``. For the reduced normalisations the forward computes the
 fp32 gradients of hidden, weight and bias (the residuals) and the backward scales them by the
@@ -63,22 +65,37 @@ BLOCKED_ROWS: int = spec_linear.HEAD_BLOCKED_ROWS
 
 def _dot(a: Array, b: Array, contract: tuple[int, int]) -> Array:
     """``a`` ``[., K]``/``[K, .]`` times ``b``, contracting ``a``'s axis ``contract[0]`` with
-    ``b``'s ``contract[1]``, accumulated in fp32 at full precision."""
+    ``b``'s ``contract[1]``, every product exact and accumulated in fp32.
+
+    Two bf16 operands go to the dot as they are (``preferred_element_type=float32``: a bf16
+    product has 16 significant bits, exact in fp32; on the CPU XLA's bf16 x bf16 -> fp32 dot is
+    about 4x its fp32 dot). Otherwise both are read as fp32 (a 16-bit operand upcast exactly).
+    (Splitting an fp32 ``G`` into three exact bf16 terms for the backward dots was measured
+    slower on the CPU: 3 bf16 dots against one fp32 dot of the same speed for ``G^T h``.)"""
+    if a.dtype != b.dtype:
+        a, b = a.astype(F32), b.astype(F32)
     dims = (((contract[0],), (contract[1],)), ((), ()))
     return lax.dot_general(a, b, dims, precision=HIGHEST, preferred_element_type=F32)
+
+
+def _operand_dtype(*arrays: Optional[Array]) -> Any:
+    """The dtype the matmuls read: bf16 when every operand is bf16 (products exact in fp32, the
+    fast bf16 dots of :func:`_dot`), else fp32 (16-bit upcast exactly)."""
+    present = [a.dtype for a in arrays if a is not None]
+    return jnp.bfloat16 if present and all(d == jnp.bfloat16 for d in present) else F32
 
 
 def _logits(h: Array, w: Array, b: Optional[Array]) -> Array:
     """``h @ w.T + b`` ``[R, B]`` fp32 (``h`` ``[R, H]``, ``w`` ``[B, H]``, ``b`` ``[B]``)."""
     z = _dot(h, w, (1, 1))
-    return z if b is None else z + b[None, :]
+    return z if b is None else z + b[None, :].astype(F32)
 
 
 # --------------------------------------------------------------------------------------------
 # The driver
 # --------------------------------------------------------------------------------------------
 
-Head = tuple  # (hidden [N, H] fp32, weight [V, H] fp32, bias [V] fp32 | None)
+Head = tuple  # (hidden [N, H], weight [V, H]: both bf16 or both fp32 (_operand_dtype); bias [V] fp32 | None)
 
 
 class Shards(NamedTuple):
@@ -97,6 +114,54 @@ def _whole_row(cfg: KernelConfig, local: Any, like: Array, shards: Optional[Shar
     if shards is None:
         return finalize(cfg, local, vocab)
     return finalize(cfg, _vocab_parallel.combine_shards(cfg, local, like, shards.axes), shards.vocab)
+
+
+def _rows(x: Array, start: Any, rows: int) -> Array:
+    """Rows ``start : start + rows`` of ``x``. A bf16 slice is taken from the bits (``uint16``):
+    XLA's CPU compiler normalises a bf16 ``dynamic_slice`` through fp32 and hoists that
+    conversion out of the loop, i.e. it makes one fp32 copy of the whole array."""
+    if x.dtype != jnp.bfloat16:
+        return lax.dynamic_slice_in_dim(x, start, rows, 0)
+    bits = lax.dynamic_slice_in_dim(lax.bitcast_convert_type(x, jnp.uint16), start, rows, 0)
+    return lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+def _rows_f32(x: Array, start: Any, rows: int) -> Array:
+    """:func:`_rows` in fp32 (exact; a bf16 slice is widened by a shift of its bits, so that no
+    bf16 operation is left for the CPU compiler to normalise and hoist)."""
+    if x.dtype != jnp.bfloat16:
+        return _rows(x, start, rows).astype(F32)
+    bits = lax.dynamic_slice_in_dim(lax.bitcast_convert_type(x, jnp.uint16), start, rows, 0)
+    return lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, F32)
+
+
+def _head_grads(dh: Array, dw: Array, start: Any, g: Array, h: Array, w: Array, slice_rows: int) -> tuple[Array, Array]:
+    """The backward of a block of ``B`` vocabulary columns starting at ``start``: ``dh += g W_blk``
+    and ``dw[start : start + B] += g^T h`` (``g`` ``[R, B]`` fp32, ``h`` ``[R, H]``, ``w``
+    ``[V, H]``, ``dh`` ``[R, H]`` and ``dw`` ``[V, H]`` fp32), over slices of ``slice_rows``
+    vocabulary rows. XLA writes a dot's result to a buffer of its own before the addition, so one
+    product of the whole ``[B, H]`` would be a second weight gradient in memory; and a 16-bit
+    weight is upcast one slice at a time (no fp32 copy of the weight). The last slice is moved
+    back to end at ``B``; its columns already counted are zeroed (they add exact zeros)."""
+    width = g.shape[1]
+    slice_rows = min(slice_rows, width)
+    num_slices = -(-width // slice_rows)
+    h32 = h.astype(F32)
+
+    def add(j: Any, carry: tuple) -> tuple:
+        dh, dw = carry
+        offset = jnp.minimum(j * slice_rows, width - slice_rows)
+        fresh = offset + lax.broadcasted_iota(jnp.int32, (1, slice_rows), 1) >= j * slice_rows
+        g_slice = jnp.where(fresh, lax.dynamic_slice_in_dim(g, offset, slice_rows, 1), 0.0)
+        at = start + offset
+        w_slice = _rows_f32(w, at, slice_rows)
+        dh = dh + _dot(g_slice, w_slice, (1, 0))
+        dw = lax.dynamic_update_slice_in_dim(dw, lax.dynamic_slice_in_dim(dw, at, slice_rows, 0) + _dot(g_slice, h32, (0, 0)), at, 0)
+        return dh, dw
+
+    if num_slices == 1:
+        return add(0, (dh, dw))
+    return lax.fori_loop(0, num_slices, add, (dh, dw))
 
 
 def _slice_head(head: Head, start: Any, width: int) -> Head:
@@ -143,6 +208,7 @@ def _chunk_blocked(
     dw: Any,
     db: Any,
     shards: Optional[Shards] = None,
+    slice_rows: int = 1 << 30,
 ) -> tuple:
     """One chunk over vocabulary blocks of ``width`` columns: pass 1 folds the blocks'
     statistics (online softmax), pass 2 recomputes each block's logits for its gradient.
@@ -183,9 +249,7 @@ def _chunk_blocked(
         start, cols, col_ok, z, t = window(j)
         hit = (cols == y[:, None]) if cfg.is_ce else None
         g = jnp.where(col_ok, grad_block(cfg, fin, coef, z, t, hit=hit, vocab=vocab_total), 0.0)
-        _, w_blk, _ = _slice_head(student, start, width)
-        dh = dh + _dot(g, w_blk, (1, 0))
-        dw = lax.dynamic_update_slice_in_dim(dw, lax.dynamic_slice_in_dim(dw, start, width, 0) + _dot(g, h, (0, 0)), start, 0)
+        dh, dw = _head_grads(dh, dw, start, g, h, student[1], slice_rows)
         if db is not None:
             db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, start, width, 0) + jnp.sum(g, axis=0), start, 0)
         return dh, dw, db
@@ -235,11 +299,17 @@ def head_forward(
     """
     n, width = hidden.shape
     vocab = weight.shape[0]
-    up = lambda a: None if a is None else a.astype(F32)  # noqa: E731  (16-bit: exact)
-    student = (None, up(weight), up(bias))
-    teacher32 = None if teacher is None else (None, up(teacher[1]), up(teacher[2]))
+    # bf16 hidden and weight stay bf16 (exact products, fp32 accumulation: _dot); other 16-bit
+    # inputs are upcast to fp32 (exact). The bias is added in fp32.
+    operand = _operand_dtype(hidden, weight)
+    t_operand = None if teacher is None else _operand_dtype(teacher[0], teacher[1])
+    up = lambda a, dtype=F32: None if a is None else a.astype(dtype)  # noqa: E731
+    student = (None, up(weight, operand), up(bias))
+    teacher32 = None if teacher is None else (None, up(teacher[1], t_operand), up(teacher[2]))
     # (JAX's shards are even: every replica's plan is the same.)
-    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, spec_linear.head_live_blocks("jax", cfg.kind, shards is not None))
+    live = spec_linear.head_live_blocks("jax", cfg.kind, shards is not None)
+    logits_itemsize = jnp.promote_types(hidden.dtype, weight.dtype).itemsize
+    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, live, logits_itemsize)
     # Inside shard_map (data, sequence or vocabulary axes) a loop carry has the varying-axes type
     # of what the body writes into it, i.e. of every input it reads; fresh zeros are invariant
     # until cast (varying_like is a no-op outside shard_map).
@@ -255,6 +325,9 @@ def head_forward(
     if shards is not None and labels is not None:
         labels = _vocab_parallel.shift_labels(labels, vocab, shards.axes)  # global ids -> this shard's columns
     num_chunks = -(-n // rows)
+    # The backward runs over vocabulary slices whose two [slice, H] fp32 temporaries (the weight's
+    # rows, their G^T h) fit half a block together, beside the chunk's blocks (_head_grads).
+    slice_rows = max(1, (rows * block) // (4 * width)) if width else vocab
 
     def chunk(i: Array, carry: tuple) -> tuple:
         loss_buf, dh, dw, db = carry
@@ -263,20 +336,19 @@ def head_forward(
         start = jnp.minimum(i * rows, n - rows)
         fresh = start + jnp.arange(rows) >= i * rows
         cc = jnp.where(fresh, lax.dynamic_slice_in_dim(coef, start, rows, 0), 0.0)
-        hc = lax.dynamic_slice_in_dim(hidden, start, rows, 0).astype(F32)
+        hc = _rows(hidden, start, rows).astype(operand)
         yc = None if labels is None else lax.dynamic_slice_in_dim(labels, start, rows, 0)
         st = (hc,) + student[1:]
         tt = None
         if teacher is not None:
-            tt = (lax.dynamic_slice_in_dim(teacher[0], start, rows, 0).astype(F32),) + teacher32[1:]
+            tt = (_rows(teacher[0], start, rows).astype(t_operand),) + teacher32[1:]
         if block == vocab:
             loss, g = _chunk_whole(cfg, st, tt, yc, cc, with_grad, shards)
             if with_grad:
-                dh_c = _dot(g, student[1], (1, 0))
-                dw = dw + _dot(g, hc, (0, 0))
+                dh_c, dw = _head_grads(local(jnp.zeros(hc.shape, F32)), dw, 0, g, hc, student[1], slice_rows)
                 db = None if db is None else db + jnp.sum(g, axis=0)
         else:
-            loss, dh_c, dw, db = _chunk_blocked(cfg, block, st, tt, yc, cc, with_grad, dw, db, shards)
+            loss, dh_c, dw, db = _chunk_blocked(cfg, block, st, tt, yc, cc, with_grad, dw, db, shards, slice_rows)
         keep = lambda buf, new: lax.dynamic_update_slice_in_dim(  # noqa: E731
             buf, jnp.where(fresh.reshape((rows,) + (1,) * (new.ndim - 1)), new, lax.dynamic_slice_in_dim(buf, start, rows, 0)), start, 0
         )

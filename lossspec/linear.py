@@ -267,9 +267,9 @@ def compare_head_grad(actual: Any, reference: np.ndarray, dtype: str, what: str 
 # The memory plan, shared by both frameworks
 # --------------------------------------------------------------------------------------------
 
-#: the peak extra memory of the head's temporaries, as a fraction of one [N, V] fp32 buffer
-#: (not counting the fp32 gradients of hidden, weight and bias, and for 16-bit inputs the fp32
-#: copy of the weight)
+#: the peak extra memory of the head's temporaries, as a fraction of one [N, V] logits buffer in
+#: the inputs' dtype (not counting the fp32 gradients of hidden, weight and bias, and in torch
+#: for 16-bit inputs the fp32 copy of the weight)
 HEAD_MEMORY_FRACTION: float = 1 / 8
 #: fp32 [R, B] blocks alive at once, per framework and kind, so that they fit
 #: HEAD_MEMORY_FRACTION. torch: cross-entropy works in the chunk's logits alone (statistics and
@@ -303,19 +303,27 @@ def head_live_blocks(framework: str, kind: str, vocab_parallel: bool) -> int:
 
 
 def head_plan(
-    rows: int, vocab: int, block_elements: Optional[int] = None, blocked_rows: int = HEAD_BLOCKED_ROWS, live_blocks: int = 4
+    rows: int,
+    vocab: int,
+    block_elements: Optional[int] = None,
+    blocked_rows: int = HEAD_BLOCKED_ROWS,
+    live_blocks: int = 4,
+    logits_itemsize: int = 4,
+    block_itemsize: int = 4,
 ) -> tuple[int, int]:
     """``(R, B)``: token chunks of ``R`` rows and vocabulary blocks of ``B`` columns.
 
-    The budget of one fp32 ``[R, B]`` block is ``block_elements`` or
-    ``min(N V HEAD_MEMORY_FRACTION / live_blocks, HEAD_MAX_BLOCK_ELEMENTS)`` (``live_blocks``:
-    :data:`HEAD_LIVE_BLOCKS`). When a whole
+    The budget of one ``[R, B]`` block is ``block_elements`` or
+    ``min(N V HEAD_MEMORY_FRACTION / live_blocks * logits_itemsize / block_itemsize,
+    HEAD_MAX_BLOCK_ELEMENTS)`` (``live_blocks``: :data:`HEAD_LIVE_BLOCKS`): the blocks fit the
+    fraction of the logits buffer the head replaces, in the inputs' dtype (``logits_itemsize``
+    bytes: 2 for 16-bit inputs, whose blocks are fp32, ``block_itemsize = 4``). When a whole
     row fits (``V <= budget``), ``B = V`` (no recompute: three matmuls); otherwise the fallback
     takes ``R = min(N, blocked_rows, budget)`` rows in blocks of ``B = budget // R``
     columns with an online softmax (the logits are recomputed in the gradient pass).
     """
     if block_elements is None:
-        block_elements = min(int(rows * vocab * HEAD_MEMORY_FRACTION) // live_blocks, HEAD_MAX_BLOCK_ELEMENTS)
+        block_elements = min(int(rows * vocab * HEAD_MEMORY_FRACTION * logits_itemsize / block_itemsize) // live_blocks, HEAD_MAX_BLOCK_ELEMENTS)
     budget = max(1, int(block_elements))
     rows = max(1, rows)
     if vocab <= budget:
@@ -325,13 +333,20 @@ def head_plan(
 
 
 def head_plan_shard(
-    rows: int, vocab_local: int, vocab_widest: int, block_elements: Optional[int] = None, blocked_rows: int = HEAD_BLOCKED_ROWS, live_blocks: int = 4
+    rows: int,
+    vocab_local: int,
+    vocab_widest: int,
+    block_elements: Optional[int] = None,
+    blocked_rows: int = HEAD_BLOCKED_ROWS,
+    live_blocks: int = 4,
+    logits_itemsize: int = 4,
+    block_itemsize: int = 4,
 ) -> tuple[int, int]:
     """``(R, B)`` of one vocabulary shard (``vocab_parallel``). The shards combine each token
     chunk's statistics with collectives, so every shard must cut the tokens alike: ``R`` is the
     plan of the widest shard (``vocab_widest``; shards may differ in torch), and ``B`` this
     shard's block, ``min(V_local, B_widest)`` (so a block never exceeds the widest shard's)."""
-    chunk, block = head_plan(rows, vocab_widest, block_elements, blocked_rows, live_blocks)
+    chunk, block = head_plan(rows, vocab_widest, block_elements, blocked_rows, live_blocks, logits_itemsize, block_itemsize)
     return chunk, min(vocab_local, block)
 
 

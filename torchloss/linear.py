@@ -233,10 +233,12 @@ def head_forward(
     student = (None, up(weight), up(bias))
     teacher_acc = None if teacher is None else (None, up(teacher[1]), up(teacher[2]))
     live = spec_linear.head_live_blocks("torch", config.kind, shards is not None)
+    # The blocks fit 1/8 of the logits buffer in the inputs' dtype (half as many fp32 elements for 16-bit).
+    sizes = (torch.promote_types(hidden.dtype, weight.dtype).itemsize, acc.itemsize)
     if shards is None:
-        rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, live)
+        rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, live, *sizes)
     else:
-        rows, block = spec_linear.head_plan_shard(n, vocab, shards.widest, block_elements, blocked_rows, live)
+        rows, block = spec_linear.head_plan_shard(n, vocab, shards.widest, block_elements, blocked_rows, live, *sizes)
     loss = torch.zeros(n, dtype=acc, device=device)
     dh = torch.empty((n, width), dtype=acc, device=device) if need_grad else None
     dw = torch.zeros((vocab, width), dtype=acc, device=device) if need_grad else None
