@@ -22,11 +22,11 @@ PAD = 0
 def corpus_lines() -> list[str]:
     """Lines of real English from the Python standard library: the Zen of Python and the
     docstrings of a few modules."""
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        importlib.import_module("this")
-    zen = buffer.getvalue()
-    text = zen
+    # The Zen is printed only by the first import of ``this`` in a process; decode its text
+    # (``this.s``, rot13 by ``this.d``) so that every call returns the same lines.
+    with contextlib.redirect_stdout(io.StringIO()):
+        this = importlib.import_module("this")
+    text = "".join(this.d.get(char, char) for char in this.s)
     for name in ("json", "textwrap", "argparse", "fractions", "heapq", "bisect", "csv", "shlex"):
         text += "\n" + (importlib.import_module(name).__doc__ or "")
     lines = [" ".join(line.split()) for line in text.splitlines()]
