@@ -26,8 +26,10 @@ def test_sft_data_is_real_text_with_uneven_masks() -> None:
     lines = corpus_lines()
     assert len(lines) > 50 and any("Beautiful is better than ugly" in line for line in lines)
     assert corpus_lines() == lines  # the same text on every call (`import this` prints only once)
-    data = make_sft_data(num_batches=5, batch_size=8)
-    counts = data.loss_mask.reshape(5, 4, -1).sum(-1)  # valid tokens per micro-batch of 2 sequences
+    # The first 12 of the demo's batches (before the fix above, this test's own corpus_lines()
+    # call left make_sft_data a 149-line corpus, not the demo's 168 lines).
+    data = make_sft_data(num_batches=12, batch_size=demo.BATCH)
+    counts = data.loss_mask.reshape(12, 4, -1).sum(-1)  # valid tokens per micro-batch of 2 sequences
     assert counts.min() >= 1 and counts.max() >= 4 * counts.min()
     # Labels are the next byte where valid, -100 elsewhere.
     valid = data.loss_mask
