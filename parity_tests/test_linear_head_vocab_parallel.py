@@ -75,9 +75,9 @@ def check_shards(
 # --------------------------------------------------------------------------------------------
 
 
-def run_jax(kind: str, options: dict[str, Any], problem: dict[str, Any], dtype: str = "float32") -> list[dict[str, np.ndarray]]:
-    """The loss and gradients of each of the SHARDS replicas (``jax.vjp`` inside ``shard_map``),
-    the floating-point inputs in ``dtype``."""
+def run_jax(kind: str, options: dict[str, Any], problem: dict[str, Any], dtype: str = "float32", check_vma: bool = True) -> list[dict[str, np.ndarray]]:
+    """The loss and gradients of each of the SHARDS replicas (``jax.vjp`` inside ``shard_map``,
+    with ``check_vma``), the floating-point inputs in ``dtype``."""
     options = dict(options)
     floats = ("hidden", "weight", "bias", "teacher_hidden", "teacher_weight", "teacher_bias")
     problem = {key: jnp.asarray(value, dtype) if key in floats else value for key, value in problem.items()}
@@ -110,6 +110,7 @@ def run_jax(kind: str, options: dict[str, Any], problem: dict[str, Any], dtype: 
         mesh=mesh,
         in_specs=(P(), P("vocab"), P("vocab"), P(), P()) + teacher_specs,
         out_specs=(P("vocab"), P("vocab"), P("vocab"), P("vocab")),
+        check_vma=check_vma,
     )
     target_arg = jnp.asarray(target) if ce else jnp.zeros(())
     loss, dh, dw, db = jax.jit(step)(problem["hidden"], problem["weight"], problem["bias"], problem["loss_mask"], target_arg, *teacher)
@@ -136,6 +137,18 @@ def test_jax_vocab_parallel_head_matches_oracle(kind: str, plan: str, norm: str,
     results = run_jax(kind, options, problem)
     options.pop("module", None)
     check_shards(kind, options, problem, results, [(k * width, (k + 1) * width) for k in range(SHARDS)], f"jax {kind} {plan} {norm}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
+def test_jax_vocab_parallel_head_without_vma_checks(kind: str) -> None:
+    """``shard_map(check_vma=False)``: no varying-axes types tell the backward that ``hidden`` is
+    replicated, so its gradient is whole only through the head's own ``psum`` of ``dh``."""
+    problem = make_problem(kind, VOCAB, seed=13)
+    options = dict(OPTIONS[kind], **NORMS["valid_tokens"])
+    width = VOCAB // SHARDS
+    results = run_jax(kind, options, problem, check_vma=False)
+    check_shards(kind, options, problem, results, [(k * width, (k + 1) * width) for k in range(SHARDS)], f"jax {kind} check_vma=False")
 
 
 @pytest.mark.slow
