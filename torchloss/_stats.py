@@ -142,6 +142,11 @@ def _block_stats(config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: lis
     kind, c, ct = config.kind, config.student_scale, config.teacher_scale
     acc = bufs[0].dtype
     u = bufs[0]
+    if xb.dtype != acc:
+        # 16-bit logits: one vectorised upcast into the scratch, then every pass reads fp32 (on
+        # the CPU a bf16 amax takes twice an fp32 one, a mixed-dtype subtraction 1.5x a copy
+        # and an fp32 subtraction together).
+        xb = u.copy_(xb)
     first = None
     if kind == "reverse_kl":
         top, first = first_max(xb)  # the maximum and the pivot's column (lossspec.stats)
@@ -162,6 +167,8 @@ def _block_stats(config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: lis
         return Stats(m=m, s=s, h=pos_dot(e, u, bufs[2])), (e, u)
     assert tb is not None
     ut, e_buf = bufs[1], bufs[2]
+    if tb.dtype != acc:  # as the student's; reverse KL reads the teacher again (tau, D): e_buf keeps it
+        tb = (e_buf if kind == "reverse_kl" else ut).copy_(tb)
     mt = _row_max(tb, acc)
     _shifted(xb, m, u)
     _shifted(tb, mt, ut)
