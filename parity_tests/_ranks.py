@@ -19,6 +19,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pytest
 
 RANK_TIMEOUT_S = 240  # a rank dumps its stack and exits after this long
 COLLECTIVE_TIMEOUT_S = 120  # one gloo collective (or the rendezvous) waits at most this long
@@ -102,12 +107,29 @@ def finish(rank: int) -> None:
     os._exit(0)
 
 
-def launch_and_load(script: Path, args: list[str], world_size: int, out_dir: Path) -> list[dict[str, "np.ndarray"]]:
-    """:func:`launch` the ranks (their logs in ``out_dir``), then each rank's ``r{rank}.npz``
-    from ``out_dir`` as a dict, in rank order."""
-    import numpy as np
+def launch_once(name: str, script: Path, args_for: Callable[[Path], list[str]], world_size: int,
+                tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
+    """:func:`launch` the ranks once per test session, whichever pytest-xdist worker asks first,
+    and return each rank's ``r{rank}.npz`` as a dict, in rank order.
 
-    launch(script, args, world_size=world_size, log_dir=out_dir)
+    A module-scoped fixture runs once in every worker that receives one of the module's tests, and
+    xdist spreads a module's tests over its workers: under ``-n 2`` the ranks were launched twice.
+    Here the first asker launches them into a directory that every worker shares (under xdist, the
+    parent of the worker's base temporary directory) and marks it done; the others wait on the same
+    file lock, then load. A failed launch marks nothing: the next asker retries and shows the ranks'
+    logs itself. ``args_for(out_dir)`` gives the script's arguments; the logs go to ``out_dir``.
+    """
+    import numpy as np
+    from filelock import FileLock  # a dependency of torch
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out_dir = shared / f"ranks_{name}"
+    with FileLock(str(shared / f"ranks_{name}.lock")):
+        done = out_dir / "done"
+        if not done.exists():
+            launch(script, args_for(out_dir), world_size=world_size, log_dir=out_dir)
+            done.write_text("ok\n")
     loaded = []
     for rank in range(world_size):
         with np.load(out_dir / f"r{rank}.npz") as data:

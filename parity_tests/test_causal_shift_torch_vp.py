@@ -53,8 +53,7 @@ def _worker(out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
-    out_dir = tmp_path_factory.mktemp("causal_vp")
-    return _ranks.launch_and_load(Path(__file__), [str(out_dir)], len(SHARDS), out_dir)
+    return _ranks.launch_once("causal_vp", Path(__file__), lambda out_dir: [str(out_dir)], len(SHARDS), tmp_path_factory)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -27,8 +27,7 @@ HERE = Path(__file__).parent
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
-    out_dir = tmp_path_factory.mktemp("tp_ranks")
-    return _ranks.launch_and_load(HERE / "_torch_tp_worker.py", [str(out_dir)], WORLD, out_dir)
+    return _ranks.launch_once("tp_ranks", HERE / "_torch_tp_worker.py", lambda out_dir: [str(out_dir)], WORLD, tmp_path_factory)
 
 
 @pytest.mark.parametrize("kind", KINDS)

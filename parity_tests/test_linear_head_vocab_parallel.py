@@ -204,8 +204,7 @@ def test_jax_vocab_parallel_head_memory_is_an_eighth_of_the_local_logits(shards:
 
 @pytest.fixture(scope="module")
 def torch_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
-    out_dir = tmp_path_factory.mktemp("head_vp_ranks")
-    return _ranks.launch_and_load(HERE / "_torch_head_vp_worker.py", [str(out_dir)], torch_worker.WORLD, out_dir)
+    return _ranks.launch_once("head_vp_ranks", HERE / "_torch_head_vp_worker.py", lambda out_dir: [str(out_dir)], torch_worker.WORLD, tmp_path_factory)
 
 
 @pytest.mark.slow

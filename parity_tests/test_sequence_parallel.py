@@ -222,8 +222,7 @@ def _worker(out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def torch_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
-    out_dir = tmp_path_factory.mktemp("sequence_parallel")
-    return _ranks.launch_and_load(Path(__file__), [str(out_dir)], len(TORCH_SLICES), out_dir)
+    return _ranks.launch_once("sequence_parallel", Path(__file__), lambda out_dir: [str(out_dir)], len(TORCH_SLICES), tmp_path_factory)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -561,8 +561,7 @@ def _tvp_worker(out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def tvp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
-    out_dir = tmp_path_factory.mktemp("softcap_vp")
-    return _ranks.launch_and_load(Path(__file__), [str(out_dir)], len(TVP_SHARDS), out_dir)
+    return _ranks.launch_once("softcap_vp", Path(__file__), lambda out_dir: [str(out_dir)], len(TVP_SHARDS), tmp_path_factory)
 
 
 @pytest.mark.slow

@@ -240,8 +240,7 @@ def _vp_worker(out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def vp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
-    out_dir = tmp_path_factory.mktemp("entropy_jsd_vp")
-    return _ranks.launch_and_load(Path(__file__), [str(out_dir)], len(VP_SHARDS), out_dir)
+    return _ranks.launch_once("entropy_jsd_vp", Path(__file__), lambda out_dir: [str(out_dir)], len(VP_SHARDS), tmp_path_factory)
 
 
 @pytest.mark.slow
