@@ -109,17 +109,30 @@ def finish(rank: int) -> None:
 
 def launch_once(name: str, script: Path, args_for: Callable[[Path], list[str]], world_size: int,
                 tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
-    """:func:`launch` the ranks once per test session, whichever pytest-xdist worker asks first,
-    and return each rank's ``r{rank}.npz`` as a dict, in rank order.
+    """:func:`launch_dir_once`, then each rank's ``r{rank}.npz`` from its directory as a dict,
+    in rank order."""
+    import numpy as np
+
+    out_dir = launch_dir_once(name, script, args_for, world_size, tmp_path_factory)
+    loaded = []
+    for rank in range(world_size):
+        with np.load(out_dir / f"r{rank}.npz") as data:
+            loaded.append({key: data[key] for key in data.files})
+    return loaded
+
+
+def launch_dir_once(name: str, script: Path, args_for: Callable[[Path], list[str]], world_size: int,
+                    tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`launch` the ranks once per test session, whichever pytest-xdist worker asks first;
+    returns the directory they wrote to (their logs are there too).
 
     A module-scoped fixture runs once in every worker that receives one of the module's tests, and
     xdist spreads a module's tests over its workers: under ``-n 2`` the ranks were launched twice.
     Here the first asker launches them into a directory that every worker shares (under xdist, the
     parent of the worker's base temporary directory) and marks it done; the others wait on the same
-    file lock, then load. A failed launch marks nothing: the next asker retries and shows the ranks'
-    logs itself. ``args_for(out_dir)`` gives the script's arguments; the logs go to ``out_dir``.
+    file lock. A failed launch marks nothing: the next asker retries and shows the ranks' logs
+    itself. ``args_for(out_dir)`` gives the script's arguments.
     """
-    import numpy as np
     from filelock import FileLock  # a dependency of torch
 
     base = tmp_path_factory.getbasetemp()
@@ -130,8 +143,4 @@ def launch_once(name: str, script: Path, args_for: Callable[[Path], list[str]], 
         if not done.exists():
             launch(script, args_for(out_dir), world_size=world_size, log_dir=out_dir)
             done.write_text("ok\n")
-    loaded = []
-    for rank in range(world_size):
-        with np.load(out_dir / f"r{rank}.npz") as data:
-            loaded.append({key: data[key] for key in data.files})
-    return loaded
+    return out_dir

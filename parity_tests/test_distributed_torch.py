@@ -51,10 +51,9 @@ def test_full_batch_matches_oracle(kind: str, normalization: str) -> None:
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
-    out_dir = tmp_path_factory.mktemp("ranks")
-    out = out_dir / "results.npz"
-    _ranks.launch(HERE / "_torch_dp_worker.py", [str(out)], world_size=max(WORLDS), log_dir=out_dir)
-    with np.load(out) as data:
+    out_dir = _ranks.launch_dir_once("dp_ranks", HERE / "_torch_dp_worker.py", lambda out_dir: [str(out_dir / "results.npz")],
+                                     max(WORLDS), tmp_path_factory)
+    with np.load(out_dir / "results.npz") as data:
         return {key: data[key] for key in data.files}
 
 

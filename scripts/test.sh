@@ -4,8 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 workers="${TEST_WORKERS:-2}"
-# The torchrun/gloo suite launches its own processes: it runs alone, outside the xdist workers
-# (under a busy xdist worker its rendezvous was seen to stall).
-.venv/bin/python -m pytest -q -n 0 parity_tests/test_distributed_torch.py
-exec .venv/bin/python -m pytest -q -n "$workers" --durations=15 parity_tests \
-  --ignore=parity_tests/test_distributed_torch.py "$@"
+# The gloo suites launch their ranks as plain processes (parity_tests/_ranks.py: a FileStore, no
+# TCP rendezvous), each once per session whichever worker asks first: they run inside the xdist
+# workers like the rest.
+exec .venv/bin/python -m pytest -q -n "$workers" --durations=15 parity_tests "$@"
