@@ -149,6 +149,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_torchloss_oracle.py", "-k", "reverse"),
     ),
     Mutant(
+        "rkl_grad_mean_sign_torch",
+        "the torch path's reverse KL gradient adds e mean_d to the cached products e D instead of subtracting it",
+        "torchloss/_stats.py",
+        "            g = torch.addcmul(e_times_d, e, (-fin.mean_d)[:, None], out=out if direct else e_times_d)",
+        "            g = torch.addcmul(e_times_d, e, fin.mean_d[:, None], out=out if direct else e_times_d)",
+        ("parity_tests/test_torchloss_oracle.py", "-k", "reverse"),
+    ),
+    Mutant(
         "causal_count_unshifted_torch",
         "torchloss.count_denominator(causal_shift=True) counts the unshifted labels (the 20/24 scaling)",
         "torchloss/api.py",

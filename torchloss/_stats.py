@@ -67,8 +67,9 @@ def first_max(x: Tensor) -> tuple[Tensor, Tensor]:
         block_max = torch.cat([block_max, torch.amax(tail, dim=1, keepdim=True)], dim=1)
     top, block = torch.max(block_max, dim=1)
     in_head = block < blocks
-    inner = head[torch.arange(rows, device=x.device), block.clamp(max=blocks - 1)]
-    column = block.clamp(max=blocks - 1) * FIRST_MAX_BLOCK + torch.max(inner, dim=1)[1]
+    block = block.clamp(max=blocks - 1)
+    inner = head[torch.arange(rows, device=x.device), block]
+    column = block * FIRST_MAX_BLOCK + torch.max(inner, dim=1)[1]
     if tail.shape[1] and not bool(in_head.all()):
         column = torch.where(in_head, column, blocks * FIRST_MAX_BLOCK + torch.max(tail, dim=1)[1])
     return top, column
@@ -122,7 +123,7 @@ def block_stats(
 
     Returns ``(stats, cache)`` with ``cache`` what :func:`block_grad` reuses when this block is
     the whole row: cross-entropy ``(e,)``; soft CE / forward KL ``(e, et)``; reverse KL
-    ``(e, D, clean)`` with ``D = c (x - m) - ct (t - tau)`` and ``clean`` True where no
+    ``(e, e D, clean)`` with ``D = c (x - m) - ct (t - tau)`` and ``clean`` True where no
     product ``e D`` is NaN or infinite (known on the CPU only); entropy ``(e, x - m)``;
     jensen_shannon ``(e, et, x - m, t - mt)`` (its second pass, :func:`mixture_sums`, reads
     those two); each followed by the soft cap's slope ``1 - (x / cap)^2`` (``None`` without a
@@ -184,7 +185,9 @@ def _block_stats(config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: lis
         clean = e_d.device.type == "cpu" and bool(torch.isfinite(e_d).all())
         if not clean:
             e_d = pos_dot(e, d, ut)
-        return Stats(m=m, s=s, mt=mt, st=st, tau=tau, e_d=e_d), (e, d, clean)
+        # The products e D (in ut) are cached rather than D: the gradient e (D - e_d / s) is then
+        # one fused pass, e D - e (e_d / s) (block_grad).
+        return Stats(m=m, s=s, mt=mt, st=st, tau=tau, e_d=e_d), (e, ut, clean)
     e, s = _exp_sum(u, c, e_buf)
     et, st = _exp_sum(ut, ct, bufs[3])
     if kind == "jensen_shannon":  # pass 1: the exp-sums only (lossspec.stats)
@@ -332,9 +335,13 @@ def block_grad(
     elif kind == "reverse_kl":
         if cache is None:
             d, clean = _pivot_d(config, _shifted(xb, fin.m, bufs[2]), tb, fin.tau, bufs[1]), False
+            g = d.sub_(fin.mean_d[:, None]).mul_(e)
         else:
-            d, clean = cache[1], cache[2]
-        g = d.sub_(fin.mean_d[:, None]).mul_(e)
+            # e D - e mean_d in one pass from the cached products. Its rounding error is a few
+            # ulps of scale q (|D| + |mean_d|) <= 3 max|gradient|: scale q |mean_d| is at most the
+            # gradient at the pivot column, where D = 0 and q is largest.
+            e_times_d, clean = cache[1], cache[2]
+            g = torch.addcmul(e_times_d, e, (-fin.mean_d)[:, None], out=out if direct else e_times_d)
         if not clean:
             # 0 * inf at entries of probability 0 is NaN: those are 0 (bad rows are refilled below).
             # A block whose e_d is finite on every row has no such entry (block_stats).
