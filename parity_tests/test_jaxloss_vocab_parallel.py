@@ -124,15 +124,8 @@ def _loss_and_grad(kind: str, norm: str, options: dict[str, Any], impl: str, axi
     return run
 
 
-def _options_named(kind: str, opt_name: str) -> dict[str, Any]:
-    for scenario in SCENARIOS:
-        if opt_name in _options(kind, scenario):
-            return _options(kind, scenario)[opt_name]
-    raise KeyError(opt_name)
-
-
 @functools.lru_cache(maxsize=None)
-def _compiled(kind: str, norm: str, opt_name: str, impl: str, shards: int):
+def _compiled(kind: str, norm: str, options: tuple[tuple[str, Any], ...], impl: str, shards: int):
     """One jitted shard_map per (kind, normalisation, options, path, P): the scenarios and dtypes
     of a config reuse its traces (a fresh closure per call compiled every case anew)."""
     mesh = Mesh(np.array(jax.devices()[:shards]), ("model",))
@@ -141,13 +134,13 @@ def _compiled(kind: str, norm: str, opt_name: str, impl: str, shards: int):
     # Pallas interpret mode (the CPU stand-in for the GPU kernel) needs check_vma=False in JAX
     # 0.10.2 (see test_jaxloss_transforms); the GPU lowering is checked with it on in
     # test_jaxloss_kernels.
-    run = _loss_and_grad(kind, norm, _options_named(kind, opt_name), impl, "model")
+    run = _loss_and_grad(kind, norm, dict(options), impl, "model")
     return jax.jit(shard_map(run, mesh=mesh, in_specs=(vocab_spec, target_spec, P(), P()), out_specs=(P(), vocab_spec),
                              check_vma=impl != "pallas"))
 
 
-def _shard_map_call(case, dtype, kind, norm, opt_name, impl, shards):
-    return _compiled(kind, norm, opt_name, impl, shards)(*_inputs(case, dtype))
+def _shard_map_call(case, dtype, kind, norm, options, impl, shards):
+    return _compiled(kind, norm, tuple(sorted(options.items())), impl, shards)(*_inputs(case, dtype))
 
 
 def _check(kind, norm, dtype, scenario, options, loss, grad, what):
@@ -165,7 +158,7 @@ def test_vocab_parallel_shard_map_matches_oracle(kind: str, shards: int) -> None
         if k != kind or (shards == 4 and dtype != "float32"):  # P = 4: fp32 only (compile time)
             continue
         case = _case(kind, scenario, dtype)
-        loss, grad = _shard_map_call(case, dtype, kind, norm, opt_name, "xla", shards)
+        loss, grad = _shard_map_call(case, dtype, kind, norm, options, "xla", shards)
         assert grad.shape == case.logits.shape and grad.dtype == JNP_DTYPES[dtype]
         _check(kind, norm, dtype, scenario, options, loss, grad, f"P={shards}/{kind}/{norm}/{dtype}/{scenario}/{opt_name}")
         checked += 1
@@ -214,11 +207,11 @@ def test_vocab_parallel_pallas_matches_oracle(config: tuple[str, ...]) -> None:
     kind, norm, dtype, scenario, opt_name = config
     options = _options(kind, scenario)[opt_name]
     case = _case(kind, scenario, dtype)
-    loss, grad = _shard_map_call(case, dtype, kind, norm, opt_name, "pallas", 2)
+    loss, grad = _shard_map_call(case, dtype, kind, norm, options, "pallas", 2)
     _check(kind, norm, dtype, scenario, options, loss, grad, "pallas/" + "/".join(config))
     # The XLA path on the same call: its loss and gradient against the oracle too, and the loss
     # the same as the kernel's (both use the same algebra, in the same order per block).
-    loss_xla, grad_xla = _shard_map_call(case, dtype, kind, norm, opt_name, "xla", 2)
+    loss_xla, grad_xla = _shard_map_call(case, dtype, kind, norm, options, "xla", 2)
     _check(kind, norm, dtype, scenario, options, loss_xla, grad_xla, "xla beside pallas/" + "/".join(config))
     np.testing.assert_allclose(np.asarray(loss), np.asarray(loss_xla), rtol=lossspec.LOSS_RTOL, atol=0)
 
