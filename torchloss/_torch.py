@@ -10,7 +10,7 @@ Interface (identical to :mod:`torchloss._triton`)::
 ``"none"``). The gradient written is ``coef * c * dl/dz`` (rows with ``coef == 0`` exactly 0);
 the per-token loss ``l`` is 0 where ``coef == 0``.
 
-The rows are processed in tiles (``_cpu.TILE_ELEMENTS``) in the compute dtype. When the whole
+The rows are processed in tiles (``_cpu.tile_elements``: larger off the CPU) in the compute dtype. When the whole
 vocabulary fits one block (``V <= MAX_VOCAB_BLOCK``, the common case) the exponentials of the
 statistics pass stay in the tile's scratch buffer (for fp32 logits: in the gradient tile itself)
 and the gradient is finished there: the logits are read once from memory. Larger vocabularies
@@ -71,7 +71,7 @@ def forward(
     if rows == 0:
         return loss, grad
     block = min(vocab, MAX_VOCAB_BLOCK)
-    tile_rows = max(1, min(rows, _cpu.TILE_ELEMENTS // block))
+    tile_rows = max(1, min(rows, _cpu.tile_elements(device) // block))
     tiles = _cpu.row_tiles(rows, tile_rows)
     if device.type == "cpu" and block == vocab and logits.dtype != acc:
         tiles = _cpu.compact_tiles(coef, tile_rows) or tiles

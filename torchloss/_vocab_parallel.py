@@ -53,8 +53,8 @@ def shard_offset(vocab_local: int, group: Any, device: torch.device) -> tuple[in
     return sum(counts[:rank]), sum(counts)
 
 
-def _tile_rows(rows: int, width: int) -> int:
-    return max(1, min(rows, _cpu.TILE_ELEMENTS // max(1, width)))
+def _tile_rows(rows: int, width: int, device: torch.device) -> int:
+    return max(1, min(rows, _cpu.tile_elements(device) // max(1, width)))
 
 
 def local_stats(config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, offset: int) -> Any:
@@ -64,7 +64,7 @@ def local_stats(config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, off
     rows, width = x.shape
     acc = compute_dtype(x.dtype)
     is_ce = config.kind == "cross_entropy"
-    tile_rows = _tile_rows(rows, width)
+    tile_rows = _tile_rows(rows, width, x.device)
     parts: dict[int, Any] = {}
 
     def run(tiles: Iterable[_cpu.Tile]) -> None:
@@ -121,12 +121,12 @@ def combine_shards(config: LossConfig, local: Any, group: Any) -> Any:
 def mixture_shard_sums(config: LossConfig, fin: Any, x: Tensor, target: Tensor) -> Tensor:
     """This shard's :data:`lossspec.MIXTURE_STATS` ``[2, N]`` (``kl_qm``, ``kl_pm``) from the global
     :class:`_stats.Final`, no collective, tiled: row tiles of column blocks of at most
-    ``_cpu.TILE_ELEMENTS`` entries (the sums are plain sums, relative to the global ``lse``'s,
+    ``_cpu.tile_elements`` entries (the sums are plain sums, relative to the global ``lse``'s,
     so blocks simply add), so the fp32 temporaries never grow with the shard's width."""
     rows, width = x.shape
     sums = torch.zeros((2, rows), dtype=fin.s.dtype, device=x.device)
-    block = max(1, min(width, _cpu.TILE_ELEMENTS))
-    tile_rows = _tile_rows(rows, block)
+    block = max(1, min(width, _cpu.tile_elements(x.device)))
+    tile_rows = _tile_rows(rows, block, x.device)
 
     def run(tiles: Iterable[_cpu.Tile]) -> None:
         with torch.no_grad():
@@ -162,7 +162,7 @@ def shard_grad(
     rows, width = x.shape
     acc = compute_dtype(x.dtype)
     is_ce = config.kind == "cross_entropy"
-    tile_rows = _tile_rows(rows, width)
+    tile_rows = _tile_rows(rows, width, x.device)
 
     def run(tiles: Iterable[_cpu.Tile]) -> None:
         bufs_flat = [torch.empty(tile_rows * width, dtype=acc, device=x.device) for _ in range(_stats.buffers_needed(config.kind) + 1)]
