@@ -15,8 +15,10 @@ block math of :mod:`torchloss._stats` (``block_stats``, ``combine``, ``finalize`
 ``block_grad``): an online softmax, then each block's gradient from its recomputed logits.
 16-bit inputs are upcast to fp32 (exact; the weight a slice at a time into one reused buffer,
 :class:`WeightRows`) so every product is accumulated in fp32; the fp32 gradients are rounded
-once to the parameters' dtypes. (On CUDA,
-torch's ``allow_tf32`` switches apply to these matmuls as to any other.)
+once to the parameters' dtypes. On CUDA, bf16 inputs go to the matmuls as they are (tensor
+cores, fp32 results: :func:`mm_f32`) and the backward multiplies the fp32 ``G`` as three exact
+bf16 terms (:func:`split_bf16`): the same exact products, accumulated in fp32, at tensor-core
+speed. (Other CUDA matmuls are fp32: torch's ``allow_tf32`` switches apply to them as to any other.)
 
 Differentiation: an autograd Function. Reduced normalisations: the forward computes the fp32
 gradients of hidden, weight and bias, the backward scales them by the upstream scalar and
@@ -94,8 +96,74 @@ def _whole_row(config: LossConfig, local: Any, shards: Optional[Shards], vocab: 
     return _stats.finalize(config, _vocab_parallel.combine_shards(config, local, shards.group), shards.vocab)
 
 
+#: Terms of the fp32 gradient tile ``G`` for the bf16 backward matmuls (:func:`split_bf16`):
+#: three bf16 terms hold all 24 bits of an fp32 significand, so ``sum_k term_k W`` is the exact
+#: ``G W`` with its products accumulated in fp32 (two terms would round ``G`` to ~17 bits).
+SPLIT_TERMS: int = 3
+
+
+#: Devices whose head matmuls read bf16 operands as they are (tensor cores, fp32 results).
+BF16_MATMUL_DEVICES: tuple[str, ...] = ("cuda",)
+
+
+def bf16_matmuls(device: torch.device, *dtypes: torch.dtype) -> bool:
+    """Whether the head's matmuls read bf16 operands as they are (tensor cores, fp32 results)
+    instead of fp32 upcasts: on CUDA when every operand is bf16 (on an H200 the fp32 matmuls,
+    with TF32 off as torch's default, ran the head ~30x slower than its bf16 matmuls). On the
+    CPU torch has no bf16 matmul with an fp32 result (``mm``'s ``out_dtype`` has no CPU kernel in
+    torch 2.13), and rounding the result to bf16 is what the fused head exists to avoid."""
+    if device.type not in BF16_MATMUL_DEVICES or not all(d == torch.bfloat16 for d in dtypes):
+        return False
+    return device.type != "cuda" or _cuda_mm_out_dtype(device)
+
+
+_MM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def _cuda_mm_out_dtype(device: torch.device) -> bool:
+    """Whether this torch has ``mm(bf16, bf16, out_dtype=float32)`` on ``device`` (probed once;
+    without it the head widens to fp32 as on the CPU)."""
+    key = str(device)
+    if key not in _MM_OUT_DTYPE:
+        probe = torch.ones((16, 16), dtype=torch.bfloat16, device=device)
+        try:
+            _MM_OUT_DTYPE[key] = bool(torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE[key] = False
+    return _MM_OUT_DTYPE[key]
+
+
+def mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of bf16 operands in fp32: each product exact (16 significant bits), accumulated
+    and returned in fp32 (CUDA: cuBLAS with fp32 compute, ``out_dtype``). Elsewhere (the tests
+    exercise this path on the CPU) the same numbers from exact fp32 upcasts."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def split_bf16(g: Tensor, terms: int = SPLIT_TERMS) -> list[Tensor]:
+    """``g`` fp32 as ``terms`` bf16 tensors whose fp32 sum is ``g``: each term is the remainder
+    rounded to bf16 (8 significant bits), the remainder after it exact in fp32, so three terms
+    carry the whole 24-bit significand (bf16 has fp32's exponent range)."""
+    parts = []
+    rest = g
+    for k in range(terms):
+        part = rest.to(torch.bfloat16)
+        parts.append(part)
+        if k + 1 < terms:
+            rest = rest - part.float()
+    return parts
+
+
 def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
-    """``h @ w.T + b`` ``[R, B]``, contiguous, in ``h``'s dtype (into ``out`` when given)."""
+    """``h @ w.T + b`` ``[R, B]``, contiguous, in the compute dtype (into ``out`` when given);
+    bf16 ``h`` and ``w`` (:func:`bf16_matmuls`) give an fp32 result (:func:`mm_f32`)."""
+    if h.dtype == torch.bfloat16:
+        z = mm_f32(h, w.t())
+        if b is not None:
+            z += b
+        return z if out is None else out.copy_(z)
     if b is None:
         return torch.mm(h, w.t(), out=out)
     return torch.addmm(b, h, w.t(), out=out)
@@ -107,9 +175,11 @@ class WeightRows:
     (exactly) into one reused buffer, so a 16-bit weight never has a whole fp32 copy. (Measured
     at R = 256, V = 32768, H = 1024 bf16 on the CPU: the same forward time, 5% more backward.)"""
 
-    def __init__(self, weight: Tensor, acc: torch.dtype, slice_rows: int) -> None:
-        self.weight, self.acc = weight.detach(), acc
-        self.step = weight.shape[0] if weight.dtype == acc else max(1, slice_rows)
+    def __init__(self, weight: Tensor, acc: torch.dtype, slice_rows: int, as_is: bool = False) -> None:
+        # as_is (bf16 matmuls): slices of the weight itself, no upcast; still sliced, since the
+        # backward splits each slice's gradient into bf16 terms (temporaries of its size).
+        self.weight, self.acc = weight.detach(), (weight.dtype if as_is else acc)
+        self.step = weight.shape[0] if (weight.dtype == acc and not as_is) else max(1, slice_rows)
         self.buf: Optional[Tensor] = None
 
     @property
@@ -119,7 +189,8 @@ class WeightRows:
     def slices(self, v0: int, v1: int) -> Any:
         """``(a, b, rows a:b in the compute dtype)`` covering ``[v0, v1)``."""
         if self.weight.dtype == self.acc:
-            yield v0, v1, self.weight[v0:v1]
+            for a in range(v0, v1, self.step):
+                yield a, min(v1, a + self.step), self.weight[a : min(v1, a + self.step)]
             return
         for a in range(v0, v1, self.step):
             b = min(v1, a + self.step)
@@ -131,7 +202,7 @@ class WeightRows:
 def _head_logits(h: Tensor, w: WeightRows, b: Optional[Tensor], v0: int, v1: int, out: Optional[Tensor] = None) -> Tensor:
     """Columns ``[v0, v1)`` of ``h @ w.T + b``, ``[R, v1 - v0]`` (into ``out`` when given)."""
     if out is None:
-        out = torch.empty((h.shape[0], v1 - v0), dtype=h.dtype, device=h.device)
+        out = torch.empty((h.shape[0], v1 - v0), dtype=compute_dtype(h.dtype), device=h.device)
     for a, c, rows in w.slices(v0, v1):
         _logits(h, rows, None if b is None else b[a:c], out=out[:, a - v0 : c - v0])
     return out
@@ -143,12 +214,26 @@ def _add_head_grads(g: Tensor, h: Tensor, w: WeightRows, v0: int, dh: Tensor, dw
     v1 = v0 + g.shape[1]
     for a, c, rows in w.slices(v0, v1):
         part = g[:, a - v0 : c - v0]
-        if first:
+        if rows.dtype == torch.bfloat16:  # bf16 matmuls: G as exact bf16 terms (split_bf16)
+            terms = split_bf16(part)
+            prod = mm_f32(terms[0], rows)
+            for term in terms[1:]:
+                prod += mm_f32(term, rows)
+            if first:
+                dh.copy_(prod)
+                first = False
+            else:
+                dh += prod
+            del prod
+            for term in terms:
+                dw[a:c] += mm_f32(term.t(), h)
+        elif first:
             torch.mm(part, rows, out=dh)
             first = False
         else:
             dh.addmm_(part, rows)
-        dw[a:c].addmm_(part.t(), h)
+        if rows.dtype != torch.bfloat16:
+            dw[a:c].addmm_(part.t(), h)
         if db is not None:
             db[a:c] += part.sum(dim=0)
 
@@ -205,7 +290,7 @@ def _chunk_blocked(
     _, w, b = student
     n, vocab = hc.shape[0], w.shape[0]
     offset = 0 if shards is None else shards.offset
-    acc = hc.dtype
+    acc = compute_dtype(hc.dtype)
     flat = [torch.empty(n * block, dtype=acc, device=hc.device) for _ in range(_stats.buffers_needed(config.kind))]
     stats = _stats.empty_stats(config, n, acc, hc.device)
     x_y = None if y is None else torch.zeros(n, dtype=acc, device=hc.device)
@@ -289,8 +374,11 @@ def head_forward(
     # A 16-bit weight is read in fp32 slices whose buffer is at most a quarter block (WeightRows).
     slice_rows = max(1, (rows * block) // (4 * max(1, width)))
     up = lambda a: None if a is None else a.detach().to(acc)  # noqa: E731  (16-bit: exact)
-    student = (None, WeightRows(weight, acc, slice_rows), up(bias))
-    teacher_acc = None if teacher is None else (None, WeightRows(teacher[1], acc, slice_rows), up(teacher[2]))
+    operands = [hidden.dtype, weight.dtype] + ([] if teacher is None else [teacher[0].dtype, teacher[1].dtype])
+    as_is = bf16_matmuls(device, *operands)
+    rows_in = (lambda a: a.detach()) if as_is else up  # the matmuls' hidden rows
+    student = (None, WeightRows(weight, acc, slice_rows, as_is), up(bias))
+    teacher_acc = None if teacher is None else (None, WeightRows(teacher[1], acc, slice_rows, as_is), up(teacher[2]))
     loss = torch.zeros(n, dtype=acc, device=device)
     dh = torch.empty((n, width), dtype=acc, device=device) if need_grad else None
     dw = torch.zeros((vocab, width), dtype=acc, device=device) if need_grad else None
@@ -300,12 +388,12 @@ def head_forward(
     with torch.no_grad(), _torch._no_autocast(device):
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            hc = hidden[r0:r1].detach().to(acc)
+            hc = rows_in(hidden[r0:r1])
             cc = coef[r0:r1]
             y = None if labels is None else labels[r0:r1]
             tt = None
             if teacher is not None:
-                tt = (teacher[0][r0:r1].detach().to(acc),) + teacher_acc[1:]
+                tt = (rows_in(teacher[0][r0:r1]),) + teacher_acc[1:]
             dh_c = None if dh is None else dh[r0:r1]
             if block < vocab:
                 loss[r0:r1] = _chunk_blocked(config, block, hc, student, tt, y, cc, need_grad, dh_c, dw, db, shards)
