@@ -19,7 +19,8 @@
 # commit, whether the tree was clean, the load average before and after and the versions.
 #
 # Environment: GPU_CHECK_SECONDS (default 600) the whole budget; GPU_CHECK_PYTEST_SECONDS (default
-# 150) the kernel tests' share of it; PYTHON_BIN a Python to use as
+# 150) the kernel tests' share of it; GPU_CHECK_SWEEP_SECONDS (default 60) the Triton launch-shape
+# sweep's; GPU_CHECK_BENCH_ARGS more arguments of the benchmark; PYTHON_BIN a Python to use as
 # it is. The project is imported from this checkout (PYTHONPATH), never installed.
 # Exit status: 0 when every check passed, 1 otherwise (the benchmark runs either way).
 set -uo pipefail
@@ -103,10 +104,10 @@ EOF
 # is listed (-rf, no -x). A worker per two host cores: each compiles its own kernels.
 kernel_tests=(parity_tests/test_torchloss_triton_kernels.py parity_tests/test_linear_head_kernels.py
               parity_tests/test_torchloss_triton_vocab_parallel.py parity_tests/test_jaxloss_kernels.py
-              parity_tests/test_jaxloss_oracle.py)
+              parity_tests/test_jaxloss_oracle.py parity_tests/test_linear_head_bf16_matmuls.py)
 workers=$(( $(nproc) / 2 )); [ "$workers" -ge 1 ] || workers=1
 step "kernel tests on the GPU: pytest ${kernel_tests[*]} -k 'pallas or triton' -n $workers"
-timeout "${GPU_CHECK_PYTEST_SECONDS:-150}" "$py" -m pytest -q -rf -n "$workers" -p no:cacheprovider "${kernel_tests[@]}" -k "pallas or triton"
+timeout "${GPU_CHECK_PYTEST_SECONDS:-150}" "$py" -m pytest -q -rf -n "$workers" -p no:cacheprovider "${kernel_tests[@]}" -k "pallas or triton or bf16_matmuls"
 code=$?
 if [ $code -eq 5 ]; then
   echo "(no kernel tests selected)"
@@ -121,13 +122,18 @@ timeout 60 "$py" -m lossparity --quiet --backends jax-pallas,torch-triton --shap
 timeout 30 "$py" -m lossparity --quiet --backends jax-pallas,torch-triton --shape 3x41x50257 --dtypes bfloat16 \
   --normalizations valid_tokens --no-plot --out benchmarks/results/gpu_parity/ragged || failures+=("lossparity 3x41x50257")
 
+step "Triton launch shapes: python -m benchmarks.gpu_triton_sweep (vocabulary block x warps)"
+timeout "$(( ${GPU_CHECK_SWEEP_SECONDS:-60} + 30 ))" "$py" -m benchmarks.gpu_triton_sweep --max-seconds "${GPU_CHECK_SWEEP_SECONDS:-60}" \
+  --json benchmarks/results/gpu_triton_sweep.json || failures+=("Triton sweep")
+
 # ---- 4. benchmark ----------------------------------------------------------------------------
 remaining=$(left)
-minutes=$(( (remaining - 45) / 60 ))
+minutes=$(awk -v r="$remaining" 'BEGIN { printf "%.1f", (r - 45) / 60 }')
 step "benchmark: python -m benchmarks.run --gpu-quick --name gpu_quick --max-minutes $minutes"
-if [ "$minutes" -ge 1 ]; then
-  timeout 60 "$py" -m benchmarks.run --gpu-quick --name gpu_quick --dry-run || true
-  timeout "$(at_least $(( remaining - 10 )) 30)" "$py" -m benchmarks.run --gpu-quick --name gpu_quick --max-minutes "$minutes" \
+if [ $(( remaining - 45 )) -ge 60 ]; then
+  # GPU_CHECK_BENCH_ARGS: more arguments, e.g. --kinds in the order the cells should run
+  timeout 60 "$py" -m benchmarks.run --gpu-quick --name gpu_quick ${GPU_CHECK_BENCH_ARGS:-} --dry-run || true
+  timeout "$(at_least $(( remaining - 10 )) 30)" "$py" -m benchmarks.run --gpu-quick --name gpu_quick ${GPU_CHECK_BENCH_ARGS:-} --max-minutes "$minutes" \
     || failures+=("benchmark (exit $?)")
 else
   failures+=("benchmark: no time left")

@@ -1,0 +1,132 @@
+"""Launch-shape sweep of the Triton loss kernels on a GPU (run by ``benchmarks/gpu_check.sh``).
+
+For each loss kind, times ``torchloss.<kind>(..., impl="triton")`` forward + backward at
+N x V (default 16384 x 131072, bf16 logits, 30% of the tokens masked) for each vocabulary block
+(``torchloss._triton.MAX_BLOCK_V``) and warp count, medians of CUDA-event timings, and checks
+that every configuration gives the default configuration's loss and gradient up to fp32
+reassociation (the summation order follows the block). Prints a table and writes JSON::
+
+    python -m benchmarks.gpu_triton_sweep [--n 16384] [--v 131072] [--reps 20] [--kinds K1,K2] [--max-seconds S] [--json PATH]
+
+The defaults of ``torchloss._triton`` (``MAX_BLOCK_V``, ``num_warps``) are chosen from this
+sweep; the kernels' correctness at every block size is the test suite's business.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import torchloss
+from torchloss import _triton
+
+KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
+BLOCKS = (2048, 4096, 8192, 16384)
+WARPS = (8, 16, 32)
+
+
+def _time(step: Callable[[], Any], reps: int, cuda: bool) -> list[float]:
+    """Milliseconds of ``reps`` calls after 3 warm-ups (CUDA events; the wall clock on the CPU,
+    where the interpreter makes this a smoke test only)."""
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(reps):
+        if not cuda:
+            t0 = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t0))
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=16384)
+    parser.add_argument("--v", type=int, default=131072)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--kinds", default="cross_entropy,reverse_kl")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop starting configurations after this long")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
+    n, v = args.n, args.v
+    logits = (torch.randn((n, v), generator=gen, device=device) * 2).to(torch.bfloat16).requires_grad_(True)
+    teacher = (torch.randn((n, v), generator=gen, device=device) * 2).to(torch.bfloat16)
+    labels = torch.randint(0, v, (n,), generator=gen, device=device)
+    mask = torch.rand((n,), generator=gen, device=device) >= 0.3
+    default_block, default_warps = _triton.MAX_BLOCK_V, _triton.num_warps
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    print(f"Triton sweep: N={n} V={v} bf16, 30% masked, {args.reps} reps; default MAX_BLOCK_V={default_block}, "
+          f"num_warps(block)={default_warps(min(default_block, v))}", flush=True)
+    for kind in args.kinds.split(","):
+        fn = getattr(torchloss, kind)
+        target = labels if kind == "cross_entropy" else teacher
+
+        def step() -> torch.Tensor:
+            logits.grad = None
+            loss = fn(logits, target, mask, impl="triton")
+            loss.backward()
+            return loss
+
+        reference = None
+        for block in BLOCKS:
+            for warps in WARPS:
+                if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
+                    rows.append({"kind": kind, "block_v": block, "num_warps": warps, "error": "skipped: time budget"})
+                    continue
+                _triton.MAX_BLOCK_V = block
+                _triton.num_warps = lambda block_v, w=warps: w
+                try:
+                    loss = step().detach().double().item()
+                    grad = logits.grad.detach().float()
+                    if reference is None:
+                        reference = (loss, grad.clone())
+                    times = _time(step, args.reps, cuda)
+                    row = {"kind": kind, "block_v": block, "num_warps": warps, "median_ms": statistics.median(times),
+                           "min_ms": min(times), "max_ms": max(times), "loss": loss,
+                           "loss_rel_diff": abs(loss - reference[0]) / max(abs(reference[0]), 1e-30),
+                           "grad_max_abs_diff": float((grad - reference[1]).abs().max()),
+                           "grad_max_abs": float(reference[1].abs().max())}
+                except Exception as exc:  # a launch shape the compiler refuses (registers, shared memory)
+                    row = {"kind": kind, "block_v": block, "num_warps": warps, "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+                finally:
+                    _triton.MAX_BLOCK_V, _triton.num_warps = default_block, default_warps
+                rows.append(row)
+                if "error" in row:
+                    print(f"{kind:18} block {block:6} warps {warps:3}: {row['error']}", flush=True)
+                else:
+                    print(f"{kind:18} block {block:6} warps {warps:3}: {row['min_ms']:7.3f} / {row['median_ms']:7.3f} / "
+                          f"{row['max_ms']:7.3f} ms  loss rel diff {row['loss_rel_diff']:.1e}  grad max diff "
+                          f"{row['grad_max_abs_diff']:.1e} (max |grad| {row['grad_max_abs']:.1e})", flush=True)
+        ok = [r for r in rows if r["kind"] == kind and "error" not in r]
+        if ok:
+            best = min(ok, key=lambda r: r["median_ms"])
+            default = next((r for r in ok if r["block_v"] == default_block and r["num_warps"] == default_warps(min(default_block, v))), None)
+            print(f"{kind}: best block {best['block_v']} x {best['num_warps']} warps {best['median_ms']:.3f} ms"
+                  + (f"; default {default['median_ms']:.3f} ms" if default else ""), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"n": n, "v": v, "reps": args.reps, "torch": torch.__version__,
+                                         "gpu": torch.cuda.get_device_name(0) if cuda else None, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
