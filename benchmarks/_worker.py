@@ -439,6 +439,8 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
             def forward() -> Any:
                 return F.cross_entropy(F.linear(h, w), labels_ignore)
         elif spec.backend == "head-linear_ce":
+            if not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+                raise Unavailable(f"torch {torch.__version__} has no F.linear_cross_entropy (new in 2.13)")
             options = torch.nn.LinearCrossEntropyOptions()
 
             def forward() -> Any:

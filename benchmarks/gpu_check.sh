@@ -123,7 +123,7 @@ timeout 30 "$py" -m lossparity --quiet --backends jax-pallas,torch-triton --shap
   --normalizations valid_tokens --no-plot --out benchmarks/results/gpu_parity/ragged || failures+=("lossparity 3x41x50257")
 
 step "Triton launch shapes: python -m benchmarks.gpu_triton_sweep (vocabulary block x warps)"
-timeout "$(( ${GPU_CHECK_SWEEP_SECONDS:-60} + 30 ))" "$py" -m benchmarks.gpu_triton_sweep --max-seconds "${GPU_CHECK_SWEEP_SECONDS:-60}" \
+timeout "$(( ${GPU_CHECK_SWEEP_SECONDS:-60} + 50 ))" "$py" -m benchmarks.gpu_triton_sweep --max-seconds "${GPU_CHECK_SWEEP_SECONDS:-60}" --head \
   --json benchmarks/results/gpu_triton_sweep.json || failures+=("Triton sweep")
 
 # ---- 4. benchmark ----------------------------------------------------------------------------

@@ -54,6 +54,46 @@ def _time(step: Callable[[], Any], reps: int, cuda: bool) -> list[float]:
     return times
 
 
+def _head_kernels(reps: int, cuda: bool, n: int = 2048, hidden: int = 2048, vocab: int = 32768) -> list[dict[str, Any]]:
+    """The fused head's Triton kernels (``impl="triton"``) against the default torch path and the
+    three bf16 matmuls alone, cross-entropy at a small bf16 shape (the kernels are opt-in)."""
+    device = "cuda" if cuda else "cpu"
+    gen = torch.Generator(device=device).manual_seed(1)
+    h = (torch.randn((n, hidden), generator=gen, device=device)).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn((vocab, hidden), generator=gen, device=device) * 0.02).to(torch.bfloat16).requires_grad_(True)
+    labels = torch.randint(0, vocab, (n,), generator=gen, device=device)
+    mask = torch.rand((n,), generator=gen, device=device) >= 0.3
+    out = []
+
+    def fused(impl: str) -> Callable[[], Any]:
+        def step() -> Any:
+            h.grad = w.grad = None
+            loss = torchloss.linear_cross_entropy(h, w, labels, mask, impl=impl)
+            loss.backward()
+            return loss
+        return step
+
+    def matmuls() -> Any:
+        with torch.no_grad():
+            z = h @ w.t()
+            return z @ w, z.t() @ h
+
+    for name, step in (("linear_cross_entropy impl=triton", fused("triton")), ("linear_cross_entropy impl=torch", fused("torch")),
+                       ("three bf16 matmuls", matmuls)):
+        try:
+            loss = step()
+            times = _time(step, max(3, reps // 4), cuda)
+            row = {"what": name, "n": n, "h": hidden, "v": vocab, "median_ms": statistics.median(times), "min_ms": min(times)}
+            if name.startswith("linear"):
+                row["loss"] = float(loss.detach().double())
+        except Exception as exc:  # noqa: BLE001
+            row = {"what": name, "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+        out.append(row)
+        print(f"head N={n} H={hidden} V={vocab} bf16 {name:34}: " + (row["error"] if "error" in row else f"{row['median_ms']:8.2f} ms median"
+              + (f", loss {row['loss']:.6f}" if "loss" in row else "")), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=16384)
@@ -62,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default="cross_entropy,reverse_kl")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop starting configurations after this long")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--head", action="store_true", help="also time the fused head's Triton kernels (small shape)")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -122,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             default = next((r for r in ok if r["block_v"] == default_block and r["num_warps"] == default_warps(min(default_block, v))), None)
             print(f"{kind}: best block {best['block_v']} x {best['num_warps']} warps {best['median_ms']:.3f} ms"
                   + (f"; default {default['median_ms']:.3f} ms" if default else ""), flush=True)
+    head = _head_kernels(args.reps, cuda) if args.head else []
     if args.json:
         args.json.write_text(json.dumps({"n": n, "v": v, "reps": args.reps, "torch": torch.__version__,
-                                         "gpu": torch.cuda.get_device_name(0) if cuda else None, "rows": rows}, indent=1) + "\n")
+                                         "gpu": torch.cuda.get_device_name(0) if cuda else None, "rows": rows, "head": head}, indent=1) + "\n")
     return 0
 
 
