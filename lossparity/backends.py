@@ -6,11 +6,14 @@ that a missing one only disables its own backends."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 import lossspec
+
+if TYPE_CHECKING:  # torch is imported lazily (a missing framework only disables its backends)
+    import torch
 
 BackendFn = Callable[[str, "Inputs", dict[str, Any], Any], tuple[np.ndarray, np.ndarray]]
 
@@ -35,7 +38,7 @@ class Backend:
     name: str
     framework: str  # "oracle" | "jax" | "torch"
     run: BackendFn
-    kernel: bool = False  # an interpreted kernel on the CPU: slow, keep shapes small
+    kernel: bool = False  # a kernel, interpreted on CPU-only machines: slow there, keep shapes small
 
 
 def _oracle(kind: str, inputs: Inputs, options: dict[str, Any], grad_output: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -70,25 +73,42 @@ def _jax(impl: str) -> BackendFn:
     return run
 
 
+def torch_device(impl: str) -> "torch.device":
+    """Where the torch backend of ``impl`` puts its tensors. The Triton kernels run compiled on
+    CUDA tensors where CUDA is available (compiled kernels take nothing else), else through the
+    Triton interpreter on CPU tensors (torchloss enables it without CUDA); the torch path stays
+    on the CPU."""
+    import torch
+
+    return torch.device("cuda" if impl == "triton" and torch.cuda.is_available() else "cpu")
+
+
 def _torch(impl: str) -> BackendFn:
     def run(kind: str, inputs: Inputs, options: dict[str, Any], grad_output: Any) -> tuple[np.ndarray, np.ndarray]:
         import torch
 
         import torchloss
 
+        device = torch_device(impl)
+        # Made on the host exactly as before, then moved (the same values on every device).
+        host = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
         dtype = getattr(torch, inputs.dtype)
-        logits = torch.from_numpy(np.ascontiguousarray(inputs.logits)).to(dtype).requires_grad_(True)
+        logits = host(inputs.logits).to(dtype).to(device).requires_grad_(True)
         targets: tuple = ()  # entropy has no target argument
         if kind == "cross_entropy":
-            targets = (torch.from_numpy(inputs.target.astype(np.int64)),)
+            targets = (host(inputs.target.astype(np.int64)).to(device),)
         elif lossspec.KIND_SPECS[kind].target is not None:
-            targets = (torch.from_numpy(np.ascontiguousarray(inputs.target)).to(dtype),)
-        mask = None if inputs.loss_mask is None else torch.from_numpy(np.ascontiguousarray(inputs.loss_mask))
-        ids = None if inputs.segment_ids is None else torch.from_numpy(np.ascontiguousarray(inputs.segment_ids))
+            targets = (host(inputs.target).to(dtype).to(device),)
+        mask = None if inputs.loss_mask is None else host(inputs.loss_mask).to(device)
+        ids = None if inputs.segment_ids is None else host(inputs.segment_ids).to(device)
         loss = getattr(torchloss, kind)(logits, *targets, mask, impl=impl, segment_ids=ids, **options)
-        upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(grad_output, dtype=loss.dtype).expand_as(loss)
+        if grad_output is None:
+            upstream = torch.ones_like(loss)
+        else:
+            upstream = torch.as_tensor(grad_output, dtype=loss.dtype).to(device).expand_as(loss)
         loss.backward(upstream)
-        return loss.detach().double().numpy(), logits.grad.double().numpy()
+        # .cpu() also waits for the device's kernels, so the caller's timing covers them.
+        return loss.detach().cpu().double().numpy(), logits.grad.cpu().double().numpy()
 
     return run
 

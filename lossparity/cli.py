@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 import lossspec  # noqa: E402
 
-from .backends import BACKENDS, Inputs, available  # noqa: E402
+from .backends import BACKENDS, Inputs, available, torch_device  # noqa: E402
 from .inputs import InputError, found_keys, read_inputs  # noqa: E402
 from .matrix import CaseSpec, Result, builtin_cases, run_matrix  # noqa: E402
 
@@ -291,6 +291,8 @@ def _environment() -> dict[str, Any]:
             info[module] = __import__(module).__version__
         except Exception:  # noqa: BLE001 - a missing framework is reported, not fatal
             info[module] = None
+    # Whether torch-triton's kernels ran compiled ("cuda") or in the Triton interpreter ("cpu").
+    info["torch_triton_device"] = str(torch_device("triton")) if info["torch"] is not None else None
     return info
 
 

@@ -1,5 +1,6 @@
 """The small model and batch of the torch equivalence tests (shared by the tests and their
-workers), and its float64 reference (_tiny_lm_oracle.py)."""
+workers), and its float64 reference (_tiny_lm_oracle.py); and :data:`TRITON_DEVICE`, where the
+Triton kernel tests put their tensors."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ import torchloss
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _tiny_lm_oracle  # noqa: E402
+
+# The device of the Triton kernel tests' tensors (test_torchloss_triton_*.py,
+# test_linear_head_kernels.py): with CUDA the kernels are compiled and take CUDA tensors only;
+# without it torchloss runs them through the Triton interpreter on CPU tensors. Inputs are made
+# on the host as before (NumPy, same seeds) and moved here; results come back with .cpu().
+TRITON_DEVICE: torch.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
 NORMALIZATIONS = ("valid_tokens", "tokens", "sum")

@@ -1,10 +1,13 @@
 """The fused LM head's kernels (``impl="pallas"``: :mod:`jaxloss._pallas_linear`, ``impl="triton"``:
 :mod:`torchloss._triton_linear`) against the float64 head oracle.
 
-Shapes are small (the kernels run interpreted: Pallas interpret mode, the Triton interpreter) but
-chosen so that with the interpreter's 16 x 16 x 16 tiles every axis takes several blocks and a
-ragged tail: N = 36 tokens (3 token blocks), V = 37 (3 vocabulary blocks), H = 40 (3 slices of
-the hidden axis), the teacher's Ht = 20. Masked rows: mask weights 0 and an ignored label. Bounds:
+Shapes are small (on CPU machines the kernels run interpreted: Pallas interpret mode, the Triton
+interpreter) but chosen so that with the interpreter's 16 x 16 x 16 tiles every axis takes several
+blocks and a ragged tail: N = 36 tokens (3 token blocks), V = 37 (3 vocabulary blocks), H = 40 (3
+slices of the hidden axis), the teacher's Ht = 20. Where CUDA is available the Triton kernels are
+compiled and take CUDA tensors (``_torch_problem.TRITON_DEVICE``; inputs are still made on the
+host), and ``_triton_linear.GPU_BLOCKS``' larger tiles still split every axis with a ragged
+tail. Masked rows: mask weights 0 and an ignored label. Bounds:
 SPEC section 6 for the loss, section 7 (``lossspec.linear.compare_head_grad``) for the gradients
 of hidden, weight and bias. The whole file is in the slow tier (interpreted kernels).
 """
@@ -28,6 +31,7 @@ from jaxloss._stats import KernelConfig
 from lossspec import linear as spec_linear
 from torchloss import _triton_linear
 
+from _torch_problem import TRITON_DEVICE
 from test_linear_head import _options
 from test_linear_head import make_inputs as head_inputs
 
@@ -71,24 +75,24 @@ def run(impl: str, kind: str, inputs: dict[str, Any], dtype: str, with_bias: boo
         assert all(grads[name].dtype == jdt for name in grads)
         return np.asarray(loss, np.float64), {k: np.asarray(g.astype(jnp.float32), np.float64) for k, g in grads.items()}
     tdt = getattr(torch, dtype)
-    as_t = lambda a: torch.tensor(np.asarray(a, np.float32)).to(tdt)  # noqa: E731  (exact)
+    as_t = lambda a: torch.tensor(np.asarray(a, np.float32)).to(tdt).to(TRITON_DEVICE)  # noqa: E731  (exact)
     params = {"hidden": as_t(inputs["hidden"]), "weight": as_t(inputs["weight"])}
     if with_bias:
         params["bias"] = as_t(inputs["bias"])
     for p in params.values():
         p.requires_grad_(True)
     if kind == "cross_entropy":
-        target = (torch.tensor(inputs["labels"]),)
+        target = (torch.tensor(inputs["labels"]).to(TRITON_DEVICE),)
         extra = {}
     else:
         target = (as_t(inputs["teacher_hidden"]), as_t(inputs["teacher_weight"]))
         extra = {"teacher_bias": as_t(inputs["teacher_bias"])}
     fn = getattr(torchloss, f"linear_{kind}")
-    loss = fn(params["hidden"], params["weight"], *target, torch.tensor(inputs["loss_mask"]), bias=params.get("bias"), **extra,
-              **options, impl=impl)
-    loss.backward(torch.tensor(grad_output))
+    loss = fn(params["hidden"], params["weight"], *target, torch.tensor(inputs["loss_mask"]).to(TRITON_DEVICE), bias=params.get("bias"),
+              **extra, **options, impl=impl)
+    loss.backward(torch.tensor(grad_output).to(TRITON_DEVICE))
     assert all(p.grad.dtype == tdt for p in params.values())
-    return loss.detach().double().numpy(), {k: p.grad.float().double().numpy() for k, p in params.items()}
+    return loss.detach().cpu().double().numpy(), {k: p.grad.cpu().float().double().numpy() for k, p in params.items()}
 
 
 def check(impl: str, kind: str, dtype: str, with_bias: bool, options: dict[str, Any], seed: int = 0) -> None:
@@ -181,11 +185,12 @@ def test_kernels_softcap(impl: str, kind: str) -> None:
     n = coef.size
     teacher_np = None if kind == "cross_entropy" else (inputs["teacher_hidden"].reshape(n, HT), inputs["teacher_weight"], inputs["teacher_bias"])
     if impl == "triton":
-        labels = None if kind != "cross_entropy" else torch.tensor(inputs["labels"].reshape(-1))
-        teacher = None if teacher_np is None else tuple(torch.tensor(a) for a in teacher_np)
-        out = _triton_linear.head_forward(_Capped(config, cap, t_cap), torch.tensor(inputs["hidden"].reshape(n, H)), torch.tensor(inputs["weight"]),
-                                          torch.tensor(inputs["bias"]), labels, teacher, torch.tensor(coef), need_grad=True)
-        loss, dh, dw, db = (a.double().numpy() for a in out)
+        on_device = lambda a: torch.tensor(a).to(TRITON_DEVICE)  # noqa: E731
+        labels = None if kind != "cross_entropy" else on_device(inputs["labels"].reshape(-1))
+        teacher = None if teacher_np is None else tuple(on_device(a) for a in teacher_np)
+        out = _triton_linear.head_forward(_Capped(config, cap, t_cap), on_device(inputs["hidden"].reshape(n, H)), on_device(inputs["weight"]),
+                                          on_device(inputs["bias"]), labels, teacher, on_device(coef), need_grad=True)
+        loss, dh, dw, db = (a.detach().cpu().double().numpy() for a in out)
     else:
         cfg = KernelConfig(kind=kind, scale=config.student_scale, teacher_scale=config.teacher_scale,
                            label_smoothing=config.label_smoothing, z_loss=config.z_loss)

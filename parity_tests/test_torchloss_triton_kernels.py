@@ -1,5 +1,6 @@
-"""torchloss' Triton kernels (``torchloss._triton``) against the float64 oracle, through the
-Triton interpreter on CPU tensors.
+"""torchloss' Triton kernels (``torchloss._triton``) against the float64 oracle: compiled, on CUDA
+tensors, where CUDA is available; else through the Triton interpreter on CPU tensors
+(``_torch_problem.TRITON_DEVICE``). Inputs are made on the host either way.
 
 Small shapes (V <= ~300, N <= 16) with ``MAX_BLOCK_V`` lowered to 64, so that every row takes
 several vocabulary blocks and a ragged tail: the online statistics, the reverse-KL pivot and the
@@ -21,6 +22,8 @@ import torchloss
 from torchloss import _stats, _triton
 from torchloss import _triton_kernels as K
 
+from _torch_problem import TRITON_DEVICE as DEVICE
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTIONS = {
     "cross_entropy": [{}, {"label_smoothing": 0.1, "z_loss": 1e-3, "logit_scale": 0.75}],
@@ -40,7 +43,7 @@ def _tensors(case: lossspec.Case, config: lossspec.LossConfig, **options):
     """``(x, target, coef)`` as the torch driver hands them to the kernels: logits in the case's
     dtype, safe int64 labels (0 where invalid) or teacher logits, ``coef = w / D`` fp32."""
     dtype = DTYPES[case.dtype]
-    x = torch.tensor(case.logits).to(dtype)
+    x = torch.tensor(case.logits).to(dtype).to(DEVICE)
     rows, vocab = x.shape
     is_ce = config.kind == "cross_entropy"
     valid, weight = lossspec.token_weights(config, case.target if is_ce else None, case.loss_mask, (rows,))
@@ -49,20 +52,21 @@ def _tensors(case: lossspec.Case, config: lossspec.LossConfig, **options):
     else:
         denom = weight.sum()
         coef = weight / denom if denom > 0 else np.zeros_like(weight)
-    coef_t = torch.tensor(coef, dtype=torch.float32)
+    coef_t = torch.tensor(coef, dtype=torch.float32).to(DEVICE)
     if is_ce:
-        target = torch.tensor(np.where(valid, case.target, 0), dtype=torch.int64)
+        target = torch.tensor(np.where(valid, case.target, 0), dtype=torch.int64).to(DEVICE)
     else:
-        target = torch.tensor(case.target).to(dtype)
+        target = torch.tensor(case.target).to(dtype).to(DEVICE)
     return x, target, coef_t
 
 
 def _reduced_loss(loss: torch.Tensor, coef: torch.Tensor) -> np.ndarray:
-    return torch.where(coef != 0, coef.double() * loss.double(), 0.0).sum().numpy()
+    return torch.where(coef != 0, coef.double() * loss.double(), 0.0).sum().cpu().numpy()
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().double().numpy()
+    """``t`` on the host in float64 (exact for every dtype here), for the NumPy comparisons."""
+    return t.detach().cpu().double().numpy()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,7 +134,7 @@ def test_float64_logits_compute_in_float64() -> None:
         x = x.double()
         target = target if kind == "cross_entropy" else target.double()
         _, weight = lossspec.token_weights(config, case.target if kind == "cross_entropy" else None, case.loss_mask, (6,))
-        coef = torch.tensor(weight / weight.sum(), dtype=torch.float64)  # exact, not via fp32
+        coef = torch.tensor(weight / weight.sum(), dtype=torch.float64).to(DEVICE)  # exact, not via fp32
         loss, grad = _triton.forward(config, x, target, coef)
         assert loss.dtype == torch.float64 and grad is not None and grad.dtype == torch.float64
         options = OPTIONS[kind][1] if kind != "cross_entropy" else {}
@@ -146,8 +150,10 @@ def test_gradcheck_float64(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_triton, "MAX_BLOCK_V", 8)
     torch.manual_seed(0)
     for kind, options in (("cross_entropy", {"label_smoothing": 0.2, "z_loss": 0.01}), ("reverse_kl", {"temperature": 1.5})):
-        x = torch.randn(2, 12, dtype=torch.float64, requires_grad=True)
+        # Drawn on the host (the same numbers on every machine), then moved.
+        x = torch.randn(2, 12, dtype=torch.float64).to(DEVICE).requires_grad_()
         target = torch.tensor([0, 11]) if kind == "cross_entropy" else torch.randn(2, 12, dtype=torch.float64)
+        target = target.to(DEVICE)
         fn = getattr(torchloss, kind)
         assert torch.autograd.gradcheck(lambda z: fn(z, target, impl="triton", **options), (x,), eps=1e-6, atol=1e-7)
 
@@ -181,14 +187,14 @@ def test_reverse_kl_pivot_on_ties(monkeypatch: pytest.MonkeyPatch, block: int, s
     monkeypatch.setattr(_triton, "MAX_BLOCK_V", block)
     x_np, t_np = _tie_case(scale)
     config = lossspec.make_config("reverse_kl")
-    x, t = torch.tensor(x_np), torch.tensor(t_np)
-    coef = torch.full((x.shape[0],), 1.0 / x.shape[0])
+    x, t = torch.tensor(x_np).to(DEVICE), torch.tensor(t_np).to(DEVICE)
+    coef = torch.full((x.shape[0],), 1.0 / x.shape[0], device=DEVICE)
     stats = _triton.shard_stats(config, x, t, coef, 0)
     at_max = x_np == x_np.max(axis=1, keepdims=True)
     assert (at_max.sum(axis=1) >= 2).all()
     expected_tau = t_np[np.arange(x_np.shape[0]), np.argmax(x_np, axis=1)]  # the first tying column
-    np.testing.assert_array_equal(stats.tau.numpy(), expected_tau.astype(np.float32))
-    np.testing.assert_array_equal(stats.m.numpy(), x_np.max(axis=1).astype(np.float32))
+    np.testing.assert_array_equal(stats.tau.cpu().numpy(), expected_tau.astype(np.float32))
+    np.testing.assert_array_equal(stats.m.cpu().numpy(), x_np.max(axis=1).astype(np.float32))
     loss, grad = _triton.forward(config, x, t, coef)
     ref_loss, ref_grad = lossspec.oracle("reverse_kl", x_np, t_np)
     g0 = 1.0 / x.shape[0]
@@ -199,8 +205,8 @@ def test_reverse_kl_pivot_matches_lossspec_combine() -> None:
     """The kernel's online pivot equals ``torchloss._stats.combine`` folded over blocks."""
     x_np, t_np = _tie_case(3.0, seed=7)
     config = lossspec.make_config("reverse_kl")
-    x, t = torch.tensor(x_np), torch.tensor(t_np)
-    coef = torch.ones(x.shape[0])
+    x, t = torch.tensor(x_np).to(DEVICE), torch.tensor(t_np).to(DEVICE)
+    coef = torch.ones(x.shape[0], device=DEVICE)
     whole = _triton.shard_stats(config, x, t, coef, 0)
     acc = _stats.empty_stats(config, x.shape[0], torch.float32, x.device)
     for v0 in range(0, x.shape[1], 32):
@@ -279,7 +285,7 @@ def test_nan_and_inf_rows(kind: str, dtype: str) -> None:
     valid = np.zeros(8, dtype=bool)
     valid[good] = True
     ref_l, ref_dz = lossspec.per_token_oracle(config, case.logits, case.target, valid)
-    ref_grad = coef.double().numpy()[:, None] * config.student_scale * ref_dz
+    ref_grad = coef.cpu().double().numpy()[:, None] * config.student_scale * ref_dz
     g0 = float(coef.max()) * config.student_scale
     lossspec.compare_loss(_numpy(loss)[good], ref_l[good]).check()
     lossspec.compare_grad(_numpy(grad)[good], ref_grad[good], dtype, g0).check()
@@ -300,9 +306,9 @@ def test_nan_rows_public_api(kind: str) -> None:
     """Through ``torchloss.<kind>(..., impl="triton", normalization="none")``: NaN per-token loss
     and NaN gradient rows where valid, 0 where masked."""
     case, bad = _bad_rows_case(kind, "float32")
-    x = torch.tensor(case.logits, requires_grad=True)
-    target = torch.tensor(case.target)
-    loss = getattr(torchloss, kind)(x, target, torch.tensor(case.loss_mask), normalization="none", impl="triton")
+    x = torch.tensor(case.logits).to(DEVICE).requires_grad_()
+    target = torch.tensor(case.target).to(DEVICE)
+    loss = getattr(torchloss, kind)(x, target, torch.tensor(case.loss_mask).to(DEVICE), normalization="none", impl="triton")
     loss.sum().backward()
     assert torch.isnan(loss[bad]).all() and loss[6] == 0
     assert torch.isnan(x.grad[bad]).all() and torch.all(x.grad[6] == 0)
@@ -323,16 +329,16 @@ def test_regrad_per_token_upstream(kind: str, dtype: str) -> None:
     case = lossspec.make_case(kind, "float_weights", lead_shape=(12,), vocab=150, dtype=dtype, seed=8)
     config = lossspec.make_config(kind, normalization="none", **options)
     x, target, coef = _tensors(case, config)
-    upstream = torch.tensor([0.37, 1.0, -2.5, 3.0, 1.0, 1e-3, 0.0, 7.25, 1.0, -0.5, 2.0, 0.9], dtype=torch.float32)
-    sentinel = torch.full(x.shape, 0.125, dtype=x.dtype)
+    upstream = torch.tensor([0.37, 1.0, -2.5, 3.0, 1.0, 1e-3, 0.0, 7.25, 1.0, -0.5, 2.0, 0.9], dtype=torch.float32).to(DEVICE)
+    sentinel = torch.full(x.shape, 0.125, dtype=x.dtype, device=DEVICE)
     grad = sentinel.clone()
     out = _triton.regrad_(config, x, target, coef, upstream, grad)
     assert out is grad
     kept = (upstream == 1) | (coef == 0)
     assert torch.equal(grad[kept], sentinel[kept])
-    ref = case.reference(normalization="none", grad_output=upstream.double().numpy(), **options)
-    rows = ~kept
-    lossspec.compare_grad(_numpy(grad)[rows.numpy()], ref.grad[rows.numpy()], dtype, ref.g0).check()
+    ref = case.reference(normalization="none", grad_output=_numpy(upstream), **options)
+    rows = (~kept).cpu().numpy()
+    lossspec.compare_grad(_numpy(grad)[rows], ref.grad[rows], dtype, ref.g0).check()
 
 
 @pytest.mark.parametrize("kind", lossspec.KINDS)
@@ -340,15 +346,15 @@ def test_regrad_scalar_upstream_public_api(kind: str) -> None:
     """``loss.backward(g)`` with a scalar ``g != 1`` on bf16 logits (the driver calls
     ``regrad_``): one rounding, within 1 ulp of the oracle."""
     case = lossspec.make_case(kind, "confident", lead_shape=(10,), vocab=150, dtype="bfloat16", seed=9)
-    x = torch.tensor(case.logits).to(torch.bfloat16).requires_grad_()
-    target = torch.tensor(case.target)
+    x = torch.tensor(case.logits).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    target = torch.tensor(case.target).to(DEVICE)
     if kind != "cross_entropy":
         target = target.to(torch.bfloat16)
-    mask = torch.tensor(case.loss_mask)
+    mask = torch.tensor(case.loss_mask).to(DEVICE)
     loss = getattr(torchloss, kind)(x, target, mask, impl="triton")
-    loss.backward(torch.tensor(-3.7))
+    loss.backward(torch.tensor(-3.7, device=DEVICE))
     ref = case.reference(grad_output=-3.7)
-    lossspec.assert_close_to_oracle(loss.detach().numpy(), _numpy(x.grad), ref.loss, ref.grad, dtype="bfloat16", g0=ref.g0)
+    lossspec.assert_close_to_oracle(loss.detach().cpu().numpy(), _numpy(x.grad), ref.loss, ref.grad, dtype="bfloat16", g0=ref.g0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -361,14 +367,14 @@ def test_regrad_scalar_upstream_public_api(kind: str) -> None:
 def test_public_api(kind: str, dtype: str) -> None:
     options = OPTIONS[kind][1]
     case = lossspec.make_case(kind, "float_weights", lead_shape=(4, 3), vocab=130, dtype=dtype, seed=12)
-    x = torch.tensor(case.logits).to(DTYPES[dtype]).requires_grad_()
-    target = torch.tensor(case.target)
+    x = torch.tensor(case.logits).to(DTYPES[dtype]).to(DEVICE).requires_grad_()
+    target = torch.tensor(case.target).to(DEVICE)
     if kind != "cross_entropy":
         target = target.to(DTYPES[dtype])
-    loss = getattr(torchloss, kind)(x, target, torch.tensor(case.loss_mask), impl="triton", **options)
+    loss = getattr(torchloss, kind)(x, target, torch.tensor(case.loss_mask).to(DEVICE), impl="triton", **options)
     loss.backward()
     ref = case.reference(**options)
-    lossspec.assert_close_to_oracle(loss.detach().numpy(), _numpy(x.grad), ref.loss, ref.grad, dtype=dtype,
+    lossspec.assert_close_to_oracle(loss.detach().cpu().numpy(), _numpy(x.grad), ref.loss, ref.grad, dtype=dtype,
                                     g0=ref.g0, what=case.name)
 
 

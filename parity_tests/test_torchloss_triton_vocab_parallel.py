@@ -1,7 +1,9 @@
 """Vocab-parallel Triton passes emulated in one process: split V into uneven shards,
 ``shard_stats`` each, combine them as the collectives would (max of the maxima and the pivot,
 rescale to them, sum), ``torchloss._stats.finalize``, ``shard_grad`` each shard, concatenate,
-and compare with the float64 oracle. Triton interpreter, small shapes, 32-column blocks.
+and compare with the float64 oracle. Small shapes, 32-column blocks; compiled kernels on CUDA
+tensors where CUDA is available, else the Triton interpreter on CPU tensors
+(``_torch_problem.TRITON_DEVICE``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 
 import lossspec
 from torchloss import _stats, _triton
+
+from _torch_problem import TRITON_DEVICE as DEVICE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VOCAB = 150
@@ -34,13 +38,13 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _inputs(case: lossspec.Case, config: lossspec.LossConfig):
     dtype = DTYPES[case.dtype]
-    x = torch.tensor(case.logits).to(dtype)
+    x = torch.tensor(case.logits).to(dtype).to(DEVICE)
     is_ce = config.kind == "cross_entropy"
     valid, weight = lossspec.token_weights(config, case.target if is_ce else None, case.loss_mask, (x.shape[0],))
     denom = weight.sum()
-    coef = torch.tensor(weight / denom if denom > 0 else weight * 0.0, dtype=torch.float32)
+    coef = torch.tensor(weight / denom if denom > 0 else weight * 0.0, dtype=torch.float32).to(DEVICE)
     target = torch.tensor(np.where(valid, case.target, 0)) if is_ce else torch.tensor(case.target).to(dtype)
-    return x, target, coef
+    return x, target.to(DEVICE), coef
 
 
 def _shard(config: lossspec.LossConfig, x: torch.Tensor, target: torch.Tensor, a: int, b: int):
@@ -82,7 +86,7 @@ def run_vocab_parallel(config, x, target, coef, cuts, *, fold: bool = False, gra
     grads = []
     for a, b in zip(cuts[:-1], cuts[1:]):
         xs, ts = _shard(config, x, target, a, b)
-        out = torch.empty(xs.shape, dtype=x.dtype)
+        out = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
         assert _triton.shard_grad(config, fin, xs, ts, coef if grad_coef is None else grad_coef, a, x.shape[1], out) is out
         grads.append(out)
     loss = torch.where(coef != 0, coef.double() * fin.l.double(), 0.0).sum()
@@ -104,7 +108,7 @@ def test_vocab_parallel_matches_oracle(kind: str, scenario: str, dtype: str, spl
     x, target, coef = _inputs(case, config)
     loss, grad, _, _ = run_vocab_parallel(config, x, target, coef, SPLITS[split])
     ref = case.reference(**options)
-    lossspec.assert_close_to_oracle(loss.numpy(), grad.double().numpy(), ref.loss, ref.grad, dtype=dtype, g0=ref.g0,
+    lossspec.assert_close_to_oracle(loss.cpu().numpy(), grad.cpu().double().numpy(), ref.loss, ref.grad, dtype=dtype, g0=ref.g0,
                                     what=f"{case.name} {split} {options}")
 
 
@@ -174,4 +178,4 @@ def test_shard_grad_with_upstream(kind: str) -> None:
     x, target, coef = _inputs(case, config)
     _, grad, _, _ = run_vocab_parallel(config, x, target, coef, SPLITS["3 uneven"], grad_coef=coef * -2.75)
     ref = case.reference(grad_output=-2.75, **OPTIONS[kind])
-    lossspec.compare_grad(grad.double().numpy(), ref.grad, "bfloat16", ref.g0).check()
+    lossspec.compare_grad(grad.cpu().double().numpy(), ref.grad, "bfloat16", ref.g0).check()
