@@ -128,15 +128,21 @@ def _refs(cfg: KernelConfig, shape: HeadShape, refs: tuple) -> tuple[dict[str, A
     return dict(zip(names, refs)), refs[len(names):]
 
 
+def _cap(ops: dict[str, Any], rows: tuple, which: int) -> Array:
+    """The soft cap ``which`` (0: the student's, 1: the teacher's) as an ``[R, 1]`` column, one
+    load per row of the same element: Pallas' Triton lowering has no ``slice`` to take one
+    element of a loaded vector (the interpreter has)."""
+    return plgpu.load(ops["caps"].at[rows[0] * 0 + which])[:, None]
+
+
 def _tiles(cfg: KernelConfig, shape: HeadShape, ops: dict[str, Any], rows: tuple, cols: tuple, block_hidden: int) -> tuple:
     """``(z, t)`` tiles of the rows and columns (``t``: ``None`` for cross-entropy)."""
-    caps = plgpu.load(ops["caps"].at[jnp.arange(2, dtype=jnp.int32)])
     z = _tile_logits(ops["h"], ops["w"], ops.get("b"), rows, cols, shape.width, block_hidden, shape.has_bias,
-                     caps[0] if shape.has_softcap else None)
+                     _cap(ops, rows, 0) if shape.has_softcap else None)
     if cfg.is_ce:
         return z, None
     t = _tile_logits(ops["th"], ops["tw"], ops.get("tb"), rows, cols, shape.t_width, block_hidden, shape.has_t_bias,
-                     caps[1] if shape.has_t_softcap else None)
+                     _cap(ops, rows, 1) if shape.has_t_softcap else None)
     return z, t
 
 
@@ -148,7 +154,7 @@ def _grad_tile(cfg: KernelConfig, shape: HeadShape, ops: dict[str, Any], fin: Fi
     hit = (cols[0][None, :] == y[:, None]) if cfg.is_ce else None
     g = grad_block(cfg, fin, coef, z, t, hit=hit, vocab=shape.vocab)
     if shape.has_softcap:
-        cap = plgpu.load(ops["caps"].at[jnp.arange(2, dtype=jnp.int32)])[0]
+        cap = _cap(ops, rows, 0)
         g = g * (1.0 - (z / cap) * (z / cap))
     return jnp.where(rows[1][:, None] & cols[1][None, :], g, 0.0)
 

@@ -213,10 +213,13 @@ def test_kernels_softcap(impl: str, kind: str) -> None:
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
+@pytest.mark.parametrize("softcap", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
-def test_pallas_head_lowers_to_triton(kind: str) -> None:
+def test_pallas_head_lowers_to_triton(kind: str, softcap: bool) -> None:
     """``jax.value_and_grad`` of ``linear_<kind>(impl="pallas")`` exported for CUDA: three Triton
-    kernels (forward, dh, dW/db), named after the kind, at a realistic shape."""
+    kernels (forward, dh, dW/db), named after the kind, at a realistic shape; with the soft caps
+    too (their runtime values once failed Pallas' Triton lowering, an unsupported ``slice``, on
+    an H200 while the interpreter ran them)."""
     n, h, ht, vocab = 64, 256, 128, 50257
     hidden = jax.ShapeDtypeStruct((n, h), jnp.bfloat16)
     weight = jax.ShapeDtypeStruct((vocab, h), jnp.bfloat16)
@@ -228,7 +231,8 @@ def test_pallas_head_lowers_to_triton(kind: str) -> None:
         target = (jax.ShapeDtypeStruct((n, ht), jnp.bfloat16), jax.ShapeDtypeStruct((vocab, ht), jnp.bfloat16))
 
     def step(hidden: Any, weight: Any, bias: Any, *target: Any) -> Any:
-        return jax.value_and_grad(lambda h, w, b: fn(h, w, *target, bias=b, impl="pallas", **_options(kind)), argnums=(0, 1, 2))(hidden, weight, bias)
+        caps = {} if not softcap else dict(logit_softcap=30.0) if kind == "cross_entropy" else dict(logit_softcap=30.0, teacher_logit_softcap=50.0)
+        return jax.value_and_grad(lambda h, w, b: fn(h, w, *target, bias=b, impl="pallas", **_options(kind), **caps), argnums=(0, 1, 2))(hidden, weight, bias)
 
     exported = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(
         hidden, weight, bias, *target
