@@ -20,7 +20,8 @@
 #
 # Environment: GPU_CHECK_SECONDS (default 600) the whole budget; GPU_CHECK_PYTEST_SECONDS (default
 # 150) the kernel tests' share of it; GPU_CHECK_SWEEP_SECONDS (default 60) the Triton launch-shape
-# sweep's; GPU_CHECK_BENCH_ARGS more arguments of the benchmark; PYTHON_BIN a Python to use as
+# sweep's; GPU_CHECK_BENCH_ARGS more arguments of the benchmark; GPU_CHECK_TESTS other test files;
+# GPU_CHECK_SKIP_PARITY=1 leaves lossparity out; PYTHON_BIN a Python to use as
 # it is. The project is imported from this checkout (PYTHONPATH), never installed.
 # Exit status: 0 when every check passed, 1 otherwise (the benchmark runs either way).
 set -uo pipefail
@@ -93,6 +94,8 @@ for name in ("numpy", "jax", "jaxlib", "jax-cuda12-plugin", "optax", "torch", "t
 print("python            ", platform.python_version())
 import torch
 print("torch CUDA        ", torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))
+import torchloss.linear as head
+print("torch bf16 mm->fp32", head._cuda_mm_out_dtype(torch.device("cuda")), "(the fused head's tensor-core matmuls)")
 import jax
 print("jax devices       ", jax.devices())
 assert torch.cuda.is_available(), "torch sees no GPU"
@@ -105,6 +108,8 @@ EOF
 kernel_tests=(parity_tests/test_torchloss_triton_kernels.py parity_tests/test_linear_head_kernels.py
               parity_tests/test_torchloss_triton_vocab_parallel.py parity_tests/test_jaxloss_kernels.py
               parity_tests/test_jaxloss_oracle.py parity_tests/test_linear_head_bf16_matmuls.py)
+# GPU_CHECK_TESTS: another list of test files (a rerun of what changed, when device time is short)
+[ -n "${GPU_CHECK_TESTS:-}" ] && read -r -a kernel_tests <<< "$GPU_CHECK_TESTS"
 workers=$(( $(nproc) / 2 )); [ "$workers" -ge 1 ] || workers=1
 step "kernel tests on the GPU: pytest ${kernel_tests[*]} -k 'pallas or triton' -n $workers"
 timeout "${GPU_CHECK_PYTEST_SECONDS:-150}" "$py" -m pytest -q -rf -n "$workers" -p no:cacheprovider "${kernel_tests[@]}" -k "pallas or triton or bf16_matmuls"
@@ -115,12 +120,16 @@ elif [ $code -ne 0 ]; then
   failures+=("pytest kernel tests (exit $code)")
 fi
 
+if [ -n "${GPU_CHECK_SKIP_PARITY:-}" ]; then
+  step "lossparity: skipped (GPU_CHECK_SKIP_PARITY)"
+else
 step "lossparity: Pallas and Triton kernels vs the oracle (V=32768 and a ragged V=50257)"
 mkdir -p benchmarks/results/gpu_parity
 timeout 60 "$py" -m lossparity --quiet --backends jax-pallas,torch-triton --shape 2x64x32768 \
   --dtypes float32,bfloat16 --out benchmarks/results/gpu_parity || failures+=("lossparity 2x64x32768")
 timeout 30 "$py" -m lossparity --quiet --backends jax-pallas,torch-triton --shape 3x41x50257 --dtypes bfloat16 \
   --normalizations valid_tokens --no-plot --out benchmarks/results/gpu_parity/ragged || failures+=("lossparity 3x41x50257")
+fi
 
 step "Triton launch shapes: python -m benchmarks.gpu_triton_sweep (vocabulary block x warps)"
 timeout "$(( ${GPU_CHECK_SWEEP_SECONDS:-60} + 50 ))" "$py" -m benchmarks.gpu_triton_sweep --max-seconds "${GPU_CHECK_SWEEP_SECONDS:-60}" --head \
