@@ -15,9 +15,9 @@ recomputed logits (five matmuls). Every product is exact and accumulated in fp32
 (``preferred_element_type=float32``, ``Precision.HIGHEST``: no TF32 on a GPU): the forward
 dots read bf16 hidden states and weights as they are (:func:`_dot`), other 16-bit inputs and
 the backward's slices of the weight are upcast (exact); the fp32 gradients are rounded once to
-the parameters' dtypes. On a GPU the backward of bf16 inputs reads them as they are too and
-multiplies the fp32 ``G`` as three exact bf16 terms (:func:`split_bf16`, tensor cores; the same
-exact products accumulated in fp32).
+the parameters' dtypes. Opt-in (:data:`BF16_BACKWARD_PLATFORMS`): on a GPU the backward of bf16
+inputs reads them as they are too and multiplies the fp32 ``G`` as three exact bf16 terms
+(:func:`split_bf16`, tensor cores; the same exact products accumulated in fp32).
 
 Differentiation: a ``jax.custom_vjp``. For the reduced normalisations the forward computes the
 fp32 gradients of hidden, weight and bias (the residuals) and the backward scales them by the
@@ -85,23 +85,28 @@ def _dot(a: Array, b: Array, contract: tuple[int, int]) -> Array:
 #: with its products accumulated in fp32 (two terms would round ``G`` to ~17 bits).
 SPLIT_TERMS: int = 3
 #: Platforms whose backward reads bf16 hidden states and weights as they are, with ``G`` split
-#: into exact bf16 terms (:func:`split_bf16`), instead of widening them to fp32: a GPU's bf16 dot
-#: with fp32 results runs on tensor cores (on an H200 ~10x its fp32 dot, which has no TF32 here).
+#: into exact bf16 terms (:func:`split_bf16`), instead of widening them to fp32 (a GPU's bf16
+#: dot with fp32 results runs on tensor cores). None by default: on an H200 (JAX 0.11.2) the
+#: first form of the split (fp32 -> bf16 -> fp32 conversions) gave ``G`` rounded to bf16 (XLA's
+#: GPU compiler folds such round trips), and the bit-mask split that replaced it has not run on a
+#: GPU yet; ``("cuda",)`` opts in (parity_tests/test_linear_head_bf16_matmuls.py checks it there).
 #: On the CPU three bf16 dots are slower than the one fp32 dot (measured, see :func:`_dot`).
-BF16_BACKWARD_PLATFORMS: tuple[str, ...] = ("cuda", "rocm")
+BF16_BACKWARD_PLATFORMS: tuple[str, ...] = ()
 
 
 def split_bf16(g: Array, terms: int = SPLIT_TERMS) -> list[Array]:
-    """``g`` fp32 as ``terms`` bf16 arrays whose fp32 sum is ``g``: each term is the remainder
-    rounded to bf16 (8 significant bits), the remainder after it exact in fp32, so three terms
-    carry the whole 24-bit significand (bf16 has fp32's exponent range)."""
+    """``g`` fp32 as ``terms`` bf16 arrays whose fp32 sum is ``g``: each term but the last is the
+    remainder's top 8 significant bits (its low 16 bits masked off: exact in bf16), the remainder
+    after it exact in fp32; three terms carry the whole 24-bit significand. Bit masks, not
+    fp32 -> bf16 -> fp32 conversions: XLA's GPU compiler folds such round trips away (excess
+    precision), which left ``G`` rounded to bf16 on an H200."""
     parts = []
     rest = g
-    for k in range(terms):
-        part = rest.astype(jnp.bfloat16)
-        parts.append(part)
-        if k + 1 < terms:
-            rest = rest - part.astype(F32)
+    for _ in range(terms - 1):
+        head = lax.bitcast_convert_type(lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000), F32)
+        parts.append(head.astype(jnp.bfloat16))
+        rest = rest - head
+    parts.append(rest.astype(jnp.bfloat16))
     return parts
 
 

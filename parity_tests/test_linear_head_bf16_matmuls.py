@@ -1,8 +1,8 @@
-"""The fused head's GPU matmuls for bf16 inputs, run on the CPU against the float64 oracle.
+"""The fused head's opt-in bf16 matmuls, against the float64 oracle on the CPU (and a GPU).
 
-On a GPU both frameworks' head paths read bf16 hidden states and weights as they are (tensor
-cores, fp32 results) and split the fp32 logits gradient ``G`` into exact bf16 terms for the
-backward (``split_bf16``); on the CPU they widen to fp32. These tests force the GPU branch on the
+Opted in (off by default, docs/linear_head.md), both frameworks' head paths read bf16 hidden
+states and weights as they are (fp32 results) and split the fp32 logits gradient ``G`` into
+exact bf16 terms for the backward (``split_bf16``); otherwise they widen to fp32. These tests force the branch on the
 CPU (``torchloss.linear.BF16_MATMUL_DEVICES``, ``jaxloss.linear.BF16_BACKWARD_PLATFORMS``; torch's
 ``mm_f32`` computes the same numbers there from exact upcasts); on a machine with a GPU the same
 tests run there (torch tensors on CUDA, JAX's default device), the tensor-core matmuls
@@ -72,8 +72,9 @@ def _run_jax(kind: str, inputs: dict[str, Any], coef: np.ndarray, options: dict[
 
 @pytest.fixture
 def gpu_branch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch_linear, "BF16_MATMUL_DEVICES", torch_linear.BF16_MATMUL_DEVICES + ("cpu",))
-    monkeypatch.setattr(jax_linear, "BF16_BACKWARD_PLATFORMS", jax_linear.BF16_BACKWARD_PLATFORMS + ("cpu",))
+    # opt-in on every device (off by default: docs/linear_head.md)
+    monkeypatch.setattr(torch_linear, "BF16_MATMUL_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(jax_linear, "BF16_BACKWARD_PLATFORMS", ("cpu", "cuda"))
 
 
 @pytest.mark.parametrize("plan", list(PLANS))

@@ -15,10 +15,11 @@ block math of :mod:`torchloss._stats` (``block_stats``, ``combine``, ``finalize`
 ``block_grad``): an online softmax, then each block's gradient from its recomputed logits.
 16-bit inputs are upcast to fp32 (exact; the weight a slice at a time into one reused buffer,
 :class:`WeightRows`) so every product is accumulated in fp32; the fp32 gradients are rounded
-once to the parameters' dtypes. On CUDA, bf16 inputs go to the matmuls as they are (tensor
-cores, fp32 results: :func:`mm_f32`) and the backward multiplies the fp32 ``G`` as three exact
-bf16 terms (:func:`split_bf16`): the same exact products, accumulated in fp32, at tensor-core
-speed. (Other CUDA matmuls are fp32: torch's ``allow_tf32`` switches apply to them as to any other.)
+once to the parameters' dtypes. (On CUDA, torch's ``allow_tf32`` switches apply to these
+matmuls as to any other.) Opt-in (:data:`BF16_MATMUL_DEVICES`): bf16 inputs go to the matmuls
+as they are (fp32 results: :func:`mm_f32`) and the backward multiplies the fp32 ``G`` as three
+exact bf16 terms (:func:`split_bf16`): the same exact products, accumulated in fp32; correct on
+an H200 but slower there with torch 2.11 (docs/linear_head.md).
 
 Differentiation: an autograd Function. Reduced normalisations: the forward computes the fp32
 gradients of hidden, weight and bias, the backward scales them by the upstream scalar and
@@ -102,16 +103,20 @@ def _whole_row(config: LossConfig, local: Any, shards: Optional[Shards], vocab: 
 SPLIT_TERMS: int = 3
 
 
-#: Devices whose head matmuls read bf16 operands as they are (tensor cores, fp32 results).
-BF16_MATMUL_DEVICES: tuple[str, ...] = ("cuda",)
+#: Devices whose head matmuls read bf16 operands as they are (``mm(out_dtype=float32)``, fp32
+#: results) with the backward's ``G`` split into exact bf16 terms. None by default: on an H200
+#: with torch 2.11 the head ran slower this way (16384 x 4096 x 131072 CE: 6057 ms against
+#: 2445 ms in fp32; the bf16 -> fp32 ``mm`` ran at ~20 TFLOP/s, no faster than fp32 GEMMs).
+#: Correct on that GPU (parity_tests/test_linear_head_bf16_matmuls.py); ``("cuda",)`` opts in.
+BF16_MATMUL_DEVICES: tuple[str, ...] = ()
 
 
 def bf16_matmuls(device: torch.device, *dtypes: torch.dtype) -> bool:
-    """Whether the head's matmuls read bf16 operands as they are (tensor cores, fp32 results)
-    instead of fp32 upcasts: on CUDA when every operand is bf16 (on an H200 the fp32 matmuls,
-    with TF32 off as torch's default, ran the head ~30x slower than its bf16 matmuls). On the
-    CPU torch has no bf16 matmul with an fp32 result (``mm``'s ``out_dtype`` has no CPU kernel in
-    torch 2.13), and rounding the result to bf16 is what the fused head exists to avoid."""
+    """Whether the head's matmuls read bf16 operands as they are (fp32 results) instead of fp32
+    upcasts: on the :data:`BF16_MATMUL_DEVICES` when every operand is bf16 (with TF32 off, torch's
+    default, the fp32 matmuls ran the head at ~30x its bf16 matmuls on an H200). On the CPU torch
+    has no bf16 matmul with an fp32 result (``mm``'s ``out_dtype`` has no CPU kernel in torch
+    2.13), and rounding the result to bf16 is what the fused head exists to avoid."""
     if device.type not in BF16_MATMUL_DEVICES or not all(d == torch.bfloat16 for d in dtypes):
         return False
     return device.type != "cuda" or _cuda_mm_out_dtype(device)
@@ -143,16 +148,17 @@ def mm_f32(a: Tensor, b: Tensor) -> Tensor:
 
 
 def split_bf16(g: Tensor, terms: int = SPLIT_TERMS) -> list[Tensor]:
-    """``g`` fp32 as ``terms`` bf16 tensors whose fp32 sum is ``g``: each term is the remainder
-    rounded to bf16 (8 significant bits), the remainder after it exact in fp32, so three terms
-    carry the whole 24-bit significand (bf16 has fp32's exponent range)."""
+    """``g`` fp32 as ``terms`` bf16 tensors whose fp32 sum is ``g``: each term but the last is the
+    remainder's top 8 significant bits (its low 16 bits masked off: exact in bf16), the remainder
+    after it exact in fp32; three terms carry the whole 24-bit significand. Bit masks, not
+    fp32 -> bf16 -> fp32 conversions, which a compiler may fold away (XLA's GPU compiler did)."""
     parts = []
     rest = g
-    for k in range(terms):
-        part = rest.to(torch.bfloat16)
-        parts.append(part)
-        if k + 1 < terms:
-            rest = rest - part.float()
+    for _ in range(terms - 1):
+        head = (rest.view(torch.int32) & -65536).view(torch.float32)
+        parts.append(head.to(torch.bfloat16))
+        rest = rest - head
+    parts.append(rest.to(torch.bfloat16))
     return parts
 
 
