@@ -74,12 +74,16 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 FP_FUSION: bool = True
 
 
-def num_warps(block_v: int) -> int:
-    """Warps of one program (one row): ``block_v / 256`` within ``[4, 16]``, i.e. 8 values per
-    thread and tensor from 1024 columns on. With 8 warps at 4096 columns (16 values per thread)
-    ptxas capped the reverse-KL regrad kernel at 64 registers and spilled on sm_90; with 16 warps
-    no kernel uses more than ~60 registers or spills (``scripts/triton_aot_report.py``)."""
-    return max(4, min(16, block_v // 256))
+def num_warps(block_v: int, job: str = "fused", softcap: bool = False) -> int:
+    """Warps of one program (one row): ``block_v / 256`` within ``[4, 16]`` (16 at 4096 columns),
+    except the fused kernel without soft caps: ``block_v / 512`` (8 at 4096). On an H200 (Triton
+    3.6, 16384 x 131072 bf16, forward + backward) 8 warps beat 16 by 11% on cross-entropy and
+    22% on reverse KL (``benchmarks/gpu_triton_sweep.py``; benchmarks/results/
+    gpu_triton_sweep_a73ea56.json). Elsewhere 8 warps spill on sm_90 (``scripts/triton_aot_report.py``):
+    ptxas caps them at 64-80 registers, which the reverse-KL regrad kernel and the soft-capped
+    fused reverse KL exceed; with 16 no kernel spills."""
+    per_warp = 512 if (job == "fused" and not softcap) else 256
+    return max(4, min(16, block_v // per_warp))
 
 
 def block_size(width: int) -> int:
@@ -164,7 +168,8 @@ def _launch(job: str, config: LossConfig, logits: Tensor, args: tuple, *, write_
         guard.enter_context(np.errstate(all="ignore"))
         guard.enter_context(_INTERPRETER_LOCK)
     with guard:
-        kernel[(rows,)](*args, **meta, num_warps=num_warps(block_v), enable_fp_fusion=FP_FUSION)
+        softcap = config.logit_softcap is not None or config.teacher_logit_softcap is not None
+        kernel[(rows,)](*args, **meta, num_warps=num_warps(block_v, job, softcap), enable_fp_fusion=FP_FUSION)
 
 
 def _teacher_and_labels(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor) -> tuple[Tensor, Tensor]:
