@@ -324,6 +324,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return grad",
         ("parity_tests/test_linear_head_edge.py", "-k", "data_parallel"),
     ),
+    Mutant(
+        "head_bf16_split_rounds_torch",
+        "torch's opt-in bf16 head matmuls take the backward's G as one bf16 term (G rounded)",
+        "torchloss/linear.py",
+        "            terms = split_bf16(part)",
+        "            terms = split_bf16(part, 1)",
+        ("parity_tests/test_linear_head_bf16_matmuls.py", "-k", "torch"),
+    ),
+    Mutant(
+        "head_bf16_split_rounds_jax",
+        "JAX's opt-in bf16 head backward takes G as one bf16 term (what XLA's GPU compiler made of the first split)",
+        "jaxloss/linear.py",
+        "        terms = split_bf16(g_slice)",
+        "        terms = split_bf16(g_slice, 1)",
+        ("parity_tests/test_linear_head_bf16_matmuls.py", "-k", "jax"),
+    ),
+    Mutant(
+        "pallas_head_cap_sliced",
+        "the Pallas head takes its soft cap as one element of a loaded vector (Pallas' Triton lowering has no slice)",
+        "jaxloss/_pallas_linear.py",
+        "    return plgpu.load(ops[\"caps\"].at[rows[0] * 0 + which])[:, None]",
+        "    return plgpu.load(ops[\"caps\"].at[jnp.arange(2, dtype=jnp.int32)])[which]",
+        ("parity_tests/test_linear_head_kernels.py", "-k", "lowers"),
+    ),
 )
 
 
