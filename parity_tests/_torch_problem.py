@@ -15,8 +15,9 @@ import torchloss
 sys.path.insert(0, os.path.dirname(__file__))
 import _tiny_lm_oracle  # noqa: E402
 
-# The device of the Triton kernel tests' tensors (test_torchloss_triton_*.py,
-# test_linear_head_kernels.py): with CUDA the kernels are compiled and take CUDA tensors only;
+# The device of every test's impl="triton" tensors (the Triton suites, test_linear_head_kernels.py,
+# and the triton cases of the oracle, autograd, soft-cap, 16-bit and other matrices, through
+# test_torchloss_helpers.device_for): with CUDA the kernels are compiled and take CUDA tensors only;
 # without it torchloss runs them through the Triton interpreter on CPU tensors. Inputs are made
 # on the host as before (NumPy, same seeds) and moved here; results come back with .cpu().
 TRITON_DEVICE: torch.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -28,6 +28,8 @@ import torchloss.distributed
 from jaxloss import nnx as jnn
 from lossspec import KINDS, assert_close_to_oracle, make_case
 
+from _torch_problem import TRITON_DEVICE
+
 NORMALIZATIONS = ("valid_tokens", "tokens", "sum", "none")
 SCENARIOS = ("random", "no_mask", "float_weights", "heavy_mask")
 LEAD = (3, 6)  # [B, T]
@@ -64,15 +66,19 @@ def _jax_run(case: lossspec.Case, impl: str = "xla", jit: bool = False, **option
 
 
 def _torch_run(case: lossspec.Case, impl: str = "torch", **options: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs made on the host; impl="triton" runs on ``TRITON_DEVICE`` (compiled kernels on
+    CUDA, else the interpreter on the CPU), the torch path on the CPU; results back on the host."""
+    device = TRITON_DEVICE if impl == "triton" else torch.device("cpu")
     dtype = getattr(torch, case.dtype)
-    logits = torch.from_numpy(case.logits).to(dtype).requires_grad_(True)
+    logits = torch.from_numpy(case.logits).to(dtype).to(device).requires_grad_(True)
     target = torch.from_numpy(np.array(case.target))
     if case.kind != "cross_entropy":
         target = target.to(dtype)
-    mask = None if case.loss_mask is None else torch.from_numpy(np.array(case.loss_mask))
+    target = target.to(device)
+    mask = None if case.loss_mask is None else torch.from_numpy(np.array(case.loss_mask)).to(device)
     loss = getattr(torchloss, case.kind)(logits, target, mask, impl=impl, causal_shift=True, **options)
     loss.sum().backward()
-    return loss.detach().double().numpy(), logits.grad.double().numpy()
+    return loss.detach().cpu().double().numpy(), logits.grad.cpu().double().numpy()
 
 
 def _check(run: Any, case: lossspec.Case, what: str, **options: Any) -> None:

@@ -60,6 +60,8 @@ import torchloss
 from lossspec import make_case, round_to_dtype
 from lossspec.oracle import token_weights
 
+from _torch_problem import TRITON_DEVICE
+
 K = 16
 UNIT_ROUNDOFF_32 = 2.0**-24
 TINY_32 = 2.0**-126  # fp32's smallest normal: below it values may be flushed to zero
@@ -103,16 +105,19 @@ def _grad(framework: str, impl: str, case: lossspec.Case, dtype: str, **options:
         (grad,) = vjp(jnp.ones_like(loss))
         assert grad.dtype == JNP[dtype]
         return np.asarray(grad.astype(jnp.float32), np.float64)
-    x = torch.tensor(case.logits, dtype=torch.float32).to(TORCH[dtype]).requires_grad_(True)
+    # impl="triton" on TRITON_DEVICE (compiled on CUDA, else interpreted on the CPU); inputs made
+    # on the host either way, the torch path on the CPU.
+    device = TRITON_DEVICE if impl == "triton" else torch.device("cpu")
+    x = torch.tensor(case.logits, dtype=torch.float32).to(TORCH[dtype]).to(device).requires_grad_(True)
     if case.kind == "cross_entropy":
         target = torch.tensor(case.target)
     else:
         target = torch.tensor(case.target, dtype=torch.float32).to(TORCH[dtype])
-    mask = None if case.loss_mask is None else torch.tensor(case.loss_mask)
-    loss = getattr(torchloss, case.kind)(x, target, mask, impl=impl, **options)
+    mask = None if case.loss_mask is None else torch.tensor(case.loss_mask).to(device)
+    loss = getattr(torchloss, case.kind)(x, target.to(device), mask, impl=impl, **options)
     loss.backward(torch.ones_like(loss))
     assert x.grad.dtype == TORCH[dtype]
-    return x.grad.float().double().numpy()
+    return x.grad.cpu().float().double().numpy()
 
 
 def fp32_error_band(case: lossspec.Case, **options: Any) -> tuple[np.ndarray, np.ndarray]:

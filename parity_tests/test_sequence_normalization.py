@@ -44,6 +44,7 @@ from _packed_problem import (  # noqa: E402
     tiny_problem,
     tiny_reference,
 )
+from _torch_problem import TRITON_DEVICE  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,16 +168,19 @@ def _jax_run(case: lossspec.Case, ids: Any, impl: str = "xla", jit: bool = False
 
 
 def _torch_run(case: lossspec.Case, ids: Any, impl: str = "torch", **options: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs made on the host; impl="triton" runs on ``TRITON_DEVICE`` (compiled kernels on
+    CUDA, else the interpreter on the CPU), the torch path on the CPU; results back on the host."""
+    device = TRITON_DEVICE if impl == "triton" else torch.device("cpu")
     dtype = getattr(torch, case.dtype)
-    logits = torch.from_numpy(case.logits).to(dtype).requires_grad_(True)
+    logits = torch.from_numpy(case.logits).to(dtype).to(device).requires_grad_(True)
     target = torch.from_numpy(np.array(case.target))
     if case.kind != "cross_entropy":
         target = target.to(dtype)
-    loss = getattr(torchloss, case.kind)(
-        logits, target, torch.from_numpy(np.array(case.loss_mask)), impl=impl, segment_ids=None if ids is None else torch.from_numpy(ids), **options
-    )
+    mask = torch.from_numpy(np.array(case.loss_mask)).to(device)
+    segment_ids = None if ids is None else torch.from_numpy(ids).to(device)
+    loss = getattr(torchloss, case.kind)(logits, target.to(device), mask, impl=impl, segment_ids=segment_ids, **options)
     loss.sum().backward()
-    return loss.detach().double().numpy(), logits.grad.double().numpy()
+    return loss.detach().cpu().double().numpy(), logits.grad.cpu().double().numpy()
 
 
 def _rows_case(case: lossspec.Case, ids: np.ndarray) -> lossspec.Case:

@@ -7,6 +7,9 @@ the temperature set (the order matters: cap first), whole and vocabulary-blocked
 ``torch.compile(fullgraph=True)``, JAX vocab-parallel; the option checks (the same message in
 both frameworks); the oracle itself against finite differences. Slow: interpreted Pallas and
 Triton (and Triton's own ``tanh``), torch vocab-parallel (2 gloo ranks, torch and Triton).
+The Triton cases run on ``_torch_problem.TRITON_DEVICE`` (compiled on CUDA tensors where CUDA is
+available, else interpreted on CPU tensors), inputs made on the host either way; the gloo ranks'
+Triton row needs the interpreter and is skipped where CUDA is available.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torchloss import _torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _ranks  # noqa: E402
+from _torch_problem import TRITON_DEVICE  # noqa: E402
 
 KINDS = lossspec.ALL_KINDS
 DTYPES = ("float32", "bfloat16")
@@ -106,17 +110,20 @@ def run_jax_loss(case: lossspec.Case, impl: str = "xla", grad_output: Any = None
 
 
 def run_torch_loss(case: lossspec.Case, impl: str = "torch", grad_output: Any = None, **options: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs made on the host; impl="triton" runs on ``TRITON_DEVICE`` (compiled kernels on
+    CUDA, else the interpreter on the CPU), the torch path on the CPU; results back on the host."""
     fn = getattr(torchloss, case.kind)
+    device = TRITON_DEVICE if impl == "triton" else torch.device("cpu")
     dtype = TORCH_DTYPES[case.dtype]
-    x = torch.from_numpy(case.logits).to(dtype).requires_grad_(True)
-    target = () if case.target is None else (torch.from_numpy(case.target) if case.kind == "cross_entropy" else torch.from_numpy(case.target).to(dtype),)
-    mask = None if case.loss_mask is None else torch.from_numpy(np.array(case.loss_mask))
+    x = torch.from_numpy(case.logits).to(dtype).to(device).requires_grad_(True)
+    target = () if case.target is None else ((torch.from_numpy(case.target) if case.kind == "cross_entropy" else torch.from_numpy(case.target).to(dtype)).to(device),)
+    mask = None if case.loss_mask is None else torch.from_numpy(np.array(case.loss_mask)).to(device)
     with quiet():
         loss = fn(x, *target, mask, impl=impl, **options)
-        upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(np.asarray(grad_output), dtype=loss.dtype)
+        upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(np.asarray(grad_output), dtype=loss.dtype).to(device)
         loss.backward(upstream.expand_as(loss))
     assert x.grad is not None and x.grad.dtype == dtype
-    return loss.detach().double().numpy(), x.grad.double().numpy()
+    return loss.detach().cpu().double().numpy(), x.grad.cpu().double().numpy()
 
 
 RUNNERS = {"xla": run_jax_loss, "torch": run_torch_loss, "pallas": run_jax_loss, "triton": run_torch_loss}
@@ -510,21 +517,28 @@ def test_triton_tanh_is_accurate() -> None:
         tl.store(y_ptr + offs, _kernels._tanh(tl.load(x_ptr + offs, mask=inside, other=0.0)), mask=inside)
 
     u = np.concatenate([np.linspace(-12, 12, 200001), np.geomspace(1e-20, 1.0, 2001), [0.0, 0.55, -0.55]]).astype(np.float32)
-    x = torch.from_numpy(u)
+    x = torch.from_numpy(u).to(TRITON_DEVICE)  # compiled on CUDA, else interpreted on the CPU
     y = torch.empty_like(x)
     with np.errstate(all="ignore"):
         tanh_kernel[(triton.cdiv(u.size, 4096),)](x, y, u.size, BLOCK=4096)
     want = np.tanh(u.astype(np.float64))
-    ulps = np.abs(y.numpy().astype(np.float64) - want) / np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    ulps = np.abs(y.cpu().numpy().astype(np.float64) - want) / np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
     assert float(ulps.max()) <= 2.0
 
 
 # --------------------------------------------------------------------------------------------
-# torch vocab-parallel: 2 gloo ranks, uneven shards, torch and Triton (slow)
+# torch vocab-parallel: 2 gloo ranks, uneven shards, torch and Triton (slow; Triton without CUDA)
 # --------------------------------------------------------------------------------------------
 
 TVP_LEAD, TVP_VOCAB, TVP_SHARDS = (3, 6), 37, (15, 22)
 TVP_CONFIGS = (("neg_inf", "valid_tokens", "torch"), ("random", "none", "torch"), ("neg_inf", "none", "triton"))
+# The gloo ranks hold CPU tensors, so their Triton row needs the Triton interpreter, which is on
+# only where CUDA is unavailable: with CUDA the ranks leave it out and its test is skipped.
+TVP_TRITON = TRITON_DEVICE.type == "cpu"
+TVP_TRITON_SKIP = (
+    "CUDA is available: the gloo ranks' CPU tensors would need the Triton interpreter (off with CUDA); "
+    "the compiled kernels' vocab-parallel passes are checked by test_torchloss_triton_vocab_parallel.py"
+)
 
 
 def _tvp_case(kind: str, scenario: str) -> lossspec.Case:
@@ -540,6 +554,8 @@ def _tvp_worker(out_dir: str) -> None:
     results: dict[str, np.ndarray] = {}
     for kind in KINDS:
         for scenario, norm, impl in TVP_CONFIGS:
+            if impl == "triton" and not TVP_TRITON:
+                continue
             case = _tvp_case(kind, scenario)
             logits = torch.tensor(case.logits[..., lo:hi]).requires_grad_(True)
             if case.target is None:
@@ -565,9 +581,12 @@ def tvp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.n
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TVP_TRITON, reason=TVP_TRITON_SKIP))])
 @pytest.mark.parametrize("kind", KINDS)
-def test_torch_vocab_parallel(tvp_results: list[dict[str, np.ndarray]], kind: str) -> None:
-    for scenario, norm, impl in TVP_CONFIGS:
+def test_torch_vocab_parallel(tvp_results: list[dict[str, np.ndarray]], kind: str, impl: str) -> None:
+    configs = [config for config in TVP_CONFIGS if config[2] == impl]
+    assert configs
+    for scenario, norm, _ in configs:
         case = _tvp_case(kind, scenario)
         ref = case.reference(normalization=norm, **softcap_options(kind))
         key = f"{kind}/{scenario}/{norm}/{impl}"

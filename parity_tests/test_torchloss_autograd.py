@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from test_torchloss_helpers import FUNCTIONS, IMPLS, inputs, quiet, run
+from test_torchloss_helpers import FUNCTIONS, IMPLS, device_for, inputs, quiet, run
 
 import lossspec
 import torchloss
@@ -83,7 +83,7 @@ def test_deterministic(impl: str) -> None:
 def test_inputs_are_not_modified(impl: str) -> None:
     for kind in KINDS:
         case = lossspec.make_case(kind, "float_weights", dtype="bfloat16", vocab=100, lead_shape=(10,))
-        logits, target, mask = inputs(case)
+        logits, target, mask = inputs(case, device=device_for(impl))
         assert mask is not None
         before = [t.detach().clone() for t in (logits, target, mask)]
         with quiet():
@@ -96,9 +96,10 @@ def test_inputs_are_not_modified(impl: str) -> None:
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_teacher_gets_no_gradient(impl: str) -> None:
+    device = device_for(impl)
     for kind in KINDS[1:]:
-        logits = torch.randn(5, 11, requires_grad=True)
-        teacher = torch.randn(5, 11, requires_grad=True)
+        logits = torch.randn(5, 11).to(device).requires_grad_()
+        teacher = torch.randn(5, 11).to(device).requires_grad_()
         with quiet():
             FUNCTIONS[kind](logits, teacher, impl=impl).backward()
         assert logits.grad is not None and teacher.grad is None
@@ -159,16 +160,16 @@ def test_inplace_gradient(impl: str, dtype: str) -> None:
     for kind in KINDS:
         case = lossspec.make_case(kind, "float_weights", dtype=dtype, vocab=100, lead_shape=(2, 5))
         expected_loss, expected_grad = run(case, impl, **OPTIONS[kind])
-        hidden, target, mask = inputs(case)
+        hidden, target, mask = inputs(case, device=device_for(impl))
         logits = hidden * 1.0  # the output of an operation, like an LM head
         with quiet():
             loss = FUNCTIONS[kind](logits, target, mask, impl=impl, inplace=True, **OPTIONS[kind])
         assert logits._version > 0  # autograd sees the write
-        loss.backward(torch.tensor(1.0))
-        np.testing.assert_array_equal(loss.detach().numpy(), expected_loss)
-        np.testing.assert_array_equal(hidden.grad.double().numpy(), expected_grad)
+        loss.backward(torch.tensor(1.0).to(loss.device))
+        np.testing.assert_array_equal(loss.detach().cpu().numpy(), expected_loss)
+        np.testing.assert_array_equal(hidden.grad.cpu().double().numpy(), expected_grad)
         # The buffer now holds the gradient (and was handed on as such).
-        np.testing.assert_array_equal(logits.detach().double().numpy(), expected_grad)
+        np.testing.assert_array_equal(logits.detach().cpu().double().numpy(), expected_grad)
 
 
 def test_inplace_constraints() -> None:
@@ -314,21 +315,23 @@ def test_micro_batches_with_a_global_denominator(impl: str) -> None:
     and gradients is the full-batch loss and gradient (SPEC section 4), an empty micro-batch
     and an all-masked one included."""
     case = lossspec.make_case("cross_entropy", "random", vocab=30, lead_shape=(12,))
-    logits, labels, mask = inputs(case)
+    device = device_for(impl)
+    logits, labels, mask = inputs(case, device=device)
     assert mask is not None
     mask[8:10] = False
+    host_mask = mask.cpu().numpy()
     full, _ = run(case, impl)
-    ref = lossspec.oracle("cross_entropy", case.logits, case.target, mask.numpy())
+    ref = lossspec.oracle("cross_entropy", case.logits, case.target, host_mask)
     splits = [(0, 5), (5, 5), (5, 8), (8, 10), (10, 12)]
     denominator = sum(torchloss.count_denominator(labels[a:b], mask[a:b]) for a, b in splits)
-    total = torch.zeros(())
+    total = torch.zeros((), device=device)
     with quiet():
         for a, b in splits:
             total = total + torchloss.cross_entropy(logits[a:b], labels[a:b], mask[a:b], denominator=denominator, impl=impl)
     total.backward()
     assert logits.grad is not None
-    g0 = lossspec.g0_for(mask.numpy(), mask.numpy() & (case.target != -100), float(denominator), 1.0, 1.0, "valid_tokens")
-    lossspec.assert_close_to_oracle(total.detach().numpy(), logits.grad.numpy(), ref[0], ref[1], dtype="float32", g0=g0)
+    g0 = lossspec.g0_for(host_mask, host_mask & (case.target != -100), float(denominator), 1.0, 1.0, "valid_tokens")
+    lossspec.assert_close_to_oracle(total.detach().cpu().numpy(), logits.grad.cpu().numpy(), ref[0], ref[1], dtype="float32", g0=g0)
     full_ref, _ = lossspec.oracle("cross_entropy", case.logits, case.target, case.loss_mask)
     lossspec.compare_loss(float(full), full_ref, "one call on the whole batch").check()
 

@@ -29,6 +29,8 @@ import torch._inductor.config
 import lossspec
 import torchloss
 
+from _torch_problem import TRITON_DEVICE
+
 KINDS = lossspec.KINDS
 OPTIONS: dict[str, dict[str, Any]] = {
     "cross_entropy": {"label_smoothing": 0.1, "z_loss": 1e-3},
@@ -381,20 +383,22 @@ def test_argument_errors_under_compile() -> None:
 
 
 def test_compiled_triton_impl_matches_eager() -> None:
-    """impl="triton" (interpreted on a CPU-only machine) through the custom op: bf16 logits and a
-    non-unit upstream gradient (the regrad kernel), bit for bit the eager numbers."""
+    """impl="triton" through the custom op: bf16 logits and a non-unit upstream gradient (the
+    regrad kernel), bit for bit the eager numbers. On ``TRITON_DEVICE``: compiled kernels on CUDA
+    tensors where CUDA is available, else interpreted on CPU tensors (inputs made on the host)."""
     case = lossspec.make_case("reverse_kl", "random", lead_shape=(6,), vocab=VOCAB, dtype="bfloat16", seed=8)
-    teacher, mask = torch.tensor(case.target).to(torch.bfloat16), torch.tensor(case.loss_mask)
+    teacher = torch.tensor(case.target).to(torch.bfloat16).to(TRITON_DEVICE)
+    mask = torch.tensor(case.loss_mask).to(TRITON_DEVICE)
 
     def loss(x: torch.Tensor) -> torch.Tensor:
         return 0.75 * torchloss.reverse_kl(x, teacher, mask, temperature=1.5, impl="triton")
 
     results = []
     for fn in (torch.compile(loss, backend="aot_eager", fullgraph=True), loss):
-        x = torch.tensor(case.logits).to(torch.bfloat16).requires_grad_()
+        x = torch.tensor(case.logits).to(torch.bfloat16).to(TRITON_DEVICE).requires_grad_()
         value = fn(x)
         value.backward()
-        results.append((value.detach(), x.grad))
+        results.append((value.detach().cpu(), x.grad.cpu()))
     ref, ref_grad = lossspec.oracle("reverse_kl", case.logits, case.target, case.loss_mask, temperature=1.5, grad_output=0.75)
     lossspec.assert_close_to_oracle(results[0][0].item() / 0.75, results[0][1].double().numpy(), ref, ref_grad, dtype="bfloat16", g0=case.g0(temperature=1.5, grad_output=0.75))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

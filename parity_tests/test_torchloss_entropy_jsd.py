@@ -3,8 +3,11 @@
 Torch path: both kinds x every scenario x {float32, bfloat16}, the normalisations rotated through
 (every kind x dtype x normalisation covered), options, beta (the end points run the KL formulas),
 multi-block rows (JSD's extra pass), the 16-bit recompute for a non-unit upstream gradient, NaN /
-+inf rows, ``nn`` modules, ``torch.compile``. Triton (interpreted) and ``vocab_parallel`` (2 gloo
-ranks, uneven shards; torch and Triton backends): slow.
++inf rows, ``nn`` modules, ``torch.compile``. Triton and ``vocab_parallel`` (2 gloo ranks, uneven
+shards; torch and Triton backends): slow. The Triton cases run on ``_torch_problem.TRITON_DEVICE``
+(compiled on CUDA tensors where CUDA is available, else interpreted on CPU tensors), inputs made on
+the host either way; the gloo ranks' Triton row needs the interpreter and is skipped where CUDA is
+available.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torchloss import _torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _ranks  # noqa: E402
+from _torch_problem import TRITON_DEVICE  # noqa: E402
 
 KINDS = lossspec.ENTROPY_JSD_KINDS
 DTYPES = ("float32", "bfloat16")
@@ -47,17 +51,20 @@ def _call(kind: str, logits: Any, target: Any, mask: Any, **options: Any) -> tor
 
 
 def run(case: lossspec.Case, impl: str = "torch", grad_output: Any = None, **options: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs made on the host; impl="triton" runs on ``TRITON_DEVICE`` (compiled kernels on
+    CUDA, else the interpreter on the CPU), the torch path on the CPU; results back on the host."""
+    device = TRITON_DEVICE if impl == "triton" else torch.device("cpu")
     dtype = TORCH_DTYPES[case.dtype]
-    logits = torch.from_numpy(case.logits).to(dtype).requires_grad_(True)
-    target = None if case.target is None else torch.from_numpy(case.target).to(dtype)
-    mask = None if case.loss_mask is None else torch.from_numpy(np.array(case.loss_mask))
+    logits = torch.from_numpy(case.logits).to(dtype).to(device).requires_grad_(True)
+    target = None if case.target is None else torch.from_numpy(case.target).to(dtype).to(device)
+    mask = None if case.loss_mask is None else torch.from_numpy(np.array(case.loss_mask)).to(device)
     with quiet():
         loss = _call(case.kind, logits, target, mask, impl=impl, **options)
         assert loss.dtype == torch.float32
-        upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(grad_output, dtype=loss.dtype)
+        upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(grad_output, dtype=loss.dtype).to(device)
         loss.backward(upstream.expand_as(loss))
     assert logits.grad is not None and logits.grad.dtype == dtype
-    return loss.detach().double().numpy(), logits.grad.double().numpy()
+    return loss.detach().cpu().double().numpy(), logits.grad.cpu().double().numpy()
 
 
 def check(case: lossspec.Case, impl: str = "torch", grad_output: Any = None, **options: Any) -> None:
@@ -187,7 +194,7 @@ def test_torch_compile(kind: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Triton (interpreted) and vocab-parallel: slow
+# Triton (on TRITON_DEVICE) and vocab-parallel (Triton row without CUDA only): slow
 # --------------------------------------------------------------------------------------------
 
 
@@ -210,6 +217,13 @@ def test_triton_nan_and_inf_rows(kind: str) -> None:
 
 VP_LEAD, VP_VOCAB, VP_SHARDS = (3, 6), 37, (15, 22)
 VP_CONFIGS = (("random", "valid_tokens", "torch"), ("neg_inf", "none", "torch"), ("huge", "sum", "torch"), ("neg_inf", "none", "triton"))
+# The gloo ranks hold CPU tensors, so their Triton row needs the Triton interpreter, which is on
+# only where CUDA is unavailable: with CUDA the ranks leave it out and its test is skipped.
+VP_TRITON = TRITON_DEVICE.type == "cpu"
+VP_TRITON_SKIP = (
+    "CUDA is available: the gloo ranks' CPU tensors would need the Triton interpreter (off with CUDA); "
+    "the compiled kernels' vocab-parallel passes are checked by test_torchloss_triton_vocab_parallel.py"
+)
 
 
 def _vp_case(kind: str, scenario: str) -> lossspec.Case:
@@ -224,6 +238,8 @@ def _vp_worker(out_dir: str) -> None:
     results: dict[str, np.ndarray] = {}
     for kind in KINDS:
         for scenario, norm, impl in VP_CONFIGS:
+            if impl == "triton" and not VP_TRITON:
+                continue
             case = _vp_case(kind, scenario)
             logits = torch.tensor(case.logits[..., lo:hi]).requires_grad_(True)
             target = None if case.target is None else torch.tensor(case.target[..., lo:hi])
@@ -244,9 +260,12 @@ def vp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.nd
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=pytest.mark.skipif(not VP_TRITON, reason=VP_TRITON_SKIP))])
 @pytest.mark.parametrize("kind", KINDS)
-def test_vocab_parallel_matches_oracle(vp_results, kind: str) -> None:
-    for scenario, norm, impl in VP_CONFIGS:
+def test_vocab_parallel_matches_oracle(vp_results, kind: str, impl: str) -> None:
+    configs = [config for config in VP_CONFIGS if config[2] == impl]
+    assert configs
+    for scenario, norm, _ in configs:
         case = _vp_case(kind, scenario)
         ref = case.reference(normalization=norm, **OPTIONS[kind])
         key = f"{kind}/{scenario}/{norm}/{impl}"

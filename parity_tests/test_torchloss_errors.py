@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_torchloss_helpers import FUNCTIONS, IMPLS, quiet
+from test_torchloss_helpers import FUNCTIONS, IMPLS, device_for, quiet
 
 import lossspec
 import torchloss
@@ -29,8 +29,12 @@ def _inputs(kind: str, rows: int = 6, vocab: int = 10) -> tuple[np.ndarray, np.n
     return logits, target, mask
 
 
-def _t(array: Any) -> Any:
-    return torch.from_numpy(np.asarray(array)) if isinstance(array, np.ndarray) else array
+def _t(array: Any, device: torch.device | None = None) -> Any:
+    """A NumPy array as a tensor made on the host (moved to ``device`` if given); anything else as is."""
+    if not isinstance(array, np.ndarray):
+        return array
+    tensor = torch.from_numpy(np.asarray(array))
+    return tensor if device is None else tensor.to(device)
 
 
 def _same_error(reference: Callable[[], Any], call: Callable[[], Any]) -> None:
@@ -113,8 +117,9 @@ def test_value_errors(kind: str, impl: str) -> None:
             # The same label at a masked position is never read: no error, and the oracle's loss.
             masked = mask.copy()
             masked[3] = 0
-            loss = FUNCTIONS[kind](_t(logits), _t(labels), _t(masked), impl=impl)
-            assert lossspec.compare_loss(loss.numpy(), lossspec.oracle(kind, logits, labels, masked)[0]).ok
+            device = device_for(impl)  # a call that runs: impl="triton" on TRITON_DEVICE
+            loss = FUNCTIONS[kind](_t(logits, device), _t(labels, device), _t(masked, device), impl=impl)
+            assert lossspec.compare_loss(loss.cpu().numpy(), lossspec.oracle(kind, logits, labels, masked)[0]).ok
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -184,26 +189,27 @@ def test_device_side_bad_values_give_nan(monkeypatch: pytest.MonkeyPatch, kind: 
     host, and a bad label, a negative or non-finite weight or a bad denominator tensor turns the
     loss into NaN (labels are clamped before any gather, so nothing is read out of bounds)."""
     monkeypatch.setattr(api, "_host_readable", lambda *tensors: False)
+    device = device_for(impl)  # impl="triton" on TRITON_DEVICE (a real CUDA call where CUDA is available)
     logits, target, mask = _inputs(kind)
     fn = FUNCTIONS[kind]
-    good = fn(_t(logits), _t(target), _t(mask), impl=impl)
+    good = fn(_t(logits, device), _t(target, device), _t(mask, device), impl=impl)
     ref, _ = lossspec.oracle(kind, logits, target, mask)  # the unchecked path still computes the loss
     lossspec.compare_loss(good.item(), ref, "good inputs").check()
     bad_weights = [np.where(np.arange(6) == 2, -0.5, mask), np.where(np.arange(6) == 4, np.nan, mask)]
     for weights in bad_weights:
         with quiet():
-            assert torch.isnan(fn(_t(logits), _t(target), _t(weights.astype(np.float32)), impl=impl))
-            per_token = fn(_t(logits), _t(target), _t(weights.astype(np.float32)), impl=impl, normalization="none")
+            assert torch.isnan(fn(_t(logits, device), _t(target, device), _t(weights.astype(np.float32), device), impl=impl))
+            per_token = fn(_t(logits, device), _t(target, device), _t(weights.astype(np.float32), device), impl=impl, normalization="none")
         assert torch.all(torch.isnan(per_token))
     for denominator in (torch.tensor(-1.0), torch.tensor(float("nan"))):
-        assert torch.isnan(fn(_t(logits), _t(target), _t(mask), impl=impl, denominator=denominator))
+        assert torch.isnan(fn(_t(logits, device), _t(target, device), _t(mask, device), impl=impl, denominator=denominator))
     if kind == "cross_entropy":
         for bad_label in (10, -1, 10**6):
             labels = target.copy()
             labels[3] = bad_label
-            logits_t = _t(logits).requires_grad_()
+            logits_t = _t(logits, device).requires_grad_()
             with quiet():
-                loss = fn(logits_t, _t(labels), _t(mask), impl=impl)
+                loss = fn(logits_t, _t(labels, device), _t(mask, device), impl=impl)
             assert torch.isnan(loss)
             loss.backward()  # the kernel never indexed out of bounds
         assert torch.isnan(torchloss.count_denominator(None, _t(np.where(np.arange(6) == 2, -0.5, mask))))

@@ -2,7 +2,10 @@
 
 Every numeric test runs a :class:`lossspec.Case` through a ``torchloss`` function, backpropagates
 the oracle's upstream gradient and checks loss and gradient with
-:func:`lossspec.assert_close_to_oracle` at the bounds of SPEC section 6.
+:func:`lossspec.assert_close_to_oracle` at the bounds of SPEC section 6. Inputs are made on the
+host; ``impl="triton"`` runs on ``_torch_problem.TRITON_DEVICE`` (compiled kernels on CUDA tensors
+where CUDA is available, else the Triton interpreter on CPU tensors), the torch path on the CPU;
+results come back to the host (:func:`device_for`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 import lossspec
 import torchloss
 
+from _torch_problem import TRITON_DEVICE
+
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 FUNCTIONS = {
     "cross_entropy": torchloss.cross_entropy,
@@ -29,16 +34,26 @@ IMPLS = ("torch", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def inputs(case: lossspec.Case, requires_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(logits, target, loss_mask)`` as torch tensors; the logits (and teacher logits) in the
-    case's dtype, exactly the values the oracle sees."""
+def device_for(impl: str) -> torch.device:
+    """Where the tensors of a call with ``impl`` go: ``TRITON_DEVICE`` for "triton", the CPU for
+    the torch path."""
+    return TRITON_DEVICE if impl == "triton" else torch.device("cpu")
+
+
+def inputs(
+    case: lossspec.Case, requires_grad: bool = True, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(logits, target, loss_mask)`` as torch tensors on ``device`` (the CPU by default), made on
+    the host; the logits (and teacher logits) in the case's dtype, exactly the values the oracle
+    sees."""
+    device = torch.device("cpu") if device is None else device
     dtype = TORCH_DTYPES[case.dtype]
-    logits = torch.from_numpy(case.logits).to(dtype).requires_grad_(requires_grad)
+    logits = torch.from_numpy(case.logits).to(dtype).to(device).requires_grad_(requires_grad)
     target = torch.from_numpy(np.array(case.target))
     if case.kind != "cross_entropy":
         target = target.to(dtype)
-    mask = None if case.loss_mask is None else torch.from_numpy(np.array(case.loss_mask))
-    return logits, target, mask
+    mask = None if case.loss_mask is None else torch.from_numpy(np.array(case.loss_mask)).to(device)
+    return logits, target.to(device), mask
 
 
 @contextlib.contextmanager
@@ -53,15 +68,16 @@ def quiet() -> Iterator[None]:
 def run(
     case: lossspec.Case, impl: str, *, grad_output: Any = None, denominator: Any = None, **options: Any
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Loss and ``d(sum(loss * grad_output))/dlogits`` of ``case`` by ``torchloss``, as float64 arrays."""
-    logits, target, mask = inputs(case)
+    """Loss and ``d(sum(loss * grad_output))/dlogits`` of ``case`` by ``torchloss`` (on
+    :func:`device_for` ``impl``), as float64 arrays."""
+    logits, target, mask = inputs(case, device=device_for(impl))
     with quiet():
         loss = FUNCTIONS[case.kind](logits, target, mask, impl=impl, denominator=denominator, **options)
         assert loss.dtype == torch.float32, loss.dtype
-        upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(grad_output, dtype=loss.dtype)
+        upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(grad_output, dtype=loss.dtype).to(loss.device)
         loss.backward(upstream.expand_as(loss))
     assert logits.grad is not None and logits.grad.dtype == logits.dtype
-    return loss.detach().double().numpy(), logits.grad.double().numpy()
+    return loss.detach().cpu().double().numpy(), logits.grad.cpu().double().numpy()
 
 
 def check(

@@ -3,6 +3,8 @@
 The torch path runs the full matrix (kind x scenario x dtype x normalisation); the Triton kernels
 (interpreted on the CPU, ~0.1 s a call) run every kind, scenario and dtype with the
 normalisations rotated through, so every kind x dtype x normalisation combination is covered.
+Triton calls run on ``_torch_problem.TRITON_DEVICE`` (compiled kernels on CUDA tensors where CUDA
+is available; test_torchloss_helpers.device_for), inputs made on the host either way.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from test_torchloss_helpers import DTYPES, IMPLS, FUNCTIONS, check, inputs, quiet, run
+from test_torchloss_helpers import DTYPES, IMPLS, FUNCTIONS, check, device_for, inputs, quiet, run
 
 import lossspec
 from torchloss import _cpu, _torch
@@ -174,19 +176,20 @@ def test_upstream_gradient_16bit_retain_graph(impl: str) -> None:
     gradient bit for bit."""
     case = _case("cross_entropy", "float_weights", "bfloat16", vocab=50, lead_shape=(6,))
     _, unit = run(case, impl)
-    logits, target, mask = inputs(case)
+    device = device_for(impl)
+    logits, target, mask = inputs(case, device=device)
     with quiet():
         loss = FUNCTIONS["cross_entropy"](logits, target, mask, impl=impl)
-        loss.backward(torch.tensor(0.37), retain_graph=True)
-        first = logits.grad.double().numpy().copy()
+        loss.backward(torch.tensor(0.37).to(device), retain_graph=True)
+        first = logits.grad.cpu().double().numpy().copy()
         logits.grad = None
-        loss.backward(torch.tensor(1.0), retain_graph=True)
-        np.testing.assert_array_equal(logits.grad.double().numpy(), unit)
+        loss.backward(torch.tensor(1.0).to(device), retain_graph=True)
+        np.testing.assert_array_equal(logits.grad.cpu().double().numpy(), unit)
         logits.grad = None
-        loss.backward(torch.tensor(0.37))
-    np.testing.assert_array_equal(logits.grad.double().numpy(), first)
+        loss.backward(torch.tensor(0.37).to(device))
+    np.testing.assert_array_equal(logits.grad.cpu().double().numpy(), first)
     ref = case.reference(grad_output=np.float64(np.float32(0.37)))
-    lossspec.assert_close_to_oracle(loss.detach().double().numpy(), first, ref.loss, ref.grad, dtype="bfloat16", g0=ref.g0)
+    lossspec.assert_close_to_oracle(loss.detach().cpu().double().numpy(), first, ref.loss, ref.grad, dtype="bfloat16", g0=ref.g0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,11 +358,11 @@ def test_loss_only_without_grad(impl: str) -> None:
     """Under no_grad (or logits without requires_grad) only the loss is computed: same value."""
     for kind in KINDS:
         case = _case(kind, "random", vocab=100)
-        logits, target, mask = inputs(case, requires_grad=False)
+        logits, target, mask = inputs(case, requires_grad=False, device=device_for(impl))
         with quiet():
             loss = FUNCTIONS[kind](logits, target, mask, impl=impl)
             with torch.no_grad():
                 loss2 = FUNCTIONS[kind](logits.requires_grad_(), target, mask, impl=impl)
         assert not loss.requires_grad and not loss2.requires_grad
-        lossspec.compare_loss(loss.numpy(), case.reference().loss).check()
+        lossspec.compare_loss(loss.cpu().numpy(), case.reference().loss).check()
         assert torch.equal(loss, loss2)

@@ -7,7 +7,9 @@ sub-group of the first two ranks; every rank runs all kinds x normalisations
 every kind with "tokens", "sum" and ``denominator=`` (REDUCED_CONFIGS), on its vocabulary shard and
 saves its loss and gradient slice to an .npz. The tests concatenate the
 slices and check them against the float64 oracle at the SPEC bounds, and that every rank returns
-bit-identical losses.
+bit-identical losses. The ranks hold CPU tensors, so their Triton rows need the Triton interpreter,
+which is on only where CUDA is unavailable: with CUDA the ranks leave them out and their tests are
+skipped (the compiled kernels' vocab-parallel passes: test_torchloss_triton_vocab_parallel.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,19 @@ TRITON_CONFIGS = {
     ("forward_kl", "valid_tokens", "float32", "neg_inf", "temp"),
     ("reverse_kl", "none", "bfloat16", "huge", "temp"),
 }
+
+
+TRITON_SKIP = (
+    "CUDA is available: the gloo ranks' CPU tensors would need the Triton interpreter (off with CUDA); "
+    "the compiled kernels' vocab-parallel passes are checked by test_torchloss_triton_vocab_parallel.py"
+)
+
+
+def _triton_on_cpu() -> bool:
+    """Whether the Triton rows run: the Triton kernel tests' device (``_torch_problem``) is the CPU."""
+    from _torch_problem import TRITON_DEVICE
+
+    return TRITON_DEVICE.type == "cpu"
 
 
 # The reduced modes beside valid_tokens, and denominator= (SPEC section 2): (scenario, dtype,
@@ -117,7 +132,10 @@ def _worker(out_dir: str) -> None:
         bounds = np.concatenate(([0], np.cumsum(SHARDS[world])))
         lo, hi = int(bounds[rank]), int(bounds[rank + 1])
         results: dict[str, np.ndarray] = {}
+        triton = _triton_on_cpu()
         for key, kind, norm, dtype, scenario, options, impl in _configs():
+            if impl == "triton" and not triton:
+                continue
             case = _case(kind, scenario, dtype)
             logits = torch.tensor(case.logits[..., lo:hi], dtype=torch.float32).to(torch_dtype[dtype]).requires_grad_(True)
             if kind == "cross_entropy":
@@ -160,11 +178,14 @@ CONFIGS = _configs()
 
 @pytest.mark.parametrize("world", sorted(SHARDS))
 @pytest.mark.parametrize("kind", KINDS)
-def test_vocab_parallel_matches_oracle(results, world: int, kind: str) -> None:
+@pytest.mark.parametrize("impl", ("torch", "triton"))
+def test_vocab_parallel_matches_oracle(results, world: int, kind: str, impl: str) -> None:
+    if impl == "triton" and not _triton_on_cpu():
+        pytest.skip(TRITON_SKIP)
     ranks = results[world]
     checked = 0
-    for key, k, norm, dtype, scenario, options, _ in CONFIGS:
-        if k != kind:
+    for key, k, norm, dtype, scenario, options, config_impl in CONFIGS:
+        if k != kind or config_impl != impl:
             continue
         case = _case(kind, scenario, dtype)
         upstream = _upstream(norm)
@@ -179,7 +200,10 @@ def test_vocab_parallel_matches_oracle(results, world: int, kind: str) -> None:
         assert [r[key + "/grad"].shape[-1] for r in ranks] == list(SHARDS[world])
         lossspec.assert_close_to_oracle(losses[0], grad, ref.loss, ref.grad, dtype=dtype, g0=ref.g0, what=f"w{world}/{key}")
         checked += 1
-    assert checked >= 24 + len(REDUCED_CONFIGS)
+    if impl == "torch":
+        assert checked >= 24 + len(REDUCED_CONFIGS)
+    else:  # this kind's TRITON_CONFIGS row and the Triton rows of REDUCED_CONFIGS
+        assert checked >= 1 + sum("triton" in impls for *_, impls in REDUCED_CONFIGS)
 
 
 def test_vocab_parallel_rejects_non_group() -> None:
