@@ -80,10 +80,6 @@ def _dot(a: Array, b: Array, contract: tuple[int, int]) -> Array:
     return lax.dot_general(a, b, dims, precision=HIGHEST, preferred_element_type=F32)
 
 
-#: Terms of the fp32 gradient tile ``G`` for the bf16 backward dots (:func:`split_bf16`): three
-#: bf16 terms hold all 24 bits of an fp32 significand, so ``sum_k term_k W`` is the exact ``G W``
-#: with its products accumulated in fp32 (two terms would round ``G`` to ~17 bits).
-SPLIT_TERMS: int = 3
 #: Platforms whose backward reads bf16 hidden states and weights as they are, with ``G`` split
 #: into exact bf16 terms (:func:`split_bf16`), instead of widening them to fp32 (a GPU's bf16
 #: dot with fp32 results runs on tensor cores). None by default: on an H200 (JAX 0.11.2) the
@@ -94,7 +90,7 @@ SPLIT_TERMS: int = 3
 BF16_BACKWARD_PLATFORMS: tuple[str, ...] = ()
 
 
-def split_bf16(g: Array, terms: int = SPLIT_TERMS) -> list[Array]:
+def split_bf16(g: Array, terms: int = spec_linear.HEAD_SPLIT_TERMS) -> list[Array]:
     """``g`` fp32 as ``terms`` bf16 arrays whose fp32 sum is ``g``: each term but the last is the
     remainder's top 8 significant bits (its low 16 bits masked off: exact in bf16), the remainder
     after it exact in fp32; three terms carry the whole 24-bit significand. Bit masks, not
@@ -192,8 +188,10 @@ def _head_grads(dh: Array, dw: Array, start: Any, g: Array, h: Array, w: Array, 
             d_h, d_w = d_h + _dot(term, w_slice, (1, 0)), d_w + _dot(term, h, (0, 0))
         return d_h, d_w
 
+    bf16 = w.dtype == h.dtype == jnp.bfloat16 and BF16_BACKWARD_PLATFORMS
+
     def products(g_slice: Array, at: Array) -> tuple[Array, Array]:
-        if w.dtype != jnp.bfloat16 or h.dtype != jnp.bfloat16:
+        if not bf16:
             return widened(g_slice, at)
         return lax.platform_dependent(g_slice, at, default=widened, **{p: split for p in BF16_BACKWARD_PLATFORMS})
 

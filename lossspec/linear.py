@@ -293,6 +293,11 @@ HEAD_LIVE_BLOCKS_VOCAB_PARALLEL: dict[str, dict[str, int]] = {
 HEAD_MAX_BLOCK_ELEMENTS: int = 1 << 24
 #: rows of a chunk in the vocabulary-blocked fallback (one row's V does not fit the budget)
 HEAD_BLOCKED_ROWS: int = 64
+#: bf16 terms of the fp32 logits gradient ``G`` in the heads' opt-in bf16 backward matmuls
+#: (``split_bf16`` of both frameworks): each term but the last holds the remainder's top 8
+#: significant bits, so three carry all 24 bits of an fp32 significand and ``sum_k term_k W`` is
+#: the exact ``G W`` with its products accumulated in fp32 (two would round ``G`` to ~17 bits).
+HEAD_SPLIT_TERMS: int = 3
 
 
 def head_live_blocks(framework: str, kind: str, vocab_parallel: bool) -> int:

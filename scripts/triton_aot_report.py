@@ -173,7 +173,7 @@ def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
         config = lossspec.make_config(kind, **options)
         constants = _triton.constexprs(job, config, getattr(torch, dtype), GPU_BLOCK_V)
         signature, attrs = _signature(job, kind, dtype)
-        warps = _triton.num_warps(GPU_BLOCK_V, job, config.logit_softcap is not None or config.teacher_logit_softcap is not None)
+        warps = _triton.num_warps(GPU_BLOCK_V, job, constants["SOFTCAP"] or constants["TEACHER_SOFTCAP"])
         kernel = _triton.KERNELS[job]
         src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": _triton.FP_FUSION})

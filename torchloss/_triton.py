@@ -168,8 +168,8 @@ def _launch(job: str, config: LossConfig, logits: Tensor, args: tuple, *, write_
         guard.enter_context(np.errstate(all="ignore"))
         guard.enter_context(_INTERPRETER_LOCK)
     with guard:
-        softcap = config.logit_softcap is not None or config.teacher_logit_softcap is not None
-        kernel[(rows,)](*args, **meta, num_warps=num_warps(block_v, job, softcap), enable_fp_fusion=FP_FUSION)
+        kernel[(rows,)](*args, **meta, num_warps=num_warps(block_v, job, meta["SOFTCAP"] or meta["TEACHER_SOFTCAP"]),
+                        enable_fp_fusion=FP_FUSION)
 
 
 def _teacher_and_labels(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor) -> tuple[Tensor, Tensor]:

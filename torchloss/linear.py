@@ -97,12 +97,6 @@ def _whole_row(config: LossConfig, local: Any, shards: Optional[Shards], vocab: 
     return _stats.finalize(config, _vocab_parallel.combine_shards(config, local, shards.group), shards.vocab)
 
 
-#: Terms of the fp32 gradient tile ``G`` for the bf16 backward matmuls (:func:`split_bf16`):
-#: three bf16 terms hold all 24 bits of an fp32 significand, so ``sum_k term_k W`` is the exact
-#: ``G W`` with its products accumulated in fp32 (two terms would round ``G`` to ~17 bits).
-SPLIT_TERMS: int = 3
-
-
 #: Devices whose head matmuls read bf16 operands as they are (``mm(out_dtype=float32)``, fp32
 #: results) with the backward's ``G`` split into exact bf16 terms. None by default: on an H200
 #: with torch 2.11 the head ran slower this way (16384 x 4096 x 131072 CE: 6057 ms against
@@ -147,7 +141,7 @@ def mm_f32(a: Tensor, b: Tensor) -> Tensor:
     return torch.mm(a.float(), b.float())
 
 
-def split_bf16(g: Tensor, terms: int = SPLIT_TERMS) -> list[Tensor]:
+def split_bf16(g: Tensor, terms: int = spec_linear.HEAD_SPLIT_TERMS) -> list[Tensor]:
     """``g`` fp32 as ``terms`` bf16 tensors whose fp32 sum is ``g``: each term but the last is the
     remainder's top 8 significant bits (its low 16 bits masked off: exact in bf16), the remainder
     after it exact in fp32; three terms carry the whole 24-bit significand. Bit masks, not
@@ -222,24 +216,22 @@ def _add_head_grads(g: Tensor, h: Tensor, w: WeightRows, v0: int, dh: Tensor, dw
         part = g[:, a - v0 : c - v0]
         if rows.dtype == torch.bfloat16:  # bf16 matmuls: G as exact bf16 terms (split_bf16)
             terms = split_bf16(part)
-            prod = mm_f32(terms[0], rows)
+            d_h = mm_f32(terms[0], rows)
             for term in terms[1:]:
-                prod += mm_f32(term, rows)
+                d_h += mm_f32(term, rows)
             if first:
-                dh.copy_(prod)
-                first = False
+                dh.copy_(d_h)
             else:
-                dh += prod
-            del prod
+                dh += d_h
             for term in terms:
                 dw[a:c] += mm_f32(term.t(), h)
-        elif first:
-            torch.mm(part, rows, out=dh)
-            first = False
         else:
-            dh.addmm_(part, rows)
-        if rows.dtype != torch.bfloat16:
+            if first:
+                torch.mm(part, rows, out=dh)
+            else:
+                dh.addmm_(part, rows)
             dw[a:c].addmm_(part.t(), h)
+        first = False
         if db is not None:
             db[a:c] += part.sum(dim=0)
 
