@@ -22,6 +22,12 @@ import _tiny_lm_oracle  # noqa: E402
 # on the host as before (NumPy, same seeds) and moved here; results come back with .cpu().
 TRITON_DEVICE: torch.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
+
+def device_for(impl: str) -> torch.device:
+    """Where the tensors of a call with ``impl`` go: :data:`TRITON_DEVICE` for "triton", the CPU
+    for the torch path."""
+    return TRITON_DEVICE if impl == "triton" else torch.device("cpu")
+
 KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
 NORMALIZATIONS = ("valid_tokens", "tokens", "sum")
 BATCH, SEQ, VOCAB_IN, HIDDEN, VOCAB = 8, 5, 11, 6, 40

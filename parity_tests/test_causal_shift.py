@@ -28,7 +28,7 @@ import torchloss.distributed
 from jaxloss import nnx as jnn
 from lossspec import KINDS, assert_close_to_oracle, make_case
 
-from _torch_problem import TRITON_DEVICE
+from _torch_problem import device_for
 
 NORMALIZATIONS = ("valid_tokens", "tokens", "sum", "none")
 SCENARIOS = ("random", "no_mask", "float_weights", "heavy_mask")
@@ -68,7 +68,7 @@ def _jax_run(case: lossspec.Case, impl: str = "xla", jit: bool = False, **option
 def _torch_run(case: lossspec.Case, impl: str = "torch", **options: Any) -> tuple[np.ndarray, np.ndarray]:
     """Inputs made on the host; impl="triton" runs on ``TRITON_DEVICE`` (compiled kernels on
     CUDA, else the interpreter on the CPU), the torch path on the CPU; results back on the host."""
-    device = TRITON_DEVICE if impl == "triton" else torch.device("cpu")
+    device = device_for(impl)
     dtype = getattr(torch, case.dtype)
     logits = torch.from_numpy(case.logits).to(dtype).to(device).requires_grad_(True)
     target = torch.from_numpy(np.array(case.target))

@@ -60,7 +60,7 @@ import torchloss
 from lossspec import make_case, round_to_dtype
 from lossspec.oracle import token_weights
 
-from _torch_problem import TRITON_DEVICE
+from _torch_problem import device_for
 
 K = 16
 UNIT_ROUNDOFF_32 = 2.0**-24
@@ -107,7 +107,7 @@ def _grad(framework: str, impl: str, case: lossspec.Case, dtype: str, **options:
         return np.asarray(grad.astype(jnp.float32), np.float64)
     # impl="triton" on TRITON_DEVICE (compiled on CUDA, else interpreted on the CPU); inputs made
     # on the host either way, the torch path on the CPU.
-    device = TRITON_DEVICE if impl == "triton" else torch.device("cpu")
+    device = device_for(impl)
     x = torch.tensor(case.logits, dtype=torch.float32).to(TORCH[dtype]).to(device).requires_grad_(True)
     if case.kind == "cross_entropy":
         target = torch.tensor(case.target)

@@ -44,7 +44,7 @@ from _packed_problem import (  # noqa: E402
     tiny_problem,
     tiny_reference,
 )
-from _torch_problem import TRITON_DEVICE  # noqa: E402
+from _torch_problem import device_for  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def _jax_run(case: lossspec.Case, ids: Any, impl: str = "xla", jit: bool = False
 def _torch_run(case: lossspec.Case, ids: Any, impl: str = "torch", **options: Any) -> tuple[np.ndarray, np.ndarray]:
     """Inputs made on the host; impl="triton" runs on ``TRITON_DEVICE`` (compiled kernels on
     CUDA, else the interpreter on the CPU), the torch path on the CPU; results back on the host."""
-    device = TRITON_DEVICE if impl == "triton" else torch.device("cpu")
+    device = device_for(impl)
     dtype = getattr(torch, case.dtype)
     logits = torch.from_numpy(case.logits).to(dtype).to(device).requires_grad_(True)
     target = torch.from_numpy(np.array(case.target))

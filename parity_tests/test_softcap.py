@@ -38,7 +38,7 @@ from torchloss import _torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _ranks  # noqa: E402
-from _torch_problem import TRITON_DEVICE  # noqa: E402
+from _torch_problem import TRITON_DEVICE, device_for  # noqa: E402
 
 KINDS = lossspec.ALL_KINDS
 DTYPES = ("float32", "bfloat16")
@@ -113,7 +113,7 @@ def run_torch_loss(case: lossspec.Case, impl: str = "torch", grad_output: Any = 
     """Inputs made on the host; impl="triton" runs on ``TRITON_DEVICE`` (compiled kernels on
     CUDA, else the interpreter on the CPU), the torch path on the CPU; results back on the host."""
     fn = getattr(torchloss, case.kind)
-    device = TRITON_DEVICE if impl == "triton" else torch.device("cpu")
+    device = device_for(impl)
     dtype = TORCH_DTYPES[case.dtype]
     x = torch.from_numpy(case.logits).to(dtype).to(device).requires_grad_(True)
     target = () if case.target is None else ((torch.from_numpy(case.target) if case.kind == "cross_entropy" else torch.from_numpy(case.target).to(dtype)).to(device),)

@@ -30,7 +30,7 @@ from torchloss import _torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _ranks  # noqa: E402
-from _torch_problem import TRITON_DEVICE  # noqa: E402
+from _torch_problem import TRITON_DEVICE, device_for  # noqa: E402
 
 KINDS = lossspec.ENTROPY_JSD_KINDS
 DTYPES = ("float32", "bfloat16")
@@ -53,7 +53,7 @@ def _call(kind: str, logits: Any, target: Any, mask: Any, **options: Any) -> tor
 def run(case: lossspec.Case, impl: str = "torch", grad_output: Any = None, **options: Any) -> tuple[np.ndarray, np.ndarray]:
     """Inputs made on the host; impl="triton" runs on ``TRITON_DEVICE`` (compiled kernels on
     CUDA, else the interpreter on the CPU), the torch path on the CPU; results back on the host."""
-    device = TRITON_DEVICE if impl == "triton" else torch.device("cpu")
+    device = device_for(impl)
     dtype = TORCH_DTYPES[case.dtype]
     logits = torch.from_numpy(case.logits).to(dtype).to(device).requires_grad_(True)
     target = None if case.target is None else torch.from_numpy(case.target).to(dtype).to(device)

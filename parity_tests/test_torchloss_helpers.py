@@ -21,7 +21,7 @@ import torch
 import lossspec
 import torchloss
 
-from _torch_problem import TRITON_DEVICE
+from _torch_problem import device_for  # noqa: F401  (re-exported for the torch test files)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 FUNCTIONS = {
@@ -32,12 +32,6 @@ FUNCTIONS = {
 }
 IMPLS = ("torch", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def device_for(impl: str) -> torch.device:
-    """Where the tensors of a call with ``impl`` go: ``TRITON_DEVICE`` for "triton", the CPU for
-    the torch path."""
-    return TRITON_DEVICE if impl == "triton" else torch.device("cpu")
 
 
 def inputs(
