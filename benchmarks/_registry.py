@@ -53,12 +53,14 @@ class Backend:
     # Devices where this path skips the work on masked rows of 16-bit logits (the peers compute
     # them): its cells are measured at 0% masked too.
     skips_masked_16bit: tuple[str, ...] = ()
+    # The logits dtypes it applies to (an opt-in 16-bit path: bf16 only).
+    dtypes: tuple[str, ...] = tuple(ITEMSIZE)
 
     def skips_masked(self, dtype: str, device: str) -> bool:
         return device in self.skips_masked_16bit and ITEMSIZE[dtype] == 2
 
-    def applies(self, kind: str, device: str) -> bool:
-        return kind in self.kinds and device in self.devices
+    def applies(self, kind: str, device: str, dtype: str | None = None) -> bool:
+        return kind in self.kinds and device in self.devices and (dtype is None or dtype in self.dtypes)
 
 
 _ALL = KINDS
@@ -92,6 +94,9 @@ BACKENDS: dict[str, Backend] = {
         Backend("head-torchloss-fused", "torch", "ours", "head", ("cross_entropy",), _CPU_GPU,
                 "torchloss.linear_cross_entropy (the fused head: logits never materialised)", ("cpu", "gpu"),
                 mem=(0.3, 0.3), cpu_ns=5.0),
+        Backend("head-torchloss-fused-bf16mm", "torch", "ours", "head", ("cross_entropy",), ("gpu",),
+                "torchloss.linear_cross_entropy, opted in to bf16 tensor-core matmuls (BF16_MATMUL_DEVICES: the Triton "
+                "matmul, G as exact bf16 terms)", mem=(0.3, 0.3), dtypes=("bfloat16",)),
         Backend("head-torchloss", "torch", "ours", "head", ("cross_entropy",), _CPU_GPU,
                 "F.linear + torchloss.cross_entropy(inplace=True) (unfused)", mem=(1.3, 1.3), cpu_ns=5.0,
                 skips_masked_16bit=("cpu",)),
@@ -107,6 +112,9 @@ BACKENDS: dict[str, Backend] = {
         Backend("head-jaxloss-fused", "jax", "ours", "head", ("cross_entropy",), _CPU_GPU,
                 "jaxloss.linear_cross_entropy (the fused head: logits never materialised)", ("cpu", "gpu"),
                 mem=(0.3, 0.3), cpu_ns=8.0),
+        Backend("head-jaxloss-fused-bf16mm", "jax", "ours", "head", ("cross_entropy",), ("gpu",),
+                "jaxloss.linear_cross_entropy, opted in to bf16 tensor-core matmuls (BF16_BACKWARD_PLATFORMS: XLA's "
+                "dots, G as exact bf16 terms)", mem=(0.3, 0.3), dtypes=("bfloat16",)),
         Backend("head-jaxloss", "jax", "ours", "head", ("cross_entropy",), _CPU_GPU,
                 "h @ w.T + jaxloss.cross_entropy (unfused)", mem=(2.3, 2.3), cpu_ns=6.0),
         Backend("head-jax-matmul-sol", "jax", "sol", "head", ("cross_entropy",), _CPU_GPU,

@@ -252,7 +252,7 @@ def plan(args: argparse.Namespace, device: str) -> list[Spec]:
     for n, v in sorted(shapes, key=lambda s: (s[0] * s[1], s[0])):
         for dtype in dtypes:
             for kind in kinds:
-                applying = [name for name in wanted if BACKENDS[name].applies(kind, device)]
+                applying = [name for name in wanted if BACKENDS[name].applies(kind, device, dtype)]
                 for name in applying:
                     info = BACKENDS[name]
                     # Where none of our paths in this cell skips masked rows, every contender does

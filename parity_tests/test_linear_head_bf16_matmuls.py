@@ -9,6 +9,10 @@ tests run there (torch tensors on CUDA, JAX's default device), the tensor-core m
 themselves. They check the *fp32* results of
 ``head_forward`` (before the gradients are rounded to bf16) against the oracle's float64 head
 gradients with the fp32 bound: a split that rounds ``G`` (one or two terms) fails it.
+
+On CUDA torch's bf16 matmuls are one Triton kernel (``torchloss._triton_matmul``: tensor cores,
+``G`` split in registers); the tests run it in the Triton interpreter on the CPU too, alone (its
+products against exact ones) and inside the head (``TRITON_MATMUL_DEVICES``).
 """
 
 from __future__ import annotations
@@ -77,10 +81,28 @@ def gpu_branch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(jax_linear, "BF16_BACKWARD_PLATFORMS", ("cpu", "cuda"))
 
 
+@pytest.fixture
+def triton_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the Triton kernel on every device (the interpreter on the CPU)
+    monkeypatch.setattr(torch_linear, "TRITON_MATMUL_DEVICES", ("cpu", "cuda"))
+
+
 @pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("kind", list(lossspec.KINDS))
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_bf16_matmuls_match_the_oracle_in_fp32(gpu_branch: None, framework: str, kind: str, plan: str) -> None:
+    _check_head(framework, kind, plan)
+
+
+@pytest.mark.slow  # the Triton interpreter
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("kind", list(lossspec.KINDS))
+def test_triton_bf16_matmuls_match_the_oracle_in_fp32(gpu_branch: None, triton_matmuls: None, kind: str, plan: str) -> None:
+    assert torch_linear._triton_matmuls(torch.device(DEVICE))
+    _check_head("torch", kind, plan)
+
+
+def _check_head(framework: str, kind: str, plan: str) -> None:
     inputs = make_inputs(kind, "bfloat16", seed=3)
     options = _options(kind)
     if kind == "cross_entropy":
@@ -103,3 +125,56 @@ def test_split_bf16_is_exact_with_three_terms(terms: int) -> None:
         total = np.sum([to_np(p).astype(np.float64) for p in parts], axis=0)
         error = np.max(np.abs(total - g) / np.abs(g))
         assert (error == 0.0) == (terms == 3), (terms, error)
+
+
+def _matmul_inputs(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``(g [m, k] fp32 over 60 binades, p [k, n] bf16, perm)``: ``p`` a signed permutation with
+    power-of-two entries, so every exact product is an fp32 number and each output one product."""
+    rng = np.random.default_rng(seed)
+    g = (rng.standard_normal((m, k)) * np.exp(rng.uniform(-20, 20, (m, k)))).astype(np.float32)
+    perm = rng.permutation(k)[:n].tolist()
+    p = np.zeros((k, n), np.float32)
+    p[perm, np.arange(n)] = rng.choice([-4.0, -1.0, 0.5, 2.0], n)
+    return torch.tensor(g, device=DEVICE), torch.tensor(p, device=DEVICE).bfloat16(), perm
+
+
+@pytest.mark.slow  # the Triton interpreter
+@pytest.mark.parametrize("terms", [1, 2, 3])
+def test_triton_matmul_multiplies_fp32_exactly_as_three_bf16_terms(monkeypatch: pytest.MonkeyPatch, terms: int) -> None:
+    # G [M, K] fp32 times a signed power-of-two permutation: every output is one product, exact
+    # in fp32, so the kernel must return it bit for bit; a split into fewer terms rounds G.
+    from torchloss import _triton_matmul
+
+    monkeypatch.setattr(spec_linear, "HEAD_SPLIT_TERMS", terms)
+    monkeypatch.setitem(_triton_matmul.GPU_BLOCKS, terms, _triton_matmul.GPU_BLOCKS[3])
+    g, p, perm = _matmul_inputs(37, 45, 29, seed=1)
+    want = g[:, perm] * p[perm, torch.arange(29)].float()
+    got = _triton_matmul.matmul_f32(g, p)
+    assert torch.equal(got, want) == (terms == 3), (terms, (got - want).abs().max().item())
+    # a transposed view of G (the weight gradient's G^T h), accumulated into a strided slice
+    out = torch.full((64, 40), 7.0, device=DEVICE)
+    g_t, p_t, perm_t = _matmul_inputs(45, 37, 29, seed=2)
+    _triton_matmul.matmul_f32(g_t.t().contiguous().t(), p_t, out[3:48, 5:34], accumulate=True)
+    exact = g_t[:, perm_t].double() * p_t[perm_t, torch.arange(29)].double() + 7.0
+    assert torch.equal(out[3:48, 5:34], exact.float()) == (terms == 3)
+    assert bool((out[:3] == 7.0).all() and (out[48:] == 7.0).all() and (out[:, :5] == 7.0).all() and (out[:, 34:] == 7.0).all())
+
+
+@pytest.mark.slow  # the Triton interpreter
+@pytest.mark.parametrize("shape", [(37, 45, 29), (16, 100, 33), (5, 1, 3)])
+def test_triton_matmul_bf16_products_are_accumulated_in_fp32(shape: tuple[int, int, int]) -> None:
+    # Dense bf16 operands (every tile, ragged tails): within fp32 summation error of the exact
+    # product, |C - AB| <= K 2^-24 |A| |B| elementwise (a bf16 rounding of anything is ~2^-9).
+    from torchloss import _triton_matmul
+
+    m, k, n = shape
+    rng = np.random.default_rng(k)
+    a = torch.tensor(rng.standard_normal((m, k)), dtype=torch.bfloat16, device=DEVICE)
+    b = torch.tensor(rng.standard_normal((k, n)), dtype=torch.bfloat16, device=DEVICE)
+    exact = a.double() @ b.double()
+    bound = k * 2.0**-24 * (a.double().abs() @ b.double().abs())
+    for got in (_triton_matmul.matmul_f32(a, b), _triton_matmul.matmul_f32(b.t(), a.t()).t()):
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        assert bool(((got.double() - exact).abs() <= bound).all()), ((got.double() - exact).abs() / bound).max().item()
+    # runs give the same bits
+    assert torch.equal(_triton_matmul.matmul_f32(a, b), _triton_matmul.matmul_f32(a, b))

@@ -1,5 +1,5 @@
 """GPU readiness without a GPU: every Triton kernel of torchloss (the unfused losses' and the
-fused head's, ``torchloss._triton_linear``) compiles ahead of time for sm_80 and sm_90 (Triton's
+fused head's, ``torchloss._triton_linear``, and its bf16 matmul, ``torchloss._triton_matmul``) compiles ahead of time for sm_80 and sm_90 (Triton's
 bundled ptxas), fp32 and bf16 inputs, every kind, at the GPU block sizes and ``num_warps``, without
 register spills; ``docs/triton_kernels.md`` holds the current table.
 
@@ -48,6 +48,8 @@ def test_every_kernel_compiles_for_sm80_sm90_without_spills(tmp_path: Path) -> N
     assert {(r.job, r.variant, r.dtype, r.arch) for r in rows} == expected
     for r in rows:
         assert r.spill_stores == 0 and r.spill_loads == 0, r
-        assert 0 < r.registers <= 255 and r.shared < 48 * 1024, r
+        # the matmul's pipelined stages need more than the 48 KB every launch gets (Triton asks)
+        shared_limit = aot.MAX_SHARED[r.arch] if r.job in aot.MATMUL_JOBS else 48 * 1024
+        assert 0 < r.registers <= 255 and r.shared < shared_limit, r
     # The documented table is the current one (regenerate: python scripts/triton_aot_report.py).
     assert aot.markdown(rows) in DOC.read_text(), "docs/triton_kernels.md holds an outdated AOT table"

@@ -52,6 +52,21 @@ ARCHS = (80, 90)
 # teacher bias): the four kinds of the head.
 HEAD_JOBS = ("head_forward", "head_dh", "head_dw")
 HEAD_VARIANTS = tuple(v for v in VARIANTS if v[1] in ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl"))
+# The bf16 matmul kernel (torchloss._triton_matmul) in the three layouts the fused head launches
+# it with (bf16 operands): variant -> (A's dtype, unit-stride arguments, ACCUMULATE).
+#   logits  z = h W^T        A = h [R, H] bf16, B = W^T (a view: unit stride along K)
+#   grad_h  dh (+)= G W      A = G [R, B] fp32 (split), B = W rows [B, H]
+#   grad_w  dW += G^T h      A = G^T (a view: unit stride along M), B = h [R, H]
+MATMUL_JOBS = ("matmul",)
+MATMUL_VARIANTS = {
+    "logits": ("bfloat16", ("stride_ak", "stride_bk", "stride_cn"), False),
+    "grad_h": ("float32", ("stride_ak", "stride_bn", "stride_cn"), True),
+    "grad_w": ("float32", ("stride_am", "stride_bn", "stride_cn"), True),
+}
+# Shared memory per block: the loss and head kernels stay under the 48 KB every launch gets; the
+# matmul's pipelined stages take more, which Triton requests (at most 163 KB on sm_80, 227 KB on
+# sm_90).
+MAX_SHARED = {80: 166912, 90: 232448}
 
 
 def tasks(archs: tuple[int, ...] = ARCHS) -> list[tuple[str, str, str, int]]:
@@ -60,6 +75,7 @@ def tasks(archs: tuple[int, ...] = ARCHS) -> list[tuple[str, str, str, int]]:
     for arch in archs:
         for jobs, variants in ((JOBS, VARIANTS), (HEAD_JOBS, HEAD_VARIANTS)):
             out += [(job, variant[0], dtype, arch) for job in jobs for variant in variants for dtype in DTYPES]
+        out += [(job, variant, "bfloat16", arch) for job in MATMUL_JOBS for variant in MATMUL_VARIANTS]
     return out
 
 _TL_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
@@ -155,6 +171,42 @@ def _compile_head(job: str, kind: str, options: dict, dtype: str, arch: int) -> 
     return compiled, warps
 
 
+def _compile_matmul(variant: str, arch: int) -> tuple[Any, int]:
+    """``(compiled, num_warps)`` of the matmul kernel as ``torchloss._triton_matmul`` launches it on
+    a GPU for ``variant`` (:data:`MATMUL_VARIANTS`): unit strides specialised to the constant 1,
+    the other integers divisible by 16 (H, V and chunk sizes of real heads)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lossspec import linear as spec_linear
+    from torchloss import _triton, _triton_matmul
+
+    a_dtype, unit, accumulate = MATMUL_VARIANTS[variant]
+    split = 1 if a_dtype == "bfloat16" else spec_linear.HEAD_SPLIT_TERMS
+    tiles = _triton_matmul.GPU_BLOCKS[split]
+    constants = _triton_matmul.constexprs(split, accumulate, tiles)
+    constants["UPCAST"] = False  # compiled, not interpreted
+    pointer_types = {"a_ptr": "*" + _TL_NAMES[a_dtype], "b_ptr": "*bf16", "c_ptr": "*fp32"}
+    signature: dict[str, str] = {}
+    attrs = {}
+    for i, param in enumerate(_triton_matmul._matmul_kernel.params):
+        name = param.name
+        if param.is_constexpr or name in unit:
+            signature[name] = "constexpr"
+            if name in unit:
+                constants[name] = 1
+        elif name.endswith("_ptr"):
+            signature[name] = pointer_types[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=_triton_matmul._matmul_kernel, signature=signature, constexprs=constants, attrs=attrs)
+    options = {"num_warps": tiles[4], "num_stages": tiles[5], "enable_fp_fusion": _triton.FP_FUSION}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options), tiles[4]
+
+
 def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
     """Compile one kernel (in a worker process with ``TRITON_INTERPRET=0``) and read its resources."""
     import torch
@@ -166,8 +218,10 @@ def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
     from torchloss import _triton
 
     assert not _triton.INTERPRETED, "the AOT report must run with TRITON_INTERPRET=0"
-    label, kind, options = next(v for v in VARIANTS if v[0] == variant)
-    if job in HEAD_JOBS:
+    label, kind, options = next((v for v in VARIANTS if v[0] == variant), (variant, "", {}))
+    if job in MATMUL_JOBS:
+        compiled, warps = _compile_matmul(variant, arch)
+    elif job in HEAD_JOBS:
         compiled, warps = _compile_head(job, kind, options, dtype, arch)
     else:
         config = lossspec.make_config(kind, **options)

@@ -18,8 +18,10 @@ block math of :mod:`torchloss._stats` (``block_stats``, ``combine``, ``finalize`
 once to the parameters' dtypes. (On CUDA, torch's ``allow_tf32`` switches apply to these
 matmuls as to any other.) Opt-in (:data:`BF16_MATMUL_DEVICES`): bf16 inputs go to the matmuls
 as they are (fp32 results: :func:`mm_f32`) and the backward multiplies the fp32 ``G`` as three
-exact bf16 terms (:func:`split_bf16`): the same exact products, accumulated in fp32; correct on
-an H200 but slower there with torch 2.11 (docs/linear_head.md).
+exact bf16 terms (:func:`split_bf16`): the same exact products, accumulated in fp32. On CUDA
+these matmuls are one Triton kernel (:mod:`torchloss._triton_matmul`, the split in registers):
+through cuBLAS (``out_dtype``) the path was correct on an H200 but slower than fp32 with torch
+2.11; the kernel has not run on a GPU yet (docs/linear_head.md).
 
 Differentiation: an autograd Function. Reduced normalisations: the forward computes the fp32
 gradients of hidden, weight and bias, the backward scales them by the upstream scalar and
@@ -97,12 +99,18 @@ def _whole_row(config: LossConfig, local: Any, shards: Optional[Shards], vocab: 
     return _stats.finalize(config, _vocab_parallel.combine_shards(config, local, shards.group), shards.vocab)
 
 
-#: Devices whose head matmuls read bf16 operands as they are (``mm(out_dtype=float32)``, fp32
-#: results) with the backward's ``G`` split into exact bf16 terms. None by default: on an H200
-#: with torch 2.11 the head ran slower this way (16384 x 4096 x 131072 CE: 6057 ms against
-#: 2445 ms in fp32; the bf16 -> fp32 ``mm`` ran at ~20 TFLOP/s, no faster than fp32 GEMMs).
-#: Correct on that GPU (parity_tests/test_linear_head_bf16_matmuls.py); ``("cuda",)`` opts in.
+#: Devices whose head matmuls read bf16 operands as they are (fp32 results) with the backward's
+#: ``G`` multiplied as exact bf16 terms. None by default: on an H200 with torch 2.11 the head ran
+#: slower this way through cuBLAS (16384 x 4096 x 131072 CE: 6057 ms against 2445 ms in fp32;
+#: ``mm(out_dtype=float32)`` ran at ~20 TFLOP/s, no faster than fp32 GEMMs); the Triton kernel
+#: that replaced it there (:data:`TRITON_MATMUL_DEVICES`) has not run on a GPU yet. Correct on
+#: that GPU (parity_tests/test_linear_head_bf16_matmuls.py); ``("cuda",)`` opts in.
 BF16_MATMUL_DEVICES: tuple[str, ...] = ()
+#: Devices whose bf16 matmuls run on the Triton kernel of :mod:`torchloss._triton_matmul`
+#: (tensor cores, ``G`` split in registers); elsewhere ``torch.mm`` (CUDA without Triton:
+#: ``out_dtype``; the CPU: exact fp32 upcasts). The tests add ``"cpu"`` to run the kernel in the
+#: Triton interpreter.
+TRITON_MATMUL_DEVICES: tuple[str, ...] = ("cuda",)
 
 
 def bf16_matmuls(device: torch.device, *dtypes: torch.dtype) -> bool:
@@ -113,7 +121,19 @@ def bf16_matmuls(device: torch.device, *dtypes: torch.dtype) -> bool:
     2.13), and rounding the result to bf16 is what the fused head exists to avoid."""
     if device.type not in BF16_MATMUL_DEVICES or not all(d == torch.bfloat16 for d in dtypes):
         return False
-    return device.type != "cuda" or _cuda_mm_out_dtype(device)
+    return device.type != "cuda" or _triton_matmuls(device) or _cuda_mm_out_dtype(device)
+
+
+def _triton_matmuls(device: torch.device) -> bool:
+    """Whether the bf16 matmuls on ``device`` use the Triton kernel (:data:`TRITON_MATMUL_DEVICES`,
+    with Triton installed)."""
+    if device.type not in TRITON_MATMUL_DEVICES:
+        return False
+    try:
+        from . import _triton_matmul  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 _MM_OUT_DTYPE: dict[str, bool] = {}
@@ -132,13 +152,27 @@ def _cuda_mm_out_dtype(device: torch.device) -> bool:
     return _MM_OUT_DTYPE[key]
 
 
-def mm_f32(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` of bf16 operands in fp32: each product exact (16 significant bits), accumulated
-    and returned in fp32 (CUDA: cuBLAS with fp32 compute, ``out_dtype``). Elsewhere (the tests
-    exercise this path on the CPU) the same numbers from exact fp32 upcasts."""
+def mm_f32(a: Tensor, b: Tensor, out: Optional[Tensor] = None, *, accumulate: bool = False) -> Tensor:
+    """``a @ b`` (``out + a @ b`` with ``accumulate``) in fp32 from bf16 ``b`` and ``a`` bf16, or
+    fp32 multiplied as exact bf16 terms (:func:`split_bf16`): each product exact, accumulated
+    and returned in fp32 (into ``out`` when given). On the :data:`TRITON_MATMUL_DEVICES` one
+    Triton kernel (the split in registers); else cuBLAS with fp32 compute (``out_dtype``) on CUDA,
+    exact fp32 upcasts elsewhere (the same numbers; the tests exercise this path on the CPU)."""
+    if _triton_matmuls(a.device):
+        from . import _triton_matmul
+
+        return _triton_matmul.matmul_f32(a, b, out, accumulate=accumulate)
+    terms = split_bf16(a) if a.dtype == torch.float32 else [a]
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+        parts = [torch.mm(term, b, out_dtype=torch.float32) for term in terms]
+    else:
+        parts = [torch.mm(term.float(), b.float()) for term in terms]
+    total = parts[0]
+    for part in parts[1:]:
+        total += part
+    if out is None:
+        return total
+    return out.add_(total) if accumulate else out.copy_(total)
 
 
 def split_bf16(g: Tensor, terms: int = spec_linear.HEAD_SPLIT_TERMS) -> list[Tensor]:
@@ -160,10 +194,8 @@ def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor] = N
     """``h @ w.T + b`` ``[R, B]``, contiguous, in the compute dtype (into ``out`` when given);
     bf16 ``h`` and ``w`` (:func:`bf16_matmuls`) give an fp32 result (:func:`mm_f32`)."""
     if h.dtype == torch.bfloat16:
-        z = mm_f32(h, w.t())
-        if b is not None:
-            z += b
-        return z if out is None else out.copy_(z)
+        z = mm_f32(h, w.t(), out)
+        return z if b is None else z.add_(b)
     if b is None:
         return torch.mm(h, w.t(), out=out)
     return torch.addmm(b, h, w.t(), out=out)
@@ -214,17 +246,9 @@ def _add_head_grads(g: Tensor, h: Tensor, w: WeightRows, v0: int, dh: Tensor, dw
     v1 = v0 + g.shape[1]
     for a, c, rows in w.slices(v0, v1):
         part = g[:, a - v0 : c - v0]
-        if rows.dtype == torch.bfloat16:  # bf16 matmuls: G as exact bf16 terms (split_bf16)
-            terms = split_bf16(part)
-            d_h = mm_f32(terms[0], rows)
-            for term in terms[1:]:
-                d_h += mm_f32(term, rows)
-            if first:
-                dh.copy_(d_h)
-            else:
-                dh += d_h
-            for term in terms:
-                dw[a:c] += mm_f32(term.t(), h)
+        if rows.dtype == torch.bfloat16:  # bf16 matmuls: G as exact bf16 terms (mm_f32)
+            mm_f32(part, rows, dh, accumulate=not first)
+            mm_f32(part.t(), h, dw[a:c], accumulate=True)
         else:
             if first:
                 torch.mm(part, rows, out=dh)
