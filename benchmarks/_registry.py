@@ -97,6 +97,9 @@ BACKENDS: dict[str, Backend] = {
         Backend("head-torchloss-fused-bf16mm", "torch", "ours", "head", ("cross_entropy",), ("gpu",),
                 "torchloss.linear_cross_entropy, opted in to bf16 tensor-core matmuls (BF16_MATMUL_DEVICES: the Triton "
                 "matmul, G as exact bf16 terms)", mem=(0.3, 0.3), dtypes=("bfloat16",)),
+        Backend("head-torchloss-fused-recompute", "torch", "ours", "head", ("cross_entropy",), _CPU_GPU,
+                "torchloss.linear_cross_entropy(recompute_logits=True): the weight gradient formed in the backward, a "
+                "vocabulary slice at a time (no fp32 [V, H] accumulator; one more matmul)", mem=(0.3, 0.3), cpu_ns=6.0),
         Backend("head-torchloss", "torch", "ours", "head", ("cross_entropy",), _CPU_GPU,
                 "F.linear + torchloss.cross_entropy(inplace=True) (unfused)", mem=(1.3, 1.3), cpu_ns=5.0,
                 skips_masked_16bit=("cpu",)),
@@ -115,6 +118,9 @@ BACKENDS: dict[str, Backend] = {
         Backend("head-jaxloss-fused-bf16mm", "jax", "ours", "head", ("cross_entropy",), ("gpu",),
                 "jaxloss.linear_cross_entropy, opted in to bf16 tensor-core matmuls (BF16_BACKWARD_PLATFORMS: XLA's "
                 "dots, G as exact bf16 terms)", mem=(0.3, 0.3), dtypes=("bfloat16",)),
+        Backend("head-jaxloss-fused-recompute", "jax", "ours", "head", ("cross_entropy",), _CPU_GPU,
+                "jaxloss.linear_cross_entropy(recompute_logits=True): the weight gradient formed in the backward, a "
+                "vocabulary slice at a time (no fp32 [V, H] accumulator; one more matmul)", mem=(0.3, 0.3), cpu_ns=10.0),
         Backend("head-jaxloss", "jax", "ours", "head", ("cross_entropy",), _CPU_GPU,
                 "h @ w.T + jaxloss.cross_entropy (unfused)", mem=(2.3, 2.3), cpu_ns=6.0),
         Backend("head-jax-matmul-sol", "jax", "sol", "head", ("cross_entropy",), _CPU_GPU,

@@ -21,7 +21,10 @@ MEM_UNITS = 1.0
 # logits buffer (plus the head's own gradients, which are outputs).
 HEAD_SOL_RATIO = 1.15
 HEAD_MEM_UNITS = 0.125
-FUSED_HEADS = ("head-torchloss-fused", "head-jaxloss-fused", "head-torchloss-fused-bf16mm", "head-jaxloss-fused-bf16mm")
+FUSED_HEADS = (
+    "head-torchloss-fused", "head-jaxloss-fused", "head-torchloss-fused-bf16mm", "head-jaxloss-fused-bf16mm",
+    "head-torchloss-fused-recompute", "head-jaxloss-fused-recompute",
+)
 MEM_SLACK = (0.02, 16 << 20)  # allocator/page rounding: 2% of a logits buffer or 16 MiB, whichever is larger
 GPU_HBM_FRACTION = 0.85
 LOSS_TOL = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}

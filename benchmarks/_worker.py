@@ -268,7 +268,7 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
             return masked_mean(per_token, mask)
 
         program, args = jax.value_and_grad(loss), (x, target, mask)
-    elif spec.backend in ("head-jaxloss-fused", "head-jaxloss-fused-bf16mm", "head-jaxloss"):
+    elif spec.backend in ("head-jaxloss-fused", "head-jaxloss-fused-bf16mm", "head-jaxloss-fused-recompute", "head-jaxloss"):
         import jaxloss
         import jaxloss.linear as jax_linear
 
@@ -284,6 +284,10 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
                 # set for this trace only, the default contender shares the process.
                 with _switched(jax_linear, "BF16_BACKWARD_PLATFORMS", ("cuda",)):
                     return jaxloss.linear_cross_entropy(h, w, labels, mask)
+        elif spec.backend == "head-jaxloss-fused-recompute":
+
+            def head_loss(h: Any, w: Any, labels: Any, mask: Any) -> Any:
+                return jaxloss.linear_cross_entropy(h, w, labels, mask, recompute_logits=True)
         else:
 
             def head_loss(h: Any, w: Any, labels: Any, mask: Any) -> Any:
@@ -457,6 +461,11 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
                 # The head's gradients are formed in its forward: the switch covers them.
                 with _switched(torch_linear, "BF16_MATMUL_DEVICES", ("cuda",)):
                     return torchloss.linear_cross_entropy(h, w, labels, mask)
+        elif spec.backend == "head-torchloss-fused-recompute":
+            import torchloss
+
+            def forward() -> Any:
+                return torchloss.linear_cross_entropy(h, w, labels, mask, recompute_logits=True)
         elif spec.backend == "head-torchloss":
             import torchloss
 

@@ -25,6 +25,13 @@ upstream scalar and rounds once. For ``"none"`` the upstream gradient differs pe
 enters the weight gradient inside the sum over tokens, so the backward recomputes the head with
 ``coef * upstream`` (the forward computes the loss only). First order only.
 
+``recompute_logits=True`` (:func:`head_backward`): the forward keeps the rows' :class:`Final`
+statistics (``[N]`` vectors) and the backward runs over vocabulary slices, each recomputing the
+logits of all tokens chunk by chunk and summing its ``G^T h`` in an fp32 ``[B, H]`` buffer
+rounded once into the slice's rows (the scan's stacked output): no fp32 ``[V, H]`` gradient,
+one more matmul (two with a teacher). On the CPU XLA hoists the bits of the whole 16-bit weight
+(:func:`_rows`) out of the loop: one copy of the weight in its dtype.
+
 Vocab parallel (``vocab_parallel=<mesh axis>`` inside ``shard_map``; :class:`Shards`): the weight
 is this replica's ``[V_local, H]`` slice; each chunk's shard statistics are combined over the
 axis (``jaxloss._vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the
@@ -46,7 +53,7 @@ from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
 from . import _pallas_linear, _vocab_parallel, api
-from ._stats import F32, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
+from ._stats import F32, Final, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
 
 Array = jax.Array
 HIGHEST = lax.Precision.HIGHEST
@@ -58,6 +65,9 @@ __all__ = ["linear_cross_entropy", "linear_soft_cross_entropy", "linear_forward_
 BLOCK_ELEMENTS: Optional[int] = None
 #: rows of a chunk in the vocabulary-blocked fallback (lossspec.linear.HEAD_BLOCKED_ROWS)
 BLOCKED_ROWS: int = spec_linear.HEAD_BLOCKED_ROWS
+#: ``(R, B)`` of the ``recompute_logits`` backward; ``None``: lossspec.linear.head_plan_recompute's.
+#: Tests set it small to exercise moved-back vocabulary slices and token chunks.
+RECOMPUTE_PLAN: Optional[tuple[int, int]] = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,6 +173,18 @@ def _rows_f32(x: Array, start: Any, rows: int) -> Array:
     return lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, F32)
 
 
+def _stack(slices: Array, vocab: int) -> Array:
+    """``[S, B, ...]`` gradients of vocabulary slices -> ``[V, ...]``; the last slice ends at
+    ``V`` (moved back), so only its last ``V - (S - 1) B`` rows are new. A free reshape when
+    ``B`` divides ``V`` (:func:`lossspec.linear.head_plan_recompute` prefers such a ``B``),
+    else one copy."""
+    num, width = slices.shape[:2]
+    if num * width == vocab:
+        return slices.reshape((vocab,) + slices.shape[2:])
+    head = slices[:-1].reshape(((num - 1) * width,) + slices.shape[2:])
+    return jnp.concatenate([head, slices[-1, width - (vocab - (num - 1) * width) :]], axis=0)
+
+
 def _head_grads(dh: Array, dw: Array, start: Any, g: Array, h: Array, w: Array, slice_rows: int) -> tuple[Array, Array]:
     """The backward of a block of ``B`` vocabulary columns starting at ``start``: ``dh += g W_blk``
     and ``dw[start : start + B] += g^T h`` (``g`` ``[R, B]`` fp32, ``h`` ``[R, H]``, ``w``
@@ -222,7 +244,7 @@ def _chunk_whole(
     cfg: KernelConfig, student: Head, teacher: Optional[Head], y: Optional[Array], coef: Array, with_grad: bool, shards: Optional[Shards] = None
 ) -> tuple:
     """One chunk whose rows fit whole (or a shard's whole slice of them): ``(loss [R], G [R, V]
-    fp32 or None)``."""
+    fp32 or None, the rows' Final statistics)``."""
     h, w, b = student
     z = _logits(h, w, b)
     vocab = z.shape[1]
@@ -237,11 +259,11 @@ def _chunk_whole(
     fin = _whole_row(cfg, st, z, shards, vocab)
     loss = jnp.where(coef != 0, fin.l, 0.0)
     if not with_grad:
-        return loss, None
+        return loss, None, fin
     if shards is not None:  # the exponentials are relative to the shard's maxima, not the row's
         e = et = None
     hit = (lax.broadcasted_iota(jnp.int32, z.shape, 1) == y[:, None]) if cfg.is_ce else None
-    return loss, grad_block(cfg, fin, coef, z, t, hit=hit, vocab=vocab if shards is None else shards.vocab, e=e, et=et)
+    return loss, grad_block(cfg, fin, coef, z, t, hit=hit, vocab=vocab if shards is None else shards.vocab, e=e, et=et), fin
 
 
 def _chunk_blocked(
@@ -259,8 +281,8 @@ def _chunk_blocked(
 ) -> tuple:
     """One chunk over vocabulary blocks of ``width`` columns: pass 1 folds the blocks'
     statistics (online softmax), pass 2 recomputes each block's logits for its gradient.
-    Returns ``(loss [R], dh [R, H] fp32, dw, db)`` with the blocks' ``G^T h`` added to ``dw``,
-    ``db``. The last block is moved back to end at ``V``; the columns it shares with the
+    Returns ``(loss [R], dh [R, H] fp32, dw, db, the rows' Final statistics)`` with the
+    blocks' ``G^T h`` added to ``dw``, ``db``. The last block is moved back to end at ``V``; the columns it shares with the
     previous block are masked out (``col_ok``) in both passes, so nothing is counted twice.
     ``shards``: the weight is a vocabulary shard; its folded statistics are combined over the
     shards between the two passes."""
@@ -289,7 +311,7 @@ def _chunk_blocked(
     vocab_total = vocab if shards is None else shards.vocab
     loss = jnp.where(coef != 0, fin.l, 0.0)
     if not with_grad:
-        return loss, None, dw, db
+        return loss, None, dw, db, fin
 
     def pass2(j: Array, carry: tuple) -> tuple:
         dh, dw, db = carry
@@ -303,7 +325,22 @@ def _chunk_blocked(
 
     dh0 = varying_like(jnp.zeros(h.shape, F32), *refs)
     dh, dw, db = lax.fori_loop(0, num_blocks, pass2, (dh0, dw, db))
-    return loss, dh, dw, db
+    return loss, dh, dw, db, fin
+
+
+def _plan(cfg: KernelConfig, hidden: Array, weight: Array, block_elements: Optional[int], blocked_rows: int, shards: Optional[Shards]) -> tuple[int, int]:
+    """``(R, B)`` of :func:`lossspec.linear.head_plan` for these inputs (JAX's live blocks; the
+    budget is in the inputs' dtype)."""
+    live = spec_linear.head_live_blocks("jax", cfg.kind, shards is not None)
+    logits_itemsize = jnp.promote_types(hidden.dtype, weight.dtype).itemsize
+    return spec_linear.head_plan(hidden.shape[0], weight.shape[0], block_elements, blocked_rows, live, logits_itemsize)
+
+
+def _final_buffers(cfg: KernelConfig, n: int, vocab: int, refs: list) -> Final:
+    """Zeros ``[N]`` for each field of the :class:`Final` statistics ``cfg`` has (``None``
+    elsewhere), with the varying-axes type of ``refs``."""
+    fields = finalize(cfg, empty_stats(cfg, 1), vocab)  # only which fields exist is read
+    return Final(*(None if f is None else varying_like(jnp.zeros((n,), f.dtype), *refs) for f in fields))
 
 
 def head_forward(
@@ -319,7 +356,8 @@ def head_forward(
     block_elements: Optional[int] = None,
     blocked_rows: int = spec_linear.HEAD_BLOCKED_ROWS,
     shards: Optional[Shards] = None,
-) -> tuple[Array, Optional[Array], Optional[Array], Optional[Array]]:
+    keep_final: bool = False,
+) -> tuple:
     """Per-token loss and the fp32 gradients of the head.
 
     Args:
@@ -337,12 +375,15 @@ def head_forward(
         ``shards.axes`` (one ``pmax`` / ``psum`` round per chunk: ``[R]`` vectors, never the
         logits), then the local gradient; ``dh`` is summed over the axes once at the end
         (``psum``); ``dW``, ``db`` stay local.
+      keep_final: (without ``with_grad``) also return the rows' :class:`Final` statistics, what
+        :func:`head_backward` needs (``recompute_logits``).
 
     Returns:
       ``(l [N], dh [N, H], dW [V, H], db [V] | None)``: the per-token loss (0 where
       ``coef == 0``; not multiplied by ``coef``) and, with ``with_grad``, the fp32 gradients of
       ``sum_i coef_i l_i`` (``G = coef * c * dl/dz``: ``dh = G W``, ``dW = G^T h``, ``db = sum G``;
       with ``shards``, ``dW`` and ``db`` of the local slice and ``dh`` the whole ``sum_k G_k W_k``).
+      With ``keep_final``: ``(l [N], Final of [N] vectors)``.
     """
     n, width = hidden.shape
     vocab = weight.shape[0]
@@ -354,21 +395,20 @@ def head_forward(
     student = (None, up(weight, operand), up(bias))
     teacher32 = None if teacher is None else (None, up(teacher[1], t_operand), up(teacher[2]))
     # (JAX's shards are even: every replica's plan is the same.)
-    live = spec_linear.head_live_blocks("jax", cfg.kind, shards is not None)
-    logits_itemsize = jnp.promote_types(hidden.dtype, weight.dtype).itemsize
-    rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, live, logits_itemsize)
+    rows, block = _plan(cfg, hidden, weight, block_elements, blocked_rows, shards)
     # Inside shard_map (data, sequence or vocabulary axes) a loop carry has the varying-axes type
     # of what the body writes into it, i.e. of every input it reads; fresh zeros are invariant
     # until cast (varying_like is a no-op outside shard_map).
     refs = [a for a in (hidden, weight, bias, coef, labels) + tuple(teacher or ()) if a is not None]
     local = lambda a: varying_like(a, *refs)  # noqa: E731
-    # The loss of a vocabulary-parallel head is combined over the shards: it does not vary with them.
-    loss_refs = refs if shards is None else [a for a in (hidden, coef, labels) + tuple((teacher or (None,))[:1]) if a is not None]
     dw = local(jnp.zeros((vocab, width), F32)) if with_grad else None
     db = local(jnp.zeros((vocab,), F32)) if (with_grad and bias is not None) else None
     dh = local(jnp.zeros((n, width), F32)) if with_grad else None
+    # The loss of a vocabulary-parallel head is combined over the shards: it does not vary with them.
+    loss_refs = refs if shards is None else [a for a in (hidden, coef, labels) + tuple((teacher or (None,))[:1]) if a is not None]
+    final = _final_buffers(cfg, n, vocab, loss_refs) if keep_final else None
     if n == 0:
-        return jnp.zeros((0,), F32), dh, dw, db
+        return (jnp.zeros((0,), F32), final) if keep_final else (jnp.zeros((0,), F32), dh, dw, db)
     if shards is not None and labels is not None:
         labels = _vocab_parallel.shift_labels(labels, vocab, shards.axes)  # global ids -> this shard's columns
     num_chunks = -(-n // rows)
@@ -377,7 +417,7 @@ def head_forward(
     slice_rows = max(1, (rows * block) // (4 * width)) if width else vocab
 
     def chunk(i: Array, carry: tuple) -> tuple:
-        loss_buf, dh, dw, db = carry
+        loss_buf, dh, dw, db, final = carry
         # The last chunk is moved back to end at row N; rows it shares with the previous
         # chunk get coefficient 0 (no second contribution to dW) and keep their values.
         start = jnp.minimum(i * rows, n - rows)
@@ -390,32 +430,139 @@ def head_forward(
         if teacher is not None:
             tt = (_rows(teacher[0], start, rows).astype(t_operand),) + teacher32[1:]
         if block == vocab:
-            loss, g = _chunk_whole(cfg, st, tt, yc, cc, with_grad, shards)
+            loss, g, fin = _chunk_whole(cfg, st, tt, yc, cc, with_grad, shards)
             if with_grad:
                 dh_c, dw = _head_grads(local(jnp.zeros(hc.shape, F32)), dw, 0, g, hc, student[1], slice_rows)
                 db = None if db is None else db + jnp.sum(g, axis=0)
         else:
-            loss, dh_c, dw, db = _chunk_blocked(cfg, block, st, tt, yc, cc, with_grad, dw, db, shards, slice_rows)
+            loss, dh_c, dw, db, fin = _chunk_blocked(cfg, block, st, tt, yc, cc, with_grad, dw, db, shards, slice_rows)
         keep = lambda buf, new: lax.dynamic_update_slice_in_dim(  # noqa: E731
             buf, jnp.where(fresh.reshape((rows,) + (1,) * (new.ndim - 1)), new, lax.dynamic_slice_in_dim(buf, start, rows, 0)), start, 0
         )
         loss_buf = keep(loss_buf, loss)
         if with_grad:
             dh = keep(dh, dh_c)
-        return loss_buf, dh, dw, db
+        if final is not None:
+            final = Final(*(None if buf is None else keep(buf, new) for buf, new in zip(final, fin)))
+        return loss_buf, dh, dw, db, final
 
-    loss, dh, dw, db = lax.fori_loop(0, num_chunks, chunk, (varying_like(jnp.zeros((n,), F32), *loss_refs), dh, dw, db))
+    loss, dh, dw, db, final = lax.fori_loop(0, num_chunks, chunk, (varying_like(jnp.zeros((n,), F32), *loss_refs), dh, dw, db, final))
+    if keep_final:
+        return loss, final
     if shards is not None and with_grad:
         # hidden feeds every shard: its gradient is the sum of the shards' G_k W_k (one psum).
         dh = lax.psum(dh, _vocab_parallel._axis(shards.axes))
     return loss, dh, dw, db
 
 
+def head_backward(
+    cfg: KernelConfig,
+    hidden: Array,
+    weight: Array,
+    bias: Optional[Array],
+    labels: Optional[Array],
+    teacher: Optional[tuple],
+    coef: Array,
+    final: Final,
+    probes: tuple,
+    *,
+    block_elements: Optional[int] = None,
+    blocked_rows: int = spec_linear.HEAD_BLOCKED_ROWS,
+    shards: Optional[Shards] = None,
+    plan: Optional[tuple[int, int]] = None,
+) -> tuple[Array, Array, Optional[Array]]:
+    """The gradients of ``sum_i coef_i l_i`` from the rows' statistics (``recompute_logits``).
+
+    The vocabulary is the outer loop: for each slice of ``B`` columns the logits of all tokens
+    are recomputed chunk by chunk (``[R, B]`` blocks, :func:`lossspec.linear.head_plan_recompute`),
+    ``G = coef * c * dl/dz`` follows from ``final`` (:func:`grad_block`), ``dh += G W_slice``
+    and the slice's ``dW = G^T h`` is summed over all tokens in fp32 ``[B, H]``, then (summed
+    over the data axes its weight is replicated on, ``probes``) rounded once to the weight's
+    dtype and written. No fp32 ``[V, H]`` buffer exists; one more matmul than
+    :func:`head_forward` with ``with_grad`` (two with a teacher).
+
+    Args:
+      cfg, hidden, weight, bias, labels, teacher, block_elements, blocked_rows, shards: as for
+        :func:`head_forward` (the same plan's budget).
+      coef: ``[N]`` fp32, the per-token coefficient times the upstream gradient.
+      final: the rows' :class:`Final` statistics (``head_forward(..., keep_final=True)``).
+      probes: empty slices of ``(hidden, weight, bias)`` (:func:`_type_probes`).
+      plan: ``(R, B)`` instead of the planned ones (tests).
+
+    Returns:
+      ``(dh [N, H] fp32, dW [V, H] in weight.dtype, db [V] in bias.dtype | None)``; with
+      ``shards``, ``dh`` summed over the shards, ``dW`` and ``db`` of the local slice.
+    """
+    n, width = hidden.shape
+    vocab = weight.shape[0]
+    operand = _operand_dtype(hidden, weight)
+    t_operand = None if teacher is None else _operand_dtype(teacher[0], teacher[1])
+    plan_rows, plan_block = _plan(cfg, hidden, weight, block_elements, blocked_rows, shards)
+    # The forward's live blocks (XLA's temporaries per [R, B] block, as counted there) and the
+    # [B, H] slices: the widened weight rows, the gradient, its product before the addition, the teacher's rows.
+    live = spec_linear.head_live_blocks("jax", cfg.kind, shards is not None)
+    rows, cols = plan or spec_linear.head_plan_recompute(n, vocab, width, plan_rows * plan_block * live, live, 3 + (teacher is not None))
+    rows, cols = min(rows, max(1, n)), min(cols, vocab)
+    refs = [a for a in (hidden, weight, bias, coef, labels) + tuple(teacher or ()) if a is not None]
+    dh = varying_like(jnp.zeros((n, width), F32), *refs)
+    if n == 0:
+        dw = varying_like(jnp.zeros((vocab, width), weight.dtype), weight)
+        return dh, dw, None if bias is None else varying_like(jnp.zeros((vocab,), bias.dtype), bias)
+    if shards is not None and labels is not None:
+        labels = _vocab_parallel.shift_labels(labels, vocab, shards.axes)
+    vocab_total = vocab if shards is None else shards.vocab
+    num_chunks = -(-n // rows)
+    cut = lambda a, start, size: None if a is None else lax.dynamic_slice_in_dim(a, start, size, 0)  # noqa: E731
+
+    def vocab_slice(dh: Array, j: Array) -> tuple:
+        # The last slice is moved back to end at V; the columns it shares with the previous one
+        # get G = 0 (nothing added to dh twice) and their rows of its dW are dropped (_stack).
+        v0 = jnp.minimum(j * cols, vocab - cols)
+        col_ids = v0 + lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+        col_ok = col_ids >= j * cols
+        w_j = _rows(weight, v0, cols).astype(operand)
+        b_j = None if bias is None else cut(bias, v0, cols).astype(F32)
+        tw_j = None if teacher is None else _rows(teacher[1], v0, cols).astype(t_operand)
+        tb_j = None if teacher is None or teacher[2] is None else cut(teacher[2], v0, cols).astype(F32)
+
+        def token_chunk(i: Any, carry: tuple) -> tuple:
+            dh, dw_j, db_j = carry
+            # The last chunk is moved back to end at row N; rows it shares with the previous
+            # chunk get coefficient 0 (G = 0: nothing added twice).
+            r0 = jnp.minimum(i * rows, n - rows)
+            cc = jnp.where(r0 + jnp.arange(rows) >= i * rows, cut(coef, r0, rows), 0.0)
+            hc = _rows(hidden, r0, rows).astype(operand)
+            z = _logits(hc, w_j, b_j)
+            t = None if teacher is None else _logits(_rows(teacher[0], r0, rows).astype(t_operand), tw_j, tb_j)
+            fin = Final(*(cut(f, r0, rows) for f in final))
+            hit = (col_ids == cut(labels, r0, rows)[:, None]) if cfg.is_ce else None
+            g = jnp.where(col_ok, grad_block(cfg, fin, cc, z, t, hit=hit, vocab=vocab_total), 0.0)
+            dh_c, dw_j = _head_grads(cut(dh, r0, rows), dw_j, 0, g, hc, w_j, cols)
+            dh = lax.dynamic_update_slice_in_dim(dh, dh_c, r0, 0)
+            return dh, dw_j, None if db_j is None else db_j + jnp.sum(g, axis=0)
+
+        dw_j = varying_like(jnp.zeros((cols, width), F32), *refs)
+        db_j = None if bias is None else varying_like(jnp.zeros((cols,), F32), *refs)
+        dh, dw_j, db_j = lax.fori_loop(0, num_chunks, token_chunk, (dh, dw_j, db_j))
+        # The one rounding of the slice's gradients, after their sums over the data replicas.
+        dw_j = _as_primal_type(dw_j, probes[1]).astype(weight.dtype)
+        db_j = None if db_j is None else _as_primal_type(db_j, probes[2]).astype(bias.dtype)
+        return dh, (dw_j, db_j)
+
+    # The slices' gradients are the scan's stacked outputs, not a [V, H] carry updated in place:
+    # XLA's CPU compiler runs a 16-bit dynamic_update_slice through fp32 (a copy of the carry).
+    dh, (dw, db) = lax.scan(vocab_slice, dh, jnp.arange(-(-vocab // cols)))
+    dw, db = _stack(dw, vocab), None if db is None else _stack(db, vocab)
+    if shards is not None:
+        dh = lax.psum(dh, _vocab_parallel._axis(shards.axes))
+    return dh, dw, db
+
+
 # --------------------------------------------------------------------------------------------
 # custom_vjp
 # --------------------------------------------------------------------------------------------
 
-Spec = tuple  # (KernelConfig, reduced: bool, (block_elements, blocked_rows, impl, softcaps, tuning), (hidden, weight, bias) dtypes, Shards | None): static
+Spec = tuple  # (KernelConfig, reduced: bool, (block_elements, blocked_rows, impl, softcaps, tuning), (hidden, weight, bias) dtypes, Shards | None, (recompute_logits: bool, RECOMPUTE_PLAN)): static
 
 
 def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
@@ -424,7 +571,7 @@ def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
 
 
 def _run(spec: Spec, args: tuple, coef: Array, with_grad: bool) -> tuple:
-    cfg, _, (block_elements, blocked_rows, impl, softcaps, tuning), _, shards = spec
+    cfg, _, (block_elements, blocked_rows, impl, softcaps, tuning), _, shards, _ = spec
     hidden, weight, bias, labels, teacher = args
     if impl == "pallas":  # the one dispatch point: the fused Pallas kernels (jaxloss._pallas_linear)
         return _pallas_linear.head_forward(
@@ -454,6 +601,12 @@ def _head(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, teac
 
 def _head_fwd(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, teacher: Any, coef: Array) -> tuple:
     args = (hidden, weight, bias, labels, teacher)
+    if spec[5][0]:  # recompute_logits: the rows' statistics only; the backward computes the gradients
+        cfg, _, (block_elements, blocked_rows, _, _, _), _, shards, _ = spec
+        loss, final = head_forward(
+            cfg, *args, coef, with_grad=False, block_elements=block_elements, blocked_rows=blocked_rows, shards=shards, keep_final=True
+        )
+        return _weighted(coef, loss, spec[1]), (args, coef, final)
     if not spec[1]:  # "none": the backward recomputes with coef * upstream
         loss = _run(spec, args, coef, with_grad=False)[0]
         return _weighted(coef, loss, False), (args, coef)
@@ -479,7 +632,15 @@ def _as_primal_type(grad: Any, probe: Any) -> Any:
 
 
 def _head_bwd(spec: Spec, res: tuple, g: Array) -> tuple:
-    _, reduced, _, (h_dtype, w_dtype, b_dtype), _ = spec
+    cfg, reduced, (block_elements, blocked_rows, _, _, _), (h_dtype, w_dtype, b_dtype), shards, (recompute, recompute_plan) = spec
+    if recompute:  # the gradients of sum_i coef_i g_i l_i, dW and db already rounded
+        args, coef, final = res
+        probes = _type_probes(args)
+        dh, dw, db = head_backward(
+            cfg, *args, jnp.where(coef != 0, coef * g.astype(F32), 0.0), final, probes,
+            block_elements=block_elements, blocked_rows=blocked_rows, shards=shards, plan=recompute_plan,
+        )
+        return _as_primal_type(dh, probes[0]).astype(h_dtype), dw, db, None, None, None
     if reduced:
         dh, dw, db, probes = res
         scale = g.astype(F32)
@@ -586,8 +747,9 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     kcfg = KernelConfig.of(config)
     dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
     impl = spec_linear.head_impl(args["impl"], lossspec.JAX_IMPLS, "xla", shards is not None)
+    recompute = spec_linear.check_recompute_logits(args["recompute_logits"], impl, "xla")
     softcaps = (getattr(config, "logit_softcap", None), getattr(config, "teacher_logit_softcap", None))
-    head_spec = (kcfg, config.normalization != "none", (BLOCK_ELEMENTS, BLOCKED_ROWS, impl, softcaps, _pallas_linear.TUNING), dtypes, shards)
+    head_spec = (kcfg, config.normalization != "none", (BLOCK_ELEMENTS, BLOCKED_ROWS, impl, softcaps, _pallas_linear.TUNING), dtypes, shards, (recompute, RECOMPUTE_PLAN))
     device = lambda a: None if a is None else api._device(a)  # noqa: E731
     teacher_arrays = None if teacher is None else tuple(device(a) for a in teacher)
     try:
@@ -599,7 +761,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     return api._finish(config.normalization, lead, tokens, bad)
 
 
-HEAD_FRAMEWORK_ARGS = lossspec.FrameworkArgs(
+HEAD_FRAMEWORK_ARGS = spec_linear.head_framework_args(lossspec.FrameworkArgs(
     (
         (
             "vocab_parallel",
@@ -613,7 +775,7 @@ HEAD_FRAMEWORK_ARGS = lossspec.FrameworkArgs(
             "cross the axis, never logits.",
         ),
     )
-)
+))
 
 
 def _public(kind: str) -> Any:

@@ -16,7 +16,8 @@ This module is the framework-free part, written once for ``jaxloss.linear`` and
 ``torchloss.linear``: the public signatures and docstrings (built on :data:`KIND_SPECS`), the
 shape and dtype checks with their messages, the float64 reference (the chain rule through
 :func:`lossspec.oracle`, which applies ``segment_ids`` as well), the gradient bound of the head
-and the memory plan (also of a vocabulary shard, :func:`head_plan_shard`).
+and the memory plans (also of a vocabulary shard, :func:`head_plan_shard`, and of the
+``recompute_logits`` backward, :func:`head_plan_recompute`).
 """
 
 from __future__ import annotations
@@ -61,8 +62,42 @@ _HEAD_ARG_DOCS: dict[str, str] = {
 
 _HEAD_RETURNS = _RETURNS + (
     "\nGradients flow to ``hidden``, ``weight`` and ``bias`` (accumulated in fp32 and rounded once to their\n"
-    "dtypes), computed in the forward pass; the backward scales them by the upstream gradient."
+    "dtypes), computed in the forward pass and scaled by the upstream gradient in the backward (with\n"
+    "``recompute_logits=True``: computed in the backward)."
 )
+
+
+#: the head's arguments shared by both frameworks after ``impl`` (each framework appends its own,
+#: ``vocab_parallel``: :func:`head_framework_args`)
+HEAD_ARGS = FrameworkArgs(
+    (
+        (
+            "recompute_logits",
+            False,
+            "``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and ``bias`` "
+            "(three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the "
+            "forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice "
+            "at a time over all tokens and writes each slice of the weight gradient in the weight's dtype, so no "
+            "fp32 ``[V, H]`` accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more "
+            "matmul (two with a teacher). Same bounds either way; the XLA / torch path only.",
+        ),
+    )
+)
+
+
+def head_framework_args(own: FrameworkArgs) -> FrameworkArgs:
+    """:data:`HEAD_ARGS` followed by a framework's own head arguments ``own``."""
+    return FrameworkArgs(HEAD_ARGS.args + own.args)
+
+
+def check_recompute_logits(recompute_logits: Any, impl: str, plain: str) -> bool:
+    """``recompute_logits`` checked: a bool, and only on the framework's plain path ``plain``
+    (``impl`` resolved by :func:`head_impl`; the fused kernels recompute their tiles anyway)."""
+    if not isinstance(recompute_logits, (bool, np.bool_)):
+        raise TypeError(f"recompute_logits must be True or False, got {recompute_logits!r}")
+    if recompute_logits and impl != plain:
+        raise ValueError(f"recompute_logits=True is a mode of the {plain!r} path; impl={impl!r} does not take it")
+    return bool(recompute_logits)
 
 
 def head_impl(impl: str, choices: tuple[str, ...], plain: str, vocab_parallel: bool) -> str:
@@ -293,6 +328,8 @@ HEAD_LIVE_BLOCKS_VOCAB_PARALLEL: dict[str, dict[str, int]] = {
 HEAD_MAX_BLOCK_ELEMENTS: int = 1 << 24
 #: rows of a chunk in the vocabulary-blocked fallback (one row's V does not fit the budget)
 HEAD_BLOCKED_ROWS: int = 64
+#: the fewest vocabulary columns of a ``recompute_logits`` backward slice (when the budget allows)
+HEAD_RECOMPUTE_MIN_COLUMNS: int = 256
 #: bf16 terms of the fp32 logits gradient ``G`` in the heads' opt-in bf16 backward matmuls
 #: (``split_bf16`` of both frameworks): each term but the last holds the remainder's top 8
 #: significant bits, so three carry all 24 bits of an fp32 significand and ``sum_k term_k W`` is
@@ -335,6 +372,26 @@ def head_plan(
         return max(1, min(rows, budget // vocab)), vocab
     chunk = max(1, min(rows, blocked_rows, budget))
     return chunk, max(1, min(vocab, budget // chunk))
+
+
+def head_plan_recompute(rows: int, vocab: int, width: int, budget: int, blocks: int = 1, slices: int = 2) -> tuple[int, int]:
+    """``(R, B)`` of the ``recompute_logits`` backward: vocabulary slices of ``B`` columns (the
+    outer loop: each slice's weight gradient is summed over all tokens, then rounded and
+    written) and token chunks of ``R`` rows, such that ``blocks`` ``[R, B]`` blocks and
+    ``slices`` ``[B, H]`` temporaries (the slice's weight rows widened, its fp32 gradient) fit
+    ``budget`` elements together: ``blocks R B + slices B H <= budget`` (the forward's live
+    blocks). All tokens in one chunk when that leaves ``B >=``
+    :data:`HEAD_RECOMPUTE_MIN_COLUMNS`; otherwise fewer rows, so the matmuls stay wide. ``B``
+    divides ``V`` when a divisor at least half as wide exists (JAX then stacks the slices'
+    gradients without a copy)."""
+    budget, rows, blocks = max(1, int(budget)), max(1, rows), max(1, blocks)
+    cols = budget // (blocks * rows + slices * width)
+    if cols < HEAD_RECOMPUTE_MIN_COLUMNS:
+        cols = max(cols, min(HEAD_RECOMPUTE_MIN_COLUMNS, budget // (blocks + slices * width)))
+    cols = max(1, min(vocab, cols))
+    if vocab % cols:  # a width that divides V, if one is at least half as wide (no moved-back slice)
+        cols = next((d for d in range(cols, (cols + 1) // 2 - 1, -1) if vocab % d == 0), cols)
+    return max(1, min(rows, (budget - slices * width * cols) // (blocks * cols))), cols
 
 
 def head_plan_shard(

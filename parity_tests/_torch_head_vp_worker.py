@@ -37,6 +37,8 @@ for _kind in KINDS:
     for _plan in PLANS:
         CASES[f"{_kind}/{_plan}/valid_tokens"] = (_kind, _plan, dict(OPTIONS[_kind]))
         CASES[f"{_kind}/{_plan}/none"] = (_kind, _plan, dict(OPTIONS[_kind], normalization="none"))
+        # the gradients formed in the backward from the combined row statistics
+        CASES[f"{_kind}/{_plan}/recompute"] = (_kind, _plan, dict(OPTIONS[_kind], recompute_logits=True))
     CASES[f"{_kind}/whole/sequence_mean_shift"] = (
         _kind, "whole", dict(OPTIONS[_kind], normalization="sequence_mean", causal_shift=True, segment_ids=True)
     )

@@ -157,10 +157,15 @@ def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return request.param
 
 
-def check(framework: str, kind: str, dtype: str, with_bias: bool, options: dict[str, Any], inputs: Optional[dict[str, Any]] = None) -> None:
+def check(
+    framework: str, kind: str, dtype: str, with_bias: bool, options: dict[str, Any], inputs: Optional[dict[str, Any]] = None,
+    head_options: Optional[dict[str, Any]] = None,
+) -> None:
+    """The head against the oracle; ``head_options`` (e.g. ``recompute_logits``) go to the head
+    only: they change how, not what, it computes."""
     inputs = inputs if inputs is not None else make_inputs(kind, dtype)
     grad_output = grad_output_for(options.get("normalization", "valid_tokens"), np.shape(inputs["loss_mask"]))
-    loss, grads = RUNNERS[framework](kind, inputs, dtype, with_bias, options, grad_output)
+    loss, grads = RUNNERS[framework](kind, inputs, dtype, with_bias, {**options, **(head_options or {})}, grad_output)
     ref_loss, ref_grads = reference(kind, inputs, with_bias, options, grad_output)
     lossspec.compare_loss(loss, ref_loss, f"{framework} {kind} loss").check()
     assert set(grads) == ({"hidden", "weight", "bias"} if with_bias else {"hidden", "weight"})

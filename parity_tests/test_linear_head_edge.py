@@ -82,12 +82,15 @@ def test_nan_hidden_state(framework: str, kind: str, masked: bool) -> None:
     assert masked or np.any(np.isnan(grads["weight"]))
 
 
+@pytest.mark.parametrize("recompute", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("norm", ["valid_tokens", "none"])
 @pytest.mark.parametrize("kind", ["cross_entropy", "forward_kl"])
-def test_jax_head_under_data_parallel_shard_map(kind: str, norm: str) -> None:
+def test_jax_head_under_data_parallel_shard_map(kind: str, norm: str, recompute: bool) -> None:
     """The fused head inside ``shard_map`` over a data axis (the default ``check_vma=True``):
     hidden states sharded, the weight replicated. The weight gradient of the replicated weight is
-    the sum over replicas (as JAX's own autodiff gives): equal to the full batch's, vs the oracle."""
+    the sum over replicas (as JAX's own autodiff gives): equal to the full batch's, vs the oracle.
+    ``recompute_logits=True`` sums each vocabulary slice's gradient over the replicas before
+    its one rounding."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
@@ -117,7 +120,7 @@ def test_jax_head_under_data_parallel_shard_map(kind: str, norm: str) -> None:
         extra = {} if ce else {"teacher_bias": target[2]}
 
         def loss_of(hidden: Any, weight: Any) -> Any:
-            return fn(hidden, weight, *target[:2], mask, **extra, **options)
+            return fn(hidden, weight, *target[:2], mask, **extra, **options, recompute_logits=recompute)
 
         loss, vjp = jax.vjp(loss_of, hidden, weight)
         if norm != "none":  # each replica's scalar loss gets the upstream gradient (a varying value)

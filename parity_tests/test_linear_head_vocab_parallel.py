@@ -48,7 +48,9 @@ NORMS = {
     "none": {"normalization": "none"},
     "sequence_mean_shift": {"normalization": "sequence_mean", "causal_shift": True, "segment_ids": True},
     "module": {"module": True},
+    "recompute": {"recompute_logits": True},
 }
+HEAD_ONLY = ("module", "recompute_logits")  # how the head is called, not what the oracle computes
 FAST = {("cross_entropy", "whole", "valid_tokens"), ("reverse_kl", "blocked", "none")}
 
 
@@ -135,7 +137,7 @@ def test_jax_vocab_parallel_head_matches_oracle(kind: str, plan: str, norm: str,
     options = dict(OPTIONS[kind], **NORMS[norm])
     width = VOCAB // SHARDS
     results = run_jax(kind, options, problem)
-    options.pop("module", None)
+    options = {name: value for name, value in options.items() if name not in HEAD_ONLY}
     check_shards(kind, options, problem, results, [(k * width, (k + 1) * width) for k in range(SHARDS)], f"jax {kind} {plan} {norm}")
 
 
@@ -211,7 +213,7 @@ def torch_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.n
 @pytest.mark.parametrize("case", list(torch_worker.CASES))
 def test_torch_vocab_parallel_head_matches_oracle(torch_ranks: list[dict[str, np.ndarray]], case: str) -> None:
     kind, _, options = torch_worker.CASES[case]
-    options = {name: value for name, value in options.items() if name != "module"}
+    options = {name: value for name, value in options.items() if name not in HEAD_ONLY}
     problem = make_problem(kind, torch_worker.VOCAB, seed=11)
     bounds = list(zip(torch_worker.BOUNDS[:-1], torch_worker.BOUNDS[1:]))
     results = [{key: ranks[f"{case}/{key}"].astype(np.float64) for key in ("loss", "hidden", "weight", "bias")} for ranks in torch_ranks]

@@ -341,6 +341,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_linear_head_bf16_matmuls.py", "-k", "triton"),
     ),
     Mutant(
+        "recompute_moved_back_slice_twice_jax",
+        "JAX's recompute_logits backward adds the moved-back last vocabulary slice's shared columns to dh twice",
+        "jaxloss/linear.py",
+        "            g = jnp.where(col_ok, grad_block(cfg, fin, cc, z, t, hit=hit, vocab=vocab_total), 0.0)\n            dh_c, dw_j = _head_grads(cut(dh, r0, rows), dw_j, 0, g, hc, w_j, cols)",
+        "            g = grad_block(cfg, fin, cc, z, t, hit=hit, vocab=vocab_total)\n            dh_c, dw_j = _head_grads(cut(dh, r0, rows), dw_j, 0, g, hc, w_j, cols)",
+        ("parity_tests/test_linear_head_recompute.py", "-k", "jax and not blocked and not causal"),
+    ),
+    Mutant(
+        "recompute_slice_gradient_not_reset_torch",
+        "torch's recompute_logits backward carries one vocabulary slice's weight gradient into the next",
+        "torchloss/linear.py",
+        "            dw_j.zero_()\n",
+        "",
+        ("parity_tests/test_linear_head_recompute.py", "-k", "torch"),
+    ),
+    Mutant(
         "head_bf16_split_rounds_jax",
         "JAX's opt-in bf16 head backward takes G as one bf16 term (what XLA's GPU compiler made of the first split)",
         "jaxloss/linear.py",

@@ -29,6 +29,12 @@ rounds once. ``"none"``: the upstream gradient is per token and enters the weigh
 inside the sum over tokens, so the backward recomputes the head with ``coef * upstream``.
 First order only. Under ``torch.compile`` the head runs eagerly behind one graph break.
 
+``recompute_logits=True`` (:func:`head_backward`): the forward keeps the rows' ``Final``
+statistics (``[N]`` vectors) and the backward runs over vocabulary slices, each recomputing the
+logits of all tokens chunk by chunk and summing its ``G^T h`` in a ``[B, H]`` buffer of the
+compute dtype rounded once into the slice's rows: no ``[V, H]`` gradient in the compute dtype
+for a 16-bit weight, one more matmul (two with a teacher).
+
 Vocab parallel (``vocab_parallel=<ProcessGroup>``; :class:`Shards`): the weight is this rank's
 ``[V_local, H]`` slice; each chunk's shard statistics are combined over the group
 (``torchloss._vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the local
@@ -67,6 +73,9 @@ __all__ = [
 BLOCK_ELEMENTS: Optional[int] = None
 #: rows of a chunk in the vocabulary-blocked fallback (lossspec.linear.HEAD_BLOCKED_ROWS)
 BLOCKED_ROWS: int = spec_linear.HEAD_BLOCKED_ROWS
+#: ``(R, B)`` of the ``recompute_logits`` backward; ``None``: lossspec.linear.head_plan_recompute's.
+#: Tests set it small to exercise several vocabulary slices and token chunks.
+RECOMPUTE_PLAN: Optional[tuple[int, int]] = None
 
 Head = tuple  # (hidden [N, H], weight WeightRows [V, H], bias [V] | None), in the compute dtype
 
@@ -265,7 +274,8 @@ def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
     (:mod:`torchloss._stats`, as ``torchloss._torch``'s whole-row tiles) with the chunk's logits
     ``z`` as scratch, the gradient written over them. Cross-entropy needs no other block;
     soft CE and forward KL also use ``t`` as scratch (two more blocks); reverse KL reads the
-    teacher after the shift, so it takes two fresh blocks. Returns ``(loss [R], G or None)``."""
+    teacher after the shift, so it takes two fresh blocks. Returns ``(loss [R], G or None,
+    the rows' Final statistics)``."""
     rows, vocab = z.shape
     fresh = lambda: torch.empty_like(z)  # noqa: E731
     x_y = None if y is None else z.gather(1, y[:, None])[:, 0]
@@ -279,9 +289,9 @@ def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
     fin = _stats.finalize(config, stats, vocab)
     loss = torch.where(cc != 0, fin.l, 0.0)
     if not need_grad:
-        return loss, None
+        return loss, None, fin
     _stats.block_grad(config, fin, cc, z, t, y, 0, vocab, z, [], cache)
-    return loss, z
+    return loss, z, fin
 
 
 def _chunk_shard(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional[Tensor], cc: Tensor, need_grad: bool, shards: Shards) -> tuple[Tensor, Optional[Tensor]]:
@@ -295,18 +305,19 @@ def _chunk_shard(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
     fin = _whole_row(config, stats, shards, z.shape[1])
     loss = torch.where(cc != 0, fin.l, 0.0)
     if not need_grad:
-        return loss, None
+        return loss, None, fin
     _stats.block_grad(config, fin, cc, z, t, y, shards.offset, shards.vocab, z, bufs, None)
-    return loss, z
+    return loss, z, fin
 
 
 def _chunk_blocked(
     config: LossConfig, block: int, hc: Tensor, student: Head, teacher: Optional[Head], y: Optional[Tensor], cc: Tensor,
     need_grad: bool, dh: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], shards: Optional[Shards] = None,
-) -> Tensor:
+) -> tuple[Tensor, Any]:
     """Rows ``hc`` over vocabulary blocks of ``block`` columns: pass 1 folds the blocks'
     statistics, pass 2 writes each block's gradient over its recomputed logits and adds its
-    products to ``dh`` (this chunk's rows), ``dw`` and ``db``. Returns the loss ``[R]``.
+    products to ``dh`` (this chunk's rows), ``dw`` and ``db``. Returns ``(loss [R], the rows'
+    Final statistics)``.
     ``shards``: the weight is a vocabulary shard (columns from ``shards.offset`` on); its folded
     statistics are combined over the group between the two passes."""
     _, w, b = student
@@ -334,7 +345,7 @@ def _chunk_blocked(
     fin = _whole_row(config, stats, shards, vocab)
     loss = torch.where(cc != 0, fin.l, 0.0)
     if not need_grad:
-        return loss
+        return loss, fin
     assert dh is not None and dw is not None
     dh.zero_()
     for v0 in range(0, vocab, block):
@@ -342,7 +353,7 @@ def _chunk_blocked(
         z, t = window(v0, v1)
         _stats.block_grad(config, fin, cc, z, t, y, offset + v0, vocab if shards is None else shards.vocab, z, _torch._views(flat, n, v1 - v0), None)
         _add_head_grads(z, hc, w, v0, dh, dw, db, first=False)
-    return loss
+    return loss, fin
 
 
 def head_forward(
@@ -358,7 +369,8 @@ def head_forward(
     block_elements: Optional[int] = None,
     blocked_rows: int = spec_linear.HEAD_BLOCKED_ROWS,
     shards: Optional[Shards] = None,
-) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    keep_final: bool = False,
+) -> tuple:
     """Per-token loss and the gradients of the head, in the compute dtype.
 
     Args:
@@ -375,24 +387,21 @@ def head_forward(
         Each chunk computes the shard's statistics from its local logits, combines them over the
         group (``[R]`` vectors, never the logits), then the local gradient; ``dh`` is summed over
         the group once at the end (``all_reduce``); ``dW``, ``db`` stay local.
+      keep_final: (without ``need_grad``) also return the rows' ``Final`` statistics, what
+        :func:`head_backward` needs (``recompute_logits``).
 
     Returns:
       ``(l [N], dh [N, H], dW [V, H], db [V] | None)``: the per-token loss (0 where
       ``coef == 0``, not multiplied by ``coef``) and, with ``need_grad``, the gradients of
       ``sum_i coef_i l_i`` (``G = coef * c * dl/dz``: ``dh = G W``, ``dW = G^T h``, ``db = sum G``;
       with ``shards``, ``dW`` and ``db`` of the local slice and ``dh`` the whole ``sum_k G_k W_k``).
+      With ``keep_final``: ``(l [N], Final of [N] vectors)``.
     """
     n, width = hidden.shape
     vocab = weight.shape[0]
     acc = compute_dtype(hidden.dtype)
     device = hidden.device
-    live = spec_linear.head_live_blocks("torch", config.kind, shards is not None)
-    # The blocks fit 1/8 of the logits buffer in the inputs' dtype (half as many fp32 elements for 16-bit).
-    sizes = (torch.promote_types(hidden.dtype, weight.dtype).itemsize, acc.itemsize)
-    if shards is None:
-        rows, block = spec_linear.head_plan(n, vocab, block_elements, blocked_rows, live, *sizes)
-    else:
-        rows, block = spec_linear.head_plan_shard(n, vocab, shards.widest, block_elements, blocked_rows, live, *sizes)
+    rows, block = _plan(config, hidden, weight, block_elements, blocked_rows, shards)
     # A 16-bit weight is read in fp32 slices whose buffer is at most a quarter block (WeightRows).
     slice_rows = max(1, (rows * block) // (4 * max(1, width)))
     up = lambda a: None if a is None else a.detach().to(acc)  # noqa: E731  (16-bit: exact)
@@ -402,6 +411,7 @@ def head_forward(
     student = (None, WeightRows(weight, acc, slice_rows, as_is), up(bias))
     teacher_acc = None if teacher is None else (None, WeightRows(teacher[1], acc, slice_rows, as_is), up(teacher[2]))
     loss = torch.zeros(n, dtype=acc, device=device)
+    final: dict[str, Tensor] = {}
     dh = torch.empty((n, width), dtype=acc, device=device) if need_grad else None
     dw = torch.zeros((vocab, width), dtype=acc, device=device) if need_grad else None
     db = torch.zeros(vocab, dtype=acc, device=device) if (need_grad and bias is not None) else None
@@ -418,7 +428,8 @@ def head_forward(
                 tt = (rows_in(teacher[0][r0:r1]),) + teacher_acc[1:]
             dh_c = None if dh is None else dh[r0:r1]
             if block < vocab:
-                loss[r0:r1] = _chunk_blocked(config, block, hc, student, tt, y, cc, need_grad, dh_c, dw, db, shards)
+                loss[r0:r1], fin = _chunk_blocked(config, block, hc, student, tt, y, cc, need_grad, dh_c, dw, db, shards)
+                _keep_final(final, fin, n, r0) if keep_final else None
                 continue
             # One buffer per chunk role, reused: a fresh one per chunk would hold two chunks'
             # logits at once (the previous chunk's until its name is rebound).
@@ -428,10 +439,11 @@ def head_forward(
             z = _head_logits(hc, student[1], student[2], 0, vocab, out=z_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab))
             t = None if tt is None else _head_logits(*tt, 0, vocab, out=t_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab))
             if shards is None:
-                part, g = _chunk_whole(config, z, t, y, cc, need_grad)
+                part, g, fin = _chunk_whole(config, z, t, y, cc, need_grad)
             else:
-                part, g = _chunk_shard(config, z, t, y, cc, need_grad, shards)
+                part, g, fin = _chunk_shard(config, z, t, y, cc, need_grad, shards)
             loss[r0:r1] = part
+            _keep_final(final, fin, n, r0) if keep_final else None
             if g is not None:
                 _add_head_grads(g, hc, student[1], 0, dh_c, dw, db, first=True)
         if shards is not None and dh is not None and n > 0:
@@ -439,7 +451,127 @@ def head_forward(
             import torch.distributed as dist
 
             dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=shards.group)
+    if keep_final:
+        return loss, _stats.Final(**final)
     return loss, dh, dw, db
+
+
+def _plan(config: LossConfig, hidden: Tensor, weight: Tensor, block_elements: Optional[int], blocked_rows: int, shards: Optional[Shards]) -> tuple[int, int]:
+    """``(R, B)`` of :func:`lossspec.linear.head_plan` (of the widest shard with ``shards``) for
+    these inputs: the blocks fit 1/8 of the logits buffer in the inputs' dtype (half as many
+    fp32 elements for 16-bit)."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    live = spec_linear.head_live_blocks("torch", config.kind, shards is not None)
+    sizes = (torch.promote_types(hidden.dtype, weight.dtype).itemsize, compute_dtype(hidden.dtype).itemsize)
+    if shards is None:
+        return spec_linear.head_plan(n, vocab, block_elements, blocked_rows, live, *sizes)
+    return spec_linear.head_plan_shard(n, vocab, shards.widest, block_elements, blocked_rows, live, *sizes)
+
+
+def _keep_final(final: dict[str, Tensor], fin: Any, n: int, r0: int) -> None:
+    """Rows ``r0 :`` of the ``[N]`` buffers in ``final`` (made on first use) take the chunk's
+    :class:`Final` statistics ``fin``."""
+    for name, value in fin._asdict().items():
+        if value is not None:
+            if name not in final:
+                final[name] = torch.empty(n, dtype=value.dtype, device=value.device)
+            final[name][r0 : r0 + value.shape[0]] = value
+
+
+def head_backward(
+    config: LossConfig,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    labels: Optional[Tensor],
+    teacher: Optional[tuple],
+    coef: Tensor,
+    final: Any,
+    *,
+    block_elements: Optional[int] = None,
+    blocked_rows: int = spec_linear.HEAD_BLOCKED_ROWS,
+    shards: Optional[Shards] = None,
+    plan: Optional[tuple[int, int]] = None,
+) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The gradients of ``sum_i coef_i l_i`` from the rows' statistics (``recompute_logits``).
+
+    The vocabulary is the outer loop: for each slice of ``B`` columns the logits of all tokens
+    are recomputed chunk by chunk (``[R, B]`` blocks, :func:`lossspec.linear.head_plan_recompute`),
+    ``G = coef * c * dl/dz`` follows from ``final`` (``_stats.block_grad``), ``dh += G W_slice``
+    and the slice's ``dW = G^T h`` is summed over all tokens in the compute dtype ``[B, H]``,
+    then rounded once to the weight's dtype and written. No ``[V, H]`` buffer in the compute
+    dtype exists for a 16-bit weight; one more matmul than :func:`head_forward` with
+    ``need_grad`` (two with a teacher).
+
+    Args:
+      config, hidden, weight, bias, labels, teacher, block_elements, blocked_rows, shards: as
+        for :func:`head_forward` (the same plan's budget).
+      coef: ``[N]``, the per-token coefficient times the upstream gradient (compute dtype).
+      final: the rows' ``Final`` statistics (``head_forward(..., keep_final=True)``).
+      plan: ``(R, B)`` instead of the planned ones (tests).
+
+    Returns:
+      ``(dh [N, H] compute dtype, dW [V, H] in weight.dtype, db [V] in bias.dtype | None)``;
+      with ``shards``, ``dh`` summed over the group, ``dW`` and ``db`` of the local slice.
+    """
+    n, width = hidden.shape
+    vocab = weight.shape[0]
+    acc = compute_dtype(hidden.dtype)
+    device = hidden.device
+    plan_rows, plan_block = _plan(config, hidden, weight, block_elements, blocked_rows, shards)
+    # The forward's live blocks' elements, shared by this pass's blocks (the logits, the
+    # teacher's, block_grad's scratch: none for cross-entropy, whose gradient forms in place)
+    # and [B, H] slices (the gradient, the widened weight rows, the teacher's).
+    scratch = 0 if config.kind == "cross_entropy" else _stats.buffers_needed(config.kind)
+    blocks = 1 + (teacher is not None) + scratch
+    live = spec_linear.head_live_blocks("torch", config.kind, shards is not None)
+    rows, cols = plan or spec_linear.head_plan_recompute(n, vocab, width, plan_rows * plan_block * live, blocks, 2 + (teacher is not None))
+    rows, cols = min(rows, max(1, n)), min(cols, max(1, vocab))
+    operands = [hidden.dtype, weight.dtype] + ([] if teacher is None else [teacher[0].dtype, teacher[1].dtype])
+    as_is = bf16_matmuls(device, *operands)
+    rows_in = (lambda a: a.detach()) if as_is else (lambda a: a.detach().to(acc))  # noqa: E731
+    student_rows = WeightRows(weight, acc, cols, as_is)
+    teacher_rows = None if teacher is None else WeightRows(teacher[1], acc, cols, as_is)
+    offset, vocab_total = (0, vocab) if shards is None else (shards.offset, shards.vocab)
+    dh = torch.zeros((n, width), dtype=acc, device=device)
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=device)
+    db = None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device=device)
+    dw_j = torch.empty((cols, width), dtype=acc, device=device)
+    db_j = None if bias is None else torch.empty(cols, dtype=acc, device=device)
+    flat = [torch.empty(rows * cols, dtype=acc, device=device) for _ in range(blocks)]
+    with torch.no_grad(), _torch._no_autocast(device):
+        for v0 in range(0, vocab, cols):
+            v1 = min(vocab, v0 + cols)
+            # This slice's weight rows in the matmuls' dtype, read once for all token chunks.
+            w_j = WeightRows(next(student_rows.slices(v0, v1))[2], acc, cols, as_is)
+            b_j = None if bias is None else bias[v0:v1].to(acc)
+            t_j = None
+            if teacher is not None:
+                assert teacher_rows is not None
+                t_b = None if teacher[2] is None else teacher[2][v0:v1].to(acc)
+                t_j = (WeightRows(next(teacher_rows.slices(v0, v1))[2], acc, cols, as_is), t_b)
+            dw_j.zero_()
+            if db_j is not None:
+                db_j.zero_()
+            for r0 in range(0, n, rows):
+                r1 = min(n, r0 + rows)
+                views = _torch._views(flat, r1 - r0, v1 - v0)
+                hc = rows_in(hidden[r0:r1])
+                z = _head_logits(hc, w_j, b_j, 0, v1 - v0, out=views[0])
+                t = None if t_j is None else _head_logits(rows_in(teacher[0][r0:r1]), t_j[0], t_j[1], 0, v1 - v0, out=views[1])
+                fin = _stats.Final(**{name: None if value is None else value[r0:r1] for name, value in final._asdict().items()})
+                y = None if labels is None else labels[r0:r1]
+                _stats.block_grad(config, fin, coef[r0:r1], z, t, y, offset + v0, vocab_total, z, views[1 + (t is not None) :], None)
+                _add_head_grads(z, hc, w_j, 0, dh[r0:r1], dw_j[: v1 - v0], None if db_j is None else db_j[: v1 - v0], first=False)
+            # The one rounding of the slice's gradients.
+            dw[v0:v1] = dw_j[: v1 - v0]
+            if db is not None:
+                db[v0:v1] = db_j[: v1 - v0]
+        if shards is not None and n > 0:
+            import torch.distributed as dist
+
+            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=shards.group)
+    return dh, dw, db
 
 
 def _head_forward(plan: tuple) -> Any:
@@ -462,7 +594,8 @@ class LinearHeadFunction(torch.autograd.Function):
 
     ``forward(hidden [N, H], weight, bias, labels, teacher_hidden, teacher_weight,
     teacher_bias, coef, config, need_grad, plan, shards)`` returns ``sum_i coef_i l_i``
-    (reduced) or the per-token ``coef_i l_i`` (``"none"``) in the compute dtype. ``shards``:
+    (reduced) or the per-token ``coef_i l_i`` (``"none"``) in the compute dtype. ``plan``:
+    ``(block_elements, blocked_rows, impl, recompute_logits, RECOMPUTE_PLAN)``; ``shards``:
     :class:`Shards` (``vocab_parallel``) or ``None``.
     """
 
@@ -475,10 +608,17 @@ class LinearHeadFunction(torch.autograd.Function):
         reduced = config.normalization != "none"
         teacher = None if t_hidden is None else (t_hidden, t_weight, t_bias)
         args = (config, hidden, weight, bias, labels, teacher)
+        ctx.recompute, ctx.dtypes = plan[3], (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        if plan[3]:  # recompute_logits: the rows' statistics only; the backward computes the gradients
+            per_token, final = head_forward(*args, coef, need_grad=False, block_elements=plan[0], blocked_rows=plan[1], shards=shards, keep_final=True)
+            if need_grad:
+                ctx.args, ctx.coef, ctx.final, ctx.plan, ctx.shards = args, coef, final, plan, shards
+            contribution = torch.where(coef != 0, coef * per_token, 0.0)
+            return contribution.sum() if reduced else contribution
         per_token, dh, dw, db = _head_forward(plan)(
             *args, coef, need_grad=need_grad and reduced, block_elements=plan[0], blocked_rows=plan[1], shards=shards
         )
-        ctx.reduced, ctx.dtypes = reduced, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.reduced = reduced
         ctx.grads = (dh, dw, db)
         if need_grad and not reduced:  # "none": the backward recomputes with coef * upstream
             ctx.args, ctx.coef, ctx.plan, ctx.shards = args, coef, plan, shards
@@ -488,6 +628,13 @@ class LinearHeadFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_loss: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        if ctx.recompute:  # the gradients of sum_i coef_i g_i l_i, dW and db already rounded
+            coef = ctx.coef
+            scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
+            dh, dw, db = head_backward(
+                *ctx.args, scaled, ctx.final, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1], shards=ctx.shards, plan=ctx.plan[4]
+            )
+            return (dh.to(ctx.dtypes[0]), dw, db) + (None,) * 9
         if ctx.reduced:
             dh, dw, db = ctx.grads
             scale: Any = grad_loss.to(dh.dtype)
@@ -584,14 +731,15 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     t_args = (None, None, None) if teacher is None else (teacher[0].reshape(rows, teacher[0].shape[-1]), teacher[1], teacher[2])
     impl = spec_linear.head_impl(args["impl"], lossspec.TORCH_IMPLS, "torch", vocab_parallel is not None)
     impl = "torch" if hidden.dtype == torch.float64 else impl  # the kernels compute in fp32
+    recompute = spec_linear.check_recompute_logits(args["recompute_logits"], impl, "torch")
     loss = LinearHeadFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad,
-        (BLOCK_ELEMENTS, BLOCKED_ROWS, impl), shards,
+        (BLOCK_ELEMENTS, BLOCKED_ROWS, impl, recompute, RECOMPUTE_PLAN), shards,
     )
     return api._finish(call, prepared, loss)
 
 
-HEAD_FRAMEWORK_ARGS = lossspec.FrameworkArgs(
+HEAD_FRAMEWORK_ARGS = spec_linear.head_framework_args(lossspec.FrameworkArgs(
     (
         (
             "vocab_parallel",
@@ -605,7 +753,7 @@ HEAD_FRAMEWORK_ARGS = lossspec.FrameworkArgs(
             "``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.",
         ),
     )
-)
+))
 
 
 def _public(kind: str) -> Any:

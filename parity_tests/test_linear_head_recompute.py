@@ -1,0 +1,153 @@
+"""``recompute_logits=True``: the fused head's gradients formed in the backward, the vocabulary
+the outer loop, against the float64 head oracle (the bounds of test_linear_head.py), and its
+memory: no fp32 ``[V, H]`` weight-gradient accumulator for a 16-bit weight.
+
+The backward runs as planned and with a forced small plan: several vocabulary slices (the last
+moved back to end at ``V`` in JAX: its shared columns must not be written twice) and several
+token chunks (the last moved back likewise), from the rows' statistics of either forward plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jaxloss
+import jaxloss.linear as jax_linear
+import torchloss
+import torchloss.linear as torch_linear
+from lossspec import linear as spec_linear
+
+from test_linear_head import KINDS, NORMS, RUNNERS, _options, _peak_extra, cases, check, make_inputs, plan  # noqa: F401  (plan: the fixture)
+
+H = 8
+
+
+RECOMPUTE = {"recompute_logits": True}
+
+
+@pytest.fixture(params=["planned", "small"])
+def backward_plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The backward's ``(R, B)``: as planned (at these tiny shapes, dominated by the ``[B, H]``
+    slices: one or all tokens per chunk), or 5 rows x 8 columns in both frameworks (``N = 12``:
+    chunks 5, 5 and a moved-back 2; ``V = 37``: four slices of 8 and a moved-back 5)."""
+    forced = None if request.param == "planned" else (5, 8)
+    for module in (jax_linear, torch_linear):
+        monkeypatch.setattr(module, "RECOMPUTE_PLAN", forced)
+    return request.param
+
+
+def test_the_backward_plan_fits_its_budget() -> None:
+    """``blocks R B + slices B H <= budget``; all tokens in one chunk while that leaves the
+    slices at least HEAD_RECOMPUTE_MIN_COLUMNS wide, otherwise fewer tokens per chunk; a slice
+    width that divides V when one at least half as wide exists."""
+    for rows, vocab, width, budget, blocks, slices in ((12, 37, 8, 185, 1, 2), (12, 37, 8, 740, 5, 3), (4096, 32768, 1024, 8 << 20, 1, 2), (1 << 20, 32768, 4096, 1 << 24, 2, 3)):
+        r, b = spec_linear.head_plan_recompute(rows, vocab, width, budget, blocks, slices)
+        assert blocks * r * b + slices * b * width <= budget, (r, b)
+    assert spec_linear.head_plan_recompute(4096, 32768, 1024, 8 << 20, 1, 2) == (4096, 1024)  # 1365 -> a divisor of V
+    assert spec_linear.head_plan_recompute(4096, 128256, 1024, 8 << 20, 1, 2) == (4096, 1336)  # 128256 = 96 x 1336
+    assert spec_linear.head_plan_recompute(4096, 50257, 1024, 8 << 20, 1, 2) == (4096, 1365)  # 29 x 1733: none near
+    assert spec_linear.head_plan_recompute(1 << 20, 32768, 4096, 1 << 24, 2, 3) == (26624, 256)
+
+
+@pytest.mark.parametrize("plan", ["whole"], indirect=True)
+@cases("framework,kind,norm,dtype,backward_plan", [list(RUNNERS), list(KINDS), list(NORMS), ["float32", "bfloat16"], ["planned", "small"]],
+       slow=lambda framework, kind, norm, dtype, backward_plan: framework == "jax" and (norm != "valid_tokens" or dtype != "float32" or backward_plan == "planned"),
+       indirect=("backward_plan",))
+def test_recompute_matches_oracle(framework: str, kind: str, norm: str, dtype: str, backward_plan: str, plan: str) -> None:
+    check(framework, kind, dtype, True, {**_options(kind), **NORMS[norm]}, head_options=RECOMPUTE)
+
+
+@pytest.mark.parametrize("plan", ["blocked"], indirect=True)
+@cases("framework,kind,dtype,backward_plan", [list(RUNNERS), list(KINDS), ["float32", "bfloat16"], ["small"]],
+       slow=lambda framework, kind, dtype, backward_plan: framework == "jax" and (kind != "cross_entropy" or dtype != "float32"),
+       indirect=("backward_plan",))
+def test_recompute_after_the_vocabulary_blocked_forward(framework: str, kind: str, dtype: str, backward_plan: str, plan: str) -> None:
+    check(framework, kind, dtype, True, {**_options(kind), **NORMS["valid_tokens"]}, head_options=RECOMPUTE)
+
+
+@cases("framework,kind,norm,backward_plan", [list(RUNNERS), ["cross_entropy", "reverse_kl"], ["valid_tokens", "none"], ["small"]],
+       slow=lambda framework, kind, norm, backward_plan: framework == "jax", indirect=("backward_plan",))
+def test_recompute_without_bias_causal_shift(framework: str, kind: str, norm: str, backward_plan: str) -> None:
+    check(framework, kind, "float32", False, {**_options(kind), **NORMS[norm], "causal_shift": True}, head_options=RECOMPUTE)
+
+
+def test_recompute_with_a_nan_row_gives_a_nan_gradient_row() -> None:
+    """A NaN hidden state makes that token's loss NaN: its hidden-gradient row is NaN, every
+    other row finite, in both frameworks (NaN is never hidden by the backward's recompute)."""
+    inputs = make_inputs("cross_entropy", "float32")
+    inputs["hidden"][0, 0, 3] = np.nan
+    inputs["loss_mask"][0, 0] = 1.0
+    grad_output = np.asarray(1.0, np.float32)
+    for framework, run in RUNNERS.items():
+        _, grads = run("cross_entropy", inputs, "float32", True, {"recompute_logits": True}, grad_output)
+        rows = grads["hidden"].reshape(-1, grads["hidden"].shape[-1])
+        assert np.isnan(rows[0]).all() and np.isfinite(rows[1:]).all(), framework
+        assert np.isnan(grads["weight"]).any(), framework
+
+
+@pytest.mark.parametrize("impl", ["pallas", "triton"])
+def test_recompute_is_refused_by_the_kernels(impl: str) -> None:
+    """``recompute_logits=True`` is a mode of the XLA / torch path: the fused kernels refuse it
+    with the same message in both frameworks; a non-bool is a TypeError."""
+    inputs = make_inputs("cross_entropy", "float32")
+    framework_fn = jaxloss.linear_cross_entropy if impl == "pallas" else torchloss.linear_cross_entropy
+    as_array = jnp.asarray if impl == "pallas" else torch.tensor
+    args = (as_array(inputs["hidden"]), as_array(inputs["weight"]), as_array(inputs["labels"]))
+    with pytest.raises(ValueError, match=f"recompute_logits=True is a mode of the .* path; impl='{impl}' does not take it"):
+        framework_fn(*args, impl=impl, recompute_logits=True)
+    with pytest.raises(TypeError, match="recompute_logits must be True or False"):
+        framework_fn(*args, recompute_logits="yes")
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: no fp32 [V, H] accumulator
+# --------------------------------------------------------------------------------------------
+
+MEM_N, MEM_H, MEM_V = 1024, 128, 4096  # one bf16 [N, V] logits buffer: 8 MiB; the bf16 weight gradient 1 MiB
+
+
+@pytest.mark.filterwarnings("ignore:`export_memory_timeline` is deprecated:FutureWarning")
+def test_torch_recompute_peak_memory_has_no_fp32_weight_gradient(tmp_path: Any) -> None:
+    """bf16: forward + backward hold at most 1/8 of the bf16 logits buffer, the bf16 gradients
+    returned, two fp32 ``[N, H]`` buffers (``dh`` and the widened hidden states) and per-token
+    vectors; an fp32 ``[V, H]`` weight gradient (2 MiB) does not fit that. The default path
+    holds it (the check can fail)."""
+    rng = np.random.default_rng(5)
+    hidden = torch.tensor(rng.standard_normal((MEM_N, MEM_H)), dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.tensor(0.5 * rng.standard_normal((MEM_V, MEM_H)), dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.tensor(rng.integers(0, MEM_V, MEM_N))
+    allowance = MEM_N * MEM_V * 2 / 8 + (MEM_N + MEM_V) * MEM_H * 2 + 2 * MEM_N * MEM_H * 4 + 16 * MEM_N * 8
+
+    def step(recompute: bool) -> None:
+        torchloss.linear_cross_entropy(hidden, weight, labels, recompute_logits=recompute).backward()
+        hidden.grad = weight.grad = None
+
+    step(True)  # warm-up (lazy initialisation outside the measurement)
+    peak = _peak_extra(lambda: step(True), tmp_path)
+    assert peak <= allowance, (peak, allowance)
+    assert _peak_extra(lambda: step(False), tmp_path) > allowance
+
+
+def test_jax_recompute_temporary_memory_has_no_fp32_weight_gradient() -> None:
+    """bf16, XLA's accounting of the compiled value-and-grad: temporaries at most 1/8 of the
+    bf16 logits buffer, the bf16 weight gradient (XLA's loop carry of it, copied to the
+    output), an fp32 ``[N, H]`` ``dh`` and per-token vectors; the default path's fp32
+    weight-gradient accumulator (2 MiB) does not fit that (the check can fail)."""
+    rng = np.random.default_rng(6)
+    hidden = jnp.asarray(rng.standard_normal((MEM_N, MEM_H)), jnp.bfloat16)
+    weight = jnp.asarray(0.5 * rng.standard_normal((MEM_V, MEM_H)), jnp.bfloat16)
+    labels = jnp.asarray(rng.integers(0, MEM_V, MEM_N), jnp.int32)
+    allowance = MEM_N * MEM_V * 2 / 8 + MEM_V * MEM_H * 2 + MEM_N * MEM_H * 4 + 16 * MEM_N * 8
+
+    def temp_bytes(recompute: bool) -> int:
+        step = jax.jit(jax.value_and_grad(lambda h, w: jaxloss.linear_cross_entropy(h, w, labels, recompute_logits=recompute), argnums=(0, 1)))
+        return int(step.lower(hidden, weight).compile().memory_analysis().temp_size_in_bytes)
+
+    assert temp_bytes(True) <= allowance, (temp_bytes(True), allowance)
+    assert temp_bytes(False) > allowance
