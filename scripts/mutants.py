@@ -357,6 +357,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_linear_head_recompute.py", "-k", "torch"),
     ),
     Mutant(
+        "exp2_constant_rounded_torch",
+        "torch's CPU exponentials take 1/ln 2 to 5 digits (exp2(1.4427 u)): a 3e-6 relative error in every exponent",
+        "torchloss/_stats.py",
+        "LOG2_E: float = 1.4426950408889634",
+        "LOG2_E: float = 1.4427",
+        TORCH_ORACLE,
+    ),
+    Mutant(
+        "gradient_not_advised_huge_torch",
+        "the torch path allocates its fresh gradient without the huge-page hint (4 KiB page faults again)",
+        "torchloss/_torch.py",
+        "        grad = out if out is not None else _cpu.empty_output((rows, vocab), logits.dtype, device)",
+        "        grad = out if out is not None else torch.empty((rows, vocab), dtype=logits.dtype, device=device)",
+        ("parity_tests/test_torchloss_reliability.py", "-k", "huge"),
+    ),
+    Mutant(
         "head_bf16_split_rounds_jax",
         "JAX's opt-in bf16 head backward takes G as one bf16 term (what XLA's GPU compiler made of the first split)",
         "jaxloss/linear.py",

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import mmap
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, Optional, TypeVar
@@ -38,6 +40,11 @@ DEVICE_TILE_ELEMENTS: int = 1 << 25
 COMPACT_MIN_MASKED: float = 0.125
 # The pool never has more threads than this (the cores of the machine).
 MAX_WORKERS: int = max(1, os.cpu_count() or 1)
+
+# Transparent huge pages (x86-64 and aarch64 with 4 KiB base pages): a fresh gradient buffer from
+# this size on gets the MADV_HUGEPAGE hint (empty_output).
+HUGE_PAGE_BYTES: int = 2 << 20
+HUGE_PAGE_MIN_BYTES: int = 16 << 20
 
 # A tile: rows [r0, r1) and, for a compact tile, the runs [a, b) of rows with coef != 0 inside
 # it with their row indices.
@@ -169,6 +176,54 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
             )
             _POOL = (os.getpid(), pool)
         return _POOL[1]
+
+
+def empty_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``torch.empty(shape)`` for a buffer written once in full (a gradient): on the CPU a large
+    one has its pages advised as transparent huge pages (``madvise(MADV_HUGEPAGE)`` on this
+    buffer's range only) before anything touches them.
+
+    Every fresh gradient is zeroed by the kernel page by page on first touch: 4 KiB pages cost
+    ~116 ms of faults for 4096 x 32768 fp32 (512 MiB), about half of a cross-entropy step; 2 MiB
+    pages ~32 ms (medians of 15, 2-core EPYC). It is a hint about this range, nothing
+    process-wide: the tensor is torch's own allocation, and where the kernel has THP off (or
+    the platform has no ``madvise``) it is a plain ``torch.empty``.
+    """
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu" and out.numel() * out.element_size() >= HUGE_PAGE_MIN_BYTES:
+        advise_huge_pages(out)
+    return out
+
+
+def advise_huge_pages(buffer: Tensor) -> bool:
+    """``madvise(MADV_HUGEPAGE)`` over the 2 MiB-aligned interior of ``buffer``'s memory;
+    whether the hint was given (a hint: failure changes nothing but speed)."""
+    madvise = _madvise()
+    start = buffer.data_ptr()
+    end = start + buffer.numel() * buffer.element_size()
+    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    last = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if madvise is None or last <= first:
+        return False
+    return madvise(first, last - first, mmap.MADV_HUGEPAGE) == 0
+
+
+_MADVISE: list = []  # [libc's madvise or None], resolved once
+
+
+def _madvise() -> Optional[Callable[[int, int, int], int]]:
+    """libc's ``madvise`` on Linux (where ``mmap.MADV_HUGEPAGE`` exists), else ``None``."""
+    if not _MADVISE:
+        found = None
+        if sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                found = ctypes.CDLL(None).madvise
+                found.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                found.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                found = None
+        _MADVISE.append(found)
+    return _MADVISE[0]
 
 
 def scale_rows_(grad: Tensor, factor: Tensor) -> Tensor:

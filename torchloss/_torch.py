@@ -67,7 +67,7 @@ def forward(
     loss = torch.zeros(rows, dtype=acc, device=device)
     grad = None
     if need_grad:
-        grad = out if out is not None else torch.empty((rows, vocab), dtype=logits.dtype, device=device)
+        grad = out if out is not None else _cpu.empty_output((rows, vocab), logits.dtype, device)
     if rows == 0:
         return loss, grad
     block = min(vocab, MAX_VOCAB_BLOCK)
