@@ -71,7 +71,7 @@ def forward(
     if rows == 0:
         return loss, grad
     block = min(vocab, MAX_VOCAB_BLOCK)
-    tile_rows = max(1, min(rows, _cpu.tile_elements(device) // block))
+    tile_rows = max(1, min(rows, _cpu.tile_elements(device, _stats.buffers_needed(config.kind)) // block))
     tiles = _cpu.row_tiles(rows, tile_rows)
     if device.type == "cpu" and block == vocab and logits.dtype != acc:
         tiles = _cpu.compact_tiles(coef, tile_rows) or tiles
