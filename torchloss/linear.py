@@ -429,7 +429,8 @@ def head_forward(
             dh_c = None if dh is None else dh[r0:r1]
             if block < vocab:
                 loss[r0:r1], fin = _chunk_blocked(config, block, hc, student, tt, y, cc, need_grad, dh_c, dw, db, shards)
-                _keep_final(final, fin, n, r0) if keep_final else None
+                if keep_final:
+                    _keep_final(final, fin, n, r0)
                 continue
             # One buffer per chunk role, reused: a fresh one per chunk would hold two chunks'
             # logits at once (the previous chunk's until its name is rebound).
@@ -443,7 +444,8 @@ def head_forward(
             else:
                 part, g, fin = _chunk_shard(config, z, t, y, cc, need_grad, shards)
             loss[r0:r1] = part
-            _keep_final(final, fin, n, r0) if keep_final else None
+            if keep_final:
+                _keep_final(final, fin, n, r0)
             if g is not None:
                 _add_head_grads(g, hc, student[1], 0, dh_c, dw, db, first=True)
         if shards is not None and dh is not None and n > 0:
@@ -540,6 +542,9 @@ def head_backward(
     db_j = None if bias is None else torch.empty(cols, dtype=acc, device=device)
     flat = [torch.empty(rows * cols, dtype=acc, device=device) for _ in range(blocks)]
     with torch.no_grad(), _torch._no_autocast(device):
+        # One token chunk: its rows are widened once for every vocabulary slice, not per slice.
+        hidden_once = rows_in(hidden) if rows >= n else None
+        teacher_once = rows_in(teacher[0]) if rows >= n and teacher is not None else None
         for v0 in range(0, vocab, cols):
             v1 = min(vocab, v0 + cols)
             # This slice's weight rows in the matmuls' dtype, read once for all token chunks.
@@ -556,9 +561,12 @@ def head_backward(
             for r0 in range(0, n, rows):
                 r1 = min(n, r0 + rows)
                 views = _torch._views(flat, r1 - r0, v1 - v0)
-                hc = rows_in(hidden[r0:r1])
+                hc = hidden_once if hidden_once is not None else rows_in(hidden[r0:r1])
                 z = _head_logits(hc, w_j, b_j, 0, v1 - v0, out=views[0])
-                t = None if t_j is None else _head_logits(rows_in(teacher[0][r0:r1]), t_j[0], t_j[1], 0, v1 - v0, out=views[1])
+                if t_j is not None:
+                    assert teacher is not None
+                    tc = teacher_once if teacher_once is not None else rows_in(teacher[0][r0:r1])
+                t = None if t_j is None else _head_logits(tc, t_j[0], t_j[1], 0, v1 - v0, out=views[1])
                 fin = _stats.Final(**{name: None if value is None else value[r0:r1] for name, value in final._asdict().items()})
                 y = None if labels is None else labels[r0:r1]
                 _stats.block_grad(config, fin, coef[r0:r1], z, t, y, offset + v0, vocab_total, z, views[1 + (t is not None) :], None)
