@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import mmap
 import os
 import sys
@@ -218,22 +219,18 @@ def advise_huge_pages(buffer: Tensor) -> bool:
     return madvise(first, last - first, mmap.MADV_HUGEPAGE) == 0
 
 
-_MADVISE: list = []  # [libc's madvise or None], resolved once
-
-
+@functools.cache
 def _madvise() -> Optional[Callable[[int, int, int], int]]:
-    """libc's ``madvise`` on Linux (where ``mmap.MADV_HUGEPAGE`` exists), else ``None``."""
-    if not _MADVISE:
-        found = None
-        if sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                found = ctypes.CDLL(None).madvise
-                found.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                found.restype = ctypes.c_int
-            except (OSError, AttributeError):
-                found = None
-        _MADVISE.append(found)
-    return _MADVISE[0]
+    """libc's ``madvise`` on Linux (where ``mmap.MADV_HUGEPAGE`` exists), else ``None``; resolved once."""
+    if not (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")):
+        return None
+    try:
+        found = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return None
+    found.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    found.restype = ctypes.c_int
+    return found
 
 
 def scale_rows_(grad: Tensor, factor: Tensor) -> Tensor:

@@ -563,10 +563,11 @@ def head_backward(
                 views = _torch._views(flat, r1 - r0, v1 - v0)
                 hc = hidden_once if hidden_once is not None else rows_in(hidden[r0:r1])
                 z = _head_logits(hc, w_j, b_j, 0, v1 - v0, out=views[0])
+                t = None
                 if t_j is not None:
                     assert teacher is not None
                     tc = teacher_once if teacher_once is not None else rows_in(teacher[0][r0:r1])
-                t = None if t_j is None else _head_logits(tc, t_j[0], t_j[1], 0, v1 - v0, out=views[1])
+                    t = _head_logits(tc, t_j[0], t_j[1], 0, v1 - v0, out=views[1])
                 fin = _stats.Final(**{name: None if value is None else value[r0:r1] for name, value in final._asdict().items()})
                 y = None if labels is None else labels[r0:r1]
                 _stats.block_grad(config, fin, coef[r0:r1], z, t, y, offset + v0, vocab_total, z, views[1 + (t is not None) :], None)
