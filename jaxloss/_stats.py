@@ -176,7 +176,7 @@ def empty_stats(cfg: KernelConfig, rows: int) -> Stats:
 
 
 # The algebra between blocks (and shards) is lossspec.stats', on jax.numpy arrays.
-finite_max, rescale, rescale_e_d, combine, finalize, bad_rows = stats.bind(jnp)
+finite_max, rescale, rescale_e_d, combine, finalize, finalize_gradient, bad_rows = stats.bind(jnp)
 
 
 def softcap(x: Array, cap: Optional[float]) -> Array:

@@ -309,9 +309,32 @@ def bad_rows(xp: Any, fin: Any) -> Any:
     return bad if fin.st is None else bad | xp.isnan(fin.st)
 
 
+def finalize_gradient(xp: Any, config: LossConfig, st: Any) -> Any:
+    """What the gradient pass reads from the global statistics, without the loss: ``s``,
+    ``st``, the *raw* maxima ``m``, ``mt`` (a shift is ``finite_max`` of them), and
+    ``q_coef`` (z-loss), ``mean_h`` (entropy), ``tau`` and ``mean_d`` (reverse KL), or every
+    final statistic but ``l`` (jensen_shannon, whose second pass reads them).
+
+    :func:`finalize` is this plus the loss. A backend whose per-row algebra costs a fixed time
+    per tile (the torch path on the CPU: each tiny op is microseconds of dispatch under the GIL)
+    calls this per tile and :func:`finalize` once over all rows."""
+    kind = config.kind
+    if kind == "jensen_shannon":
+        return finalize(xp, config, st, 0)
+    fin = Final(m=st.m, s=st.s, mt=st.mt, st=st.st)
+    if kind == "cross_entropy" and config.z_loss > 0:
+        full_lse = xp.log(st.s) + config.student_scale * finite_max(xp, st.m)
+        return fin._replace(q_coef=1.0 + (2.0 * config.z_loss) * full_lse)
+    if kind == "entropy":
+        return fin._replace(mean_h=st.h / st.s)
+    if kind == "reverse_kl":
+        return fin._replace(tau=st.tau, mean_d=st.e_d / st.s)
+    return fin
+
+
 def finalize(xp: Any, config: LossConfig, st: Any, vocab: int) -> Any:
     """Per-token loss ``l`` ``[R]`` and what the gradient needs, from the global statistics
-    (the formulas above; NaN on bad rows)."""
+    (the formulas above; NaN on bad rows). ``vocab`` is read by label smoothing only."""
     c, ct = config.student_scale, config.teacher_scale
     m = finite_max(xp, st.m)
     lse = xp.log(st.s)
@@ -328,7 +351,7 @@ def finalize(xp: Any, config: LossConfig, st: Any, vocab: int) -> Any:
             q_coef = 1.0 + (2.0 * lam) * full_lse
         return Final(l=xp.where(xp.isnan(st.s), float("nan"), loss), m=m, s=st.s, lse=lse, q_coef=q_coef)
     if config.kind == "entropy":
-        mean_h = st.h / st.s
+        mean_h = finalize_gradient(xp, config, st).mean_h
         loss = xp.where(xp.isnan(st.s), float("nan"), lse - c * mean_h)
         return Final(l=loss, m=m, s=st.s, lse=lse, mean_h=mean_h)
     mt = finite_max(xp, st.mt)
@@ -344,7 +367,8 @@ def finalize(xp: Any, config: LossConfig, st: Any, vocab: int) -> Any:
             return fin
         return finalize_mixture(xp, config, fin, st.kl_qm, st.kl_pm)
     else:
-        tau, mean_d = st.tau, st.e_d / st.s
+        pivoted = finalize_gradient(xp, config, st)
+        tau, mean_d = pivoted.tau, pivoted.mean_d
         loss = mean_d + (lse_t - lse - ct * (st.tau - mt))
     loss = xp.where(xp.isnan(st.s) | xp.isnan(st.st), float("nan"), loss)
     return Final(l=loss, m=m, s=st.s, lse=lse, mt=mt, st=st.st, lse_t=lse_t, tau=tau, mean_d=mean_d)
@@ -385,6 +409,6 @@ def finalize_mixture(xp: Any, config: LossConfig, fin: Any, kl_qm: Any, kl_pm: A
 
 
 def bind(xp: Any) -> tuple[Any, ...]:
-    """``(finite_max, rescale, rescale_e_d, combine, finalize, bad_rows)`` on the namespace
-    ``xp``: what a backend's ``_stats`` module exports."""
-    return tuple(functools.partial(f, xp) for f in (finite_max, rescale, rescale_e_d, combine, finalize, bad_rows))
+    """``(finite_max, rescale, rescale_e_d, combine, finalize, finalize_gradient, bad_rows)`` on
+    the namespace ``xp``: what a backend's ``_stats`` module exports."""
+    return tuple(functools.partial(f, xp) for f in (finite_max, rescale, rescale_e_d, combine, finalize, finalize_gradient, bad_rows))

@@ -59,11 +59,11 @@ def tile_elements(device: torch.device, buffers: int = 1) -> int:
     :data:`TILE_ELEMENTS` on the CPU, half that for 4 buffers or more, else
     :data:`DEVICE_TILE_ELEMENTS`.
 
-    Soft CE and forward KL (4 buffers, plus the fp32 copies of 16-bit logits and teacher) keep
-    ~6 tile-sized buffers live per worker: at 2**20 elements two workers' 48 MiB overflow a 32 MiB
-    L3, at 2**19 they fit. Measured (4096 x 32768, 2-core EPYC, medians of 9 interleaved):
-    soft CE bf16 294 -> 253 ms, forward KL fp32 311 -> 278 ms; reverse KL (3 buffers) 1.00-1.07x
-    slower and cross-entropy 1.2x slower at 2**19 (per-tile overhead), so they keep 2**20.
+    Two workers' buffers must share a 32 MiB L3: a pass-by-pass kernel over four 4 MiB buffers
+    per worker ran 1.5x slower on two threads at 2**20 than at 2**19 (2-core EPYC). Jensen-Shannon
+    keeps 4 buffers (2**19); soft CE and forward KL take 3 since they finish the teacher before
+    the student (``_stats``) and, with every other kind, keep 2**20: fewer tiles, and each tile's
+    per-row ops run under the GIL (``_torch.RowStats``).
     """
     if device.type != "cpu":
         return DEVICE_TILE_ELEMENTS

@@ -17,7 +17,6 @@ fused CPU softmax uses a faster, less accurate exponential that misses SPEC sect
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
@@ -77,16 +76,24 @@ def first_max(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def _row_max(x: Tensor, acc: torch.dtype) -> Tensor:
     """Raw row maximum in the compute dtype (``torch.amax`` propagates NaN)."""
-    return torch.amax(x, dim=1).to(acc)
+    m = torch.amax(x, dim=1)
+    return m if m.dtype == acc else m.to(acc)
+
+
+def shift_column(m: Tensor) -> Tensor:
+    """``finite_max(m)`` (lossspec.stats) as a column ``[R, 1]``: ``-inf`` -> 0, NaN and
+    ``+inf`` kept. One ``nan_to_num`` instead of lossspec's ``where(m == -inf, 0, m)``: the
+    per-tile row ops are dispatch-bound on the CPU (:class:`torchloss._torch.RowStats`)."""
+    return torch.nan_to_num(m, nan=float("nan"), posinf=float("inf"), neginf=0.0).unsqueeze(1)
 
 
 def _shifted(xb: Tensor, m: Tensor, out: Tensor) -> Tensor:
     """``out = xb - finite_max(m)`` in the compute dtype (16-bit data is upcast once first:
     mixed-dtype elementwise ops are much slower on the CPU)."""
     if xb.dtype == out.dtype:
-        return torch.sub(xb, finite_max(m)[:, None], out=out)
+        return torch.sub(xb, shift_column(m), out=out)
     out.copy_(xb)
-    return out.sub_(finite_max(m)[:, None])
+    return out.sub_(shift_column(m))
 
 
 # 1 / ln 2: exp(v) = exp2(v / ln 2).
@@ -129,8 +136,8 @@ def block_stats(
 ) -> tuple[Any, Cache]:
     """Statistics of one block ``xb`` ``[R, B]`` (teacher ``tb``) relative to its maxima.
 
-    ``bufs``: scratch ``[R, B]`` in the compute dtype (1 for cross-entropy, 3 for the
-    distillation kinds); ``x_y``: the label's raw logit ``[R]`` (cross-entropy; the caller
+    ``bufs``: scratch ``[R, B]`` in the compute dtype (:func:`buffers_needed`; soft CE and
+    forward KL take fp32 ``xb``, ``tb`` as the first two, :func:`shifts_inputs`); ``x_y``: the label's raw logit ``[R]`` (cross-entropy; the caller
     gathers it, or passes zeros for a block that is not the whole row).
 
     ``xb``, ``tb`` are the raw logits: with a soft cap the statistics are those of the capped
@@ -186,6 +193,8 @@ def _block_stats(config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: lis
     if tb.dtype != acc:  # as the student's; reverse KL reads the teacher again (tau, D): e_buf keeps it
         tb = (e_buf if kind == "reverse_kl" else ut).copy_(tb)
     mt = _row_max(tb, acc)
+    if kind in ("soft_cross_entropy", "forward_kl"):
+        return _teacher_first_stats(config, xb, tb, m, mt, bufs)
     _shifted(xb, m, u)
     _shifted(tb, mt, ut)
     if kind == "reverse_kl":
@@ -203,12 +212,24 @@ def _block_stats(config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: lis
         # The products e D (in ut) are cached rather than D: the gradient e (D - e_d / s) is then
         # one fused pass, e D - e (e_d / s) (block_grad).
         return Stats(m=m, s=s, mt=mt, st=st, tau=tau, e_d=e_d), (e, ut, clean)
+    # jensen_shannon, pass 1: the exp-sums only (lossspec.stats); its second pass reads u, ut.
     e, s = _exp_sum(u, c, e_buf)
     et, st = _exp_sum(ut, ct, bufs[3])
-    if kind == "jensen_shannon":  # pass 1: the exp-sums only (lossspec.stats)
-        return Stats(m=m, s=s, mt=mt, st=st), (e, et, u, ut)
+    return Stats(m=m, s=s, mt=mt, st=st), (e, et, u, ut)
+
+
+def _teacher_first_stats(config: LossConfig, xb: Tensor, tb: Tensor, m: Tensor, mt: Tensor, bufs: list[Tensor]) -> tuple[Any, Cache]:
+    """Soft CE and forward KL in three buffers: the teacher's ``t - mt``, its exponentials and
+    ``b`` first, then the student's ``x - m`` whose exponentials take the teacher's freed
+    buffer. ``xb`` / ``tb`` may be ``bufs[0]`` / ``bufs[1]`` themselves (shifted in place)."""
+    c, ct = config.student_scale, config.teacher_scale
+    u, ut, et_buf = bufs[0], bufs[1], bufs[2]
+    _shifted(tb, mt, ut)
+    et, st = _exp_sum(ut, ct, et_buf)
+    b = pos_dot(et, ut, ut) if config.kind == "forward_kl" else None  # ut is free after b
+    _shifted(xb, m, u)
+    e, s = _exp_sum(u, c, ut)
     a = pos_dot(et, u, u)
-    b = pos_dot(et, ut, ut) if kind == "forward_kl" else None
     return Stats(m=m, s=s, mt=mt, st=st, a=a, b=b), (e, et)
 
 
@@ -223,7 +244,13 @@ def _pivot_d(config: LossConfig, u: Tensor, tb: Tensor, tau: Tensor, out: Tensor
 
 def buffers_needed(kind: str) -> int:
     """Scratch buffers :func:`block_stats` takes for ``kind``."""
-    return {"cross_entropy": 1, "reverse_kl": 3, "entropy": 3}.get(kind, 4)
+    return {"cross_entropy": 1, "jensen_shannon": 4}.get(kind, 3)
+
+
+def shifts_inputs(kind: str) -> bool:
+    """Whether :func:`block_stats` accepts compute-dtype logits and teacher that are its first
+    two scratch buffers (shifted in place): soft CE and forward KL, which read neither again."""
+    return kind in ("soft_cross_entropy", "forward_kl")
 
 
 def mixture_sums(config: LossConfig, fin: Any, xb: Tensor, tb: Tensor, cache: Optional[Cache]) -> tuple[Tensor, Tensor]:
@@ -256,13 +283,7 @@ def empty_stats(config: LossConfig, rows: int, dtype: torch.dtype, device: torch
 
 
 # The algebra between blocks (and shards) is lossspec.stats', on torch tensors.
-rescale = functools.partial(stats.rescale, torch)
-rescale_e_d = functools.partial(stats.rescale_e_d, torch)
-combine = functools.partial(stats.combine, torch)
-finalize = functools.partial(stats.finalize, torch)
-bad_rows = functools.partial(stats.bad_rows, torch)
-finite_max, rescale, rescale_e_d, combine, finalize, bad_rows = stats.bind(torch)
-finite_max = functools.partial(stats.finite_max, torch)
+finite_max, rescale, rescale_e_d, combine, finalize, finalize_gradient, bad_rows = stats.bind(torch)
 
 
 def _fill_rows(g: Tensor, rows: Tensor, value: float) -> None:
@@ -289,6 +310,7 @@ def block_grad(
     out: Tensor,
     bufs: list[Tensor],
     cache: Optional[Cache],
+    fill_rows: bool = True,
 ) -> None:
     """Write ``coef * c * dl/dz`` of the block ``[R, v0:v0+B]`` into ``out`` (logits dtype,
     rounded once from the compute dtype)::
@@ -302,12 +324,13 @@ def block_grad(
     ``cache``: this block's exponentials from :func:`block_stats` when it is the whole row;
     ``None`` recomputes them from the final statistics (``bufs``, or ``out`` itself where it
     has the compute dtype, as scratch). Rows with ``coef == 0`` are exact zeros, bad rows
-    (NaN / ``+inf``) NaN. ``xb``, ``tb`` are raw: with a soft cap the gradient is formed on the
+    (NaN / ``+inf``) NaN (:func:`fill_bad_rows`; ``fill_rows=False`` leaves that to the caller,
+    who then calls it once over all rows). ``xb``, ``tb`` are raw: with a soft cap the gradient is formed on the
     capped block (taken before ``out``, which may be ``xb`` itself, is written) and multiplied
     by the cap's slope ``1 - (x / cap)^2`` in the compute dtype, before the one rounding.
     """
     kind, c, ct = config.kind, config.student_scale, config.teacher_scale
-    scale = coef * c
+    scale = coef if c == 1.0 else coef * c
     acc = scale.dtype
     slope = None
     if cache is not None:
@@ -318,7 +341,6 @@ def block_grad(
     if cache is None and tb is not None:
         tb = softcapped(tb, config.teacher_logit_softcap, acc)
     direct = out.dtype == acc  # the gradient can be formed in out itself
-    bad = bad_rows(fin)
     if kind == "jensen_shannon":
         u, ut = _mixture_inputs(fin, xb, tb, cache)
         q, _, _, log_qm = stats.mixture_terms(torch, config, fin, u, ut)
@@ -341,10 +363,13 @@ def block_grad(
     elif kind == "cross_entropy":
         factor = scale / fin.s if fin.q_coef is None else scale * fin.q_coef / fin.s
         g = torch.mul(e, factor[:, None], out=out if direct else e)
-        local = labels - v0
-        owned = (local >= 0) & (local < xb.shape[1])
-        hit = torch.where(owned, (config.label_smoothing - 1.0) * scale, 0.0)
-        g.scatter_add_(1, local.clamp(0, xb.shape[1] - 1)[:, None], hit[:, None])
+        hit = (config.label_smoothing - 1.0) * scale
+        if v0 == 0 and xb.shape[1] == vocab:  # the whole row holds every (safe) label
+            g.scatter_add_(1, labels[:, None], hit[:, None])
+        else:
+            local = labels - v0
+            owned = (local >= 0) & (local < xb.shape[1])
+            g.scatter_add_(1, local.clamp(0, xb.shape[1] - 1)[:, None], torch.where(owned, hit, 0.0)[:, None])
         if config.label_smoothing > 0:
             g.sub_((scale * (config.label_smoothing / vocab))[:, None])
     elif kind == "reverse_kl":
@@ -368,11 +393,21 @@ def block_grad(
         else:
             et = cache[1]
         g = torch.mul(e, (scale / fin.s)[:, None], out=out if direct else e)
-        g.addcmul_(et, (-scale / fin.st)[:, None])
+        g.addcmul_(et, (scale / fin.st)[:, None], value=-1.0)
     if slope is not None:  # the chain rule to the raw logits (dead rows are refilled below)
         g.mul_(slope)
+    if fill_rows:
+        fill_bad_rows(g, fin, coef)
+    if g.data_ptr() != out.data_ptr():
+        out.copy_(g)  # the one rounding to the logits' dtype
+
+
+def fill_bad_rows(g: Tensor, fin: Any, coef: Tensor) -> None:
+    """Finish the gradient rows ``g`` ``[R, B]`` of the rows whose statistics ``fin`` are not
+    those of a finite row: masked rows (``coef == 0``) are exact zeros even where their
+    statistics are NaN, inf or 0 (``0 * NaN``), unmasked bad rows (NaN / ``+inf``) NaN."""
+    bad = bad_rows(fin)
     dead = coef == 0
-    # Masked rows are exact zeros even where their statistics are NaN, inf or 0 (0 * NaN).
     degenerate = bad | ~(fin.s > 0) | torch.isinf(fin.s)
     if fin.st is not None:
         degenerate = degenerate | ~(fin.st > 0) | torch.isinf(fin.st)
@@ -380,5 +415,3 @@ def block_grad(
     if g.device.type != "cpu" or bool((zero | nan).any()):  # rare: one host check on the CPU
         _fill_rows(g, zero, 0.0)
         _fill_rows(g, nan, float("nan"))
-    if g.data_ptr() != out.data_ptr():
-        out.copy_(g)  # the one rounding to the logits' dtype

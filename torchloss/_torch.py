@@ -64,20 +64,58 @@ def forward(
     rows, vocab = logits.shape
     acc = compute_dtype(logits.dtype)
     device = logits.device
-    loss = torch.zeros(rows, dtype=acc, device=device)
     grad = None
     if need_grad:
         grad = out if out is not None else _cpu.empty_output((rows, vocab), logits.dtype, device)
     if rows == 0:
-        return loss, grad
+        return torch.zeros(rows, dtype=acc, device=device), grad
     block = min(vocab, MAX_VOCAB_BLOCK)
     tile_rows = max(1, min(rows, _cpu.tile_elements(device, _stats.buffers_needed(config.kind)) // block))
     tiles = _cpu.row_tiles(rows, tile_rows)
     if device.type == "cpu" and block == vocab and logits.dtype != acc:
         tiles = _cpu.compact_tiles(coef, tile_rows) or tiles
-    run = functools.partial(_run_tiles, config, logits, target, coef, grad, loss, block, tile_rows)
+    table = RowStats(config, rows, acc, device)
+    run = functools.partial(_run_tiles, config, logits, target, coef, grad, table, block, tile_rows)
     _cpu.map_tiles(run, tiles, device)
-    return loss, grad
+    # The loss and the bad rows' gradients once over all rows (the tiles wrote their statistics).
+    fin = _stats.finalize(config, table.stats(), vocab)
+    if grad is not None:
+        _stats.fill_bad_rows(grad, fin, coef)
+    return torch.where(coef != 0, fin.l, 0.0), grad
+
+
+class RowStats:
+    """The statistics of every row, one ``[k, N]`` table the tiles write (one op per tile),
+    finalised once over all rows by :func:`forward`.
+
+    The per-row algebra of a tile (finalize, the bad-row checks) is some forty ops on ``[R]``
+    tensors, each ~3 us of Python and dispatch. On the CPU the workers run them under the GIL,
+    one at a time, so they do not parallelise: per tile they cost as much as a pass over the
+    tile. A tile now finalises only what its gradient reads (``finalize_gradient``).
+
+    Rows no tile visits (the masked rows of compact tiles) keep the statistics of a one-hot row
+    (``m = 0``, ``s = st = 1``): finite, so nothing refills their zero gradient rows.
+    """
+
+    def __init__(self, config: LossConfig, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.names = lossspec_stats.stats_used(config)
+        if config.kind == "jensen_shannon":
+            self.names += lossspec_stats.MIXTURE_STATS
+        self.table = torch.zeros((len(self.names), rows), dtype=dtype, device=device)
+        for name in ("s", "st"):
+            if name in self.names:
+                self.table[self.names.index(name)] = 1.0
+
+    def put(self, rows: slice | Tensor, stats: Any) -> None:
+        """Write the statistics of the rows ``rows`` (a slice, or row indices)."""
+        values = [getattr(stats, name) for name in self.names]
+        if isinstance(rows, slice):
+            torch.stack(values, out=self.table[:, rows])
+        else:
+            self.table.index_copy_(1, rows, torch.stack(values))
+
+    def stats(self) -> Any:
+        return _stats.Stats(**dict(zip(self.names, self.table)))
 
 
 def regrad_(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor) -> Tensor:
@@ -89,9 +127,11 @@ def regrad_(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, up
     return grad
 
 
-def _finalize_mixture(config: LossConfig, fin: Any, kl_qm: Tensor, kl_pm: Tensor) -> Any:
-    """``jensen_shannon``'s loss from its second pass (``lossspec.stats.finalize_mixture``)."""
-    return lossspec_stats.finalize_mixture(torch, config, fin, kl_qm, kl_pm)
+def _mixture_pass(config: LossConfig, stats: Any, fin: Any, x: Tensor, t: Tensor, cache: Optional[_stats.Cache]) -> tuple[Any, Any]:
+    """``jensen_shannon``'s second pass over whole rows (the cached block): the statistics with
+    :data:`lossspec.stats.MIXTURE_STATS` and the final statistics its gradient reads."""
+    kl_qm, kl_pm = _stats.mixture_sums(config, fin, x, t, cache)
+    return stats._replace(kl_qm=kl_qm, kl_pm=kl_pm), lossspec_stats.finalize_mixture(torch, config, fin, kl_qm, kl_pm)
 
 
 def _no_autocast(device: torch.device) -> Any:
@@ -106,13 +146,13 @@ def _run_tiles(
     target: Tensor,
     coef: Tensor,
     grad: Optional[Tensor],
-    loss: Tensor,
+    table: RowStats,
     block: int,
     tile_rows: int,
     tiles: Iterable[_cpu.Tile],
 ) -> None:
-    """Loss (and gradient) of the tiles taken from ``tiles``, with this thread's scratch."""
-    acc = loss.dtype
+    """Statistics (and gradient) of the tiles taken from ``tiles``, with this thread's scratch."""
+    acc = table.table.dtype
     device = logits.device
     vocab = logits.shape[1]
     whole_row = block == vocab
@@ -120,20 +160,35 @@ def _run_tiles(
     # except where pass 1 of a multi-block row would overwrite logits still to be read.
     grad_as_scratch = grad is not None and grad.dtype == acc and (whole_row or grad is not logits)
     n_bufs = _stats.buffers_needed(config.kind) + (0 if whole_row else 1)
-    flat = [torch.empty(tile_rows * block, dtype=acc, device=device) for _ in range(n_bufs)]
+    scratch = Scratch([torch.empty(tile_rows * block, dtype=acc, device=device) for _ in range(n_bufs)])
     compact: list[Optional[Tensor]] = [None, None]
     # Raw computations in the compute dtype: no autograd (worker threads start with grad mode
     # on) and no autocast, whatever the calling thread has enabled.
     with torch.no_grad(), _no_autocast(device):
         for r0, r1, runs in tiles:
             if runs is None:
-                _run_tile(config, logits, target, coef, grad, loss, r0, r1, block, flat, grad_as_scratch)
+                _run_tile(config, logits, target, coef, grad, table, r0, r1, block, scratch, grad_as_scratch)
             else:
-                _run_compact_tile(config, logits, target, coef, grad, loss, r0, r1, runs, flat, compact, tile_rows)
+                _run_compact_tile(config, logits, target, coef, grad, table, r0, r1, runs, scratch, compact, tile_rows)
 
 
 def _views(flat: list[Tensor], rows: int, width: int) -> list[Tensor]:
     return [f[: rows * width].view(rows, width) for f in flat]
+
+
+class Scratch:
+    """A worker's flat scratch buffers and their ``[rows, width]`` views, made once per shape
+    (each view is two ATen dispatches; per tile they add up, :class:`RowStats`)."""
+
+    def __init__(self, flat: list[Tensor]) -> None:
+        self.flat = flat
+        self._views: dict[tuple[int, int], list[Tensor]] = {}
+
+    def views(self, rows: int, width: int) -> list[Tensor]:
+        key = (rows, width)
+        if key not in self._views:
+            self._views[key] = _views(self.flat, rows, width)
+        return list(self._views[key])
 
 
 def _run_tile(
@@ -142,11 +197,11 @@ def _run_tile(
     target: Tensor,
     coef: Tensor,
     grad: Optional[Tensor],
-    loss: Tensor,
+    table: RowStats,
     r0: int,
     r1: int,
     block: int,
-    flat: list[Tensor],
+    scratch: Scratch,
     grad_as_scratch: bool,
 ) -> None:
     vocab = logits.shape[1]
@@ -156,21 +211,21 @@ def _run_tile(
     t = target[r0:r1] if config.is_distill else None
     y = target[r0:r1] if is_ce else None
     cf = coef[r0:r1]
-    acc = loss.dtype
+    acc = table.table.dtype
     # The label's raw logit, gathered before an in-place gradient overwrites the row.
     x_y = x.gather(1, y[:, None])[:, 0].to(acc) if y is not None else None
     if block == vocab:
-        bufs = _views(flat, n, vocab)
+        bufs = scratch.views(n, vocab)
         if grad_as_scratch:
             assert grad is not None
             bufs.insert(0, grad[r0:r1])
         stats, cache = _stats.block_stats(config, x, t, bufs, x_y=x_y)
-        fin = _stats.finalize(config, stats, vocab)
+        fin = _stats.finalize_gradient(config, stats)
         if config.kind == "jensen_shannon":  # its second pass, on the cached block
-            fin = _finalize_mixture(config, fin, *_stats.mixture_sums(config, fin, x, t, cache))
-        loss[r0:r1] = torch.where(cf != 0, fin.l, 0.0)
+            stats, fin = _mixture_pass(config, stats, fin, x, t, cache)
+        table.put(slice(r0, r1), stats)
         if grad is not None:
-            _stats.block_grad(config, fin, cf, x, t, y, 0, vocab, grad[r0:r1], [], cache)
+            _stats.block_grad(config, fin, cf, x, t, y, 0, vocab, grad[r0:r1], [], cache, fill_rows=False)
         return
     stats = _stats.empty_stats(config, n, acc, x.device)
     if is_ce:
@@ -178,7 +233,7 @@ def _run_tile(
     for v0 in range(0, vocab, block):
         v1 = min(vocab, v0 + block)
         tb = None if t is None else t[:, v0:v1]
-        part, _ = _stats.block_stats(config, x[:, v0:v1], tb, _views(flat, n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
+        part, _ = _stats.block_stats(config, x[:, v0:v1], tb, scratch.views(n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
         stats = _stats.combine(config, stats, part)
     fin = _stats.finalize(config, stats, vocab)
     if config.kind == "jensen_shannon":
@@ -188,16 +243,17 @@ def _run_tile(
             v1 = min(vocab, v0 + block)
             part_qm, part_pm = _stats.mixture_sums(config, fin, x[:, v0:v1], t[:, v0:v1], None)
             kl_qm, kl_pm = kl_qm + part_qm, kl_pm + part_pm
-        fin = _finalize_mixture(config, fin, kl_qm, kl_pm)
-    loss[r0:r1] = torch.where(cf != 0, fin.l, 0.0)
+        stats = stats._replace(kl_qm=kl_qm, kl_pm=kl_pm)
+        fin = lossspec_stats.finalize_mixture(torch, config, fin, kl_qm, kl_pm)
+    table.put(slice(r0, r1), stats)
     if grad is None:
         return
     for v0 in range(0, vocab, block):
         v1 = min(vocab, v0 + block)
         out = grad[r0:r1, v0:v1]
         tb = None if t is None else t[:, v0:v1]
-        bufs = _views(flat, n, v1 - v0)
-        _stats.block_grad(config, fin, cf, x[:, v0:v1], tb, y, v0, vocab, out, bufs, None)
+        bufs = scratch.views(n, v1 - v0)
+        _stats.block_grad(config, fin, cf, x[:, v0:v1], tb, y, v0, vocab, out, bufs, None, fill_rows=False)
 
 
 def _run_compact_tile(
@@ -206,23 +262,23 @@ def _run_compact_tile(
     target: Tensor,
     coef: Tensor,
     grad: Optional[Tensor],
-    loss: Tensor,
+    table: RowStats,
     r0: int,
     r1: int,
     runs_index: tuple[list[tuple[int, int]], Tensor],
-    flat: list[Tensor],
+    scratch: Scratch,
     compact: list[Optional[Tensor]],
     tile_rows: int,
 ) -> None:
     """A compact tile (16-bit logits): rows ``[r0, r1)`` whose valid rows are the ``runs``. The
     runs are copied (upcast) into one fp32 tile, computed as a whole-row block, and the gradient
-    copied back (rounded once); the masked rows in between get zero gradients and keep their
-    zero loss."""
+    copied back (rounded once); the masked rows in between get zero gradients (and no
+    statistics: :class:`RowStats`)."""
     runs, index = runs_index
     vocab = logits.shape[1]
     is_ce = config.kind == "cross_entropy"
     has_teacher = config.is_distill
-    acc = loss.dtype
+    acc = table.table.dtype
     if grad is not None:
         start = r0
         for a, b in runs + [(r1, r1)]:
@@ -247,16 +303,19 @@ def _run_compact_tile(
     cf = coef[index]
     y = target[index] if is_ce else None
     x_y = x.gather(1, y[:, None])[:, 0] if y is not None else None
-    stats, cache = _stats.block_stats(config, x, t, _views(flat, n, vocab), x_y=x_y)
-    fin = _stats.finalize(config, stats, vocab)
+    bufs = scratch.views(n, vocab)
+    if _stats.shifts_inputs(config.kind):  # the fp32 copies are scratch: one buffer less in cache
+        bufs = [x, t] + bufs[2:]
+    stats, cache = _stats.block_stats(config, x, t, bufs, x_y=x_y)
+    fin = _stats.finalize_gradient(config, stats)
     if config.kind == "jensen_shannon":
-        fin = _finalize_mixture(config, fin, *_stats.mixture_sums(config, fin, x, t, cache))
-    loss.index_copy_(0, index, torch.where(cf != 0, fin.l, 0.0))
+        stats, fin = _mixture_pass(config, stats, fin, x, t, cache)
+    table.put(index, stats)
     if grad is None:
         return
     # The gradient is formed in the fp32 tile (x is free by then) and copied back per run.
     g = x
-    _stats.block_grad(config, fin, cf, x, t, y, 0, vocab, g, [], cache)
+    _stats.block_grad(config, fin, cf, x, t, y, 0, vocab, g, [], cache, fill_rows=False)
     j = 0
     for a, b in runs:
         grad[a:b].copy_(g[j : j + b - a])  # the one rounding to the logits' dtype
