@@ -344,11 +344,10 @@ def finalize(xp: Any, config: LossConfig, st: Any, vocab: int) -> Any:
         loss = lse - ((1.0 - eps) * c) * (x_y - m)
         if eps > 0:
             loss = loss - (eps / vocab * c) * st.sum_shift
-        q_coef = None
+        q_coef = finalize_gradient(xp, config, st).q_coef  # None without z-loss
         if lam > 0:
             full_lse = lse + c * m
             loss = loss + lam * full_lse * full_lse
-            q_coef = 1.0 + (2.0 * lam) * full_lse
         return Final(l=xp.where(xp.isnan(st.s), float("nan"), loss), m=m, s=st.s, lse=lse, q_coef=q_coef)
     if config.kind == "entropy":
         mean_h = finalize_gradient(xp, config, st).mean_h

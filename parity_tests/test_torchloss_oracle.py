@@ -284,7 +284,7 @@ def test_torch_path_compact_tiles(monkeypatch: pytest.MonkeyPatch, kind: str) ->
             check(case, "torch", normalization="none")
     compact = [t for t in tiles if t is not None]  # None: too few masked rows, dense tiles
     assert len(compact) >= 8 and max(len(t) for t in compact) >= 3
-    assert any(r0 < a for t in compact for r0, _, (runs, _) in t for a, _ in runs[:1])  # masked rows skipped
+    assert any(r0 < a for t in compact for r0, _, (runs, _, _) in t for a, _ in runs[:1])  # masked rows skipped
 
 
 @pytest.mark.parametrize("kind", KINDS)

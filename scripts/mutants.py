@@ -40,8 +40,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "z_loss_grad",
         "the z-loss term dropped from the cross-entropy gradient (shared algebra)",
         "lossspec/stats.py",
-        "            q_coef = 1.0 + (2.0 * lam) * full_lse",
-        "            q_coef = 1.0 + 0.0 * full_lse",
+        "        return fin._replace(q_coef=1.0 + (2.0 * config.z_loss) * full_lse)",
+        "        return fin._replace(q_coef=1.0 + 0.0 * full_lse)",
         TORCH_ORACLE,
     ),
     Mutant(
@@ -362,6 +362,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "torchloss/_stats.py",
         "LOG2_E: float = 1.4426950408889634",
         "LOG2_E: float = 1.4427",
+        TORCH_ORACLE,
+    ),
+    Mutant(
+        "bad_rows_not_filled_torch",
+        "the torch path finalises its rows once at the end but forgets the bad rows' gradient fill there",
+        "torchloss/_torch.py",
+        "        _stats.fill_bad_rows(grad, fin, coef)",
+        "        pass",
+        ("parity_tests/test_torchloss_reliability.py", "parity_tests/test_torchloss_oracle.py", "-m", "not slow"),
+    ),
+    Mutant(
+        "row_stats_tile_misplaced_torch",
+        "a tile writes its statistics one row off in the torch path's row table (the loss of row r is row r+1's)",
+        "torchloss/_torch.py",
+        "            torch.stack(values, out=self.table[:, rows])",
+        "            torch.stack(values, out=self.table[:, rows.start + (rows.stop < self.table.shape[1]) : rows.stop + (rows.stop < self.table.shape[1])])",
         TORCH_ORACLE,
     ),
     Mutant(

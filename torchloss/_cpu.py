@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import functools
+import math
 import mmap
 import os
 import sys
@@ -48,8 +49,8 @@ HUGE_PAGE_BYTES: int = 2 << 20
 HUGE_PAGE_MIN_BYTES: int = 16 << 20
 
 # A tile: rows [r0, r1) and, for a compact tile, the runs [a, b) of rows with coef != 0 inside
-# it with their row indices.
-Tile = tuple[int, int, "tuple[list[tuple[int, int]], Tensor] | None"]
+# it with their row indices, and the indices of its masked rows.
+Tile = tuple[int, int, "tuple[list[tuple[int, int]], Tensor, Tensor] | None"]
 
 T = TypeVar("T")
 
@@ -99,11 +100,16 @@ def compact_tiles(coef: Tensor, tile_rows: int) -> Optional[list[Tile]]:
             taken += step
             a += step
             if taken == tile_rows:
-                tiles.append((r0, a, (current, index[done : done + taken])))
+                tiles.append((r0, a, (current, index[done : done + taken], _masked(live, r0, a))))
                 r0, done, taken, current = a, done + taken, 0, []
     if r0 < rows:
-        tiles.append((r0, rows, (current, index[done : done + taken])))
+        tiles.append((r0, rows, (current, index[done : done + taken], _masked(live, r0, rows))))
     return tiles
+
+
+def _masked(live: np.ndarray, r0: int, r1: int) -> Tensor:
+    """Indices of the masked rows in ``[r0, r1)``."""
+    return torch.from_numpy(np.flatnonzero(~live[r0:r1]) + r0)
 
 
 class _Tiles(Generic[T]):
@@ -196,13 +202,19 @@ def empty_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
     Every fresh gradient is zeroed by the kernel page by page on first touch: 4 KiB pages cost
     ~116 ms of faults for 4096 x 32768 fp32 (512 MiB), about half of a cross-entropy step; 2 MiB
-    pages ~32 ms (medians of 15, 2-core EPYC). It is a hint about this range, nothing
-    process-wide: the tensor is torch's own allocation, and where the kernel has THP off (or
-    the platform has no ``madvise``) it is a plain ``torch.empty``.
+    pages ~32 ms (medians of 15, 2-core EPYC). It is a hint about this buffer's own mapping,
+    nothing process-wide: the buffer is an anonymous ``mmap`` of its own, unmapped with the
+    tensor, so the hint never outlives it (advising memory of torch's allocator would leave the
+    hint on ranges that the allocator later hands to other tensors). Where the kernel has THP
+    off (or the platform has no ``madvise``) it is a plain ``torch.empty``.
     """
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cpu" and out.numel() * out.element_size() >= HUGE_PAGE_MIN_BYTES:
-        advise_huge_pages(out)
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES or _madvise() is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    mapping = mmap.mmap(-1, nbytes)  # anonymous: the tensor keeps it alive, munmap with the tensor
+    out = torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)
+    advise_huge_pages(out)
     return out
 
 

@@ -161,7 +161,7 @@ def _run_tiles(
     grad_as_scratch = grad is not None and grad.dtype == acc and (whole_row or grad is not logits)
     n_bufs = _stats.buffers_needed(config.kind) + (0 if whole_row else 1)
     scratch = Scratch([torch.empty(tile_rows * block, dtype=acc, device=device) for _ in range(n_bufs)])
-    compact: list[Optional[Tensor]] = [None, None]
+    compact: list[Optional[Tensor]] = [None, None]  # fp32 logits and teacher
     # Raw computations in the compute dtype: no autograd (worker threads start with grad mode
     # on) and no autocast, whatever the calling thread has enabled.
     with torch.no_grad(), _no_autocast(device):
@@ -265,27 +265,25 @@ def _run_compact_tile(
     table: RowStats,
     r0: int,
     r1: int,
-    runs_index: tuple[list[tuple[int, int]], Tensor],
+    runs_index: tuple[list[tuple[int, int]], Tensor, Tensor],
     scratch: Scratch,
     compact: list[Optional[Tensor]],
     tile_rows: int,
 ) -> None:
     """A compact tile (16-bit logits): rows ``[r0, r1)`` whose valid rows are the ``runs``. The
     runs are copied (upcast) into one fp32 tile, computed as a whole-row block, and the gradient
-    copied back (rounded once); the masked rows in between get zero gradients (and no
-    statistics: :class:`RowStats`)."""
-    runs, index = runs_index
+    copied back (rounded once); the masked rows get zero gradients (one ``index_fill_``) and no
+    statistics (:class:`RowStats`). Gathering the rows instead (``index_select`` into a 16-bit
+    buffer, one upcast, ``index_copy_`` back) measured 1.1-1.25x slower even for random masks
+    (runs of ~3 rows)."""
+    runs, index, masked = runs_index
     vocab = logits.shape[1]
     is_ce = config.kind == "cross_entropy"
     has_teacher = config.is_distill
     acc = table.table.dtype
-    if grad is not None:
-        start = r0
-        for a, b in runs + [(r1, r1)]:
-            if a > start:
-                grad[start:a].zero_()
-            start = b
-    n = sum(b - a for a, b in runs)
+    if grad is not None and masked.numel():
+        grad.index_fill_(0, masked, 0.0)
+    n = index.numel()
     if n == 0:
         return
     if compact[0] is None:
