@@ -244,5 +244,7 @@ def test_a_large_fresh_gradient_is_advised_huge_pages(kind: str, dtype: torch.dt
     FUNCTIONS[kind](x, target, None, impl="torch").backward()
     grad = x.grad
     middle = grad.data_ptr() + grad.numel() * grad.element_size() // 2
-    assert "hg" in _vm_flags(middle)
+    flags = _vm_flags(middle)
+    assert "hg" in flags
+    assert "sh" not in flags  # private: a shared anonymous mapping is shmem, where THP is off by default
     assert "hg" not in _vm_flags(x.data_ptr() + x.numel() * x.element_size() // 2)  # only ours

@@ -389,6 +389,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_torchloss_reliability.py", "-k", "huge"),
     ),
     Mutant(
+        "gradient_mapping_shared_torch",
+        "the torch path's gradient mapping is mmap's default MAP_SHARED (shmem: no huge pages, 2.5x slower faults)",
+        "torchloss/_cpu.py",
+        "    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # unmapped with the tensor",
+        "    mapping = mmap.mmap(-1, nbytes)  # unmapped with the tensor",
+        ("parity_tests/test_torchloss_reliability.py", "-k", "huge"),
+    ),
+    Mutant(
         "head_bf16_split_rounds_jax",
         "JAX's opt-in bf16 head backward takes G as one bf16 term (what XLA's GPU compiler made of the first split)",
         "jaxloss/linear.py",

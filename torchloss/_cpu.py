@@ -212,7 +212,8 @@ def empty_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES or _madvise() is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    mapping = mmap.mmap(-1, nbytes)  # anonymous: the tensor keeps it alive, munmap with the tensor
+    # Private (mmap.mmap(-1, n) alone is MAP_SHARED: shmem, which THP leaves out by default).
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # unmapped with the tensor
     out = torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)
     advise_huge_pages(out)
     return out
