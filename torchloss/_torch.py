@@ -73,7 +73,13 @@ def forward(
     tile_rows = max(1, min(rows, _cpu.tile_elements(device, _stats.buffers_needed(config.kind)) // block))
     tiles = _cpu.row_tiles(rows, tile_rows)
     if device.type == "cpu" and block == vocab and logits.dtype != acc:
-        tiles = _cpu.compact_tiles(coef, tile_rows) or tiles
+        # Compact tiles hold fp32 copies of the valid rows (and teacher rows) besides the scratch
+        # buffers, unless block_stats takes them as scratch: their tile size counts them.
+        copies = 0 if _stats.shifts_inputs(config.kind) else 1 + config.is_distill
+        compact_rows = max(1, min(rows, _cpu.tile_elements(device, _stats.buffers_needed(config.kind) + copies) // block))
+        compact = _cpu.compact_tiles(coef, compact_rows)
+        if compact is not None:
+            tiles, tile_rows = compact, compact_rows
     table = RowStats(config, rows, acc, device)
     run = functools.partial(_run_tiles, config, logits, target, coef, grad, table, block, tile_rows)
     _cpu.map_tiles(run, tiles, device)
