@@ -452,7 +452,7 @@ def head_forward(
             # hidden feeds every shard: its gradient is the sum of the shards' G_k W_k.
             import torch.distributed as dist
 
-            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=shards.group)
+            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=shards.group)  # the stored gradient's
     if keep_final:
         return loss, _stats.Final(**final)
     return loss, dh, dw, db
@@ -579,7 +579,7 @@ def head_backward(
         if shards is not None and n > 0:
             import torch.distributed as dist
 
-            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=shards.group)
+            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=shards.group)  # the recompute backward's
     return dh, dw, db
 
 
