@@ -1,4 +1,4 @@
-"""The fused LM head (SPEC section 7): ``linear_<kind>`` from hidden states and the head weight.
+"""The fused LM head (SPEC section 8): ``linear_<kind>`` from hidden states and the head weight.
 
 ``linear_<kind>(hidden [..., H], weight [V, H], <target>, loss_mask=None, *, bias=None, ...)``
 returns ``<kind>(hidden @ weight.T + bias, <target logits>, loss_mask, ...)`` with the logits
@@ -293,7 +293,7 @@ def oracle_head(
 
 
 def compare_head_grad(actual: Any, reference: np.ndarray, dtype: str, what: str = "grad") -> Comparison:
-    """SPEC section 7's bound for one head gradient: the section 6 rule with
+    """SPEC section 8's bound for one head gradient: the section 6 rule with
     ``S = max |reference|`` of that tensor (``4e-6 S``, plus one ulp of ``dtype`` for 16-bit)."""
     return compare_grad(actual, reference, dtype, 0.0, what)
 

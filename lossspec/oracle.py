@@ -21,7 +21,7 @@ Losses (per token) and their gradients with respect to ``z``::
 Entropy and the JSD are written here in their textbook form (``log M`` by ``logaddexp`` in
 float64), independently of the pivoted / two-pass formulation of :mod:`lossspec.stats`.
 
-Soft caps (``logit_softcap``, ``teacher_logit_softcap``; SPEC section 7): the raw logits are
+Soft caps (``logit_softcap``, ``teacher_logit_softcap``; SPEC section 1): the raw logits are
 first replaced by ``cap * tanh(x / cap)`` (finite entries; ``+-inf`` and NaN are kept), then
 everything above applies to the capped values; the gradient with respect to the raw logits is
 the one with respect to the capped ones times ``d/dx cap tanh(x / cap) = 1 / cosh(x / cap)^2``

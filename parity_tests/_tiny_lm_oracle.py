@@ -8,7 +8,7 @@
   gradient, chained through the block by float64 autograd.
 
 Shared by the JAX and torch tests (not a test module). The bound for the parameter gradients is
-the one SPEC section 7 gives a fused head: the section 6 rule with
+the one SPEC section 8 gives a fused head: the section 6 rule with
 ``S = max |float64 reference gradient of that tensor|`` (``G0 = 0``)."""
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def oracle(kind: str, normalization: str, params, batch) -> tuple[float, dict[st
 
 def assert_same(loss, grads, ref_loss, ref_grads, what: str) -> None:
     """Against the float64 oracle: loss within 4e-6 max(1, |ref|), each parameter's gradient
-    within 4e-6 max|ref| (SPEC sections 6-7)."""
+    within 4e-6 max|ref| (SPEC sections 6 and 8)."""
     _tiny_lm_oracle.assert_matches(loss, {name: np.asarray(g) for name, g in grads.items()}, ref_loss, ref_grads, what)
 
 

@@ -38,7 +38,7 @@ def full_batch(kind: str, normalization: str) -> tuple[np.ndarray, dict[str, np.
 
 def assert_same(loss, grads, ref_loss, ref_grads, what: str) -> None:
     """Against the float64 oracle: loss within 4e-6 max(1, |ref|), each parameter's gradient
-    within 4e-6 max|ref| (SPEC sections 6-7)."""
+    within 4e-6 max|ref| (SPEC sections 6 and 8)."""
     _tiny_lm_oracle.assert_matches(loss, grads, ref_loss, ref_grads, what)
 
 

@@ -4,7 +4,7 @@ splits the TinyLM (embedding -> linear head) problem as P=2 vocabulary shards an
 (with K = 1, 2 and 5 micro-batches: an all-masked micro-batch, an empty one; the two data
 replicas hold 12 and 4 valid tokens). Every split gives the float64 oracle's full-batch loss and
 parameter gradients (``emb``, and ``head`` concatenated from its vocabulary shards;
-_tiny_lm_oracle.py) at the SPEC section 6-7 bounds. (The all-masked data replica is in
+_tiny_lm_oracle.py) at the SPEC section 6 and 8 bounds. (The all-masked data replica is in
 test_distributed_torch.py's D = 4.)"""
 
 from __future__ import annotations

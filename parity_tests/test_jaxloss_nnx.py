@@ -118,7 +118,7 @@ def test_train_tiny_nnx_model(kind: str) -> None:
     optimizer = nnx.Optimizer(model, optax.adam(5e-2), wrt=nnx.Param)
 
     # The NNX loss and parameter gradients of the module (under nnx.jit) against the float64
-    # oracle chained through the model (SPEC section 7's bound: 4e-6 max|ref| per tensor).
+    # oracle chained through the model (SPEC section 8's bound: 4e-6 max|ref| per tensor).
     ref_loss, ref_grads = _oracle_grads(model, kind, data, target, options)
     loss, got = nnx.jit(nnx.value_and_grad(lambda m: loss_module(m(data["tokens"]), target, data["mask"])))(model)
     lossspec.compare_loss(np.asarray(loss), ref_loss, f"{kind} loss").check()

@@ -1,6 +1,6 @@
 """The fused LM head (``linear_<kind>``) in both frameworks against the float64 head oracle.
 
-Loss: SPEC section 6's loss bound; gradients of hidden, weight and bias: SPEC section 7's rule
+Loss: SPEC section 6's loss bound; gradients of hidden, weight and bias: SPEC section 8's rule
 (the section 6 bound with ``S = max |reference gradient of that tensor|``), 16-bit inputs with
 their one ulp. Plans: ``whole`` rows (token chunks of the full vocabulary, a ragged last chunk)
 and the vocabulary-blocked fallback (ragged row chunks and vocabulary blocks), forced by a tiny

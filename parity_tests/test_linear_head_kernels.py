@@ -8,7 +8,7 @@ slices of the hidden axis), the teacher's Ht = 20. Where CUDA is available the T
 compiled and take CUDA tensors (``_torch_problem.TRITON_DEVICE``; inputs are still made on the
 host), and ``_triton_linear.GPU_BLOCKS``' larger tiles still split every axis with a ragged
 tail. Masked rows: mask weights 0 and an ignored label. Bounds:
-SPEC section 6 for the loss, section 7 (``lossspec.linear.compare_head_grad``) for the gradients
+SPEC section 6 for the loss, section 8 (``lossspec.linear.compare_head_grad``) for the gradients
 of hidden, weight and bias. The whole file is in the slow tier (interpreted kernels).
 """
 

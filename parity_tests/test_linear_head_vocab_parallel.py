@@ -59,7 +59,7 @@ def check_shards(
     dtype: str = "float32",
 ) -> None:
     """Every shard's loss and ``hidden`` gradient are the whole head's; its weight and bias
-    gradients the slices of the whole head's (SPEC sections 6-7 bounds)."""
+    gradients the slices of the whole head's (SPEC sections 6 and 8 bounds)."""
     upstream = torch_worker.upstream(options)
     ref_loss, ref = reference(kind, problem, grad_output=upstream, **options)
     for (lo, hi), result in zip(bounds, shard_results):

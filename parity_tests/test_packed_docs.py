@@ -57,7 +57,7 @@ def _reference(weights: dict[str, np.ndarray], batch: dict[str, np.ndarray]) -> 
 
 
 def _worst_grad_error(grads: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> float:
-    """The largest gradient error in units of the SPEC section 7 bound (``4e-6 max|ref|`` per tensor)."""
+    """The largest gradient error in units of the SPEC section 8 bound (``4e-6 max|ref|`` per tensor)."""
     return max(lossspec.compare_grad(np.asarray(grads[n], np.float64), ref[n], "float32", 0.0, n).error_units for n in ref)
 
 
