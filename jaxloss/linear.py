@@ -706,7 +706,10 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     loss_mask = _optional(args["loss_mask"])
     segment_ids = _optional(args["segment_ids"])
     lossspec.check_inputs(config, logits_meta, meta(labels) if ce else teacher_meta, meta(loss_mask), meta(segment_ids))
-    for name, value in (("weight", weight), ("bias", bias), ("labels", labels), ("loss_mask", loss_mask), ("segment_ids", segment_ids)):
+    named = [("weight", weight), ("bias", bias), ("labels", labels), ("loss_mask", loss_mask), ("segment_ids", segment_ids)]
+    if teacher is not None:
+        named += list(zip(("teacher_hidden", "teacher_weight", "teacher_bias"), teacher))
+    for name, value in named:
         _check_same_device(name, value, hidden)
     denominator = _denominator(config, args["denominator"])
     if loss_mask is not None and api._concrete(loss_mask):

@@ -1,7 +1,8 @@
 """Flax NNX module forms of the fused LM head (re-exported by :mod:`jaxloss.nnx`).
 
 ``LinearCrossEntropyLoss(**options)(hidden, head, labels, loss_mask=None, *, bias=None,
-denominator=None, segment_ids=None)`` (``vocab_parallel=`` among the options), and the distillation kinds with ``teacher_hidden, teacher_head``. ``head``
+denominator=None, segment_ids=None)`` (``impl=``, ``recompute_logits=`` and ``vocab_parallel=``
+among the options), and the distillation kinds with ``teacher_hidden, teacher_head``. ``head``
 is a ``[V, H]`` weight or an ``nnx.Linear`` (kernel ``[H, V]``: its transpose and its bias are
 used; XLA folds the transpose into the matmul). The modules hold no parameters.
 """
@@ -13,6 +14,7 @@ from typing import Any, Optional
 import jax
 from flax import nnx as _nnx
 
+import lossspec
 from lossspec import linear as spec_linear
 
 from . import linear
@@ -34,7 +36,8 @@ class _LinearLoss(_nnx.Module):
     kind: str = ""
 
     def __init__(self, **options: Any):
-        self.settings = spec_linear.head_module_settings(self.kind, options, type(self).__name__, linear.HEAD_FRAMEWORK_ARGS)
+        self.settings = spec_linear.head_module_settings(
+            self.kind, options, type(self).__name__, linear.HEAD_FRAMEWORK_ARGS, lossspec.JAX_IMPLS, "xla")
         if self.settings["vocab_parallel"] is not None:
             from ._vocab_parallel import axis_names
 

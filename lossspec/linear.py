@@ -422,13 +422,19 @@ def head_module_name(kind: str) -> str:
     return "Linear" + KIND_SPECS[kind].module
 
 
-def head_module_settings(kind: str, options: dict[str, Any], owner: str, extra: FrameworkArgs = FrameworkArgs(())) -> dict[str, Any]:
+def head_module_settings(kind: str, options: dict[str, Any], owner: str, extra: FrameworkArgs, impls: tuple[str, ...], plain: str) -> dict[str, Any]:
     """A head module's settings: ``options`` over the defaults of ``kind``'s options,
-    ``normalization`` and the framework's ``extra`` arguments (``vocab_parallel``), validated
-    with the functions' own errors."""
+    ``normalization``, ``impl="auto"`` and the framework's ``extra`` arguments
+    (``recompute_logits``, ``vocab_parallel``), validated with the functions' own errors:
+    ``impl`` against the framework's ``impls`` (:func:`head_impl`, ``plain`` its XLA / torch
+    path) and ``recompute_logits`` against the resolved path (:func:`check_recompute_logits`)."""
     from .kinds import module_settings
 
-    return module_settings(KIND_SPECS[kind], extra, options, owner)
+    with_impl = FrameworkArgs((("impl", "auto", ""),) + extra.args)
+    settings = module_settings(KIND_SPECS[kind], with_impl, options, owner)
+    resolved = head_impl(settings["impl"], impls, plain, settings.get("vocab_parallel") is not None)
+    check_recompute_logits(settings["recompute_logits"], resolved, plain)
+    return settings
 
 
 def head_module_docstring(kind: str, framework: str, linear_class: str) -> str:
@@ -439,8 +445,8 @@ def head_module_docstring(kind: str, framework: str, linear_class: str) -> str:
     options = ", ".join(f"{name}={default!r}" for name, default in spec.options)
     return (
         f"Module form of :func:`{framework}.{LINEAR_NAMES[kind]}` (fused LM head + {spec.kind}).\n\n"
-        f"Constructed with the keyword options ``{options}, normalization='valid_tokens'`` (validated at\n"
-        f"construction, with ``vocab_parallel=None``); called as ``module(hidden, weight, {targets}, loss_mask=None,\n"
+        f"Constructed with the keyword options ``{options}, normalization='valid_tokens'``, ``impl='auto'``,\n"
+        f"``recompute_logits=False`` and ``vocab_parallel=None`` (validated at construction); called as ``module(hidden, weight, {targets}, loss_mask=None,\n"
         f"*, {biases}, denominator=None, segment_ids=None)``. ``weight`` (and ``teacher_weight``) may be a ``{linear_class}``: its weight\n"
         "in the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.\n"
     )

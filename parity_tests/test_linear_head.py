@@ -408,3 +408,76 @@ def test_nnx_module_takes_a_flax_linear_head() -> None:
     lossspec.compare_loss(np.asarray(loss), ref_loss).check()
     spec_linear.compare_head_grad(np.asarray(grads.kernel[...]).T, ref["weight"], "float32", "kernel").check()
     spec_linear.compare_head_grad(np.asarray(grads.bias[...]), ref["bias"], "float32", "bias").check()
+
+
+def test_arrays_on_another_device_are_refused() -> None:
+    """Every head tensor on another device than ``hidden`` is refused before any work, with
+    ``lossspec.linear.device_message`` in both frameworks (JAX: a second host device; torch: the
+    meta device), the teacher's tensors included."""
+    inputs = make_inputs("forward_kl", "float32", seed=9)
+    names = ("weight", "bias", "teacher_hidden", "teacher_weight", "teacher_bias")
+    first, second = jax.devices()[:2]
+    for name in names:
+        jax_args = {k: jax.device_put(jnp.asarray(inputs[k]), second if k == name else first) for k in ("hidden", *names)}
+        with pytest.raises(ValueError, match=f"^{name} must be on the device of hidden"):
+            jaxloss.linear_forward_kl(jax_args["hidden"], jax_args["weight"], jax_args["teacher_hidden"], jax_args["teacher_weight"],
+                                      bias=jax_args["bias"], teacher_bias=jax_args["teacher_bias"])
+        torch_args = {k: torch.tensor(inputs[k], device="meta" if k == name else "cpu") for k in ("hidden", *names)}
+        with pytest.raises(ValueError, match=f"^{name} must be on the device of hidden"):
+            torchloss.linear_forward_kl(torch_args["hidden"], torch_args["weight"], torch_args["teacher_hidden"], torch_args["teacher_weight"],
+                                        bias=torch_args["bias"], teacher_bias=torch_args["teacher_bias"])
+
+
+def test_both_frameworks_have_one_head_api() -> None:
+    """Same function signatures (names, kinds, defaults), the same module call parameters and
+    settings, and the head modules exported by both module namespaces."""
+    import inspect
+
+    for kind in KINDS:
+        name = spec_linear.LINEAR_NAMES[kind]
+        jax_sig, torch_sig = inspect.signature(getattr(jaxloss, name)), inspect.signature(getattr(torchloss, name))
+        as_list = lambda sig: [(p.name, p.kind, p.default) for p in sig.parameters.values()]  # noqa: E731
+        assert as_list(jax_sig) == as_list(torch_sig), name
+        assert {"impl", "recompute_logits", "vocab_parallel", "segment_ids"} <= set(jax_sig.parameters)
+        module_name = spec_linear.head_module_name(kind)
+        assert module_name in jaxloss.nnx.__all__ and module_name in torchloss.nn.__all__
+        jax_module, torch_module = getattr(jaxloss.nnx, module_name)(), getattr(torchloss.nn, module_name)()
+        assert jax_module.settings == torch_module.settings, module_name
+        assert {"impl", "recompute_logits", "vocab_parallel"} <= set(jax_module.settings)
+        call_params = lambda f: [p.name for p in inspect.signature(f).parameters.values()]  # noqa: E731
+        assert call_params(type(jax_module).__call__) == call_params(type(torch_module).forward), module_name
+    assert sorted(jaxloss.nnx.__all__) == sorted(torchloss.nn.__all__)
+
+
+class _KernelCalled(Exception):
+    pass
+
+
+def test_head_modules_take_impl(monkeypatch: Any) -> None:
+    """``impl=`` at construction reaches the function (the kernels' entry points replaced by a
+    sentinel); an impl the framework lacks, ``recompute_logits=True`` with a kernel and a kernel
+    with ``vocab_parallel`` fail at construction with the functions' errors."""
+    from jaxloss import _pallas_linear
+    from torchloss import _triton_linear
+
+    def called(*args: Any, **kwargs: Any) -> None:
+        raise _KernelCalled
+
+    monkeypatch.setattr(_pallas_linear, "head_forward", called)
+    monkeypatch.setattr(_triton_linear, "head_forward", called)
+    inputs = make_inputs("cross_entropy", "float32", seed=10)
+    with pytest.raises(_KernelCalled):
+        jaxloss.nnx.LinearCrossEntropyLoss(impl="pallas")(jnp.asarray(inputs["hidden"]), jnp.asarray(inputs["weight"]), jnp.asarray(inputs["labels"]))
+    with pytest.raises(_KernelCalled):
+        torchloss.nn.LinearCrossEntropyLoss(impl="triton")(torch.tensor(inputs["hidden"]), torch.tensor(inputs["weight"]), torch.tensor(inputs["labels"]))
+    for module, kernel in ((jaxloss.nnx, "pallas"), (torchloss.nn, "triton")):
+        other = "triton" if kernel == "pallas" else "pallas"
+        with pytest.raises(ValueError, match="impl must be one of"):
+            module.LinearReverseKLLoss(impl=other)
+        with pytest.raises(ValueError, match="recompute_logits=True is a mode of"):
+            module.LinearCrossEntropyLoss(impl=kernel, recompute_logits=True)
+        with pytest.raises(TypeError, match="recompute_logits must be True or False"):
+            module.LinearCrossEntropyLoss(recompute_logits="yes")
+        with pytest.raises(ValueError, match="has no vocab_parallel form"):
+            module.LinearForwardKLLoss(impl=kernel, vocab_parallel="model" if module is jaxloss.nnx else object())
+        assert module.LinearCrossEntropyLoss(recompute_logits=True).settings["impl"] == "auto"

@@ -57,7 +57,10 @@ def _grad_output(options: dict[str, Any]) -> np.ndarray:
 def run(impl: str, kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, options: dict[str, Any]) -> tuple:
     """``(loss, {name: grad})`` of ``linear_<kind>(..., impl=impl)`` (float64 NumPy)."""
     grad_output = _grad_output(options)
+    ids = options.get("segment_ids")
     if IMPLS[impl] == "jax":
+        if ids is not None:
+            options = {**options, "segment_ids": jnp.asarray(ids)}
         jdt = jnp.dtype(dtype)
         params = {"hidden": jnp.asarray(inputs["hidden"], jdt), "weight": jnp.asarray(inputs["weight"], jdt)}
         if with_bias:
@@ -74,6 +77,8 @@ def run(impl: str, kind: str, inputs: dict[str, Any], dtype: str, with_bias: boo
         (grads,) = vjp(jnp.asarray(grad_output))
         assert all(grads[name].dtype == jdt for name in grads)
         return np.asarray(loss, np.float64), {k: np.asarray(g.astype(jnp.float32), np.float64) for k, g in grads.items()}
+    if ids is not None:
+        options = {**options, "segment_ids": torch.tensor(ids).to(TRITON_DEVICE)}
     tdt = getattr(torch, dtype)
     as_t = lambda a: torch.tensor(np.asarray(a, np.float32)).to(tdt).to(TRITON_DEVICE)  # noqa: E731  (exact)
     params = {"hidden": as_t(inputs["hidden"]), "weight": as_t(inputs["weight"])}
@@ -128,6 +133,27 @@ def test_kernels_plain_cross_entropy_denominator_causal_shift(impl: str) -> None
     """Cross-entropy without smoothing / z-loss (the constexpr branches off), a denominator and
     the causal shift."""
     check(impl, "cross_entropy", "float32", True, {"denominator": 9.0, "causal_shift": True}, seed=2)
+
+
+# Packed documents in the rows of LEAD = (4, 9): ids >= 0 are sequences (a row holds one, two or
+# three), -1 is padding; one sequence (row 3, id 2) is a single token, which the causal shift
+# leaves unscored.
+SEGMENT_IDS = np.array([
+    [0, 0, 0, 0, 1, 1, 1, 1, 1],
+    [0, 0, 0, 0, 0, 0, 0, -1, -1],
+    [3, 3, 5, 5, 5, 7, 7, 7, 7],
+    [0, 0, 0, 1, 1, 1, 1, 2, -1],
+], dtype=np.int32)
+
+
+@pytest.mark.parametrize("normalization", ["sequence_mean", "sequence_sum"])
+@pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_kernels_per_sequence(impl: str, kind: str, normalization: str) -> None:
+    """``segment_ids`` with the per-sequence normalisations and the causal shift: the kernels
+    read the per-token coefficients ``w_t / (n_s S)`` (or ``w_t / S``) as runtime data."""
+    options = {**_options(kind), "normalization": normalization, "segment_ids": SEGMENT_IDS, "causal_shift": True}
+    check(impl, kind, "float32", True, options, seed=3)
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))

@@ -428,6 +428,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return plgpu.load(ops[\"caps\"].at[jnp.arange(2, dtype=jnp.int32)])[which]",
         ("parity_tests/test_linear_head_kernels.py", "-k", "lowers"),
     ),
+    Mutant(
+        "head_teacher_device_unchecked_jax",
+        "the JAX head does not check the teacher's tensors' devices (torch does)",
+        "jaxloss/linear.py",
+        "        named += list(zip((\"teacher_hidden\", \"teacher_weight\", \"teacher_bias\"), teacher))",
+        "        named += []",
+        ("parity_tests/test_linear_head.py", "-k", "another_device"),
+    ),
+    Mutant(
+        "head_module_recompute_unchecked",
+        "the head modules do not check recompute_logits against impl at construction (the first call fails instead)",
+        "lossspec/linear.py",
+        "    check_recompute_logits(settings[\"recompute_logits\"], resolved, plain)",
+        "    pass",
+        ("parity_tests/test_linear_head.py", "-k", "modules_take_impl"),
+    ),
 )
 
 

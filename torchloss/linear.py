@@ -794,7 +794,8 @@ class _LinearLoss(torch.nn.Module):
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
-        self.settings = spec_linear.head_module_settings(self.kind, options, type(self).__name__, HEAD_FRAMEWORK_ARGS)
+        self.settings = spec_linear.head_module_settings(
+            self.kind, options, type(self).__name__, HEAD_FRAMEWORK_ARGS, lossspec.TORCH_IMPLS, "torch")
 
     def forward(self, hidden: Tensor, weight: Any, *args: Any, loss_mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                 teacher_bias: Optional[Tensor] = None, denominator: api.Denominator = None, segment_ids: Optional[Tensor] = None) -> Tensor:
