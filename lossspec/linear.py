@@ -374,24 +374,30 @@ def head_plan(
     return chunk, max(1, min(vocab, budget // chunk))
 
 
-def head_plan_recompute(rows: int, vocab: int, width: int, budget: int, blocks: int = 1, slices: int = 2) -> tuple[int, int]:
+def head_plan_recompute(
+    rows: int, vocab: int, width: int, budget: int, blocks: int = 1, slices: int = 2, row_elements: int = 0
+) -> tuple[int, int]:
     """``(R, B)`` of the ``recompute_logits`` backward: vocabulary slices of ``B`` columns (the
     outer loop: each slice's weight gradient is summed over all tokens, then rounded and
-    written) and token chunks of ``R`` rows, such that ``blocks`` ``[R, B]`` blocks and
-    ``slices`` ``[B, H]`` temporaries (the slice's weight rows widened, its fp32 gradient) fit
-    ``budget`` elements together: ``blocks R B + slices B H <= budget`` (the forward's live
-    blocks). All tokens in one chunk when that leaves ``B >=``
-    :data:`HEAD_RECOMPUTE_MIN_COLUMNS`; otherwise fewer rows, so the matmuls stay wide. ``B``
+    written) and token chunks of ``R`` rows, such that ``blocks`` ``[R, B]`` blocks,
+    ``slices`` ``[B, H]`` temporaries (the slice's weight rows widened, its fp32 gradient) and
+    ``row_elements`` per row of a chunk (its hidden states widened to fp32, where they are
+    16-bit) fit ``budget`` elements together: ``blocks R B + slices B H + R row_elements <=
+    budget`` (the forward's live blocks). All tokens in one chunk when that leaves ``B >=``
+    :data:`HEAD_RECOMPUTE_MIN_COLUMNS`; otherwise fewer rows, so the matmuls stay wide (with
+    ``row_elements``, which are paid again for every slice, the slices take half the budget). ``B``
     divides ``V`` when a divisor at least half as wide exists (JAX then stacks the slices'
     gradients without a copy)."""
     budget, rows, blocks = max(1, int(budget)), max(1, rows), max(1, blocks)
-    cols = budget // (blocks * rows + slices * width)
+    cols = (budget - rows * row_elements) // (blocks * rows + slices * width)
     if cols < HEAD_RECOMPUTE_MIN_COLUMNS:
-        cols = max(cols, min(HEAD_RECOMPUTE_MIN_COLUMNS, budget // (blocks + slices * width)))
+        if row_elements:  # the rows are widened again for every slice: half the budget to the slices
+            cols = max(cols, budget // (2 * slices * width))
+        cols = max(cols, min(HEAD_RECOMPUTE_MIN_COLUMNS, budget // (blocks + slices * width + row_elements)))
     cols = max(1, min(vocab, cols))
     if vocab % cols:  # a width that divides V, if one is at least half as wide (no moved-back slice)
         cols = next((d for d in range(cols, (cols + 1) // 2 - 1, -1) if vocab % d == 0), cols)
-    return max(1, min(rows, (budget - slices * width * cols) // (blocks * cols))), cols
+    return max(1, min(rows, (budget - slices * width * cols) // (blocks * cols + row_elements))), cols
 
 
 def head_plan_shard(
