@@ -23,7 +23,7 @@ import torchloss
 import torchloss.linear as torch_linear
 from lossspec import linear as spec_linear
 
-from test_linear_head import KINDS, NORMS, RUNNERS, _options, _peak_extra, cases, check, make_inputs, plan  # noqa: F401  (plan: the fixture)
+from test_linear_head import HT, KINDS, NORMS, RUNNERS, _options, _peak_extra, cases, check, make_inputs, plan  # noqa: F401  (plan: the fixture)
 
 H = 8
 
@@ -157,3 +157,25 @@ def test_jax_recompute_temporary_memory_has_no_fp32_weight_gradient() -> None:
 
     assert temp_bytes(True) <= allowance, (temp_bytes(True), allowance)
     assert temp_bytes(False) > allowance
+
+
+def test_torch_recompute_plan_counts_widened_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch backward asks its plan to count each chunk's rows widened to fp32 (``H`` per
+    row, plus ``Ht`` with a 16-bit teacher) for 16-bit hidden states, and nothing for fp32 ones
+    (their rows are read as they are). At the memory test's small shape the rows are too few to
+    show in the peak, so the request itself is checked."""
+    requests: list[int] = []
+    real = spec_linear.head_plan_recompute
+
+    def recording(*args: Any) -> tuple[int, int]:
+        requests.append(args[6] if len(args) > 6 else 0)
+        return real(*args)
+
+    monkeypatch.setattr(spec_linear, "head_plan_recompute", recording)
+    for kind, dtype, expected in (("cross_entropy", "bfloat16", H), ("cross_entropy", "float32", 0), ("forward_kl", "bfloat16", H + HT)):
+        inputs = make_inputs(kind, dtype, seed=11)
+        conv = lambda a: torch.tensor(a).to(getattr(torch, dtype))  # noqa: E731  (exact)
+        hidden = conv(inputs["hidden"]).requires_grad_(True)
+        target = (torch.tensor(inputs["labels"]),) if kind == "cross_entropy" else (conv(inputs["teacher_hidden"]), conv(inputs["teacher_weight"]))
+        getattr(torchloss, f"linear_{kind}")(hidden, conv(inputs["weight"]), *target, recompute_logits=True).backward()
+        assert requests[-1] == expected, (kind, dtype, requests)

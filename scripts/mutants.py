@@ -444,6 +444,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "    pass",
         ("parity_tests/test_linear_head.py", "-k", "modules_take_impl"),
     ),
+    Mutant(
+        "recompute_rows_not_budgeted_torch",
+        "torch's recompute_logits backward leaves a chunk's widened 16-bit hidden rows out of the plan's budget",
+        "torchloss/linear.py",
+        "    row_elements = 0 if as_is else sum(h.shape[1] for h in (hidden, None if teacher is None else teacher[0]) if h is not None and h.dtype != acc)",
+        "    row_elements = 0",
+        ("parity_tests/test_linear_head_recompute.py", "-k", "peak_memory or widened_rows"),
+    ),
+    Mutant(
+        "recompute_dh_not_budgeted_torch",
+        "torch's recompute_logits backward leaves the fp32 dh of 16-bit hidden states out of the plan's budget",
+        "torchloss/linear.py",
+        "    budget = max(budget - (n * width if hidden.dtype != acc else 0), budget // 2)",
+        "    budget = budget",
+        ("parity_tests/test_linear_head_recompute.py", "-k", "peak_memory"),
+    ),
 )
 
 

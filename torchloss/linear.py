@@ -240,6 +240,30 @@ class WeightRows:
             yield a, b, self.buf[: b - a].copy_(self.weight[a:b])
 
 
+class _ChunkRows:
+    """Rows ``r0:r1`` of hidden states ``[N, H]`` in the matmuls' dtype, for the recompute
+    backward's token chunks of ``rows`` rows: the tensor itself when it has that dtype (or the
+    bf16 matmuls read it as is), else widened once when one chunk holds every token, else
+    widened chunk by chunk into one reused buffer (a fresh tensor per chunk would hold two
+    chunks at once, the new one and the one it replaces)."""
+
+    def __init__(self, hidden: Tensor, rows: int, acc: torch.dtype, as_is: bool) -> None:
+        self.hidden, self.whole = hidden.detach(), None
+        self.buf: Optional[Tensor] = None
+        if not (as_is or hidden.dtype == acc):
+            if rows >= hidden.shape[0]:
+                self.whole = self.hidden.to(acc)
+            else:
+                self.buf = torch.empty((rows, hidden.shape[1]), dtype=acc, device=hidden.device)
+
+    def __call__(self, r0: int, r1: int) -> Tensor:
+        if self.whole is not None:
+            return self.whole
+        if self.buf is not None:
+            return self.buf[: r1 - r0].copy_(self.hidden[r0:r1])
+        return self.hidden[r0:r1]
+
+
 def _head_logits(h: Tensor, w: WeightRows, b: Optional[Tensor], v0: int, v1: int, out: Optional[Tensor] = None) -> Tensor:
     """Columns ``[v0, v1)`` of ``h @ w.T + b``, ``[R, v1 - v0]`` (into ``out`` when given)."""
     if out is None:
@@ -537,7 +561,6 @@ def head_backward(
     row_elements = 0 if as_is else sum(h.shape[1] for h in (hidden, None if teacher is None else teacher[0]) if h is not None and h.dtype != acc)
     rows, cols = plan or spec_linear.head_plan_recompute(n, vocab, width, budget, blocks, 2 + (teacher is not None), row_elements)
     rows, cols = min(rows, max(1, n)), min(cols, max(1, vocab))
-    rows_in = (lambda a: a.detach()) if as_is else (lambda a: a.detach().to(acc))  # noqa: E731
     student_rows = WeightRows(weight, acc, cols, as_is)
     teacher_rows = None if teacher is None else WeightRows(teacher[1], acc, cols, as_is)
     offset, vocab_total = (0, vocab) if shards is None else (shards.offset, shards.vocab)
@@ -548,9 +571,8 @@ def head_backward(
     db_j = None if bias is None else torch.empty(cols, dtype=acc, device=device)
     flat = [torch.empty(rows * cols, dtype=acc, device=device) for _ in range(blocks)]
     with torch.no_grad(), _torch._no_autocast(device):
-        # One token chunk: its rows are widened once for every vocabulary slice, not per slice.
-        hidden_once = rows_in(hidden) if rows >= n else None
-        teacher_once = rows_in(teacher[0]) if rows >= n and teacher is not None else None
+        hidden_rows = _ChunkRows(hidden, rows, acc, as_is)
+        teacher_rows_in = None if teacher is None else _ChunkRows(teacher[0], rows, acc, as_is)
         for v0 in range(0, vocab, cols):
             v1 = min(vocab, v0 + cols)
             # This slice's weight rows in the matmuls' dtype, read once for all token chunks.
@@ -567,12 +589,13 @@ def head_backward(
             for r0 in range(0, n, rows):
                 r1 = min(n, r0 + rows)
                 views = _torch._views(flat, r1 - r0, v1 - v0)
-                hc = hidden_once if hidden_once is not None else rows_in(hidden[r0:r1])
+                hc = hidden_rows(r0, r1)
                 z = _head_logits(hc, w_j, b_j, 0, v1 - v0, out=views[0])
                 t = None
                 if t_j is not None:
                     assert teacher is not None
-                    tc = teacher_once if teacher_once is not None else rows_in(teacher[0][r0:r1])
+                    assert teacher_rows_in is not None
+                    tc = teacher_rows_in(r0, r1)
                     t = _head_logits(tc, t_j[0], t_j[1], 0, v1 - v0, out=views[1])
                 fin = _stats.Final(**{name: None if value is None else value[r0:r1] for name, value in final._asdict().items()})
                 y = None if labels is None else labels[r0:r1]
