@@ -445,6 +445,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_linear_head.py", "-k", "modules_take_impl"),
     ),
     Mutant(
+        "bf16_bits_hoisted_jax",
+        "the JAX head slices a bf16 weight's bits without tying it to the loop (XLA hoists a copy of the whole weight's bits)",
+        "jaxloss/linear.py",
+        "    x, start = lax.optimization_barrier((x, start))",
+        "    pass",
+        ("parity_tests/test_linear_head_recompute.py", "-k", "temporary_memory"),
+    ),
+    Mutant(
         "recompute_rows_not_budgeted_torch",
         "torch's recompute_logits backward leaves a chunk's widened 16-bit hidden rows out of the plan's budget",
         "torchloss/linear.py",
