@@ -509,7 +509,14 @@ def head_backward(
     # The forward's live blocks (XLA's temporaries per [R, B] block, as counted there) and the
     # [B, H] slices: the widened weight rows, the gradient, its product before the addition, the teacher's rows.
     live = spec_linear.head_live_blocks("jax", cfg.kind, shards is not None)
-    rows, cols = plan or spec_linear.head_plan_recompute(n, vocab, width, plan_rows * plan_block * live, live, 3 + (teacher is not None))
+    # 16-bit hidden states: the fp32 dh [N, H] and each chunk's rows widened to fp32 for G^T h
+    # share the budget too, as in torch (never less than half of it).
+    budget = plan_rows * plan_block * live
+    budget = max(budget - (n * width if hidden.dtype != F32 else 0), budget // 2)
+    row_elements = width if hidden.dtype != F32 else 0  # the backward's h32
+    if teacher is not None and teacher[0].dtype != F32 and t_operand == F32:
+        row_elements += teacher[0].shape[1]  # the teacher's rows, upcast for its logits
+    rows, cols = plan or spec_linear.head_plan_recompute(n, vocab, width, budget, live, 3 + (teacher is not None), row_elements)
     rows, cols = min(rows, max(1, n)), min(cols, vocab)
     refs = [a for a in (hidden, weight, bias, coef, labels) + tuple(teacher or ()) if a is not None]
     dh = varying_like(jnp.zeros((n, width), F32), *refs)

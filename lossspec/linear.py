@@ -387,7 +387,8 @@ def head_plan_recompute(
     :data:`HEAD_RECOMPUTE_MIN_COLUMNS`; otherwise fewer rows, so the matmuls stay wide (with
     ``row_elements``, which are paid again for every slice, the slices take half the budget). ``B``
     divides ``V`` when a divisor at least half as wide exists (JAX then stacks the slices'
-    gradients without a copy)."""
+    gradients without a copy), and the chunks are balanced (``R = ceil(N / ceil(N / R_max))``:
+    JAX moves the last chunk back to end at ``N`` and recomputes the rows it shares)."""
     budget, rows, blocks = max(1, int(budget)), max(1, rows), max(1, blocks)
     cols = (budget - rows * row_elements) // (blocks * rows + slices * width)
     if cols < HEAD_RECOMPUTE_MIN_COLUMNS:
@@ -397,7 +398,9 @@ def head_plan_recompute(
     cols = max(1, min(vocab, cols))
     if vocab % cols:  # a width that divides V, if one is at least half as wide (no moved-back slice)
         cols = next((d for d in range(cols, (cols + 1) // 2 - 1, -1) if vocab % d == 0), cols)
-    return max(1, min(rows, (budget - slices * width * cols) // (blocks * cols + row_elements))), cols
+    chunk = max(1, min(rows, (budget - slices * width * cols) // (blocks * cols + row_elements)))
+    chunks = -(-rows // chunk)  # balanced: a last chunk moved back to end at N recomputes its overlap
+    return -(-rows // chunks), cols
 
 
 def head_plan_shard(
