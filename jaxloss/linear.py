@@ -510,9 +510,8 @@ def head_backward(
     # [B, H] slices: the widened weight rows, the gradient, its product before the addition, the teacher's rows.
     live = spec_linear.head_live_blocks("jax", cfg.kind, shards is not None)
     # 16-bit hidden states: the fp32 dh [N, H] and each chunk's rows widened to fp32 for G^T h
-    # share the budget too, as in torch (never less than half of it).
-    budget = plan_rows * plan_block * live
-    budget = max(budget - (n * width if hidden.dtype != F32 else 0), budget // 2)
+    # share the budget too, as in torch.
+    budget = spec_linear.head_recompute_budget(plan_rows * plan_block * live, n, width, hidden.dtype != F32)
     row_elements = width if hidden.dtype != F32 else 0  # the backward's h32
     if teacher is not None and teacher[0].dtype != F32 and t_operand == F32:
         row_elements += teacher[0].shape[1]  # the teacher's rows, upcast for its logits

@@ -403,6 +403,14 @@ def head_plan_recompute(
     return -(-rows // chunks), cols
 
 
+def head_recompute_budget(budget: int, rows: int, width: int, fp32_dh_apart: bool) -> int:
+    """The ``recompute_logits`` backward's budget for :func:`head_plan_recompute`: the forward's
+    live blocks' elements ``budget``, less the fp32 ``dh [N, H]`` where it is kept apart from
+    the result (16-bit hidden states; for fp32 ones ``dh`` is the result), but never less than
+    half of it, so that a wide ``H`` next to a small ``V`` keeps workable slices."""
+    return max(budget - (rows * width if fp32_dh_apart else 0), budget // 2)
+
+
 def head_plan_shard(
     rows: int,
     vocab_local: int,

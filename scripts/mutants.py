@@ -453,14 +453,6 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_linear_head_recompute.py", "-k", "temporary_memory"),
     ),
     Mutant(
-        "recompute_dh_not_budgeted_jax",
-        "JAX's recompute_logits backward leaves the fp32 dh of 16-bit hidden states out of the plan's budget",
-        "jaxloss/linear.py",
-        "    budget = max(budget - (n * width if hidden.dtype != F32 else 0), budget // 2)",
-        "    budget = budget",
-        ("parity_tests/test_linear_head_recompute.py", "-k", "temporary_memory"),
-    ),
-    Mutant(
         "recompute_rows_not_budgeted_torch",
         "torch's recompute_logits backward leaves a chunk's widened 16-bit hidden rows out of the plan's budget",
         "torchloss/linear.py",
@@ -469,12 +461,12 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_linear_head_recompute.py", "-k", "peak_memory or widened_rows"),
     ),
     Mutant(
-        "recompute_dh_not_budgeted_torch",
-        "torch's recompute_logits backward leaves the fp32 dh of 16-bit hidden states out of the plan's budget",
-        "torchloss/linear.py",
-        "    budget = max(budget - (n * width if hidden.dtype != acc else 0), budget // 2)",
-        "    budget = budget",
-        ("parity_tests/test_linear_head_recompute.py", "-k", "peak_memory"),
+        "recompute_dh_not_budgeted",
+        "the recompute_logits backward leaves the fp32 dh of 16-bit hidden states out of the plan's budget (both frameworks)",
+        "lossspec/linear.py",
+        "    return max(budget - (rows * width if fp32_dh_apart else 0), budget // 2)",
+        "    return budget",
+        ("parity_tests/test_linear_head_recompute.py", "-k", "peak_memory or temporary_memory"),
     ),
 )
 

@@ -553,11 +553,9 @@ def head_backward(
     live = spec_linear.head_live_blocks("torch", config.kind, shards is not None)
     operands = [hidden.dtype, weight.dtype] + ([] if teacher is None else [teacher[0].dtype, teacher[1].dtype])
     as_is = bf16_matmuls(device, *operands)
-    # 16-bit hidden states: the fp32 dh [N, H] (beside the 16-bit result) and each chunk's rows
-    # widened to fp32 share the budget too (fp32 inputs: dh is the result, rows are not copied);
-    # never less than half of it, so a wide H next to a small V keeps workable slices.
-    budget = plan_rows * plan_block * live
-    budget = max(budget - (n * width if hidden.dtype != acc else 0), budget // 2)
+    # 16-bit hidden states: the fp32 dh [N, H] and each chunk's rows widened to fp32 share the
+    # budget too (fp32 inputs: dh is the result, rows are not copied).
+    budget = spec_linear.head_recompute_budget(plan_rows * plan_block * live, n, width, hidden.dtype != acc)
     row_elements = 0 if as_is else sum(h.shape[1] for h in (hidden, None if teacher is None else teacher[0]) if h is not None and h.dtype != acc)
     rows, cols = plan or spec_linear.head_plan_recompute(n, vocab, width, budget, blocks, 2 + (teacher is not None), row_elements)
     rows, cols = min(rows, max(1, n)), min(cols, max(1, vocab))
