@@ -5,8 +5,6 @@ denominator equals the float64 full-batch oracle for any ``K`` (10 rows in 4 mic
 
 from __future__ import annotations
 
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +18,7 @@ import torchloss
 from jaxloss import distributed as jd
 from torchloss import distributed as td
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _tiny_lm_oracle  # noqa: E402
+from parity_tests.support import tiny_lm_oracle
 
 ROWS, SEQ, VOCAB_IN, HIDDEN, VOCAB = 10, 5, 11, 6, 23
 OPTIONS = {"cross_entropy": {"label_smoothing": 0.1}, "forward_kl": {"temperature": 1.5}}
@@ -92,7 +89,7 @@ def make_problem(kind: str, normalization: str, seed: int = 1) -> tuple[dict[str
 
 def reference(kind: str, normalization: str, params, batch) -> tuple[float, dict[str, np.ndarray]]:
     target = batch["labels"] if kind == "cross_entropy" else batch["teacher"]
-    return _tiny_lm_oracle.reference(kind, normalization, params["emb"], params["head"], batch["tokens"], target,
+    return tiny_lm_oracle.reference(kind, normalization, params["emb"], params["head"], batch["tokens"], target,
                                      batch["loss_mask"], **OPTIONS[kind])
 
 
@@ -119,7 +116,7 @@ def test_jax_accumulate_uneven_equals_full_batch(kind: str, normalization: str) 
     for k in (4, 12) if normalization == "valid_tokens" else (4,):
         step = jax.jit(lambda p, b, k=k: jd.accumulate(loss_fn, p, b, num_microbatches=k, normalization=normalization))
         loss, grads = step(params_jax, batch_jax)
-        _tiny_lm_oracle.assert_matches(loss, {n: np.asarray(g) for n, g in grads.items()}, ref_loss, ref_grads, f"jax K={k}")
+        tiny_lm_oracle.assert_matches(loss, {n: np.asarray(g) for n, g in grads.items()}, ref_loss, ref_grads, f"jax K={k}")
 
 
 @pytest.mark.parametrize("kind,normalization", CASES)
@@ -142,7 +139,7 @@ def test_torch_accumulate_uneven_equals_full_batch(kind: str, normalization: str
         model.zero_grad()
         loss = td.accumulate(loss_fn, model, batch_torch, num_microbatches=k, normalization=normalization)
         grads = {"emb": model[0].weight.grad.numpy(), "head": model[1].weight.grad.numpy().T}
-        _tiny_lm_oracle.assert_matches(float(loss), grads, ref_loss, ref_grads, f"torch K={k}")
+        tiny_lm_oracle.assert_matches(float(loss), grads, ref_loss, ref_grads, f"torch K={k}")
 
 
 @pytest.mark.slow  # shard_map over 2 host devices
@@ -167,4 +164,4 @@ def test_jax_accumulate_uneven_per_replica() -> None:
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     sharded = shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
     loss, grads = jax.jit(sharded)(jax.tree_util.tree_map(jnp.asarray, params), jax.tree_util.tree_map(jnp.asarray, batch))
-    _tiny_lm_oracle.assert_matches(loss, {n: np.asarray(g) for n, g in grads.items()}, ref_loss, ref_grads, "D=2 K=2 uneven")
+    tiny_lm_oracle.assert_matches(loss, {n: np.asarray(g) for n, g in grads.items()}, ref_loss, ref_grads, "D=2 K=2 uneven")

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks._report import NOISE, ratio_range, verdict
+from benchmarks._worker import round_order
 
-from benchmarks._report import NOISE, ratio_range, verdict  # noqa: E402
-from benchmarks._worker import round_order  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # find_spec, not importorskip: importing JAX and torch here would cost seconds of the budget.
 needs_frameworks = pytest.mark.skipif(

@@ -28,7 +28,7 @@ import torchloss.distributed
 from jaxloss import nnx as jnn
 from lossspec import KINDS, assert_close_to_oracle, make_case
 
-from _torch_problem import device_for
+from parity_tests.support.torch_problem import device_for
 
 NORMALIZATIONS = ("valid_tokens", "tokens", "sum", "none")
 SCENARIOS = ("random", "no_mask", "float_weights", "heavy_mask")

@@ -1,4 +1,4 @@
-"""``causal_shift=True`` with torch's ``vocab_parallel``: 2 gloo ranks (launched by _ranks.py)
+"""``causal_shift=True`` with torch's ``vocab_parallel``: 2 gloo ranks (launched by ranks.py)
 hold uneven vocabulary shards (15 / 22 of V = 37); the shift is on the time axis, so every kind
 matches the float64 oracle, every rank returns the same loss and the last position's gradient
 is exactly 0 on every shard."""
@@ -14,8 +14,7 @@ import pytest
 
 import lossspec
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _ranks  # noqa: E402
+from parity_tests.support import ranks
 
 pytestmark = pytest.mark.slow  # real processes
 
@@ -34,7 +33,7 @@ def _worker(out_dir: str) -> None:
 
     import torchloss
 
-    rank, _ = _ranks.init_gloo()
+    rank, _ = ranks.init_gloo()
     lo, hi = int(np.cumsum((0,) + SHARDS)[rank]), int(np.cumsum((0,) + SHARDS)[rank + 1])
     results: dict[str, np.ndarray] = {}
     for kind in KINDS:
@@ -48,12 +47,12 @@ def _worker(out_dir: str) -> None:
             results[f"{kind}/{norm}/loss"] = loss.detach().double().numpy()
             results[f"{kind}/{norm}/grad"] = logits.grad.double().numpy()
     np.savez(os.path.join(out_dir, f"r{rank}.npz"), **results)
-    _ranks.finish(rank)
+    ranks.finish(rank)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
-    return _ranks.launch_once("causal_vp", Path(__file__), lambda out_dir: [str(out_dir)], len(SHARDS), tmp_path_factory)
+    return ranks.launch_once("causal_vp", Path(__file__), lambda out_dir: [str(out_dir)], len(SHARDS), tmp_path_factory)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 import lossspec
-from test_distributed_jax import make_loss_fn, make_problem
+from parity_tests.support.jax_problem import make_loss_fn, make_problem
 
 HERE = Path(__file__).parent
 
@@ -28,7 +28,7 @@ def test_two_jax_processes_match_one(tmp_path: Path) -> None:
     out = tmp_path / "results.npz"
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_jax_multiprocess_worker.py"), str(i), str(port), str(out)],
+    procs = [subprocess.Popen([sys.executable, str(HERE / "support" / "jax_multiprocess_worker.py"), str(i), str(port), str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)

@@ -1,8 +1,8 @@
 """Micro-batch and data-parallel equivalence in torch (SPEC sections 4 and 6), with real
-processes: 4 ranks on gloo (loopback; launched by _ranks.py) run D = 2 and D = 4 data-parallel
+processes: 4 ranks on gloo (loopback; launched by ranks.py) run D = 2 and D = 4 data-parallel
 replicas (valid tokens on every replica but one, unevenly; an all-masked replica; empty
 micro-batches); every split gives the float64 oracle's full-batch loss and parameter gradients
-(_tiny_lm_oracle.py) within the SPEC bounds, as does one process's full-batch call."""
+(tiny_lm_oracle.py) within the SPEC bounds, as does one process's full-batch call."""
 
 from __future__ import annotations
 
@@ -18,11 +18,10 @@ import torch
 import lossspec
 from torchloss.distributed import accumulate, global_denominator, split_microbatches
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _ranks  # noqa: E402
-import _tiny_lm_oracle  # noqa: E402
-from _torch_dp_worker import SCENARIOS, WORLDS  # noqa: E402
-from _torch_problem import BATCH, KINDS, NORMALIZATIONS, SEQ, loss_fn_for, make_model, make_problem, oracle  # noqa: E402
+from parity_tests.support import ranks
+from parity_tests.support import tiny_lm_oracle
+from parity_tests.support.torch_dp_worker import SCENARIOS, WORLDS
+from parity_tests.support.torch_problem import BATCH, KINDS, NORMALIZATIONS, SEQ, loss_fn_for, make_model, make_problem, oracle
 
 HERE = Path(__file__).parent
 
@@ -39,7 +38,7 @@ def full_batch(kind: str, normalization: str) -> tuple[np.ndarray, dict[str, np.
 def assert_same(loss, grads, ref_loss, ref_grads, what: str) -> None:
     """Against the float64 oracle: loss within 4e-6 max(1, |ref|), each parameter's gradient
     within 4e-6 max|ref| (SPEC sections 6 and 8)."""
-    _tiny_lm_oracle.assert_matches(loss, grads, ref_loss, ref_grads, what)
+    tiny_lm_oracle.assert_matches(loss, grads, ref_loss, ref_grads, what)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -51,7 +50,7 @@ def test_full_batch_matches_oracle(kind: str, normalization: str) -> None:
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
-    out_dir = _ranks.launch_dir_once("dp_ranks", HERE / "_torch_dp_worker.py", lambda out_dir: [str(out_dir / "results.npz")],
+    out_dir = ranks.launch_dir_once("dp_ranks", HERE / "support" / "torch_dp_worker.py", lambda out_dir: [str(out_dir / "results.npz")],
                                      max(WORLDS), tmp_path_factory)
     with np.load(out_dir / "results.npz") as data:
         return {key: data[key] for key in data.files}
@@ -79,11 +78,11 @@ def test_torchrun_launch_equals_full_batch(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in [str(HERE.parent), os.environ.get("PYTHONPATH", "")] if p))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(HERE / "_torch_dp_worker.py"), str(out), kind, normalization]
+               str(HERE / "support" / "torch_dp_worker.py"), str(out), kind, normalization]
     with open(log, "w") as log_file:
         proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT)
         try:
-            code = proc.wait(timeout=_ranks.RANK_TIMEOUT_S + 60)
+            code = proc.wait(timeout=ranks.RANK_TIMEOUT_S + 60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

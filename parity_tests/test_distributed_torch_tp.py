@@ -1,33 +1,29 @@
 """Vocab-parallel and data x vocab-parallel equivalence in torch (SPEC sections 3-4), with real
-processes: 4 ranks on gloo (loopback; launched by _ranks.py) run _torch_tp_worker.py, which
+processes: 4 ranks on gloo (loopback; launched by ranks.py) run torch_tp_worker.py, which
 splits the TinyLM (embedding -> linear head) problem as P=2 vocabulary shards and as D=2 x P=2
 (with K = 1, 2 and 5 micro-batches: an all-masked micro-batch, an empty one; the two data
 replicas hold 12 and 4 valid tokens). Every split gives the float64 oracle's full-batch loss and
 parameter gradients (``emb``, and ``head`` concatenated from its vocabulary shards;
-_tiny_lm_oracle.py) at the SPEC section 6 and 8 bounds. (The all-masked data replica is in
+tiny_lm_oracle.py) at the SPEC section 6 and 8 bounds. (The all-masked data replica is in
 test_distributed_torch.py's D = 4.)"""
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _ranks  # noqa: E402
-from _torch_problem import HIDDEN, KINDS, NORMALIZATIONS, VOCAB, oracle  # noqa: E402
-from _torch_tp_worker import SCENARIOS, SHARDS, WORLD  # noqa: E402
-from test_distributed_torch import assert_same  # noqa: E402
+from parity_tests.support import ranks, tiny_lm_oracle
+from parity_tests.support.torch_problem import HIDDEN, KINDS, NORMALIZATIONS, VOCAB, oracle
+from parity_tests.support.torch_tp_worker import SCENARIOS, SHARDS, WORLD
 
 HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
-    return _ranks.launch_once("tp_ranks", HERE / "_torch_tp_worker.py", lambda out_dir: [str(out_dir)], WORLD, tmp_path_factory)
+    return ranks.launch_once("tp_ranks", HERE / "support" / "torch_tp_worker.py", lambda out_dir: [str(out_dir)], WORLD, tmp_path_factory)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -44,7 +40,7 @@ def test_vocab_and_data_parallel_equal_full_batch(rank_results, kind: str, norma
             assert head.shape == (HIDDEN, VOCAB)
             for rank in pair:
                 grads = {"emb": rank_results[rank][f"{key}/grad/emb"], "head": head}
-                assert_same(rank_results[rank][f"{key}/loss"], grads, ref_loss, ref_grads, f"rank {rank} {key}")
+                tiny_lm_oracle.assert_matches(rank_results[rank][f"{key}/loss"], grads, ref_loss, ref_grads, f"rank {rank} {key}")
 
 
 def test_worker_checked_replicas(rank_results) -> None:

@@ -2,13 +2,11 @@
 tok_emb, ...)``) trains identically in Flax NNX and torch, with K=4 micro-batches and 2
 data-parallel replicas matching K=1, while the naive mean of micro-batch means drifts. The first
 step's loss and gradients (``tok_emb``'s from both of its uses) match the float64 oracle chained
-through the model (_tiny_lm_oracle.tied_lm_reference)."""
+through the model (tiny_lm_oracle.tied_lm_reference)."""
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +16,7 @@ from examples.tiny_lm import demo, model_jax, model_torch
 from examples.tiny_lm.data import corpus_lines, make_sft_data
 from examples.tiny_lm.weights import init_weights
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _tiny_lm_oracle  # noqa: E402
+from parity_tests.support import tiny_lm_oracle
 
 
 def test_sft_data_is_real_text_with_uneven_masks() -> None:
@@ -78,15 +75,15 @@ def test_first_step_matches_the_float64_oracle() -> None:
     teacher_hidden = model_torch.hidden_of(teacher, batch["tokens"])
     tasks = {
         "cross_entropy": ({"labels": batch["labels"]}, batch["labels"], {}),
-        "forward_kl": ({"teacher_hidden": teacher_hidden}, _tiny_lm_oracle.teacher_logits(teacher_hidden, teacher["tok_emb"]),
+        "forward_kl": ({"teacher_hidden": teacher_hidden}, tiny_lm_oracle.teacher_logits(teacher_hidden, teacher["tok_emb"]),
                        {"temperature": 2.0}),
     }
     runs = [(model_jax, {"num_microbatches": 1}), (model_jax, {"num_microbatches": 2, "replicas": 2}),
             (model_torch, {"num_microbatches": 4})]
     for kind, (target_entry, target, options) in tasks.items():
-        ref_loss, ref_grads = _tiny_lm_oracle.tied_lm_reference(kind, student, batch["tokens"], target, batch["loss_mask"], **options)
+        ref_loss, ref_grads = tiny_lm_oracle.tied_lm_reference(kind, student, batch["tokens"], target, batch["loss_mask"], **options)
         step_batch = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"], **target_entry}
         teacher_weight = None if kind == "cross_entropy" else teacher["tok_emb"]
         for module, split in runs:
             loss, grads = module.first_step(student, step_batch, kind=kind, teacher_weight=teacher_weight, **split, **options)
-            _tiny_lm_oracle.assert_matches(loss, grads, ref_loss, ref_grads, f"{module.__name__} {kind} {split}")
+            tiny_lm_oracle.assert_matches(loss, grads, ref_loss, ref_grads, f"{module.__name__} {kind} {split}")

@@ -62,7 +62,7 @@ FNS = {"cross_entropy": jaxloss.cross_entropy, "soft_cross_entropy": jaxloss.sof
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def _options(kind: str, scenario: str) -> dict[str, dict[str, Any]]:
+def options_for(kind: str, scenario: str) -> dict[str, dict[str, Any]]:
     if kind == "cross_entropy":
         if scenario == "neg_inf":
             return {"plain": {}, "z": {"z_loss": 1e-3}}
@@ -73,7 +73,7 @@ def _options(kind: str, scenario: str) -> dict[str, dict[str, Any]]:
 def _configs() -> list[tuple[str, str, str, str, str, dict[str, Any]]]:
     out = []
     for kind, norm, dtype, scenario in itertools.product(KINDS, NORMALIZATIONS, DTYPES, SCENARIOS):
-        for opt_name, options in _options(kind, scenario).items():
+        for opt_name, options in options_for(kind, scenario).items():
             out.append((kind, norm, dtype, scenario, opt_name, options))
     return out
 
@@ -173,7 +173,7 @@ def test_vocab_parallel_reduced_modes_and_denominator_match_oracle(kind: str) ->
     mesh = Mesh(np.array(jax.devices()[:shards]), ("model",))
     vocab_spec = P(None, None, "model")
     target_spec = P() if kind == "cross_entropy" else vocab_spec
-    options_of = {"plain": {}, "opts": _options(kind, "random")["smooth_z" if kind == "cross_entropy" else "temp"]}
+    options_of = {"plain": {}, "opts": options_for(kind, "random")["smooth_z" if kind == "cross_entropy" else "temp"]}
     for scenario, dtype, norm, denominator, opt_name in REDUCED_CONFIGS:
         case = _case(kind, scenario, dtype)
         logits, target, mask, _ = _inputs(case, dtype)
@@ -205,7 +205,7 @@ def test_vocab_parallel_reduced_modes_and_denominator_match_oracle(kind: str) ->
 @pytest.mark.parametrize("config", sorted(PALLAS_CONFIGS), ids=lambda c: "/".join(c))
 def test_vocab_parallel_pallas_matches_oracle(config: tuple[str, ...]) -> None:
     kind, norm, dtype, scenario, opt_name = config
-    options = _options(kind, scenario)[opt_name]
+    options = options_for(kind, scenario)[opt_name]
     case = _case(kind, scenario, dtype)
     loss, grad = _shard_map_call(case, dtype, kind, norm, options, "pallas", 2)
     _check(kind, norm, dtype, scenario, options, loss, grad, "pallas/" + "/".join(config))
@@ -219,7 +219,7 @@ def test_vocab_parallel_pallas_matches_oracle(config: tuple[str, ...]) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_vocab_parallel_pmap_matches_oracle(kind: str) -> None:
     scenario, dtype, norm = "random", "float32", "valid_tokens"
-    options = _options(kind, scenario)["plain" if kind == "cross_entropy" else "temp"]
+    options = options_for(kind, scenario)["plain" if kind == "cross_entropy" else "temp"]
     case = _case(kind, scenario, dtype)
     logits, target, mask, upstream = _inputs(case, dtype)
     shards = 2

@@ -9,8 +9,7 @@ block budget.
 
 from __future__ import annotations
 
-import json
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,165 +18,19 @@ import pytest
 import torch
 
 import jaxloss
-import jaxloss.linear as jax_linear
 import jaxloss.nnx  # noqa: F401  (the module forms)
 import lossspec
 import torchloss
-import torchloss.linear as torch_linear
 from lossspec import linear as spec_linear
-
-KINDS = tuple(lossspec.KINDS)  # the fused head's kinds (entropy / jensen_shannon heads: planned)
-LEAD, H, HT, V = (3, 4), 8, 6, 37
-# (block_elements, blocked_rows): whole rows of 5 tokens (chunks 5, 5, 2), or the fallback with
-# chunks of 5 rows and vocabulary blocks of 3 columns (37 = 12 * 3 + 1).
-PLANS = {"whole": (5 * V, 64), "blocked": (15, 5)}
-NORMS = {
-    "valid_tokens": dict(normalization="valid_tokens"),
-    "none": dict(normalization="none"),
-    "denominator": dict(normalization="valid_tokens", denominator=7.5),
-}
-OPTIONS = {
-    "cross_entropy": dict(label_smoothing=0.1, z_loss=1e-3, logit_scale=1.3),
-    "distill": dict(temperature=1.5, teacher_logit_scale=0.8, logit_scale=1.1),
-}
-
-
-def _options(kind: str) -> dict[str, Any]:
-    return dict(OPTIONS["cross_entropy" if kind == "cross_entropy" else "distill"])
-
-
-def make_inputs(
-    kind: str,
-    dtype: str,
-    seed: int = 0,
-    lead: tuple[int, ...] = LEAD,
-    sizes: tuple[int, int, int] = (H, HT, V),
-    weight_scales: tuple[float, float] = (0.6, 0.6),
-) -> dict[str, Any]:
-    """Seeded float32 inputs, exactly representable in ``dtype``; labels with ignored tokens and
-    float mask weights (0 included). ``sizes``: ``(H, Ht, V)``; ``weight_scales``: the student's
-    and the teacher's weight scale."""
-    hidden, t_hidden, vocab = sizes
-    rng = np.random.default_rng(seed)
-    r = lambda shape, scale: lossspec.round_to_dtype(scale * rng.standard_normal(shape), dtype)  # noqa: E731
-    inputs: dict[str, Any] = {
-        "hidden": r(lead + (hidden,), 1.0),
-        "weight": r((vocab, hidden), weight_scales[0]),
-        "bias": r((vocab,), 0.5),
-        "loss_mask": rng.choice(np.array([0.0, 0.5, 1.0, 2.0], np.float32), size=lead),
-    }
-    if kind == "cross_entropy":
-        labels = rng.integers(0, vocab, size=lead)
-        labels.flat[1] = -100
-        inputs["labels"] = labels
-    else:
-        inputs.update(teacher_hidden=r(lead + (t_hidden,), 1.0), teacher_weight=r((vocab, t_hidden), weight_scales[1]),
-                      teacher_bias=r((vocab,), 0.5))
-    return inputs
-
-
-def grad_output_for(normalization: str, lead: tuple[int, ...] = LEAD) -> np.ndarray:
-    """A non-unit upstream gradient: a scalar, or one value per token for ``"none"``."""
-    if normalization == "none":
-        return np.linspace(0.5, 2.0, int(np.prod(lead))).reshape(lead).astype(np.float32)
-    return np.asarray(1.75, np.float32)
-
-
-def reference(kind: str, inputs: dict[str, Any], with_bias: bool, options: dict[str, Any], grad_output: np.ndarray) -> tuple:
-    target = inputs["labels"] if kind == "cross_entropy" else (inputs["teacher_hidden"], inputs["teacher_weight"], inputs.get("teacher_bias"))
-    return spec_linear.oracle_head(
-        kind, inputs["hidden"], inputs["weight"], target, inputs["loss_mask"], bias=inputs["bias"] if with_bias else None, grad_output=grad_output, **options
-    )
-
-
-def run_jax(kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, options: dict[str, Any], grad_output: np.ndarray) -> tuple:
-    """``(loss, {name: grad})`` from ``jaxloss.linear_<kind>`` through ``jax.vjp``."""
-    jdt = jnp.dtype(dtype)
-    params = {"hidden": jnp.asarray(inputs["hidden"], jdt), "weight": jnp.asarray(inputs["weight"], jdt)}
-    if with_bias:
-        params["bias"] = jnp.asarray(inputs["bias"], jdt)
-    fn = getattr(jaxloss, f"linear_{kind}")
-    if kind == "cross_entropy":
-        target: tuple = (jnp.asarray(inputs["labels"], jnp.int32),)
-        extra: dict[str, Any] = {}
-    else:
-        target = (jnp.asarray(inputs["teacher_hidden"], jdt), jnp.asarray(inputs["teacher_weight"], jdt))
-        extra = {"teacher_bias": jnp.asarray(inputs["teacher_bias"], jdt)}
-
-    def loss_of(p: dict[str, Any]) -> Any:
-        return fn(p["hidden"], p["weight"], *target, jnp.asarray(inputs["loss_mask"]), bias=p.get("bias"), **extra, **options)
-
-    loss, vjp = jax.vjp(loss_of, params)
-    (grads,) = vjp(jnp.asarray(grad_output, jnp.float32))
-    assert all(grads[name].dtype == jdt for name in grads)
-    return np.asarray(loss, np.float64), {name: np.asarray(g.astype(jnp.float32), np.float64) for name, g in grads.items()}
-
-
-def run_torch(kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, options: dict[str, Any], grad_output: np.ndarray) -> tuple:
-    """``(loss, {name: grad})`` from ``torchloss.linear_<kind>`` through ``backward``."""
-    tdt = getattr(torch, dtype)
-    as_t = lambda a: torch.tensor(np.asarray(a, np.float32)).to(tdt)  # noqa: E731  (exact)
-    params = {"hidden": as_t(inputs["hidden"]), "weight": as_t(inputs["weight"])}
-    if with_bias:
-        params["bias"] = as_t(inputs["bias"])
-    for p in params.values():
-        p.requires_grad_(True)
-    fn = getattr(torchloss, f"linear_{kind}")
-    if kind == "cross_entropy":
-        target: tuple = (torch.tensor(inputs["labels"]),)
-        extra: dict[str, Any] = {}
-    else:
-        target = (as_t(inputs["teacher_hidden"]), as_t(inputs["teacher_weight"]))
-        extra = {"teacher_bias": as_t(inputs["teacher_bias"])}
-    loss = fn(params["hidden"], params["weight"], *target, torch.tensor(inputs["loss_mask"]), bias=params.get("bias"), **extra, **options)
-    loss.backward(torch.tensor(grad_output))
-    assert all(p.grad.dtype == tdt for p in params.values())
-    return loss.detach().double().numpy(), {name: p.grad.float().double().numpy() for name, p in params.items()}
-
-
-RUNNERS = {"jax": run_jax, "torch": run_torch}
-
-
-def cases(names: str, axes: list[list[Any]], slow: Any, indirect: tuple[str, ...] = ()) -> Any:
-    """``pytest.mark.parametrize`` over the product of ``axes``, the combinations for which
-    ``slow(*combo)`` holds marked slow (JAX compiles each: the fast lane keeps a cover of them)."""
-    import itertools
-
-    params = [pytest.param(*combo, marks=[pytest.mark.slow] if slow(*combo) else []) for combo in itertools.product(*axes)]
-    return pytest.mark.parametrize(names, params, indirect=list(indirect))
-
-
-@pytest.fixture
-def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Set both frameworks' block budget to ``PLANS[request.param]``."""
-    block_elements, blocked_rows = PLANS[request.param]
-    for module in (jax_linear, torch_linear):
-        monkeypatch.setattr(module, "BLOCK_ELEMENTS", block_elements)
-        monkeypatch.setattr(module, "BLOCKED_ROWS", blocked_rows)
-    return request.param
-
-
-def check(
-    framework: str, kind: str, dtype: str, with_bias: bool, options: dict[str, Any], inputs: Optional[dict[str, Any]] = None,
-    head_options: Optional[dict[str, Any]] = None,
-) -> None:
-    """The head against the oracle; ``head_options`` (e.g. ``recompute_logits``) go to the head
-    only: they change how, not what, it computes."""
-    inputs = inputs if inputs is not None else make_inputs(kind, dtype)
-    grad_output = grad_output_for(options.get("normalization", "valid_tokens"), np.shape(inputs["loss_mask"]))
-    loss, grads = RUNNERS[framework](kind, inputs, dtype, with_bias, {**options, **(head_options or {})}, grad_output)
-    ref_loss, ref_grads = reference(kind, inputs, with_bias, options, grad_output)
-    lossspec.compare_loss(loss, ref_loss, f"{framework} {kind} loss").check()
-    assert set(grads) == ({"hidden", "weight", "bias"} if with_bias else {"hidden", "weight"})
-    for name, grad in grads.items():
-        spec_linear.compare_head_grad(grad, ref_grads[name], dtype, f"{framework} {kind} grad {name}").check()
-
+from parity_tests.support.head_cases import (  # noqa: F401  (plan: the fixture)
+    KINDS, LEAD, H, HT, V, PLANS, NORMS, OPTIONS, MEM_N, MEM_H, MEM_V, RUNNERS, cases, check, grad_output_for, make_inputs, options_for, peak_extra, plan, reference, run_jax, run_torch,
+)
 
 @pytest.mark.parametrize("plan", ["whole"], indirect=True)
 @cases("framework,kind,norm,dtype", [list(RUNNERS), list(KINDS), list(NORMS), ["float32", "bfloat16"]],
        slow=lambda framework, kind, norm, dtype: framework == "jax" and (norm != "valid_tokens" or dtype != "float32"))
 def test_head_matches_oracle(framework: str, kind: str, norm: str, dtype: str, plan: str) -> None:
-    check(framework, kind, dtype, True, {**_options(kind), **NORMS[norm]})
+    check(framework, kind, dtype, True, {**options_for(kind), **NORMS[norm]})
 
 
 @pytest.mark.parametrize("plan", ["blocked"], indirect=True)
@@ -185,12 +38,12 @@ def test_head_matches_oracle(framework: str, kind: str, norm: str, dtype: str, p
        slow=lambda framework, kind, dtype: framework == "jax" and (kind != "cross_entropy" or dtype != "float32"))
 def test_vocabulary_blocked_fallback(framework: str, kind: str, dtype: str, plan: str) -> None:
     assert spec_linear.head_plan(int(np.prod(LEAD)), V, *PLANS["blocked"]) == (5, 3)
-    check(framework, kind, dtype, True, {**_options(kind), **NORMS["valid_tokens"]})
+    check(framework, kind, dtype, True, {**options_for(kind), **NORMS["valid_tokens"]})
 
 
 @cases("framework,kind,plan", [list(RUNNERS), list(KINDS), ["whole", "blocked"]], slow=lambda framework, kind, plan: framework == "jax" and plan == "blocked", indirect=("plan",))
 def test_without_bias_per_token(framework: str, kind: str, plan: str) -> None:
-    check(framework, kind, "float32", False, {**_options(kind), **NORMS["none"]})
+    check(framework, kind, "float32", False, {**options_for(kind), **NORMS["none"]})
 
 
 @cases(
@@ -200,7 +53,7 @@ def test_without_bias_per_token(framework: str, kind: str, plan: str) -> None:
     indirect=("plan",),
 )
 def test_causal_shift(framework: str, kind: str, norm: str, plan: str) -> None:
-    check(framework, kind, "float32", True, {**_options(kind), **NORMS[norm], "causal_shift": True})
+    check(framework, kind, "float32", True, {**options_for(kind), **NORMS[norm], "causal_shift": True})
 
 
 @pytest.mark.parametrize("kind", ["cross_entropy", "forward_kl"])
@@ -289,23 +142,6 @@ def test_teacher_vocabulary_mismatch_is_refused() -> None:
 # Memory
 # --------------------------------------------------------------------------------------------
 
-MEM_N, MEM_H, MEM_V = 1024, 16, 4096  # one [N, V] fp32 logits buffer: 16 MiB
-
-
-def _peak_extra(fn: Any, tmp_path: Any) -> int:
-    """Peak CPU memory torch held while ``fn`` ran, above what it held at the start: the
-    profiler's memory timeline (``export_memory_timeline``: bytes per category over time)."""
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
-        fn()
-    path = tmp_path / "timeline.json"
-    prof.export_memory_timeline(str(path), device="cpu")
-    _, sizes = json.loads(path.read_text())
-    totals = [sum(row) for row in sizes]
-    return max(totals) - totals[0]
-
-
 @pytest.mark.filterwarnings("ignore:`export_memory_timeline` is deprecated:FutureWarning")
 @pytest.mark.parametrize("dtype,width", [("float32", MEM_H), ("bfloat16", 128)])
 def test_torch_peak_memory_is_an_eighth_of_the_logits(tmp_path: Any, dtype: str, width: int) -> None:
@@ -331,9 +167,9 @@ def test_torch_peak_memory_is_an_eighth_of_the_logits(tmp_path: Any, dtype: str,
         torchloss.cross_entropy(hidden @ weight.T, labels).backward()
 
     fused()  # warm-up (lazy initialisation outside the measurement)
-    peak = _peak_extra(fused, tmp_path)
+    peak = peak_extra(fused, tmp_path)
     assert peak <= logits_bytes / 8 + grads_bytes + vectors_bytes, (peak, logits_bytes)
-    assert _peak_extra(unfused, tmp_path) > logits_bytes  # the timeline sees the logits when they exist
+    assert peak_extra(unfused, tmp_path) > logits_bytes  # the timeline sees the logits when they exist
 
 
 @pytest.mark.parametrize("dtype,width", [("float32", MEM_H), ("float32", 128), ("bfloat16", 128)])

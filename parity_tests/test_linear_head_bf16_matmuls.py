@@ -30,7 +30,7 @@ import torchloss.linear as torch_linear
 from jaxloss._stats import KernelConfig
 from lossspec import linear as spec_linear
 
-from test_linear_head import H, HT, PLANS, V, _options, make_inputs
+from parity_tests.support.head_cases import H, HT, PLANS, V, options_for, make_inputs
 
 
 def _reference(kind: str, inputs: dict[str, Any], coef: np.ndarray, options: dict[str, Any]) -> tuple:
@@ -104,7 +104,7 @@ def test_triton_bf16_matmuls_match_the_oracle_in_fp32(gpu_branch: None, triton_m
 
 def _check_head(framework: str, kind: str, plan: str) -> None:
     inputs = make_inputs(kind, "bfloat16", seed=3)
-    options = _options(kind)
+    options = options_for(kind)
     if kind == "cross_entropy":
         inputs["labels"] = np.abs(inputs["labels"]) % V  # the drivers take safe labels
     coef = inputs["loss_mask"].reshape(-1).astype(np.float32)

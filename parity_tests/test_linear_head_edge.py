@@ -13,7 +13,7 @@ import pytest
 import lossspec
 from lossspec import linear as spec_linear
 
-from test_linear_head import KINDS, RUNNERS, _options, grad_output_for, make_inputs, reference
+from parity_tests.support.head_cases import KINDS, RUNNERS, options_for, grad_output_for, make_inputs, reference
 
 FRAMEWORKS = list(RUNNERS)
 
@@ -32,7 +32,7 @@ def _compare(framework: str, kind: str, dtype: str, inputs: dict[str, Any], opti
 @pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_float16_inputs(framework: str, kind: str) -> None:
-    _compare(framework, kind, "float16", make_inputs(kind, "float16", seed=3), _options(kind))
+    _compare(framework, kind, "float16", make_inputs(kind, "float16", seed=3), options_for(kind))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -42,7 +42,7 @@ def test_no_tokens(framework: str, kind: str) -> None:
     for name in ("hidden", "loss_mask", "labels", "teacher_hidden"):
         if name in inputs:
             inputs[name] = inputs[name][:0]  # lead shape (0, 4)
-    loss, grads = _compare(framework, kind, "float32", inputs, _options(kind))
+    loss, grads = _compare(framework, kind, "float32", inputs, options_for(kind))
     assert float(loss) == 0.0
     assert not np.any(grads["weight"]) and not np.any(grads["bias"])
 
@@ -52,7 +52,7 @@ def test_no_tokens(framework: str, kind: str) -> None:
 def test_every_token_masked(framework: str, kind: str) -> None:
     inputs = make_inputs(kind, "float32")
     inputs["loss_mask"] = np.zeros_like(inputs["loss_mask"])
-    loss, grads = _compare(framework, kind, "float32", inputs, _options(kind))
+    loss, grads = _compare(framework, kind, "float32", inputs, options_for(kind))
     assert float(loss) == 0.0
     assert all(not np.any(g) for g in grads.values())  # exact zeros
 
@@ -68,7 +68,7 @@ def test_nan_hidden_state(framework: str, kind: str, masked: bool) -> None:
     token = (1, 2)
     inputs["hidden"][token + (0,)] = np.nan
     inputs["loss_mask"][token] = 0.0 if masked else 1.0
-    loss, grads = _compare(framework, kind, "float32", inputs, _options(kind))
+    loss, grads = _compare(framework, kind, "float32", inputs, options_for(kind))
     # a counted NaN token makes the loss NaN; a masked one does not
     assert np.isnan(float(loss)) != masked
     # the token's own hidden gradient: NaN when counted, exact zeros when masked
@@ -103,7 +103,7 @@ def test_jax_head_under_data_parallel_shard_map(kind: str, norm: str, recompute:
     import jaxloss
 
     inputs = make_inputs(kind, "float32", seed=7)
-    options = _options(kind) | {"normalization": norm}
+    options = options_for(kind) | {"normalization": norm}
     if norm == "valid_tokens":  # the global denominator: every replica divides by the whole batch's count
         target = inputs["labels"] if kind == "cross_entropy" else None
         options["denominator"] = lossspec.count_denominator(target, inputs["loss_mask"])

@@ -5,7 +5,7 @@ Shapes are small (on CPU machines the kernels run interpreted: Pallas interpret 
 interpreter) but chosen so that with the interpreter's 16 x 16 x 16 tiles every axis takes several
 blocks and a ragged tail: N = 36 tokens (3 token blocks), V = 37 (3 vocabulary blocks), H = 40 (3
 slices of the hidden axis), the teacher's Ht = 20. Where CUDA is available the Triton kernels are
-compiled and take CUDA tensors (``_torch_problem.TRITON_DEVICE``; inputs are still made on the
+compiled and take CUDA tensors (``torch_problem.TRITON_DEVICE``; inputs are still made on the
 host), and ``_triton_linear.GPU_BLOCKS``' larger tiles still split every axis with a ragged
 tail. Masked rows: mask weights 0 and an ignored label. Bounds:
 SPEC section 6 for the loss, section 8 (``lossspec.linear.compare_head_grad``) for the gradients
@@ -31,9 +31,9 @@ from jaxloss._stats import KernelConfig
 from lossspec import linear as spec_linear
 from torchloss import _triton_linear
 
-from _torch_problem import TRITON_DEVICE
-from test_linear_head import _options
-from test_linear_head import make_inputs as head_inputs
+from parity_tests.support.torch_problem import TRITON_DEVICE
+from parity_tests.support.head_cases import options_for
+from parity_tests.support.head_cases import make_inputs as head_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +117,7 @@ def check(impl: str, kind: str, dtype: str, with_bias: bool, options: dict[str, 
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_kernels_match_oracle(impl: str, kind: str, dtype: str) -> None:
     """Every kind with its options and a bias, a scalar upstream gradient, fp32 and bf16."""
-    check(impl, kind, dtype, True, _options(kind))
+    check(impl, kind, dtype, True, options_for(kind))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -125,7 +125,7 @@ def test_kernels_match_oracle(impl: str, kind: str, dtype: str) -> None:
 def test_kernels_without_bias_per_token(impl: str, kind: str) -> None:
     """No bias, ``normalization="none"`` (a per-token upstream gradient: the backward reruns the
     kernels with ``coef * upstream``)."""
-    check(impl, kind, "float32", False, {**_options(kind), "normalization": "none"}, seed=1)
+    check(impl, kind, "float32", False, {**options_for(kind), "normalization": "none"}, seed=1)
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
@@ -152,7 +152,7 @@ SEGMENT_IDS = np.array([
 def test_kernels_per_sequence(impl: str, kind: str, normalization: str) -> None:
     """``segment_ids`` with the per-sequence normalisations and the causal shift: the kernels
     read the per-token coefficients ``w_t / (n_s S)`` (or ``w_t / S``) as runtime data."""
-    options = {**_options(kind), "normalization": normalization, "segment_ids": SEGMENT_IDS, "causal_shift": True}
+    options = {**options_for(kind), "normalization": normalization, "segment_ids": SEGMENT_IDS, "causal_shift": True}
     check(impl, kind, "float32", True, options, seed=3)
 
 
@@ -160,8 +160,8 @@ def test_kernels_per_sequence(impl: str, kind: str, normalization: str) -> None:
 def test_kernels_are_deterministic(impl: str) -> None:
     """Two runs give the same bits (no atomics: every output element has one writer)."""
     inputs = make_inputs("reverse_kl", "float32", seed=5)
-    first = run(impl, "reverse_kl", inputs, "float32", True, _options("reverse_kl"))
-    second = run(impl, "reverse_kl", inputs, "float32", True, _options("reverse_kl"))
+    first = run(impl, "reverse_kl", inputs, "float32", True, options_for("reverse_kl"))
+    second = run(impl, "reverse_kl", inputs, "float32", True, options_for("reverse_kl"))
     assert first[0].tobytes() == second[0].tobytes()
     for name in first[1]:
         assert first[1][name].tobytes() == second[1][name].tobytes(), name
@@ -203,7 +203,7 @@ def _capped_reference(kind: str, inputs: dict[str, Any], coef: np.ndarray, cap: 
 def test_kernels_softcap(impl: str, kind: str) -> None:
     cap, t_cap = 1.5, 2.0  # small caps: the logits (|z| up to ~6) are bent hard
     inputs = make_inputs(kind, "float32", seed=6)
-    options = _options(kind)
+    options = options_for(kind)
     if kind == "cross_entropy":
         inputs["labels"] = np.abs(inputs["labels"])  # the drivers take safe labels
     coef = inputs["loss_mask"].reshape(-1).astype(np.float32)
@@ -258,7 +258,7 @@ def test_pallas_head_lowers_to_triton(kind: str, softcap: bool) -> None:
 
     def step(hidden: Any, weight: Any, bias: Any, *target: Any) -> Any:
         caps = {} if not softcap else dict(logit_softcap=30.0) if kind == "cross_entropy" else dict(logit_softcap=30.0, teacher_logit_softcap=50.0)
-        return jax.value_and_grad(lambda h, w, b: fn(h, w, *target, bias=b, impl="pallas", **_options(kind), **caps), argnums=(0, 1, 2))(hidden, weight, bias)
+        return jax.value_and_grad(lambda h, w, b: fn(h, w, *target, bias=b, impl="pallas", **options_for(kind), **caps), argnums=(0, 1, 2))(hidden, weight, bias)
 
     exported = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(
         hidden, weight, bias, *target

@@ -23,7 +23,7 @@ import torchloss
 import torchloss.linear as torch_linear
 from lossspec import linear as spec_linear
 
-from test_linear_head import HT, KINDS, NORMS, RUNNERS, _options, _peak_extra, cases, check, make_inputs, plan  # noqa: F401  (plan: the fixture)
+from parity_tests.support.head_cases import HT, KINDS, NORMS, RUNNERS, options_for, peak_extra, cases, check, make_inputs, plan  # noqa: F401  (plan: the fixture)
 
 H = 8
 
@@ -66,7 +66,7 @@ def test_the_backward_plan_fits_its_budget() -> None:
        slow=lambda framework, kind, norm, dtype, backward_plan: framework == "jax" and (norm != "valid_tokens" or dtype != "float32" or backward_plan == "planned"),
        indirect=("backward_plan",))
 def test_recompute_matches_oracle(framework: str, kind: str, norm: str, dtype: str, backward_plan: str, plan: str) -> None:
-    check(framework, kind, dtype, True, {**_options(kind), **NORMS[norm]}, head_options=RECOMPUTE)
+    check(framework, kind, dtype, True, {**options_for(kind), **NORMS[norm]}, head_options=RECOMPUTE)
 
 
 @pytest.mark.parametrize("plan", ["blocked"], indirect=True)
@@ -74,13 +74,13 @@ def test_recompute_matches_oracle(framework: str, kind: str, norm: str, dtype: s
        slow=lambda framework, kind, dtype, backward_plan: framework == "jax" and (kind != "cross_entropy" or dtype != "float32"),
        indirect=("backward_plan",))
 def test_recompute_after_the_vocabulary_blocked_forward(framework: str, kind: str, dtype: str, backward_plan: str, plan: str) -> None:
-    check(framework, kind, dtype, True, {**_options(kind), **NORMS["valid_tokens"]}, head_options=RECOMPUTE)
+    check(framework, kind, dtype, True, {**options_for(kind), **NORMS["valid_tokens"]}, head_options=RECOMPUTE)
 
 
 @cases("framework,kind,norm,backward_plan", [list(RUNNERS), ["cross_entropy", "reverse_kl"], ["valid_tokens", "none"], ["small"]],
        slow=lambda framework, kind, norm, backward_plan: framework == "jax", indirect=("backward_plan",))
 def test_recompute_without_bias_causal_shift(framework: str, kind: str, norm: str, backward_plan: str) -> None:
-    check(framework, kind, "float32", False, {**_options(kind), **NORMS[norm], "causal_shift": True}, head_options=RECOMPUTE)
+    check(framework, kind, "float32", False, {**options_for(kind), **NORMS[norm], "causal_shift": True}, head_options=RECOMPUTE)
 
 
 def test_recompute_with_a_nan_row_gives_a_nan_gradient_row() -> None:
@@ -136,9 +136,9 @@ def test_torch_recompute_peak_memory_has_no_fp32_weight_gradient(tmp_path: Any) 
         hidden.grad = weight.grad = None
 
     step(True)  # warm-up (lazy initialisation outside the measurement)
-    peak = _peak_extra(lambda: step(True), tmp_path)
+    peak = peak_extra(lambda: step(True), tmp_path)
     assert peak <= allowance, (peak, allowance)
-    assert _peak_extra(lambda: step(False), tmp_path) > allowance
+    assert peak_extra(lambda: step(False), tmp_path) > allowance
 
 
 def test_jax_recompute_temporary_memory_has_no_fp32_weight_gradient() -> None:

@@ -1,7 +1,7 @@
 """``segment_ids`` and the per-sequence normalisations (``"sequence_mean"``, ``"sequence_sum"``;
 lossspec.sequences) on the fused head (``linear_<kind>``) in both frameworks, against the
 float64 head oracle (:func:`lossspec.linear.oracle_head`, which applies lossspec.sequences):
-packed rows (_head_problem.py: several documents per row, padding ids, interleaved ids, an
+packed rows (head_problem.py: several documents per row, padding ids, interleaved ids, an
 all-masked row, float weights), with and without ``causal_shift`` (no scoring across a document
 boundary), both plans (whole rows, the vocabulary-blocked fallback), ``denominator=``,
 ``count_denominator`` (``S``), micro-batches with the global ``S`` equal to the full batch
@@ -10,8 +10,6 @@ boundary), both plans (whole rows, the vocabulary-blocked fallback), ``denominat
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any, Optional
 
 import jax
@@ -28,8 +26,7 @@ import torchloss
 import torchloss.linear as torch_linear
 from lossspec import linear as spec_linear
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _head_problem import BATCH, KINDS, OPTIONS, make_problem, reference  # noqa: E402
+from parity_tests.support.head_problem import BATCH, KINDS, OPTIONS, make_problem, reference
 
 VOCAB = 29
 MODES = lossspec.SEQUENCE_NORMALIZATIONS

@@ -5,7 +5,7 @@ shard's slice of the weight and bias gradients.
 
 JAX: ``shard_map`` over P = 4 of the 8 host devices (V = 28: shards of 7 columns; the blocked
 plan's blocks of 3 columns do not divide them). torch: 2 gloo ranks in one subprocess launch
-(_torch_head_vp_worker.py: uneven shards 9 + 14, blocks of 4), slow. Cases: the four kinds x
+(torch_head_vp_worker.py: uneven shards 9 + 14, blocks of 4), slow. Cases: the four kinds x
 {whole rows, the vocabulary-blocked fallback} x {"valid_tokens" with a non-unit upstream
 gradient, "none" with per-token upstream gradients}, and "sequence_mean" with segment_ids and
 causal_shift; the problems hold masked tokens, ignored labels and an all-masked row.
@@ -13,8 +13,6 @@ causal_shift; the problems hold masked tokens, ignored labels and an all-masked 
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +33,9 @@ try:
 except ImportError:  # pragma: no cover - older JAX
     from jax.experimental.shard_map import shard_map
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _ranks  # noqa: E402
-import _torch_head_vp_worker as torch_worker  # noqa: E402
-from _head_problem import KINDS, OPTIONS, make_problem, reference  # noqa: E402
+from parity_tests.support import ranks
+from parity_tests.support import torch_head_vp_worker as torch_worker
+from parity_tests.support.head_problem import KINDS, OPTIONS, make_problem, reference
 
 HERE = Path(__file__).parent
 SHARDS, VOCAB = 4, 28  # JAX: even shards of 7 columns
@@ -210,7 +207,7 @@ def test_jax_vocab_parallel_head_memory_is_an_eighth_of_the_local_logits(shards:
 
 @pytest.fixture(scope="module")
 def torch_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
-    return _ranks.launch_once("head_vp_ranks", HERE / "_torch_head_vp_worker.py", lambda out_dir: [str(out_dir)], torch_worker.WORLD, tmp_path_factory)
+    return ranks.launch_once("head_vp_ranks", HERE / "support" / "torch_head_vp_worker.py", lambda out_dir: [str(out_dir)], torch_worker.WORLD, tmp_path_factory)
 
 
 @pytest.mark.slow
@@ -220,7 +217,7 @@ def test_torch_vocab_parallel_head_matches_oracle(torch_ranks: list[dict[str, np
     options = {name: value for name, value in options.items() if name not in HEAD_ONLY}
     problem = make_problem(kind, torch_worker.VOCAB, seed=11)
     bounds = list(zip(torch_worker.BOUNDS[:-1], torch_worker.BOUNDS[1:]))
-    results = [{key: ranks[f"{case}/{key}"].astype(np.float64) for key in ("loss", "hidden", "weight", "bias")} for ranks in torch_ranks]
+    results = [{key: rank_result[f"{case}/{key}"].astype(np.float64) for key in ("loss", "hidden", "weight", "bias")} for rank_result in torch_ranks]
     check_shards(kind, options, problem, results, bounds, f"torch {case}")
     # The loss and the hidden gradient are the same bits on both ranks (one all-reduce each).
     assert np.array_equal(results[0]["loss"], results[1]["loss"]) and np.array_equal(results[0]["hidden"], results[1]["hidden"])

@@ -2,14 +2,12 @@
 trained with ``segment_ids`` and ``normalization="sequence_mean"``. In a short demo run, the
 first step's loss and gradients of every exact split (full batch, K micro-batches, D replicas) in
 both frameworks match the float64 oracle chained through the model
-(_tiny_lm_oracle.tied_lm_reference), (b) and (c) stay within the SPEC bound of (a) after every
+(tiny_lm_oracle.tied_lm_reference), (b) and (c) stay within the SPEC bound of (a) after every
 step, and the naive mean of micro-batch means does not."""
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +19,7 @@ from examples.packed_docs.demo import BASE
 from examples.packed_docs.data import MAX_DOC, MIN_DOC, NORMALIZATION, ROW, make_packed_data
 from examples.tiny_lm.weights import init_weights
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _tiny_lm_oracle  # noqa: E402
+from parity_tests.support import tiny_lm_oracle
 
 ROWS, HIDDEN = 8, 16
 
@@ -50,7 +47,7 @@ def test_rows_pack_documents_of_very_different_lengths() -> None:
 
 
 def _reference(weights: dict[str, np.ndarray], batch: dict[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
-    return _tiny_lm_oracle.tied_lm_reference(
+    return tiny_lm_oracle.tied_lm_reference(
         "cross_entropy", weights, batch["tokens"], batch["labels"], batch["loss_mask"], attention_segment_ids=batch["segment_ids"],
         segment_ids=batch["segment_ids"], causal_shift=True, normalization=NORMALIZATION,
     )
@@ -75,7 +72,7 @@ def test_splits_match_the_oracle_and_each_other_and_naive_drifts(tmp_path: Path)
             if demo.CONFIGS[config][2]:
                 assert _worst_grad_error(history["first_grads"], ref_grads) > 100.0, (framework, config)
             else:
-                _tiny_lm_oracle.assert_matches(history["losses"][0], history["first_grads"], ref_loss, ref_grads, f"{framework} {config}")
+                tiny_lm_oracle.assert_matches(history["losses"][0], history["first_grads"], ref_loss, ref_grads, f"{framework} {config}")
     checks = {c["check"]: c for c in result["checks"]}
     for framework in ("jax", "torch"):
         for config in ("K=4", "D=2,K=2"):

@@ -60,7 +60,7 @@ import torchloss
 from lossspec import make_case, round_to_dtype
 from lossspec.oracle import token_weights
 
-from _torch_problem import device_for
+from parity_tests.support.torch_problem import device_for
 
 K = 16
 UNIT_ROUNDOFF_32 = 2.0**-24

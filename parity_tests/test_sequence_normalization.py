@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import sys
 from typing import Any
 
 import jax
@@ -30,8 +28,7 @@ import lossspec
 import torchloss
 from lossspec import KINDS, assert_close_to_oracle
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _packed_problem import (  # noqa: E402
+from parity_tests.support.packed_problem import (
     BATCH,
     MASKED_DOCUMENT,
     MASKED_ROW,
@@ -44,7 +41,7 @@ from _packed_problem import (  # noqa: E402
     tiny_problem,
     tiny_reference,
 )
-from _torch_problem import device_for  # noqa: E402
+from parity_tests.support.torch_problem import device_for
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """``sequence_parallel=`` (context parallelism, lossspec.sequences): the time axis of the packed
-batch of _packed_problem.py split over devices, documents crossing the slice boundaries.
+batch of packed_problem.py split over devices, documents crossing the slice boundaries.
 
 JAX: ``shard_map`` over 4 host devices (3 positions each) for the losses and counts, and over a
 2 x 4 ("data", "seq") mesh for ``accumulate`` (micro-batches x data replicas x sequence slices).
-torch: 2 gloo ranks (launched by _ranks.py) with uneven slices (5 / 7 of T = 12): the losses,
+torch: 2 gloo ranks (launched by ranks.py) with uneven slices (5 / 7 of T = 12): the losses,
 the count shares, and ``accumulate`` over the sequence-parallel group and over a data-parallel
 split. Every result against the float64 oracle on the whole rows: the sum of the ranks' losses
 is the full loss, the concatenated gradient slices the full gradient.
@@ -11,7 +11,6 @@ is the full loss, the concatenated gradient slices the full gradient.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from pathlib import Path
@@ -22,9 +21,8 @@ import pytest
 import lossspec
 from lossspec import KINDS, assert_close_to_oracle
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _ranks  # noqa: E402
-from _packed_problem import BATCH, MODES, OPTIONS, TIME, assert_tiny, packed_case, tiny_problem, tiny_reference  # noqa: E402
+from parity_tests.support import ranks
+from parity_tests.support.packed_problem import BATCH, MODES, OPTIONS, assert_tiny, packed_case, tiny_problem, tiny_reference
 
 pytestmark = pytest.mark.slow  # shard_map over host devices, real processes
 
@@ -168,7 +166,7 @@ def _worker(out_dir: str) -> None:
     import torchloss
     from torchloss.distributed import accumulate
 
-    rank, _ = _ranks.init_gloo()
+    rank, _ = ranks.init_gloo()
     world = dist.group.WORLD
     time = _window(rank)
     results: dict[str, np.ndarray] = {}
@@ -217,12 +215,12 @@ def _worker(out_dir: str) -> None:
                 results[key + "/emb"] = model.emb.grad.double().numpy()
                 results[key + "/head"] = model.head.grad.double().numpy()
     np.savez(os.path.join(out_dir, f"r{rank}.npz"), **results)
-    _ranks.finish(rank)
+    ranks.finish(rank)
 
 
 @pytest.fixture(scope="module")
 def torch_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
-    return _ranks.launch_once("sequence_parallel", Path(__file__), lambda out_dir: [str(out_dir)], len(TORCH_SLICES), tmp_path_factory)
+    return ranks.launch_once("sequence_parallel", Path(__file__), lambda out_dir: [str(out_dir)], len(TORCH_SLICES), tmp_path_factory)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -7,7 +7,7 @@ the temperature set (the order matters: cap first), whole and vocabulary-blocked
 ``torch.compile(fullgraph=True)``, JAX vocab-parallel; the option checks (the same message in
 both frameworks); the oracle itself against finite differences. Slow: interpreted Pallas and
 Triton (and Triton's own ``tanh``), torch vocab-parallel (2 gloo ranks, torch and Triton).
-The Triton cases run on ``_torch_problem.TRITON_DEVICE`` (compiled on CUDA tensors where CUDA is
+The Triton cases run on ``torch_problem.TRITON_DEVICE`` (compiled on CUDA tensors where CUDA is
 available, else interpreted on CPU tensors), inputs made on the host either way; the gloo ranks'
 Triton row needs the interpreter and is skipped where CUDA is available.
 """
@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 import torch
 from jax.sharding import Mesh, PartitionSpec as P
-from test_linear_head import PLANS, grad_output_for, make_inputs, reference, run_jax, run_torch
-from test_torchloss_helpers import TORCH_DTYPES, quiet
+from parity_tests.support.head_cases import PLANS, grad_output_for, make_inputs, reference, run_jax, run_torch
+from parity_tests.support.torch_cases import TORCH_DTYPES, quiet
 
 import jaxloss
 import lossspec
@@ -36,9 +36,8 @@ from jaxloss import _pallas, _xla
 from lossspec import linear as spec_linear
 from torchloss import _torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _ranks  # noqa: E402
-from _torch_problem import TRITON_DEVICE, device_for  # noqa: E402
+from parity_tests.support import ranks
+from parity_tests.support.torch_problem import TRITON_DEVICE, device_for
 
 KINDS = lossspec.ALL_KINDS
 DTYPES = ("float32", "bfloat16")
@@ -548,7 +547,7 @@ def _tvp_case(kind: str, scenario: str) -> lossspec.Case:
 def _tvp_worker(out_dir: str) -> None:
     import torch.distributed as dist
 
-    rank, _ = _ranks.init_gloo()
+    rank, _ = ranks.init_gloo()
     bounds = np.cumsum((0,) + TVP_SHARDS)
     lo, hi = int(bounds[rank]), int(bounds[rank + 1])
     results: dict[str, np.ndarray] = {}
@@ -572,12 +571,12 @@ def _tvp_worker(out_dir: str) -> None:
             results[key + "/loss"] = loss.detach().double().numpy()
             results[key + "/grad"] = logits.grad.double().numpy()
     np.savez(os.path.join(out_dir, f"r{rank}.npz"), **results)
-    _ranks.finish(rank)
+    ranks.finish(rank)
 
 
 @pytest.fixture(scope="module")
 def tvp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
-    return _ranks.launch_once("softcap_vp", Path(__file__), lambda out_dir: [str(out_dir)], len(TVP_SHARDS), tmp_path_factory)
+    return ranks.launch_once("softcap_vp", Path(__file__), lambda out_dir: [str(out_dir)], len(TVP_SHARDS), tmp_path_factory)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from test_torchloss_helpers import FUNCTIONS, IMPLS, device_for, inputs, quiet, run
+from parity_tests.support.torch_cases import FUNCTIONS, IMPLS, device_for, inputs, quiet, run
 
 import lossspec
 import torchloss

@@ -29,7 +29,7 @@ import torch._inductor.config
 import lossspec
 import torchloss
 
-from _torch_problem import TRITON_DEVICE
+from parity_tests.support.torch_problem import TRITON_DEVICE
 
 KINDS = lossspec.KINDS
 OPTIONS: dict[str, dict[str, Any]] = {

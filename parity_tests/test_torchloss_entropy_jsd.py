@@ -4,7 +4,7 @@ Torch path: both kinds x every scenario x {float32, bfloat16}, the normalisation
 (every kind x dtype x normalisation covered), options, beta (the end points run the KL formulas),
 multi-block rows (JSD's extra pass), the 16-bit recompute for a non-unit upstream gradient, NaN /
 +inf rows, ``nn`` modules, ``torch.compile``. Triton and ``vocab_parallel`` (2 gloo ranks, uneven
-shards; torch and Triton backends): slow. The Triton cases run on ``_torch_problem.TRITON_DEVICE``
+shards; torch and Triton backends): slow. The Triton cases run on ``torch_problem.TRITON_DEVICE``
 (compiled on CUDA tensors where CUDA is available, else interpreted on CPU tensors), inputs made on
 the host either way; the gloo ranks' Triton row needs the interpreter and is skipped where CUDA is
 available.
@@ -22,15 +22,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_torchloss_helpers import TORCH_DTYPES, quiet
+from parity_tests.support.torch_cases import TORCH_DTYPES, quiet
 
 import lossspec
 import torchloss
 from torchloss import _torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _ranks  # noqa: E402
-from _torch_problem import TRITON_DEVICE, device_for  # noqa: E402
+from parity_tests.support import ranks
+from parity_tests.support.torch_problem import TRITON_DEVICE, device_for
 
 KINDS = lossspec.ENTROPY_JSD_KINDS
 DTYPES = ("float32", "bfloat16")
@@ -233,7 +232,7 @@ def _vp_case(kind: str, scenario: str) -> lossspec.Case:
 def _vp_worker(out_dir: str) -> None:
     import torch.distributed as dist
 
-    rank, _ = _ranks.init_gloo()
+    rank, _ = ranks.init_gloo()
     lo, hi = int(np.cumsum((0,) + VP_SHARDS)[rank]), int(np.cumsum((0,) + VP_SHARDS)[rank + 1])
     results: dict[str, np.ndarray] = {}
     for kind in KINDS:
@@ -251,12 +250,12 @@ def _vp_worker(out_dir: str) -> None:
             results[key + "/loss"] = loss.detach().double().numpy()
             results[key + "/grad"] = logits.grad.double().numpy()
     np.savez(os.path.join(out_dir, f"r{rank}.npz"), **results)
-    _ranks.finish(rank)
+    ranks.finish(rank)
 
 
 @pytest.fixture(scope="module")
 def vp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
-    return _ranks.launch_once("entropy_jsd_vp", Path(__file__), lambda out_dir: [str(out_dir)], len(VP_SHARDS), tmp_path_factory)
+    return ranks.launch_once("entropy_jsd_vp", Path(__file__), lambda out_dir: [str(out_dir)], len(VP_SHARDS), tmp_path_factory)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_torchloss_helpers import FUNCTIONS, IMPLS, device_for, quiet
+from parity_tests.support.torch_cases import FUNCTIONS, IMPLS, device_for, quiet
 
 import lossspec
 import torchloss

@@ -3,8 +3,8 @@
 The torch path runs the full matrix (kind x scenario x dtype x normalisation); the Triton kernels
 (interpreted on the CPU, ~0.1 s a call) run every kind, scenario and dtype with the
 normalisations rotated through, so every kind x dtype x normalisation combination is covered.
-Triton calls run on ``_torch_problem.TRITON_DEVICE`` (compiled kernels on CUDA tensors where CUDA
-is available; test_torchloss_helpers.device_for), inputs made on the host either way.
+Triton calls run on ``torch_problem.TRITON_DEVICE`` (compiled kernels on CUDA tensors where CUDA
+is available; support.torch_cases.device_for), inputs made on the host either way.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from test_torchloss_helpers import DTYPES, IMPLS, FUNCTIONS, check, device_for, inputs, quiet, run
+from parity_tests.support.torch_cases import DTYPES, IMPLS, FUNCTIONS, check, device_for, inputs, quiet, run
 
 import lossspec
 from torchloss import _cpu, _stats, _torch

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from test_torchloss_helpers import FUNCTIONS, inputs
+from parity_tests.support.torch_cases import FUNCTIONS, inputs
 
 import lossspec
 import torchloss

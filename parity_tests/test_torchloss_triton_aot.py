@@ -10,6 +10,7 @@ has the interpreter on).
 from __future__ import annotations
 
 import json
+import importlib.util
 import os
 import subprocess
 import sys
@@ -33,11 +34,9 @@ def _ptxas_available() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _ptxas_available(), reason="needs triton with its bundled ptxas")
 def test_every_kernel_compiles_for_sm80_sm90_without_spills(tmp_path: Path) -> None:
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import triton_aot_report as aot
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("triton_aot_report", SCRIPT)
+    aot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(aot)
     out = tmp_path / "rows.json"
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out)], cwd=ROOT, env=env,

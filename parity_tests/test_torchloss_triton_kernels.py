@@ -1,6 +1,6 @@
 """torchloss' Triton kernels (``torchloss._triton``) against the float64 oracle: compiled, on CUDA
 tensors, where CUDA is available; else through the Triton interpreter on CPU tensors
-(``_torch_problem.TRITON_DEVICE``). Inputs are made on the host either way.
+(``torch_problem.TRITON_DEVICE``). Inputs are made on the host either way.
 
 Small shapes (V <= ~300, N <= 16) with ``MAX_BLOCK_V`` lowered to 64, so that every row takes
 several vocabulary blocks and a ragged tail: the online statistics, the reverse-KL pivot and the
@@ -22,7 +22,7 @@ import torchloss
 from torchloss import _stats, _triton
 from torchloss import _triton_kernels as K
 
-from _torch_problem import TRITON_DEVICE as DEVICE
+from parity_tests.support.torch_problem import TRITON_DEVICE as DEVICE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTIONS = {

@@ -3,7 +3,7 @@
 rescale to them, sum), ``torchloss._stats.finalize``, ``shard_grad`` each shard, concatenate,
 and compare with the float64 oracle. Small shapes, 32-column blocks; compiled kernels on CUDA
 tensors where CUDA is available, else the Triton interpreter on CPU tensors
-(``_torch_problem.TRITON_DEVICE``).
+(``torch_problem.TRITON_DEVICE``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import lossspec
 from torchloss import _stats, _triton
 
-from _torch_problem import TRITON_DEVICE as DEVICE
+from parity_tests.support.torch_problem import TRITON_DEVICE as DEVICE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VOCAB = 150

@@ -1,6 +1,6 @@
 """Vocab-parallel torchloss (SPEC section 3) with real processes on gloo (loopback).
 
-The module fixture runs this file as a script in 3 processes (launched by _ranks.py), which run world size 3
+The module fixture runs this file as a script in 3 processes (launched by ranks.py), which run world size 3
 (uneven shards 20/50/30 of V = 100) on the whole group and world size 2 (even shards) on a
 sub-group of the first two ranks; every rank runs all kinds x normalisations
 {valid_tokens, none} x options x dtypes {float32, bfloat16} x cases {random, huge, neg_inf}, and
@@ -25,8 +25,7 @@ import pytest
 
 import lossspec
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _ranks  # noqa: E402
+from parity_tests.support import ranks
 
 KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
 NORMALIZATIONS = ("valid_tokens", "none")
@@ -50,8 +49,8 @@ TRITON_SKIP = (
 
 
 def _triton_on_cpu() -> bool:
-    """Whether the Triton rows run: the Triton kernel tests' device (``_torch_problem``) is the CPU."""
-    from _torch_problem import TRITON_DEVICE
+    """Whether the Triton rows run: the Triton kernel tests' device (``support.torch_problem``) is the CPU."""
+    from parity_tests.support.torch_problem import TRITON_DEVICE
 
     return TRITON_DEVICE.type == "cpu"
 
@@ -70,7 +69,7 @@ REDUCED_CONFIGS = (
 )
 
 
-def _options(kind: str, scenario: str) -> dict[str, dict[str, Any]]:
+def options_for(kind: str, scenario: str) -> dict[str, dict[str, Any]]:
     if kind == "cross_entropy":
         extra = {"z_loss": 1e-3} if scenario == "neg_inf" else {"label_smoothing": 0.1, "z_loss": 1e-3}
         return {"plain": {}, "smooth_z": extra} if scenario != "neg_inf" else {"plain": {}, "z": extra}
@@ -82,13 +81,13 @@ def _configs() -> list[tuple[str, str, str, str, str, dict[str, Any], str]]:
     (interpreted on the CPU: slow) on :data:`TRITON_CONFIGS`."""
     out = []
     for kind, norm, dtype, scenario in itertools.product(KINDS, NORMALIZATIONS, DTYPES, SCENARIOS):
-        for opt_name, options in _options(kind, scenario).items():
+        for opt_name, options in options_for(kind, scenario).items():
             impls = ("torch", "triton") if (kind, norm, dtype, scenario, opt_name) in TRITON_CONFIGS else ("torch",)
             for impl in impls:
                 out.append((f"{kind}/{norm}/{dtype}/{scenario}/{opt_name}/{impl}", kind, norm, dtype, scenario, options, impl))
     for kind in KINDS:
         for scenario, dtype, norm, denominator, opt_name, impls in REDUCED_CONFIGS:
-            named = _options(kind, "random")
+            named = options_for(kind, "random")
             options = dict(named["smooth_z" if kind == "cross_entropy" else "temp"] if opt_name == "opts" else {})
             if denominator is not None:
                 options["denominator"] = denominator
@@ -120,7 +119,7 @@ def _worker(out_dir: str) -> None:
 
     import torchloss
 
-    rank, world_size = _ranks.init_gloo()
+    rank, world_size = ranks.init_gloo()
     fns = {"cross_entropy": torchloss.cross_entropy, "soft_cross_entropy": torchloss.soft_cross_entropy,
            "forward_kl": torchloss.forward_kl, "reverse_kl": torchloss.reverse_kl}
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -152,7 +151,7 @@ def _worker(out_dir: str) -> None:
             results[key + "/loss"] = loss.detach().double().numpy()
             results[key + "/grad"] = logits.grad.float().numpy()
         np.savez(os.path.join(out_dir, f"w{world}_r{rank}.npz"), **results)
-    _ranks.finish(rank)
+    ranks.finish(rank)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,7 +162,7 @@ def _worker(out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, np.ndarray]]]:
     out_dir = tmp_path_factory.mktemp("vocab_parallel")
-    _ranks.launch(Path(__file__), [str(out_dir)], world_size=max(SHARDS), log_dir=out_dir)
+    ranks.launch(Path(__file__), [str(out_dir)], world_size=max(SHARDS), log_dir=out_dir)
     loaded: dict[int, list[dict[str, np.ndarray]]] = {}
     for world in SHARDS:
         loaded[world] = []
@@ -182,7 +181,7 @@ CONFIGS = _configs()
 def test_vocab_parallel_matches_oracle(results, world: int, kind: str, impl: str) -> None:
     if impl == "triton" and not _triton_on_cpu():
         pytest.skip(TRITON_SKIP)
-    ranks = results[world]
+    rank_results = results[world]
     checked = 0
     for key, k, norm, dtype, scenario, options, config_impl in CONFIGS:
         if k != kind or config_impl != impl:
@@ -193,11 +192,11 @@ def test_vocab_parallel_matches_oracle(results, world: int, kind: str, impl: str
         if upstream is not None:
             opts["grad_output"] = upstream
         ref = case.reference(**opts)
-        losses = [r[key + "/loss"] for r in ranks]
+        losses = [r[key + "/loss"] for r in rank_results]
         for rank, other in enumerate(losses[1:], start=1):
             assert np.array_equal(losses[0], other, equal_nan=True), f"{key}: rank {rank}'s loss differs from rank 0's"
-        grad = np.concatenate([r[key + "/grad"] for r in ranks], axis=-1)
-        assert [r[key + "/grad"].shape[-1] for r in ranks] == list(SHARDS[world])
+        grad = np.concatenate([r[key + "/grad"] for r in rank_results], axis=-1)
+        assert [r[key + "/grad"].shape[-1] for r in rank_results] == list(SHARDS[world])
         lossspec.assert_close_to_oracle(losses[0], grad, ref.loss, ref.grad, dtype=dtype, g0=ref.g0, what=f"w{world}/{key}")
         checked += 1
     if impl == "torch":

@@ -1,6 +1,6 @@
 """The fused-head problems of the per-sequence and vocab-parallel head tests, shared by
 test_linear_head_sequences.py, test_linear_head_vocab_parallel.py and its torch rank worker
-(_torch_head_vp_worker.py). Not a test module.
+(torch_head_vp_worker.py). Not a test module.
 
 A problem is ``[B, T]`` tokens of packed rows (documents of different lengths, padding ids,
 an all-masked row, ignored labels, float mask weights), hidden states ``[B, T, H]``, a head

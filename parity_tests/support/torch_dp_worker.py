@@ -1,29 +1,27 @@
-"""Worker launched as ranks (gloo on the loopback interface, see _ranks.py) by test_distributed_torch.py,
+"""Worker launched as ranks (gloo on the loopback interface, see ranks.py) by test_distributed_torch.py,
 both by the tests' own launcher (4 ranks) and by ``torchrun`` as a user would (2 ranks).
 
 For each data-parallel world size D in WORLDS that fits (D = 2 runs on the process group of ranks
 0 and 1, D = 4 on all four), each rank holds its 8 / D rows of the batch and runs every split of
 SCENARIOS[D] (DDP with K micro-batches, a plain module with an explicit group, uneven
 micro-batches with an empty one) for every kind and normalisation. The batch's valid tokens
-(_tiny_lm_oracle.VALID_PER_ROW) are spread unevenly over the replicas: 12 / 4 for D = 2,
+(tiny_lm_oracle.VALID_PER_ROW) are spread unevenly over the replicas: 12 / 4 for D = 2,
 5 / 7 / 0 / 4 for D = 4 (replica 2 all masked). Rank 0 writes the losses and parameter gradients
 to the .npz named in argv[1]. Not a test module itself (no test_ prefix)."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
 
-from _ranks import finish, init_gloo  # noqa: E402
-from _torch_problem import KINDS, NORMALIZATIONS, loss_fn_for, make_model, make_problem  # noqa: E402
+from parity_tests.support.ranks import finish, init_gloo
+from parity_tests.support.torch_problem import KINDS, NORMALIZATIONS, loss_fn_for, make_model, make_problem
 
-from torchloss.distributed import accumulate  # noqa: E402
+from torchloss.distributed import accumulate
 
 WORLDS = (2, 4)
 # name: (wrapper, number of micro-batches)

@@ -17,8 +17,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_distributed_jax import make_loss_fn, make_problem, shard_map  # noqa: E402
+from parity_tests.support.jax_problem import make_loss_fn, make_problem, shard_map  # noqa: E402
 
 from jaxloss.distributed import accumulate  # noqa: E402
 

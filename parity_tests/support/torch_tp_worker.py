@@ -1,6 +1,6 @@
-"""Worker launched as 4 ranks (gloo on the loopback interface, see _ranks.py) by
+"""Worker launched as 4 ranks (gloo on the loopback interface, see ranks.py) by
 test_distributed_torch_tp.py: vocab-parallel (P=2) and data x vocab-parallel (D=2 x P=2) splits
-of the TinyLM problem of _torch_problem.py, for every kind and reduced normalisation.
+of the TinyLM problem of torch_problem.py, for every kind and reduced normalisation.
 
 Layout (every rank creates every group, in the same order)::
 
@@ -43,13 +43,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
 
-from _ranks import finish, init_gloo  # noqa: E402
-from _torch_problem import KIND_OPTIONS, KINDS, NORMALIZATIONS, VOCAB, make_model, make_problem  # noqa: E402
+from parity_tests.support.ranks import finish, init_gloo
+from parity_tests.support.torch_problem import KIND_OPTIONS, KINDS, NORMALIZATIONS, VOCAB, make_model, make_problem
 
-import torchloss  # noqa: E402
-from torchloss.distributed import accumulate  # noqa: E402
+import torchloss
+from torchloss.distributed import accumulate
 
 WORLD = 4
 SHARDS = (16, 24)  # uneven vocabulary shards of VOCAB = 40, in TP-group rank order

@@ -1,23 +1,20 @@
 """The small model and batch of the torch equivalence tests (shared by the tests and their
-workers), and its float64 reference (_tiny_lm_oracle.py); and :data:`TRITON_DEVICE`, where the
+workers), and its float64 reference (tiny_lm_oracle.py); and :data:`TRITON_DEVICE`, where the
 Triton kernel tests put their tensors."""
 
 from __future__ import annotations
 
-import os
-import sys
 
 import numpy as np
 import torch
 
 import torchloss
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _tiny_lm_oracle  # noqa: E402
+from parity_tests.support import tiny_lm_oracle
 
 # The device of every test's impl="triton" tensors (the Triton suites, test_linear_head_kernels.py,
 # and the triton cases of the oracle, autograd, soft-cap, 16-bit and other matrices, through
-# test_torchloss_helpers.device_for): with CUDA the kernels are compiled and take CUDA tensors only;
+# support.torch_cases.device_for): with CUDA the kernels are compiled and take CUDA tensors only;
 # without it torchloss runs them through the Triton interpreter on CPU tensors. Inputs are made
 # on the host as before (NumPy, same seeds) and moved here; results come back with .cpu().
 TRITON_DEVICE: torch.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -60,8 +57,8 @@ def make_problem(kind: str, seed: int = 0, float_weights: bool = False) -> dict[
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, VOCAB_IN, (BATCH, SEQ))
     # Valid counts per row (4, 1, 5, 2, 0, 0, 3, 1): 2 replicas hold 12 / 4, 4 replicas hold
-    # 5 / 7 / 0 / 4 (replica 2 all masked); see _tiny_lm_oracle.VALID_PER_ROW.
-    mask, ignored = _tiny_lm_oracle.mask_and_ignored(rng, SEQ)
+    # 5 / 7 / 0 / 4 (replica 2 all masked); see tiny_lm_oracle.VALID_PER_ROW.
+    mask, ignored = tiny_lm_oracle.mask_and_ignored(rng, SEQ)
     weights = np.where(mask, rng.uniform(0.5, 2.0, mask.shape), 0.0).astype(np.float32)
     batch = {"tokens": torch.tensor(tokens), "loss_mask": torch.tensor(weights if float_weights else mask)}
     if kind == "cross_entropy":
@@ -93,6 +90,6 @@ def oracle(kind: str, normalization: str) -> tuple[float, dict[str, np.ndarray]]
     model = make_model()
     batch = make_problem(kind, float_weights=(normalization == "sum"))
     target = batch["labels"] if kind == "cross_entropy" else batch["teacher"]
-    return _tiny_lm_oracle.reference(kind, normalization, model.emb.detach().numpy(), model.head.detach().numpy(),
+    return tiny_lm_oracle.reference(kind, normalization, model.emb.detach().numpy(), model.head.detach().numpy(),
                                      batch["tokens"].numpy(), target.numpy(), batch["loss_mask"].numpy(),
                                      **KIND_OPTIONS[kind])

@@ -1,4 +1,4 @@
-"""Worker launched as 2 ranks (gloo on the loopback interface, _ranks.py) by
+"""Worker launched as 2 ranks (gloo on the loopback interface, ranks.py) by
 test_linear_head_vocab_parallel.py: ``torchloss.linear_<kind>(..., vocab_parallel=group)`` with the
 head split along ``V`` in uneven shards (``SHARDS``, rank order; neither a multiple of the
 blocked plan's block), ``hidden`` the same on both ranks, for every case of ``CASES``. Each rank
@@ -16,13 +16,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
 
-from _head_problem import BATCH, KINDS, OPTIONS, TIME, make_problem  # noqa: E402
-from _ranks import finish, init_gloo  # noqa: E402
+from parity_tests.support.head_problem import BATCH, KINDS, OPTIONS, TIME, make_problem
+from parity_tests.support.ranks import finish, init_gloo
 
-import torchloss  # noqa: E402
-import torchloss.linear as torch_linear  # noqa: E402
+import torchloss
+import torchloss.linear as torch_linear
 
 WORLD = 2
 VOCAB = 23

@@ -3,7 +3,7 @@
 Every numeric test runs a :class:`lossspec.Case` through a ``torchloss`` function, backpropagates
 the oracle's upstream gradient and checks loss and gradient with
 :func:`lossspec.assert_close_to_oracle` at the bounds of SPEC section 6. Inputs are made on the
-host; ``impl="triton"`` runs on ``_torch_problem.TRITON_DEVICE`` (compiled kernels on CUDA tensors
+host; ``impl="triton"`` runs on ``torch_problem.TRITON_DEVICE`` (compiled kernels on CUDA tensors
 where CUDA is available, else the Triton interpreter on CPU tensors), the torch path on the CPU;
 results come back to the host (:func:`device_for`).
 """
@@ -21,7 +21,7 @@ import torch
 import lossspec
 import torchloss
 
-from _torch_problem import device_for  # noqa: F401  (re-exported for the torch test files)
+from parity_tests.support.torch_problem import device_for  # noqa: F401  (re-exported for the torch test files)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 FUNCTIONS = {

@@ -1,12 +1,10 @@
 """The packed batches of the sequence-normalisation tests (lossspec.sequences), shared by
 test_sequence_normalization.py and test_sequence_parallel.py (and its rank workers): documents
 of very different lengths, padding ids, an all-masked document and row, and a tiny model's
-float64 reference (_tiny_lm_oracle.py). Not a test module."""
+float64 reference (tiny_lm_oracle.py). Not a test module."""
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import numpy as np
@@ -14,8 +12,7 @@ import numpy as np
 import lossspec
 from lossspec import KINDS
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _tiny_lm_oracle  # noqa: E402
+from parity_tests.support import tiny_lm_oracle
 
 MODES = lossspec.SEQUENCE_NORMALIZATIONS
 BATCH, TIME, VOCAB = 8, 12, 37
@@ -83,7 +80,7 @@ def tiny_problem(kind: str, seed: int = 0) -> tuple[dict[str, np.ndarray], dict[
 
 def tiny_reference(kind: str, mode: str, params: dict, batch: dict, **options: Any) -> tuple[float, dict[str, np.ndarray]]:
     target = batch["labels"] if kind == "cross_entropy" else batch["teacher"]
-    return _tiny_lm_oracle.reference(
+    return tiny_lm_oracle.reference(
         kind, mode, params["emb"], params["head"], batch["tokens"], target, batch["loss_mask"], segment_ids=batch["segment_ids"], **OPTIONS[kind], **options
     )
 

@@ -36,7 +36,7 @@ def launch(script: Path, args: list[str], world_size: int, log_dir: Path, timeou
     log_dir.mkdir(parents=True, exist_ok=True)
     init_file = log_dir / "init_store"
     init_file.unlink(missing_ok=True)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world_size), **{_ENV_INIT_FILE: str(init_file)},
                PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p),
                PYTHONFAULTHANDLER="1")
