@@ -3,16 +3,23 @@
     .venv/bin/python scripts/mutants.py                  # every mutant, report to docs/mutants.md
     .venv/bin/python scripts/mutants.py --only local_count,z_loss_grad
 
-Each mutant replaces one exact line (it must occur exactly once: a mutant that no longer applies
-is reported as such, never skipped silently), runs the tests named for it (pytest ``-x``, the
-first failure is enough), and restores the file. A mutant is *caught* when the tests fail.
-Not part of CI (it runs the suites once per mutant); its last report is committed as
-``docs/mutants.md``.
+    .venv/bin/python scripts/mutants.py --check          # only that every mutant still applies
+
+Each mutant names where it lives, ``path::function`` (a dotted qualname for a method, ``<module>``
+for module-level code), and one line of that function's body (compared without its leading
+spaces, so re-indenting or moving the function within its file keeps the mutant). The line must
+occur exactly once in that function: a mutant that no longer applies (the function moved to
+another file, was renamed, or the line changed) fails ``--check`` and the run, loudly, with what
+was looked for; the test suite runs ``--check`` (parity_tests/test_mutants_apply.py). A run
+applies each mutant, runs the tests named for it (pytest ``-x``, the first failure is enough), and
+restores the file. A mutant is *caught* when the tests fail. The full run is not part of CI (it
+runs the suites once per mutant); its last report is committed as ``docs/mutants.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import subprocess
 import sys
@@ -26,10 +33,18 @@ ROOT = Path(__file__).resolve().parent.parent
 class Mutant:
     name: str
     what: str  # the bug, in words
-    path: str
-    old: str
-    new: str
+    where: str  # "path::function" (qualname; "<module>" for module-level code)
+    old: str  # one line of that function, as written (its leading spaces are not compared)
+    new: str  # its replacement (indented like the line it replaces)
     tests: tuple[str, ...]  # pytest arguments (files, -k expressions)
+
+    @property
+    def path(self) -> str:
+        return self.where.split("::", 1)[0]
+
+    @property
+    def function(self) -> str:
+        return self.where.split("::", 1)[1] if "::" in self.where else "<module>"
 
 
 TORCH_ORACLE = ("parity_tests/test_torchloss_oracle.py", "-m", "not slow")
@@ -39,7 +54,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "z_loss_grad",
         "the z-loss term dropped from the cross-entropy gradient (shared algebra)",
-        "lossspec/stats.py",
+        "lossspec/stats.py::finalize_gradient",
         "        return fin._replace(q_coef=1.0 + (2.0 * config.z_loss) * full_lse)",
         "        return fin._replace(q_coef=1.0 + 0.0 * full_lse)",
         TORCH_ORACLE,
@@ -47,7 +62,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "rescale_e_d_sign",
         "reverse KL's pivot moved with the wrong sign when blocks or shards combine",
-        "lossspec/stats.py",
+        "lossspec/stats.py::rescale_e_d",
         "    shift = config.student_scale * dm - config.teacher_scale * (st.tau - tau_new)",
         "    shift = config.student_scale * dm + config.teacher_scale * (st.tau - tau_new)",
         ("parity_tests/test_torchloss_oracle.py", "-k", "vocab_blocks", "parity_tests/test_jaxloss_kernels.py"),
@@ -55,7 +70,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "local_count_torch",
         "torchloss.accumulate divides by the local count (no all_reduce over the replicas)",
-        "torchloss/distributed.py",
+        "torchloss/distributed.py::accumulate",
         "            dist.all_reduce(denominator, op=dist.ReduceOp.SUM, group=group)",
         "            pass",
         ("parity_tests/test_distributed_torch.py",),
@@ -63,7 +78,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "local_count_jax",
         "jaxloss.global_denominator does not psum over the data axes",
-        "jaxloss/distributed.py",
+        "jaxloss/distributed.py::global_denominator",
         "    return jax.lax.psum(count, axes) if axes else count",
         "    return count",
         ("parity_tests/test_distributed_jax.py",),
@@ -71,7 +86,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "ignored_denominator_torch",
         "torchloss ignores a Python-number denominator= (counts its own tokens)",
-        "torchloss/api.py",
+        "torchloss/api.py::_denominator",
         "        return float(denominator)",
         "        return weight.sum()",
         ("parity_tests/test_torchloss_oracle.py", "parity_tests/test_torchloss_autograd.py", "-m", "not slow"),
@@ -79,7 +94,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "skipped_16bit_recompute_torch",
         "torchloss scales the rounded 16-bit gradient instead of recomputing it (two roundings)",
-        "torchloss/api.py",
+        "torchloss/api.py::_MaskedLossFunction.forward",
         "        ctx.recompute = need_grad and not inplace and logits.dtype in (torch.bfloat16, torch.float16)",
         "        ctx.recompute = False",
         ("parity_tests/test_torchloss_oracle.py", "parity_tests/test_torchloss_autograd.py", "-m", "not slow"),
@@ -87,7 +102,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "truncated_bf16_store_torch",
         "the torch path truncates the fp32 gradient to bf16 instead of rounding to nearest",
-        "torchloss/_stats.py",
+        "torchloss/_stats.py::block_grad",
         "        out.copy_(g)  # the one rounding to the logits' dtype",
         "        out.copy_(g.view(torch.int32).bitwise_and_(-65536).view(g.dtype) if out.dtype == torch.bfloat16 else g)",
         ("parity_tests/test_rounding_16bit.py", "-k", "torch and nearest"),
@@ -95,7 +110,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "nan_row_hidden_torch",
         "the torch path leaves a NaN-loss row's gradient finite",
-        "torchloss/_stats.py",
+        "torchloss/_stats.py::fill_bad_rows",
         '        _fill_rows(g, nan, float("nan"))',
         "        pass",
         ("parity_tests/test_torchloss_reliability.py",),
@@ -103,7 +118,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "label_smoothing_sign_oracle",
         "the oracle's label-smoothing term with a flipped sign",
-        "lossspec/oracle.py",
+        "lossspec/oracle.py::per_token_oracle",
         "                loss = loss - (eps / vocab) * d.sum(axis=-1)",
         "                loss = loss + (eps / vocab) * d.sum(axis=-1)",
         ("parity_tests/test_lossspec_oracle.py",),
@@ -111,7 +126,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "pallas_tail_mask",
         "the Pallas kernel's ragged vocabulary tail mask off by one",
-        "jaxloss/_pallas.py",
+        "jaxloss/_pallas.py::_kernel.load",
         "        col_ok = (cols < n_cols)[None, :]",
         "        col_ok = (cols < n_cols - 1)[None, :]",
         ("parity_tests/test_jaxloss_kernels.py",),
@@ -119,7 +134,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "truncated_bf16_store_triton",
         "the Triton kernel truncates the fp32 gradient to bf16 instead of rounding to nearest",
-        "torchloss/_triton_kernels.py",
+        "torchloss/_triton_kernels.py::_round_for_store",
         "        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16",
         "        bits = (bits >> 16) << 16",
         ("parity_tests/test_rounding_16bit.py", "-k", "triton"),
@@ -127,7 +142,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mask_gradient_jax",
         "jaxloss differentiates the loss w.r.t. a float loss_mask again",
-        "jaxloss/api.py",
+        "jaxloss/api.py::_weights",
         "        loss_mask = jax.lax.stop_gradient(loss_mask)",
         "        loss_mask = loss_mask",
         ("parity_tests/test_jaxloss_transforms.py", "-k", "no_gradient"),
@@ -135,7 +150,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "first_order_silent_torch",
         "a create_graph=True gradient silently treated as a constant again",
-        "torchloss/api.py",
+        "torchloss/api.py::_MaskedLossFunction.backward",
         "        if create_graph:\n            grad = _first_order_only(grad)",
         "        if False:\n            grad = _first_order_only(grad)",
         ("parity_tests/test_torchloss_reliability.py", "parity_tests/test_torchloss_autograd.py", "-m", "not slow"),
@@ -143,7 +158,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "rkl_nan_fix_skipped_torch",
         "the torch path's reverse KL skips the 0 * inf fix-up on every block (entries of probability 0)",
-        "torchloss/_stats.py",
+        "torchloss/_stats.py::_block_stats",
         '        clean = e_d.device.type == "cpu" and bool(torch.isfinite(e_d).all())',
         "        clean = True",
         ("parity_tests/test_torchloss_oracle.py", "-k", "reverse"),
@@ -151,7 +166,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "rkl_grad_mean_sign_torch",
         "the torch path's reverse KL gradient adds e mean_d to the cached products e D instead of subtracting it",
-        "torchloss/_stats.py",
+        "torchloss/_stats.py::block_grad",
         "            g = torch.addcmul(e_times_d, e, (-fin.mean_d)[:, None], out=out if direct else e_times_d)",
         "            g = torch.addcmul(e_times_d, e, fin.mean_d[:, None], out=out if direct else e_times_d)",
         ("parity_tests/test_torchloss_oracle.py", "-k", "reverse"),
@@ -159,7 +174,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "causal_count_unshifted_torch",
         "torchloss.count_denominator(causal_shift=True) counts the unshifted labels (the 20/24 scaling)",
-        "torchloss/api.py",
+        "torchloss/api.py::count_denominator",
         "    labels, loss_mask = _scored_targets(causal_shift, labels, loss_mask, full_lead, device)",
         "    labels, loss_mask = _scored_targets(False, labels, loss_mask, full_lead, device)",
         ("parity_tests/test_causal_shift.py", "-m", "not slow"),
@@ -167,7 +182,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "hf_local_count",
         "torchloss.hf.for_causal_lm_loss ignores num_items_in_batch (a per-micro-batch mean)",
-        "torchloss/hf.py",
+        "torchloss/hf.py::for_causal_lm_loss",
         "        logits, targets, ignore_index=ignore_index, denominator=_denominator(num_items_in_batch, logits.device)",
         "        logits, targets, ignore_index=ignore_index, denominator=None",
         ("parity_tests/test_torchloss_hf.py", "-m", "not slow"),
@@ -175,7 +190,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "jsd_beta_swapped",
         "jensen_shannon's beta weights the student's KL term instead of the teacher's (shared algebra)",
-        "lossspec/stats.py",
+        "lossspec/stats.py::finalize_mixture",
         "    loss = config.beta * kl_pm + (1.0 - config.beta) * kl_qm",
         "    loss = (1.0 - config.beta) * kl_pm + config.beta * kl_qm",
         ("parity_tests/test_torchloss_entropy_jsd.py", "-m", "not slow"),
@@ -183,7 +198,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "jsd_mixture_beta_swapped",
         "the mixture M built as (1 - beta) p + beta q (shared per-entry formula)",
-        "lossspec/stats.py",
+        "lossspec/stats.py::mixture_log_ratios",
         "    log_beta, log_rest = math.log(beta), math.log1p(-beta)",
         "    log_rest, log_beta = math.log(beta), math.log1p(-beta)",
         ("parity_tests/test_jaxloss_entropy_jsd.py",),
@@ -191,7 +206,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "jsd_grad_kl_dropped_jax",
         "the - KL(q || M) term dropped from jensen_shannon's gradient (jaxloss)",
-        "jaxloss/_stats.py",
+        "jaxloss/_stats.py::grad_block",
         "        gz = (1.0 - cfg.beta) * _pos_times(q, log_qm - fin.kl_qm[:, None])",
         "        gz = (1.0 - cfg.beta) * _pos_times(q, log_qm)",
         ("parity_tests/test_jaxloss_entropy_jsd.py",),
@@ -199,7 +214,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "jsd_grad_kl_dropped_oracle",
         "the - KL(q || M) term dropped from the oracle's jensen_shannon gradient",
-        "lossspec/oracle.py",
+        "lossspec/oracle.py::per_token_oracle",
         "                grad_z = (1.0 - beta) * _where_positive(q, log_q - log_m - kl_qm[:, None])",
         "                grad_z = (1.0 - beta) * _where_positive(q, log_q - log_m)",
         ("parity_tests/test_lossspec_entropy_jsd.py",),
@@ -207,7 +222,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "jsd_end_points_via_mixture",
         "beta = 0 / 1 computed through the mixture (log 0) instead of as the KL kinds",
-        "lossspec/config.py",
+        "lossspec/config.py::LossConfig.formula",
         '        if self.kind == "jensen_shannon" and self.beta in (0.0, 1.0):',
         "        if False:",
         ("parity_tests/test_lossspec_entropy_jsd.py", "parity_tests/test_torchloss_entropy_jsd.py", "-k", "beta"),
@@ -215,7 +230,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "entropy_rescale_h",
         "entropy's moment h not moved to the new maximum when blocks combine (shared algebra)",
-        "lossspec/stats.py",
+        "lossspec/stats.py::rescale",
         "        out = out._replace(h=r * (st.h + st.s * dm))",
         "        out = out._replace(h=r * st.h)",
         ("parity_tests/test_torchloss_entropy_jsd.py", "parity_tests/test_jaxloss_entropy_jsd.py", "-k", "block"),
@@ -223,7 +238,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "entropy_grad_mean_torch",
         "the - h / s term dropped from entropy's gradient (torch path)",
-        "torchloss/_stats.py",
+        "torchloss/_stats.py::block_grad",
         "        d = u.sub_(fin.mean_h[:, None])",
         "        d = u",
         ("parity_tests/test_torchloss_entropy_jsd.py", "-m", "not slow"),
@@ -231,7 +246,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "jsd_grad_kl_dropped_triton",
         "the - KL(q || M) term dropped from jensen_shannon's gradient (Triton kernel)",
-        "torchloss/_triton_kernels.py",
+        "torchloss/_triton_kernels.py::_row_grad",
         "                g = tl.where(q > 0, q * (log_qm - kl_qm), 0.0) * j_scale",
         "                g = tl.where(q > 0, q * log_qm, 0.0) * j_scale",
         ("parity_tests/test_torchloss_entropy_jsd.py", "-k", "triton_matches"),
@@ -239,7 +254,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "jsd_vp_no_psum_jax",
         "jensen_shannon's mixture sums not summed over the vocabulary shards (jaxloss vocab_parallel)",
-        "jaxloss/_vocab_parallel.py",
+        "jaxloss/_vocab_parallel.py::mixture_shards",
         "    kl_qm, kl_pm = lax.psum(varying_like(sums, x), _axis(axes))",
         "    kl_qm, kl_pm = sums",
         ("parity_tests/test_jaxloss_entropy_jsd.py", "-k", "test_vocab_parallel_matches_oracle"),
@@ -247,7 +262,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "head_backward_slices_overlap_jax",
         "the fused head's last (moved-back) vocabulary slice adds its overlap with the previous one again (jaxloss)",
-        "jaxloss/linear.py",
+        "jaxloss/linear.py::_head_grads.add",
         "        g_slice = jnp.where(fresh, lax.dynamic_slice_in_dim(g, offset, slice_rows, 1), 0.0)",
         "        g_slice = lax.dynamic_slice_in_dim(g, offset, slice_rows, 1)",
         ("parity_tests/test_linear_head.py", "-k", "jax"),
@@ -255,23 +270,23 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "head_bf16_rows_shift_jax",
         "a bf16 weight slice widened to fp32 by a wrong shift of its bits (jaxloss head backward)",
-        "jaxloss/linear.py",
-        "    return lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, F32)",
-        "    return lax.bitcast_convert_type(bits.astype(jnp.uint32) << 15, F32)",
+        "jaxloss/linear.py::_rows_f32",
+        "    return lax.bitcast_convert_type(_bf16_bits(x, start, rows).astype(jnp.uint32) << 16, F32)",
+        "    return lax.bitcast_convert_type(_bf16_bits(x, start, rows).astype(jnp.uint32) << 15, F32)",
         ("parity_tests/test_linear_head.py", "-k", "jax and bfloat16"),
     ),
     Mutant(
         "head_bf16_weight_copy_jax",
         "a bf16 weight slice upcast with a plain dynamic_slice (XLA CPU hoists it: a whole fp32 weight copy)",
-        "jaxloss/linear.py",
-        "    return lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, F32)",
+        "jaxloss/linear.py::_rows_f32",
+        "    return lax.bitcast_convert_type(_bf16_bits(x, start, rows).astype(jnp.uint32) << 16, F32)",
         "    return lax.dynamic_slice_in_dim(x, start, rows, 0).astype(F32)",
         ("parity_tests/test_linear_head.py", "-k", "temporary_memory"),
     ),
     Mutant(
         "head_weight_rows_overwrite_torch",
         "the torch fused head writes dh per weight slice instead of adding (16-bit weights)",
-        "torchloss/linear.py",
+        "torchloss/linear.py::_add_head_grads",
         "        first = False\n        if db is not None:",
         "        if db is not None:",
         ("parity_tests/test_linear_head.py", "-k", "torch"),
@@ -279,7 +294,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "head_weight_copy_torch",
         "the torch fused head upcasts a 16-bit weight whole (one fp32 copy) instead of by slices",
-        "torchloss/linear.py",
+        "torchloss/linear.py::WeightRows.__init__",
         "        self.step = weight.shape[0] if (weight.dtype == acc and not as_is) else max(1, slice_rows)",
         "        self.step = weight.shape[0]",
         ("parity_tests/test_linear_head.py", "-k", "peak_memory"),
@@ -287,7 +302,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "head_plan_ignores_dtype",
         "the head's block budget counts fp32 logits for 16-bit inputs (twice 1/8 of their logits buffer)",
-        "lossspec/linear.py",
+        "lossspec/linear.py::head_plan",
         "        block_elements = min(int(rows * vocab * HEAD_MEMORY_FRACTION * logits_itemsize / block_itemsize) // live_blocks, HEAD_MAX_BLOCK_ELEMENTS)",
         "        block_elements = min(int(rows * vocab * HEAD_MEMORY_FRACTION) // live_blocks, HEAD_MAX_BLOCK_ELEMENTS)",
         ("parity_tests/test_linear_head.py", "-k", "memory"),
@@ -295,7 +310,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "softcap_slope_sign",
         "the soft cap's chain-rule factor 1 + (y/cap)^2 instead of 1 - (y/cap)^2 (shared by every backend)",
-        "lossspec/stats.py",
+        "lossspec/stats.py::softcap_slope",
         "    return 1.0 - ratio * ratio",
         "    return 1.0 + ratio * ratio",
         ("parity_tests/test_softcap.py", "-m", "not slow"),
@@ -303,7 +318,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "head_vp_dh_not_reduced_torch",
         "the torch vocab-parallel head does not all-reduce the hidden state's gradient over the shards",
-        "torchloss/linear.py",
+        "torchloss/linear.py::head_forward",
         "            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=shards.group)  # the stored gradient's",
         "            pass",
         ("parity_tests/test_linear_head_vocab_parallel.py", "-k", "torch"),
@@ -311,7 +326,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "head_vp_dh_not_reduced_recompute_torch",
         "the torch vocab-parallel head's recompute backward does not all-reduce the hidden state's gradient",
-        "torchloss/linear.py",
+        "torchloss/linear.py::head_backward",
         "            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=shards.group)  # the recompute backward's",
         "            pass",
         ("parity_tests/test_linear_head_vocab_parallel.py", "-k", "torch"),
@@ -319,7 +334,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "head_vp_dh_not_reduced_jax",
         "the JAX vocab-parallel head does not psum the hidden state's gradient over the shards",
-        "jaxloss/linear.py",
+        "jaxloss/linear.py::head_forward",
         "        dh = lax.psum(dh, _vocab_parallel._axis(shards.axes))  # the stored gradient's",
         "        dh = dh",
         ("parity_tests/test_linear_head_vocab_parallel.py", "-k", "jax"),
@@ -327,7 +342,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "head_vp_dh_not_reduced_recompute_jax",
         "the JAX vocab-parallel head's recompute backward does not psum the hidden state's gradient",
-        "jaxloss/linear.py",
+        "jaxloss/linear.py::head_backward",
         "        dh = lax.psum(dh, _vocab_parallel._axis(shards.axes))  # the recompute backward's",
         "        dh = dh",
         ("parity_tests/test_linear_head_vocab_parallel.py", "-k", "jax"),
@@ -335,7 +350,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "head_replicated_weight_grad_jax",
         "the JAX head's weight gradient not summed over data-parallel replicas inside shard_map",
-        "jaxloss/linear.py",
+        "jaxloss/linear.py::_as_primal_type",
         "    return lax.psum(grad, tuple(sorted(missing))) if missing else grad",
         "    return grad",
         ("parity_tests/test_linear_head_edge.py", "-k", "data_parallel"),
@@ -343,7 +358,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "head_bf16_split_rounds_torch",
         "torch's opt-in bf16 head matmuls take the backward's G as one bf16 term (G rounded)",
-        "torchloss/linear.py",
+        "torchloss/linear.py::mm_f32",
         "    terms = split_bf16(a) if a.dtype == torch.float32 else [a]",
         "    terms = split_bf16(a, 1) if a.dtype == torch.float32 else [a]",
         ("parity_tests/test_linear_head_bf16_matmuls.py", "-k", "torch"),
@@ -351,7 +366,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "triton_matmul_split_two_terms",
         "the Triton bf16 matmul splits an fp32 operand (the head's G) into two bf16 terms, not three",
-        "torchloss/_triton_matmul.py",
+        "torchloss/_triton_matmul.py::_dot_terms",
         "        for _ in tl.static_range(SPLIT - 1):",
         "        for _ in tl.static_range(SPLIT - 2):",
         ("parity_tests/test_linear_head_bf16_matmuls.py", "-k", "triton"),
@@ -359,7 +374,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "recompute_moved_back_slice_twice_jax",
         "JAX's recompute_logits backward adds the moved-back last vocabulary slice's shared columns to dh twice",
-        "jaxloss/linear.py",
+        "jaxloss/linear.py::head_backward.vocab_slice.token_chunk",
         "            g = jnp.where(col_ok, grad_block(cfg, fin, cc, z, t, hit=hit, vocab=vocab_total), 0.0)\n            dh_c, dw_j = _head_grads(cut(dh, r0, rows), dw_j, 0, g, hc, w_j, cols)",
         "            g = grad_block(cfg, fin, cc, z, t, hit=hit, vocab=vocab_total)\n            dh_c, dw_j = _head_grads(cut(dh, r0, rows), dw_j, 0, g, hc, w_j, cols)",
         ("parity_tests/test_linear_head_recompute.py", "-k", "jax and not blocked and not causal"),
@@ -367,7 +382,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "recompute_slice_gradient_not_reset_torch",
         "torch's recompute_logits backward carries one vocabulary slice's weight gradient into the next",
-        "torchloss/linear.py",
+        "torchloss/linear.py::head_backward",
         "            dw_j.zero_()\n",
         "",
         ("parity_tests/test_linear_head_recompute.py", "-k", "torch"),
@@ -375,7 +390,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "exp2_constant_rounded_torch",
         "torch's CPU exponentials take 1/ln 2 to 5 digits (exp2(1.4427 u)): a 3e-6 relative error in every exponent",
-        "torchloss/_stats.py",
+        "torchloss/_stats.py::<module>",
         "LOG2_E: float = 1.4426950408889634",
         "LOG2_E: float = 1.4427",
         TORCH_ORACLE,
@@ -383,7 +398,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "bad_rows_not_filled_torch",
         "the torch path finalises its rows once at the end but forgets the bad rows' gradient fill there",
-        "torchloss/_torch.py",
+        "torchloss/_torch.py::forward",
         "        _stats.fill_bad_rows(grad, fin, coef)",
         "        pass",
         ("parity_tests/test_torchloss_reliability.py", "parity_tests/test_torchloss_oracle.py", "-m", "not slow"),
@@ -391,7 +406,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "row_stats_tile_misplaced_torch",
         "a tile writes its statistics one row off in the torch path's row table (the loss of row r is row r+1's)",
-        "torchloss/_torch.py",
+        "torchloss/_torch.py::RowStats.put",
         "            torch.stack(values, out=self.table[:, rows])",
         "            torch.stack(values, out=self.table[:, rows.start + (rows.stop < self.table.shape[1]) : rows.stop + (rows.stop < self.table.shape[1])])",
         TORCH_ORACLE,
@@ -399,7 +414,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gradient_not_advised_huge_torch",
         "the torch path allocates its fresh gradient without the huge-page hint (4 KiB page faults again)",
-        "torchloss/_torch.py",
+        "torchloss/_torch.py::forward",
         "        grad = out if out is not None else _cpu.empty_output((rows, vocab), logits.dtype, device)",
         "        grad = out if out is not None else torch.empty((rows, vocab), dtype=logits.dtype, device=device)",
         ("parity_tests/test_torchloss_reliability.py", "-k", "huge"),
@@ -407,7 +422,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gradient_mapping_shared_torch",
         "the torch path's gradient mapping is mmap's default MAP_SHARED (shmem: no huge pages, 2.5x slower faults)",
-        "torchloss/_cpu.py",
+        "torchloss/_cpu.py::empty_output",
         "    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # unmapped with the tensor",
         "    mapping = mmap.mmap(-1, nbytes)  # unmapped with the tensor",
         ("parity_tests/test_torchloss_reliability.py", "-k", "huge"),
@@ -415,7 +430,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "head_bf16_split_rounds_jax",
         "JAX's opt-in bf16 head backward takes G as one bf16 term (what XLA's GPU compiler made of the first split)",
-        "jaxloss/linear.py",
+        "jaxloss/linear.py::_head_grads.split",
         "        terms = split_bf16(g_slice)",
         "        terms = split_bf16(g_slice, 1)",
         ("parity_tests/test_linear_head_bf16_matmuls.py", "-k", "jax"),
@@ -423,7 +438,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "pallas_head_cap_sliced",
         "the Pallas head takes its soft cap as one element of a loaded vector (Pallas' Triton lowering has no slice)",
-        "jaxloss/_pallas_linear.py",
+        "jaxloss/_pallas_linear.py::_cap",
         "    return plgpu.load(ops[\"caps\"].at[rows[0] * 0 + which])[:, None]",
         "    return plgpu.load(ops[\"caps\"].at[jnp.arange(2, dtype=jnp.int32)])[which]",
         ("parity_tests/test_linear_head_kernels.py", "-k", "lowers"),
@@ -431,7 +446,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "head_teacher_device_unchecked_jax",
         "the JAX head does not check the teacher's tensors' devices (torch does)",
-        "jaxloss/linear.py",
+        "jaxloss/linear.py::_linear_loss",
         "        named += list(zip((\"teacher_hidden\", \"teacher_weight\", \"teacher_bias\"), teacher))",
         "        named += []",
         ("parity_tests/test_linear_head.py", "-k", "another_device"),
@@ -439,7 +454,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "head_module_recompute_unchecked",
         "the head modules do not check recompute_logits against impl at construction (the first call fails instead)",
-        "lossspec/linear.py",
+        "lossspec/linear.py::head_module_settings",
         "    check_recompute_logits(settings[\"recompute_logits\"], resolved, plain)",
         "    pass",
         ("parity_tests/test_linear_head.py", "-k", "modules_take_impl"),
@@ -447,7 +462,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "bf16_bits_hoisted_jax",
         "the JAX head slices a bf16 weight's bits without tying it to the loop (XLA hoists a copy of the whole weight's bits)",
-        "jaxloss/linear.py",
+        "jaxloss/linear.py::_bf16_bits",
         "    x, start = lax.optimization_barrier((x, start))",
         "    pass",
         ("parity_tests/test_linear_head_recompute.py", "-k", "temporary_memory"),
@@ -455,7 +470,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "recompute_rows_not_budgeted_torch",
         "torch's recompute_logits backward leaves a chunk's widened 16-bit hidden rows out of the plan's budget",
-        "torchloss/linear.py",
+        "torchloss/linear.py::head_backward",
         "    row_elements = 0 if as_is else sum(h.shape[1] for h in (hidden, None if teacher is None else teacher[0]) if h is not None and h.dtype != acc)",
         "    row_elements = 0",
         ("parity_tests/test_linear_head_recompute.py", "-k", "peak_memory or widened_rows"),
@@ -463,7 +478,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "recompute_dh_not_budgeted",
         "the recompute_logits backward leaves the fp32 dh of 16-bit hidden states out of the plan's budget (both frameworks)",
-        "lossspec/linear.py",
+        "lossspec/linear.py::head_recompute_budget",
         "    return max(budget - (rows * width if fp32_dh_apart else 0), budget // 2)",
         "    return budget",
         ("parity_tests/test_linear_head_recompute.py", "-k", "peak_memory or temporary_memory"),
@@ -471,13 +486,65 @@ MUTANTS: tuple[Mutant, ...] = (
 )
 
 
+def _function_lines(source: str, qualname: str) -> range | None:
+    """The 0-based line range of the function ``qualname`` (dotted through classes and enclosing
+    functions) in ``source``, or None; ``<module>``: the whole file."""
+    if qualname == "<module>":
+        return range(0, source.count("\n") + 1)
+    parts = qualname.split(".")
+    nodes: list[ast.AST] = [ast.parse(source)]
+    for part in parts:
+        found = [child for node in nodes for child in ast.walk(node)
+                 if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and child.name == part]
+        if not found:
+            return None
+        nodes = found
+    if len(nodes) != 1:
+        return None
+    return range(nodes[0].lineno - 1, nodes[0].end_lineno)
+
+
+def _old_lines(mutant: Mutant) -> list[str]:
+    """The mutant's old lines without their leading spaces (a trailing newline adds none)."""
+    return [line.strip() for line in mutant.old.rstrip("\n").split("\n")]
+
+
+def locate(mutant: Mutant) -> tuple[str, int | str]:
+    """``(file text, index of the first line to replace)``, or ``(text, reason)`` when the mutant
+    no longer applies. ``old`` may span several consecutive lines."""
+    path = ROOT / mutant.path
+    if not path.exists():
+        return "", f"{mutant.path} does not exist"
+    source = path.read_text()
+    span = _function_lines(source, mutant.function)
+    if span is None:
+        return source, f"no single function {mutant.function} in {mutant.path}"
+    lines, old = source.split("\n"), _old_lines(mutant)
+    hits = [i for i in span if i + len(old) <= span.stop and [line.strip() for line in lines[i:i + len(old)]] == old]
+    if len(hits) != 1:
+        return source, f"the line occurs {len(hits)} times in {mutant.where}: {mutant.old.strip()!r}"
+    return source, hits[0]
+
+
+def apply(mutant: Mutant, source: str, index: int) -> str:
+    """``source`` with the old lines from ``index`` on replaced by ``mutant.new``, re-indented by
+    the difference between the first old line's indentation in the file and in the mutant."""
+    lines = source.split("\n")
+    count = len(_old_lines(mutant))
+    first_old = mutant.old.split("\n")[0]
+    shift = (len(lines[index]) - len(lines[index].lstrip())) - (len(first_old) - len(first_old.lstrip()))
+    new = mutant.new.rstrip("\n")
+    new_lines = [] if not new else [(" " * shift + line if shift >= 0 else line[-shift:]) if line.strip() else line
+                                    for line in new.split("\n")]
+    return "\n".join(lines[:index] + new_lines + lines[index + count:])
+
+
 def run(mutant: Mutant, timeout_s: int) -> dict:
     path = ROOT / mutant.path
-    original = path.read_text()
-    count = original.count(mutant.old)
-    if count != 1:
-        return {"name": mutant.name, "status": f"NOT APPLIED (the line occurs {count} times)", "seconds": 0.0, "failed": ""}
-    path.write_text(original.replace(mutant.old, mutant.new))
+    original, where = locate(mutant)
+    if isinstance(where, str):
+        return {"name": mutant.name, "status": f"NOT APPLIED ({where})", "seconds": 0.0, "failed": ""}
+    path.write_text(apply(mutant, original, where))
     start = time.monotonic()
     try:
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "2", "-p", "no:cacheprovider", *mutant.tests]
@@ -501,8 +568,20 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma list of mutant names")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per mutant")
     parser.add_argument("--report", default=str(ROOT / "docs" / "mutants.md"))
+    parser.add_argument("--check", action="store_true", help="only check that every mutant applies (runs no test)")
     args = parser.parse_args()
+    names = [m.name for m in MUTANTS]
+    duplicated = sorted({name for name in names if names.count(name) > 1})
+    unknown = [name for name in args.only.split(",") if name and name not in names]
+    if duplicated or unknown:
+        sys.exit(f"mutant names duplicated: {duplicated}; unknown in --only: {unknown}")
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only.split(",")]
+    if args.check:
+        broken = [(m.name, where) for m in chosen for _, where in [locate(m)] if isinstance(where, str)]
+        for name, reason in broken:
+            print(f"NOT APPLIED: {name}: {reason}")
+        print(f"{len(chosen) - len(broken)} of {len(chosen)} mutants apply")
+        sys.exit(1 if broken else 0)
     rows = []
     for i, mutant in enumerate(chosen, 1):
         print(f"[{i}/{len(chosen)}] {mutant.name}: {mutant.what} ...", flush=True)
@@ -517,12 +596,12 @@ def main() -> None:
         f"`scripts/mutants.py` applied {len(rows)} one-line bugs at commit `{commit}` (tree {'clean' if clean else 'with uncommitted changes'})"
         f" on {time.strftime('%Y-%m-%d')}; each ran the tests listed for it.",
         "",
-        "| mutant | the bug | file | tests run | result | first failing test |",
+        "| mutant | the bug | where | tests run | result | first failing test |",
         "|---|---|---|---|---|---|",
     ]
     for mutant, row in rows:
         tests = " ".join(t for t in mutant.tests if t.endswith(".py")).replace("parity_tests/", "")
-        lines.append(f"| `{mutant.name}` | {mutant.what} | `{mutant.path}` | {tests} | {row['status']} | `{row['failed']}` |")
+        lines.append(f"| `{mutant.name}` | {mutant.what} | `{mutant.where}` | {tests} | {row['status']} | `{row['failed']}` |")
     caught = sum(row["status"].startswith("caught") for _, row in rows)
     lines += ["", f"{caught} of {len(rows)} caught."]
     Path(args.report).write_text("\n".join(lines) + "\n")
