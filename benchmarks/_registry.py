@@ -6,9 +6,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
-DISTILL = ("soft_cross_entropy", "forward_kl", "reverse_kl")
-SHORT_KIND = {"cross_entropy": "CE", "soft_cross_entropy": "softCE", "forward_kl": "fKL", "reverse_kl": "rKL"}
+import lossspec  # NumPy only
+
+# Every kind of the kind table (lossspec.KIND_SPECS), the ones with teacher logits, short labels.
+KINDS: tuple[str, ...] = lossspec.ALL_KINDS
+DISTILL: tuple[str, ...] = tuple(kind for kind in KINDS if lossspec.KIND_SPECS[kind].target == "teacher_logits")
+SHORT_KIND: dict[str, str] = {kind: lossspec.KIND_SPECS[kind].short for kind in KINDS}
+# The loss kinds the peers' own functions cover (optax, F.cross_entropy / F.kl_div); the others
+# (entropy, jensen_shannon) are written for the eager / compiled peers from their formulas.
+PEER_LIBRARY_KINDS: tuple[str, ...] = lossspec.KINDS
 DTYPES = ("float32", "bfloat16")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -72,7 +78,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("jaxloss-xla", "jax", "ours", "loss", _ALL, _CPU_GPU, 'jaxloss impl="xla"', ("cpu",), mem=(1.3, 1.3), mem_16bit=(2.3, 3.8), cpu_ns=2.0),
         Backend("jaxloss-pallas", "jax", "ours", "loss", _ALL, ("gpu",), 'jaxloss impl="pallas"', ("gpu",), mem=(1.3, 1.3)),
         Backend("optax", "jax", "peer", "loss", _ALL, _CPU_GPU,
-                "optax softmax_cross_entropy(_with_integer_labels) / kl_divergence under jax.grad", mem=(4.0, 6.0), mem_16bit=(4.0, 11.0), cpu_ns=4.5),
+                "optax softmax_cross_entropy(_with_integer_labels) / kl_divergence (entropy, JSD: from those, by their formulas) under jax.grad", mem=(4.0, 6.0), mem_16bit=(4.0, 11.0), cpu_ns=4.5),
         Backend("jax-sol", "jax", "sol", "loss", _ALL, _CPU_GPU,
                 "jitted elementwise pass: reads the logits (and teacher), writes a pre-faulted (donated) logits-sized buffer", mem=(1.1, 1.1), cpu_ns=0.3),
         # ---- torch ------------------------------------------------------------------------
@@ -81,7 +87,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("torchloss-triton", "torch", "ours", "loss", _ALL, ("gpu",), 'torchloss impl="triton"', ("gpu",),
                 mem=(1.3, 1.3)),
         Backend("torch-eager", "torch", "peer", "loss", _ALL, _CPU_GPU,
-                "F.cross_entropy (int or soft targets) / F.kl_div(log_target=True)", mem=(3.5, 5.5), cpu_ns=5.0),
+                "F.cross_entropy (int or soft targets) / F.kl_div(log_target=True) (entropy, JSD: their formulas in torch ops)", mem=(3.5, 5.5), cpu_ns=5.0),
         Backend("torch-compile", "torch", "peer", "loss", _ALL, _CPU_GPU, "torch.compile of the torch-eager expression",
                 mem=(2.0, 2.0), cpu_ns=1.8),
         Backend("liger", "torch", "peer", "loss", ("cross_entropy", "forward_kl"), ("gpu",),

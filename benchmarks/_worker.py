@@ -43,7 +43,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lossspec  # noqa: E402
 from benchmarks._registry import DISTILL, Spec  # noqa: E402
+
+JSD_BETA = 0.5  # jensen_shannon's default beta: the peers' expressions and ours compute the same loss
 
 BLOCK_ROWS = 256  # inputs are a random [256, V] block tiled over the N rows (cheap at 16384 x 131072)
 
@@ -237,7 +240,8 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
     device = jax.devices()[0]
     x, teacher, labels = shared["x"], shared["teacher"], shared["labels"]
     mask = jnp.asarray(token_mask(spec.n, spec.masked, spec.seed))
-    target = labels if spec.kind == "cross_entropy" else teacher
+    target_kind = lossspec.KIND_SPECS[spec.kind].target  # "labels", "teacher_logits" or None
+    target = labels if target_kind == "labels" else teacher
     donate: tuple[int, ...] = ()
 
     if spec.backend in ("jaxloss-xla", "jaxloss-pallas"):
@@ -247,7 +251,7 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
         fn = getattr(jaxloss, spec.kind)
 
         def loss(x: Any, target: Any, mask: Any) -> Any:
-            return fn(x, target, mask, impl=impl)
+            return fn(x, mask, impl=impl) if target_kind is None else fn(x, target, mask, impl=impl)
 
         program, args = jax.value_and_grad(loss), (x, target, mask)
     elif spec.backend == "optax":
@@ -263,8 +267,15 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
                 per_token = optax.softmax_cross_entropy(x, jax.nn.softmax(target, axis=-1))
             elif spec.kind == "forward_kl":  # KL(p || q): targets p (teacher), log-predictions log q
                 per_token = optax.kl_divergence(jax.nn.log_softmax(x, axis=-1), jax.nn.softmax(target, axis=-1))
-            else:  # KL(q || p): targets q (student, differentiated), log-predictions log p
+            elif spec.kind == "reverse_kl":  # KL(q || p): targets q (student, differentiated), log-predictions log p
                 per_token = optax.kl_divergence(jax.nn.log_softmax(target, axis=-1), jax.nn.softmax(x, axis=-1))
+            elif spec.kind == "entropy":  # H(q) = cross-entropy of q with itself, differentiated through both
+                per_token = optax.softmax_cross_entropy(x, jax.nn.softmax(x, axis=-1))
+            else:  # jensen_shannon: beta KL(p || M) + (1 - beta) KL(q || M), M = beta p + (1 - beta) q
+                log_q, log_p = jax.nn.log_softmax(x, axis=-1), jax.nn.log_softmax(target, axis=-1)
+                log_m = jnp.logaddexp(log_p + jnp.log(JSD_BETA), log_q + jnp.log(1.0 - JSD_BETA))
+                per_token = (JSD_BETA * optax.losses.kl_divergence_with_log_targets(log_m, log_p)
+                             + (1.0 - JSD_BETA) * optax.losses.kl_divergence_with_log_targets(log_m, log_q))
             return masked_mean(per_token, mask)
 
         program, args = jax.value_and_grad(loss), (x, target, mask)
@@ -509,7 +520,8 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
         if spec.backend == "liger" and spec.kind == "cross_entropy":
             x = x.detach().clone().requires_grad_(True)  # Liger writes the gradient into the logits: a copy of its own
         leaves.append(x)
-        target = labels if spec.kind == "cross_entropy" else teacher
+        target_kind = lossspec.KIND_SPECS[spec.kind].target  # "labels", "teacher_logits" or None
+        target = labels if target_kind == "labels" else teacher
 
         def eager(x: Any, teacher: Any, labels_ignore: Any, weight: Any, count: Any) -> Any:
             if spec.kind == "cross_entropy":
@@ -518,8 +530,16 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
                 per_token = F.cross_entropy(x, F.softmax(teacher, dim=-1), reduction="none")
             elif spec.kind == "forward_kl":  # kl_div(input=log q, target=log p) = p (log p - log q)
                 per_token = F.kl_div(F.log_softmax(x, -1), F.log_softmax(teacher, -1), reduction="none", log_target=True).sum(-1)
-            else:  # kl_div(input=log p, target=log q) = q (log q - log p), differentiated through q
+            elif spec.kind == "reverse_kl":  # kl_div(input=log p, target=log q) = q (log q - log p), differentiated through q
                 per_token = F.kl_div(F.log_softmax(teacher, -1), F.log_softmax(x, -1), reduction="none", log_target=True).sum(-1)
+            elif spec.kind == "entropy":  # H(q) = -sum q log q
+                log_q = F.log_softmax(x, -1)
+                per_token = -(log_q.exp() * log_q).sum(-1)
+            else:  # jensen_shannon: beta KL(p || M) + (1 - beta) KL(q || M), M = beta p + (1 - beta) q
+                log_q, log_p = F.log_softmax(x, -1), F.log_softmax(teacher, -1)
+                log_m = torch.logaddexp(log_p + math.log(JSD_BETA), log_q + math.log(1.0 - JSD_BETA))
+                per_token = (JSD_BETA * F.kl_div(log_m, log_p, reduction="none", log_target=True).sum(-1)
+                             + (1.0 - JSD_BETA) * F.kl_div(log_m, log_q, reduction="none", log_target=True).sum(-1))
             return (per_token * weight).sum() / count
 
         if spec.backend in ("torchloss", "torchloss-triton"):
@@ -529,7 +549,7 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
             fn = getattr(torchloss, spec.kind)
 
             def forward() -> Any:
-                return fn(x, target, mask, impl=impl)
+                return fn(x, mask, impl=impl) if target_kind is None else fn(x, target, mask, impl=impl)
         elif spec.backend == "torch-eager":
 
             def forward() -> Any:

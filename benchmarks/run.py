@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the fused LM head: cross-entropy, N=4096 x V=32768, hidden 1024, both dtypes, the head "
                            "group only (ours fused and unfused, the peers, the three matmuls)")
     mode.add_argument("--shapes", help="comma list of NxV (default: the full matrix N in 1024,4096,16384 x V in 32768,131072)")
-    p.add_argument("--kinds", default=",".join(KINDS), help="comma list of loss kinds (default: all four)")
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma list of loss kinds (default: every kind of the kind table)")
     p.add_argument("--dtypes", default=None, help="comma list (default: float32,bfloat16; --gpu-quick: bfloat16)")
     p.add_argument("--backends", default=None, help=f"comma list (default: all that apply); known: {','.join(BACKENDS)}")
     p.add_argument("--skip-backends", default="", help="comma list of backends to leave out")

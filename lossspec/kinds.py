@@ -30,10 +30,16 @@ class KindSpec:
     loss: str  # per-token loss formula
     grad: str  # gradient w.r.t. z
     options: tuple[tuple[str, Any], ...]  # keyword options (name, default) before normalization
+    short: str  # a short label for tables and plots (benchmarks, lossparity)
 
     @property
     def option_names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.options)
+
+    @property
+    def has_teacher(self) -> bool:
+        """Whether the kind takes teacher logits ``[..., V]`` as its target."""
+        return self.target == "teacher_logits"
 
 
 # Every kind ends with causal_shift (lossspec.causal), after its own options.
@@ -59,6 +65,7 @@ KIND_SPECS: dict[str, KindSpec] = {
         "l = lse - (1 - eps) z_y - (eps / V) sum_v z_v + lam lse^2",
         "dl/dz = (1 + 2 lam lse) q - (1 - eps) onehot(y) - eps / V",
         _CE_OPTIONS,
+        "CE",
     ),
     "soft_cross_entropy": KindSpec(
         "soft_cross_entropy",
@@ -68,6 +75,7 @@ KIND_SPECS: dict[str, KindSpec] = {
         "l = lse - sum_v p_v z_v",
         "dl/dz = q - p",
         _DISTILL_OPTIONS,
+        "softCE",
     ),
     "forward_kl": KindSpec(
         "forward_kl",
@@ -77,6 +85,7 @@ KIND_SPECS: dict[str, KindSpec] = {
         "l = sum_v p_v (log p_v - log q_v)",
         "dl/dz = q - p",
         _DISTILL_OPTIONS,
+        "fKL",
     ),
     "reverse_kl": KindSpec(
         "reverse_kl",
@@ -86,6 +95,7 @@ KIND_SPECS: dict[str, KindSpec] = {
         "l = sum_v q_v (log q_v - log p_v)",
         "dl/dz = q (log q - log p - l)   (0 where q == 0)",
         _DISTILL_OPTIONS,
+        "rKL",
     ),
     "entropy": KindSpec(
         "entropy",
@@ -95,6 +105,7 @@ KIND_SPECS: dict[str, KindSpec] = {
         "l = -sum_v q_v log q_v",
         "dl/dz = -q (log q + l)   (0 where q == 0)",
         _ENTROPY_OPTIONS,
+        "H",
     ),
     "jensen_shannon": KindSpec(
         "jensen_shannon",
@@ -105,6 +116,7 @@ KIND_SPECS: dict[str, KindSpec] = {
         "    beta = 0: KL(p || q) (forward KL), beta = 1: KL(q || p) (reverse KL), computed as those kinds",
         "dl/dz = (1 - beta) q (log q - log M - KL(q || M))   (0 where q == 0; the KL kinds' at beta = 0, 1)",
         _JSD_OPTIONS,
+        "JSD",
     ),
 }
 assert tuple(KIND_SPECS) == ALL_KINDS

@@ -16,10 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks._report import NOISE, ratio_range, verdict
-from benchmarks._worker import round_order
+from benchmarks._registry import BACKENDS, KINDS, Spec
+from benchmarks._worker import numpy_inputs, round_order, token_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,6 +106,42 @@ def test_runner_writes_sane_results(tmp_path: Path) -> None:
     for suffix in ("_time.png", "_memory.png"):
         png = tmp_path / f"smoke{suffix}"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_every_kind_of_the_table_is_benchmarked() -> None:
+    """The benchmarks take their kinds from lossspec's kind table: a new kind is benchmarked by
+    our backends and the eager / compiled peers without a change here."""
+    import lossspec
+
+    assert KINDS == lossspec.ALL_KINDS
+    for name in ("jaxloss-xla", "torchloss", "optax", "torch-eager", "torch-compile", "jax-sol", "torch-sol"):
+        assert BACKENDS[name].kinds == KINDS, name
+
+
+@needs_frameworks
+@pytest.mark.parametrize("kind", ["entropy", "jensen_shannon"])
+def test_entropy_and_jsd_contenders_compute_the_oracle_loss(tmp_path: Path, kind: str) -> None:
+    """The peers' expressions for the newer kinds (written from their formulas) and ours give the
+    float64 oracle's masked mean on the benchmark's own inputs."""
+    import lossspec
+
+    backends = "jaxloss-xla,optax,torchloss,torch-eager"
+    n, v = 64, 512
+    cmd = [sys.executable, "-m", "benchmarks.run", "--shapes", f"{n}x{v}", "--kinds", kind, "--dtypes", "float32",
+           "--backends", backends, "--reps", "1", "--masked", "0.3", "--out-dir", str(tmp_path), "--name", "kinds",
+           "--device", "cpu", "--no-plots"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "kinds.json").read_text())["results"]
+    assert sorted(r["spec"]["backend"] for r in results) == sorted(backends.split(","))
+    raw = numpy_inputs(Spec(backend="torchloss", kind=kind, n=n, v=v, dtype="float32"))
+    logits = raw["logits_block"][:n].astype(np.float64)
+    teacher = raw["teacher_block"][:n].astype(np.float64) if "teacher_block" in raw else None
+    mask = token_mask(n, 0.3, 0)
+    ref, _ = lossspec.oracle(kind, logits, teacher, mask)
+    for r in results:
+        assert r["status"] == "ok", r
+        lossspec.compare_loss(np.float64(r["loss"]), ref, f"{r['spec']['backend']} {kind}").check()
 
 
 def _fake(backend: str, seconds: tuple[float, float, float], mem: int | None = None, masked: float | None = 0.3) -> dict:
