@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import signal
 import subprocess
 import sys
 import time
@@ -570,6 +571,8 @@ def main() -> None:
     parser.add_argument("--report", default=str(ROOT / "docs" / "mutants.md"))
     parser.add_argument("--check", action="store_true", help="only check that every mutant applies (runs no test)")
     args = parser.parse_args()
+    # A kill (SIGTERM) unwinds like Ctrl-C, so run()'s finally restores the mutated file.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     names = [m.name for m in MUTANTS]
     duplicated = sorted({name for name in names if names.count(name) > 1})
     unknown = [name for name in args.only.split(",") if name and name not in names]
