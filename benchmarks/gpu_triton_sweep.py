@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+import lossspec
 import torchloss
 from torchloss import _triton
 
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
           f"num_warps(block)={default_warps(min(default_block, v))}", flush=True)
     for kind in args.kinds.split(","):
         fn = getattr(torchloss, kind)
-        target = labels if kind == "cross_entropy" else teacher
+        target = labels if lossspec.KIND_SPECS[kind].has_labels else teacher
 
         def step() -> torch.Tensor:
             logits.grad = None

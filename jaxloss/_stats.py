@@ -63,12 +63,18 @@ class KernelConfig:
 
     @property
     def is_ce(self) -> bool:
-        return self.kind == "cross_entropy"
+        """Whether the target is integer labels (the kind table's trait)."""
+        return lossspec.KIND_SPECS[self.kind].has_labels
 
     @property
     def has_teacher(self) -> bool:
-        """Whether the kernel reads teacher logits (not cross-entropy, not entropy)."""
-        return self.kind not in ("cross_entropy", "entropy")
+        """Whether the kernel reads teacher logits (the kind table's trait)."""
+        return lossspec.KIND_SPECS[self.kind].has_teacher
+
+    @property
+    def mixture_pass(self) -> bool:
+        """Whether each row is read a second time for the mixture sums (the kind table's trait)."""
+        return lossspec.KIND_SPECS[self.kind].mixture_pass
 
     @property
     def student_scale(self) -> float:

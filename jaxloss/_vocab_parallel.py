@@ -155,7 +155,7 @@ def losses(
         fin = Final(l=empty, m=empty, s=empty, lse=empty)
         return empty, (jnp.zeros(x.shape, x.dtype) if with_grad else None), fin
     fin = finalize(cfg, combine_shards(cfg, local_stats(cfg, x, target, impl, tuning), x, axes), vocab)
-    if cfg.kind == "jensen_shannon":
+    if cfg.mixture_pass:
         fin = mixture_shards(cfg, fin, x, target, axes)
     loss = jnp.where(coef != 0, fin.l, 0.0)
     if not with_grad:

@@ -176,7 +176,7 @@ def _chunk_single(
     else:  # entropy: no target
         st, e, et = block_stats(cfg, x32)
     fin = finalize(cfg, st, vocab)
-    if cfg.kind == "jensen_shannon":  # its second pass (lossspec.stats), on the same block
+    if cfg.mixture_pass:  # its second pass (lossspec.stats), on the same block
         fin = _shared.finalize_mixture(jnp, cfg, fin, *mixture_block(cfg, fin, x32, t32))
     loss = jnp.where(cc != 0, fin.l, 0.0)
     if not with_grad:
@@ -227,7 +227,7 @@ def _chunk_blocked(
     if cfg.is_ce:
         stats = stats._replace(x_y=x_y)
     fin = finalize(cfg, stats, vocab)
-    if cfg.kind == "jensen_shannon":
+    if cfg.mixture_pass:
         # The second pass (lossspec.stats): log M needs the global lse's of pass 1.
         def pass_mix(j: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
             _, cols, x32, t32 = window(j)

@@ -374,7 +374,7 @@ def _loss(
         vocab = vocab * _vocab_parallel.axis_size(axes)  # the global V (labels are global ids)
     host_flags = None
     concrete_ids = segment_ids is None or _concrete(segment_ids)
-    if config.kind == "cross_entropy" and time_axes is None and _concrete(target) and (loss_mask is None or _concrete(loss_mask)) and concrete_ids:
+    if config.has_labels and time_axes is None and _concrete(target) and (loss_mask is None or _concrete(loss_mask)) and concrete_ids:
         labels_host = np.asarray(target)
         mask_host = None if loss_mask is None else np.asarray(loss_mask)
         ids_host = None if segment_ids is None else lossspec.scored_segment_ids(np.asarray(segment_ids), lead, config.causal_shift)
@@ -382,9 +382,9 @@ def _loss(
             labels_host, mask_host = lossspec.shift_targets(labels_host, mask_host, lead)
         valid, _ = lossspec.token_weights(config, labels_host, mask_host, lead, ids_host)
         lossspec.check_labels(labels_host, valid, vocab, config.causal_shift)
-    if config.kind == "cross_entropy" and isinstance(target, np.ndarray):
+    if config.has_labels and isinstance(target, np.ndarray):
         target, host_flags = _host_labels(target, config.ignore_index, vocab)
-    if config.kind != "cross_entropy":
+    if config.is_distill:  # teacher logits are data: no gradient
         target = jax.lax.stop_gradient(_device(target))
     # Only what the coefficients depend on is static here: a new option value (label
     # smoothing, temperature, ...) does not recompile this part.
@@ -608,7 +608,7 @@ def _prepare(
     ``axes``: the ``sequence_parallel`` axes; then the ``[..., T]`` labels, mask, ids and flags
     of the whole rows are gathered, everything below runs on them, and this replica keeps its
     window of the coefficients and labels (lossspec.sequences)."""
-    ce = config.kind == "cross_entropy"
+    ce = config.has_labels
     local_lead = target.shape if ce else target.shape[:-1]
     n = int(np.prod(local_lead, dtype=np.int64))
     ignored, out_of_range = host_flags if host_flags is not None else (None, None)

@@ -709,7 +709,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     spec = lossspec.KIND_SPECS[kind]
     options = {name: args[name] for name in spec.option_names}
     config = lossspec.make_config(kind, normalization=args["normalization"], **options)
-    ce = config.kind == "cross_entropy"
+    ce = config.has_labels
     hidden, weight, bias = api._as_array(args["hidden"]), api._as_array(args["weight"]), _optional(args["bias"])
     teacher = None
     if not ce:

@@ -52,7 +52,7 @@ class _LinearLoss(_nnx.Module):
         kwargs: dict[str, Any] = {"bias": bias, "denominator": denominator, "segment_ids": segment_ids, **self.settings}
         if loss_mask is not None:
             kwargs["loss_mask"] = loss_mask
-        if self.kind != "cross_entropy":
+        if lossspec.KIND_SPECS[self.kind].has_teacher:
             if len(args_list) >= 2:
                 args_list[1], teacher_bias = _unpack_linear(args_list[1], teacher_bias)
             kwargs["teacher_bias"] = teacher_bias

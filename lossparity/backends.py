@@ -57,7 +57,7 @@ def _jax(impl: str) -> BackendFn:
         dtype = jnp.dtype(inputs.dtype)
         logits = jnp.asarray(inputs.logits, dtype)
         targets: tuple = ()  # entropy has no target argument
-        if kind == "cross_entropy":
+        if lossspec.KIND_SPECS[kind].has_labels:
             targets = (jnp.asarray(inputs.target.astype(np.int32)),)
         elif lossspec.KIND_SPECS[kind].target is not None:
             targets = (jnp.asarray(inputs.target, dtype),)
@@ -95,7 +95,7 @@ def _torch(impl: str) -> BackendFn:
         dtype = getattr(torch, inputs.dtype)
         logits = host(inputs.logits).to(dtype).to(device).requires_grad_(True)
         targets: tuple = ()  # entropy has no target argument
-        if kind == "cross_entropy":
+        if lossspec.KIND_SPECS[kind].has_labels:
             targets = (host(inputs.target.astype(np.int64)).to(device),)
         elif lossspec.KIND_SPECS[kind].target is not None:
             targets = (host(inputs.target).to(dtype).to(device),)

@@ -163,7 +163,7 @@ def packed_inputs(kind: str, dtype: str, lead_shape: tuple[int, ...], vocab: int
     if len(documents) > 1:
         first_mask[first_row == documents[1]] = False
     target = made.target
-    if kind == "cross_entropy":
+    if lossspec.KIND_SPECS[kind].has_labels:
         target = np.where(ids < 0, vocab, target)
     return Inputs(made.logits, target, mask, dtype, ids)
 

@@ -80,7 +80,7 @@ def check_inputs(
     lead = logits.shape[:-1]
     if not config.has_target:
         pass
-    elif config.kind == "cross_entropy":
+    elif config.has_labels:
         assert target is not None
         if target.kind not in INT_KINDS:
             raise TypeError(f"labels must be an integer array of shape {_shape(lead)}; got dtype {target.dtype}")

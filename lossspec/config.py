@@ -11,18 +11,20 @@ import dataclasses
 from typing import Any, Optional
 
 from .causal import check_causal_shift
+from .kinds import KIND_SPECS
 from .sequences import SEQUENCE_NORMALIZATIONS
 
-# The four kinds of the shared test matrices (every backend, every test file parametrised over
-# ``lossspec.KINDS``), and the kinds added since, which their own test files cover until the
-# shared matrices take them in (``ALL_KINDS``: everything ``check_kind`` accepts).
-KINDS: tuple[str, ...] = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
-ENTROPY_JSD_KINDS: tuple[str, ...] = ("entropy", "jensen_shannon")
-ALL_KINDS: tuple[str, ...] = KINDS + ENTROPY_JSD_KINDS
+# Every kind of the kind table (lossspec.kinds.KIND_SPECS): everything check_kind accepts.
+ALL_KINDS: tuple[str, ...] = tuple(KIND_SPECS)
+# The kinds of the shared test matrices (every backend, every test file parametrised over
+# ``lossspec.KINDS``): those with a fused head. The others (ENTROPY_JSD_KINDS) have their own
+# test files until the shared matrices take them in.
+KINDS: tuple[str, ...] = tuple(kind for kind, spec in KIND_SPECS.items() if spec.head)
+ENTROPY_JSD_KINDS: tuple[str, ...] = tuple(kind for kind in ALL_KINDS if kind not in KINDS)
 # Kinds with teacher logits (the target argument ``teacher_logits [..., V]``).
-DISTILL_KINDS: tuple[str, ...] = ("soft_cross_entropy", "forward_kl", "reverse_kl", "jensen_shannon")
+DISTILL_KINDS: tuple[str, ...] = tuple(kind for kind, spec in KIND_SPECS.items() if spec.has_teacher)
 # Kinds without a target argument: ``fn(logits, loss_mask=None, ...)``.
-TARGETLESS_KINDS: tuple[str, ...] = ("entropy",)
+TARGETLESS_KINDS: tuple[str, ...] = tuple(kind for kind, spec in KIND_SPECS.items() if spec.target is None)
 # The token-level normalisations (SPEC section 2); the per-sequence ones are in lossspec.sequences.
 NORMALIZATIONS: tuple[str, ...] = ("valid_tokens", "tokens", "sum", "none")
 # Every value `normalization=` accepts.
@@ -33,26 +35,8 @@ COUNTED_NORMALIZATIONS: tuple[str, ...] = ("valid_tokens", "tokens") + SEQUENCE_
 JAX_IMPLS: tuple[str, ...] = ("auto", "xla", "pallas")
 TORCH_IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
 
-# Keyword options each kind accepts (besides loss_mask, normalization, denominator).
-CE_OPTIONS: tuple[str, ...] = ("ignore_index", "label_smoothing", "z_loss", "logit_scale", "logit_softcap", "causal_shift")
-DISTILL_OPTIONS: tuple[str, ...] = (
-    "temperature",
-    "logit_scale",
-    "teacher_logit_scale",
-    "logit_softcap",
-    "teacher_logit_softcap",
-    "causal_shift",
-)
-ENTROPY_OPTIONS: tuple[str, ...] = ("temperature", "logit_scale", "logit_softcap", "causal_shift")
-JSD_OPTIONS: tuple[str, ...] = ("beta",) + DISTILL_OPTIONS
-KIND_OPTIONS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": CE_OPTIONS,
-    "soft_cross_entropy": DISTILL_OPTIONS,
-    "forward_kl": DISTILL_OPTIONS,
-    "reverse_kl": DISTILL_OPTIONS,
-    "entropy": ENTROPY_OPTIONS,
-    "jensen_shannon": JSD_OPTIONS,
-}
+# Keyword options each kind accepts (besides loss_mask, normalization, denominator): the table's.
+KIND_OPTIONS: dict[str, tuple[str, ...]] = {kind: spec.option_names for kind, spec in KIND_SPECS.items()}
 
 
 def _finite_number(name: str, value: Any) -> float:
@@ -218,6 +202,18 @@ class LossConfig:
     def has_target(self) -> bool:
         """Whether the kind takes a target (labels or teacher logits); ``entropy`` does not."""
         return self.kind not in TARGETLESS_KINDS
+
+    @property
+    def has_labels(self) -> bool:
+        """Whether the target is integer labels (the kind table's ``target == "labels"``)."""
+        return KIND_SPECS[self.kind].has_labels
+
+    @property
+    def mixture_pass(self) -> bool:
+        """Whether this kind reads each row a second time for its mixture sums (the kind table's
+        trait; :meth:`kernel_config` turns the end points of ``jensen_shannon`` into KL kinds,
+        which have none)."""
+        return KIND_SPECS[self.kind].mixture_pass
 
     @property
     def formula(self) -> str:

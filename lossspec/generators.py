@@ -16,6 +16,7 @@ from .causal import scored_positions, shift_targets
 from .config import ALL_KINDS, KINDS
 from .oracle import oracle, token_weights
 from .config import make_config
+from .kinds import KIND_SPECS
 from .sequences import scored_segment_ids, sequence_coefficients
 from .tolerances import g0_for, gradient_floor, round_to_dtype
 
@@ -70,7 +71,7 @@ class Case:
         cfg_options = {k: v for k, v in options.items() if k not in ("normalization", "denominator", "grad_output", "segment_ids")}
         config = make_config(self.kind, normalization=normalization, **cfg_options)
         lead = self.logits.shape[:-1]
-        labels, mask = (self.target if self.kind == "cross_entropy" else None), self.loss_mask
+        labels, mask = (self.target if KIND_SPECS[self.kind].has_labels else None), self.loss_mask
         ids = options.get("segment_ids")
         if ids is not None or config.per_sequence:
             ids = scored_segment_ids(ids, lead, config.causal_shift)
@@ -152,7 +153,7 @@ def make_case(
         np.put_along_axis(logits, labels[..., None], margin + 4.0, axis=-1)
         np.put_along_axis(teacher, labels[..., None], margin + 4.0, axis=-1)
     mask = _mask(rng, lead, scenario)
-    if kind == "cross_entropy":
+    if KIND_SPECS[kind].has_labels:
         labels = labels.astype(np.int64)
         if labels.size and scenario in ("random", "no_mask", "heavy_mask", "float_weights"):
             labels = np.where(rng.random(lead) < 0.1, IGNORE_INDEX, labels)
@@ -161,7 +162,7 @@ def make_case(
             garbage = rng.choice(np.array([-1, vocab, 10**6, IGNORE_INDEX, 0]), size=lead)
             labels = np.where(mask != 0, labels, garbage)
         target = labels
-    elif kind == "entropy":
+    elif KIND_SPECS[kind].target is None:
         target = None  # no target
     else:
         target = round_to_dtype(teacher, dtype)

@@ -13,7 +13,6 @@ import dataclasses
 import inspect
 from typing import Any, Callable, Optional
 
-from .config import ALL_KINDS, make_config
 
 _P = inspect.Parameter
 
@@ -21,7 +20,14 @@ _P = inspect.Parameter
 @dataclasses.dataclass(frozen=True)
 class KindSpec:
     """One loss kind: its public function name (= the kind), target argument, options with
-    defaults, and the math of its docstring."""
+    defaults, the math of its docstring, and the traits the code reads instead of the kind's
+    name (only this table, the statistics / oracle math, the block math and the kernels name
+    individual kinds).
+
+    Traits: ``target`` (``"labels"``, ``"teacher_logits"`` or ``None``: the call signature,
+    input checks and shifts), ``mixture_pass`` (a second pass over each row for the mixture
+    sums, after the row's statistics: lossspec.stats), ``head`` (a fused LM head
+    ``linear_<kind>`` exists)."""
 
     kind: str
     module: str  # the module class name (jaxloss.nnx, torchloss.nn)
@@ -31,6 +37,13 @@ class KindSpec:
     grad: str  # gradient w.r.t. z
     options: tuple[tuple[str, Any], ...]  # keyword options (name, default) before normalization
     short: str  # a short label for tables and plots (benchmarks, lossparity)
+    mixture_pass: bool = False
+    head: bool = True
+
+    @property
+    def has_labels(self) -> bool:
+        """Whether the target is integer labels ``[...]`` (gathered at the label, ``ignore_index``)."""
+        return self.target == "labels"
 
     @property
     def option_names(self) -> tuple[str, ...]:
@@ -106,6 +119,7 @@ KIND_SPECS: dict[str, KindSpec] = {
         "dl/dz = -q (log q + l)   (0 where q == 0)",
         _ENTROPY_OPTIONS,
         "H",
+        head=False,
     ),
     "jensen_shannon": KindSpec(
         "jensen_shannon",
@@ -117,9 +131,10 @@ KIND_SPECS: dict[str, KindSpec] = {
         "dl/dz = (1 - beta) q (log q - log M - KL(q || M))   (0 where q == 0; the KL kinds' at beta = 0, 1)",
         _JSD_OPTIONS,
         "JSD",
+        mixture_pass=True,
+        head=False,
     ),
 }
-assert tuple(KIND_SPECS) == ALL_KINDS
 
 _NOTATION = {
     "labels": (
@@ -280,6 +295,8 @@ def module_settings(spec: KindSpec, extra: FrameworkArgs, options: dict[str, Any
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise TypeError(f"{owner} got unexpected option(s) {', '.join(unknown)}; it accepts {', '.join(defaults)}")
+    from .config import make_config  # config builds its kind lists from this table
+
     settings = {**defaults, **options}
     make_config(spec.kind, normalization=settings["normalization"], **{name: settings[name] for name in spec.option_names})
     return settings

@@ -17,7 +17,7 @@ fused CPU softmax uses a faster, less accurate exponential that misses SPEC sect
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -245,6 +245,24 @@ def _pivot_d(config: LossConfig, u: Tensor, tb: Tensor, tau: Tensor, out: Tensor
 def buffers_needed(kind: str) -> int:
     """Scratch buffers :func:`block_stats` takes for ``kind``."""
     return {"cross_entropy": 1, "jensen_shannon": 4}.get(kind, 3)
+
+
+def chunk_buffers(kind: str, z: Tensor, t: Optional[Tensor], fresh: Callable[[], Tensor]) -> list[Tensor]:
+    """:func:`block_stats`' scratch for a whole-row chunk of the fused head whose logits ``z``
+    (and teacher ``t``) are its own to overwrite: cross-entropy needs ``z`` only; soft CE and
+    forward KL shift ``z`` and ``t`` in place (:func:`shifts_inputs`) and take two fresh blocks;
+    reverse KL reads the teacher after the shift, so it takes two fresh blocks besides ``z``."""
+    if kind == "cross_entropy":
+        return [z]
+    if kind == "reverse_kl":
+        return [z, fresh(), fresh()]
+    return [z, t, fresh(), fresh()]
+
+
+def grad_scratch_blocks(kind: str) -> int:
+    """Scratch blocks :func:`block_grad` needs beyond the logits' own (cross-entropy's gradient
+    forms in place: none)."""
+    return 0 if kind == "cross_entropy" else buffers_needed(kind)
 
 
 def shifts_inputs(kind: str) -> bool:

@@ -105,7 +105,7 @@ class RowStats:
 
     def __init__(self, config: LossConfig, rows: int, dtype: torch.dtype, device: torch.device) -> None:
         self.names = lossspec_stats.stats_used(config)
-        if config.kind == "jensen_shannon":
+        if config.mixture_pass:
             self.names += lossspec_stats.MIXTURE_STATS
         self.table = torch.zeros((len(self.names), rows), dtype=dtype, device=device)
         for name in ("s", "st"):
@@ -211,7 +211,7 @@ def _run_tile(
     grad_as_scratch: bool,
 ) -> None:
     vocab = logits.shape[1]
-    is_ce = config.kind == "cross_entropy"
+    is_ce = config.has_labels
     n = r1 - r0
     x = logits[r0:r1]
     t = target[r0:r1] if config.is_distill else None
@@ -227,7 +227,7 @@ def _run_tile(
             bufs.insert(0, grad[r0:r1])
         stats, cache = _stats.block_stats(config, x, t, bufs, x_y=x_y)
         fin = _stats.finalize_gradient(config, stats)
-        if config.kind == "jensen_shannon":  # its second pass, on the cached block
+        if config.mixture_pass:  # its second pass, on the cached block
             stats, fin = _mixture_pass(config, stats, fin, x, t, cache)
         table.put(slice(r0, r1), stats)
         if grad is not None:
@@ -242,7 +242,7 @@ def _run_tile(
         part, _ = _stats.block_stats(config, x[:, v0:v1], tb, scratch.views(n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
         stats = _stats.combine(config, stats, part)
     fin = _stats.finalize(config, stats, vocab)
-    if config.kind == "jensen_shannon":
+    if config.mixture_pass:
         # The second pass (lossspec.stats): log M needs the global lse's of pass 1.
         kl_qm = kl_pm = torch.zeros_like(fin.s)
         for v0 in range(0, vocab, block):
@@ -284,7 +284,7 @@ def _run_compact_tile(
     (runs of ~3 rows)."""
     runs, index, masked = runs_index
     vocab = logits.shape[1]
-    is_ce = config.kind == "cross_entropy"
+    is_ce = config.has_labels
     has_teacher = config.is_distill
     acc = table.table.dtype
     if grad is not None and masked.numel():
@@ -312,7 +312,7 @@ def _run_compact_tile(
         bufs = [x, t] + bufs[2:]
     stats, cache = _stats.block_stats(config, x, t, bufs, x_y=x_y)
     fin = _stats.finalize_gradient(config, stats)
-    if config.kind == "jensen_shannon":
+    if config.mixture_pass:
         stats, fin = _mixture_pass(config, stats, fin, x, t, cache)
     table.put(index, stats)
     if grad is None:

@@ -63,7 +63,7 @@ def local_stats(config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, off
     logit where this shard owns the label, else 0."""
     rows, width = x.shape
     acc = compute_dtype(x.dtype)
-    is_ce = config.kind == "cross_entropy"
+    is_ce = config.has_labels
     tile_rows = _tile_rows(rows, width, x.device)
     parts: dict[int, Any] = {}
 
@@ -161,7 +161,7 @@ def shard_grad(
     collective), written into ``out`` and rounded once to its dtype. Labels are global ids."""
     rows, width = x.shape
     acc = compute_dtype(x.dtype)
-    is_ce = config.kind == "cross_entropy"
+    is_ce = config.has_labels
     tile_rows = _tile_rows(rows, width, x.device)
 
     def run(tiles: Iterable[_cpu.Tile]) -> None:
@@ -212,7 +212,7 @@ class VocabParallel:
             else:
                 local = self.kernel.shard_stats(config, x, target, coef, self.offset)
             fin = _stats.finalize(config, combine_shards(config, local, self.group), self.vocab)
-            if config.kind == "jensen_shannon":
+            if config.mixture_pass:
                 fin = mixture_shards(config, fin, x, target, self.group)
             self.fin = fin
             loss = torch.where(coef != 0, fin.l, 0.0)

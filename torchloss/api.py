@@ -368,7 +368,7 @@ def _validate(
     impl: str,
     inplace: bool,
 ) -> _Call:
-    is_ce = config.kind == "cross_entropy"
+    is_ce = config.has_labels
     target_name = "labels" if is_ce else "teacher_logits"
     lossspec.check_impl(impl, lossspec.TORCH_IMPLS)
     logits = _require_tensor("logits", logits)
@@ -620,7 +620,7 @@ def _coefficients(config: LossConfig, weight: Tensor, n: Optional[Tensor], denom
 
 def _prepare(call: _Call) -> _Prepared:
     config, logits = call.config, call.logits
-    is_ce = config.kind == "cross_entropy"
+    is_ce = config.has_labels
     lead = tuple(logits.shape[:-1])
     rows = math.prod(lead)
     acc = compute_dtype(logits.dtype)

@@ -303,12 +303,7 @@ def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
     rows, vocab = z.shape
     fresh = lambda: torch.empty_like(z)  # noqa: E731
     x_y = None if y is None else z.gather(1, y[:, None])[:, 0]
-    if config.kind == "cross_entropy":
-        bufs = [z]
-    elif config.kind == "reverse_kl":
-        bufs = [z, fresh(), fresh()]
-    else:
-        bufs = [z, t, fresh(), fresh()]
+    bufs = _stats.chunk_buffers(config.kind, z, t, fresh)
     stats, cache = _stats.block_stats(config, z, t, bufs, x_y=x_y)
     fin = _stats.finalize(config, stats, vocab)
     loss = torch.where(cc != 0, fin.l, 0.0)
@@ -548,7 +543,7 @@ def head_backward(
     # The forward's live blocks' elements, shared by this pass's blocks (the logits, the
     # teacher's, block_grad's scratch: none for cross-entropy, whose gradient forms in place)
     # and [B, H] slices (the gradient, the widened weight rows, the teacher's).
-    scratch = 0 if config.kind == "cross_entropy" else _stats.buffers_needed(config.kind)
+    scratch = _stats.grad_scratch_blocks(config.kind)
     blocks = 1 + (teacher is not None) + scratch
     live = spec_linear.head_live_blocks("torch", config.kind, shards is not None)
     operands = [hidden.dtype, weight.dtype] + ([] if teacher is None else [teacher[0].dtype, teacher[1].dtype])
@@ -737,7 +732,7 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     spec = lossspec.KIND_SPECS[kind]
     options = {name: args[name] for name in spec.option_names}
     config = lossspec.make_config(kind, normalization=args["normalization"], **options)
-    ce = config.kind == "cross_entropy"
+    ce = config.has_labels
     hidden, weight = api._require_tensor("hidden", args["hidden"]), api._require_tensor("weight", args["weight"])
     bias = _optional("bias", args["bias"])
     teacher = None
@@ -833,7 +828,7 @@ class _LinearLoss(torch.nn.Module):
         kwargs: dict[str, Any] = {"bias": bias, "denominator": denominator, "segment_ids": segment_ids, **self.settings}
         if loss_mask is not None:
             kwargs["loss_mask"] = loss_mask
-        if self.kind != "cross_entropy":
+        if lossspec.KIND_SPECS[self.kind].has_teacher:
             if len(args) >= 2:
                 args[1], teacher_bias = _unpack_linear(args[1], teacher_bias)
             kwargs["teacher_bias"] = teacher_bias

@@ -1,0 +1,84 @@
+"""The house rules of docs/DESIGN.md that the code itself can be checked for (a scan of the
+sources, no import of the frameworks):
+
+- kinds are chosen by the kind table's traits (``lossspec.KIND_SPECS``): a kind's name is compared
+  only in the table's home (lossspec/kinds.py, lossspec/config.py), the statistics and oracle math
+  (lossspec/stats.py, lossspec/oracle.py), the block math (jaxloss/_stats.py, torchloss/_stats.py),
+  the kernels, and the benchmark worker's peer formulas;
+- tests never import another test module and never edit ``sys.path``: shared helpers live in
+  ``parity_tests.support``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lossspec
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ("lossspec", "jaxloss", "torchloss", "lossparity", "benchmarks")
+NAMES_KINDS = {
+    "lossspec/kinds.py", "lossspec/config.py",  # the kind table
+    "lossspec/stats.py", "lossspec/oracle.py",  # the statistics / oracle math
+    "jaxloss/_stats.py", "torchloss/_stats.py",  # the block math
+    "jaxloss/_pallas.py", "jaxloss/_pallas_linear.py",  # kernels
+    "torchloss/_triton.py", "torchloss/_triton_kernels.py", "torchloss/_triton_linear.py",
+    "benchmarks/_worker.py",  # the peers' own per-kind expressions
+}
+
+
+def _sources(folders: tuple[str, ...]) -> list[Path]:
+    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
+
+
+def _kind_names(node: ast.AST) -> list[str]:
+    """Kind names among a comparison operand's string constants (a tuple or set of them too)."""
+    values = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [v.value for v in values if isinstance(v, ast.Constant) and v.value in lossspec.ALL_KINDS]
+
+
+def kind_comparisons(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            names = [name for operand in [node.left, *node.comparators] for name in _kind_names(operand)]
+            if names:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {', '.join(names)}")
+    return found
+
+
+def test_kinds_are_named_only_by_the_table_the_math_and_the_kernels() -> None:
+    offending = [hit for path in _sources(LIBRARY) if str(path.relative_to(ROOT)) not in NAMES_KINDS
+                 for hit in kind_comparisons(path)]
+    assert offending == [], "compare a trait of lossspec.KIND_SPECS instead:\n" + "\n".join(offending)
+
+
+def test_the_scan_finds_a_kind_comparison(tmp_path: Path, monkeypatch) -> None:
+    """The check itself: the forms the code used before the table (== and in a tuple) are found."""
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    probe = tmp_path / "probe.py"
+    probe.write_text('if cfg.kind == "jensen_shannon":\n    pass\nce = kind in ("cross_entropy", "entropy")\n')
+    assert kind_comparisons(probe) == ["probe.py:1 jensen_shannon", "probe.py:3 cross_entropy, entropy"]
+
+
+def test_tests_import_no_test_module_and_leave_sys_path_alone() -> None:
+    tests = ROOT / "parity_tests"
+    modules = {p.stem for p in tests.glob("test_*.py")} | {p.stem for p in tests.glob("_*.py")}
+    offending = []
+    for path in sorted(tests.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                names = []
+            offending += [f"{path.relative_to(ROOT)}:{node.lineno} imports {name}" for name in names
+                          if name.split(".")[0] in modules or name.startswith("parity_tests.test_")]
+            if isinstance(node, ast.Attribute) and node.attr in ("insert", "append", "extend", "remove") \
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "path" \
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "sys":
+                offending.append(f"{path.relative_to(ROOT)}:{node.lineno} edits sys.path")
+    assert offending == [], "\n".join(offending)
