@@ -40,6 +40,7 @@ local gradient, and ``dh`` is ``psum``'d once (docs/linear_head.md).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple, Optional
 
@@ -576,7 +577,19 @@ def head_backward(
 # custom_vjp
 # --------------------------------------------------------------------------------------------
 
-Spec = tuple  # (KernelConfig, reduced: bool, (block_elements, blocked_rows, impl, softcaps, tuning), (hidden, weight, bias) dtypes, Shards | None, (recompute_logits: bool, RECOMPUTE_PLAN)): static
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What the head's ``custom_vjp`` takes as static (hashable): the kernel's config, whether
+    the loss is reduced (not ``"none"``), the plan (:class:`lossspec.linear.HeadPlan`), the Pallas
+    kernels' soft caps and tuning, the inputs' dtypes and the vocabulary shards."""
+
+    config: KernelConfig
+    reduced: bool
+    plan: spec_linear.HeadPlan
+    softcaps: tuple
+    tuning: Any
+    dtypes: tuple  # (hidden, weight, bias)
+    shards: Optional[Shards]
 
 
 def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
@@ -585,11 +598,12 @@ def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
 
 
 def _run(spec: Spec, args: tuple, coef: Array, with_grad: bool) -> tuple:
-    cfg, _, (block_elements, blocked_rows, impl, softcaps, tuning), _, shards, _ = spec
+    cfg, plan, shards = spec.config, spec.plan, spec.shards
+    block_elements, blocked_rows = plan.block_elements, plan.blocked_rows
     hidden, weight, bias, labels, teacher = args
-    if impl == "pallas":  # the one dispatch point: the fused Pallas kernels (jaxloss._pallas_linear)
+    if plan.impl == "pallas":  # the one dispatch point: the fused Pallas kernels (jaxloss._pallas_linear)
         return _pallas_linear.head_forward(
-            cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, softcaps=softcaps, tuning=tuning
+            cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, softcaps=spec.softcaps, tuning=spec.tuning
         )
     return head_forward(
         cfg,
@@ -610,18 +624,18 @@ def _run(spec: Spec, args: tuple, coef: Array, with_grad: bool) -> tuple:
 def _head(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, teacher: Any, coef: Array) -> Array:
     """``sum_i coef_i l_i`` (reduced) or the per-token ``coef_i l_i`` ``[N]`` (``"none"``)."""
     loss = _run(spec, (hidden, weight, bias, labels, teacher), coef, with_grad=False)[0]
-    return _weighted(coef, loss, spec[1])
+    return _weighted(coef, loss, spec.reduced)
 
 
 def _head_fwd(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, teacher: Any, coef: Array) -> tuple:
     args = (hidden, weight, bias, labels, teacher)
-    if spec[5][0]:  # recompute_logits: the rows' statistics only; the backward computes the gradients
-        cfg, _, (block_elements, blocked_rows, _, _, _), _, shards, _ = spec
+    if spec.plan.recompute_logits:  # the rows' statistics only; the backward computes the gradients
         loss, final = head_forward(
-            cfg, *args, coef, with_grad=False, block_elements=block_elements, blocked_rows=blocked_rows, shards=shards, keep_final=True
+            spec.config, *args, coef, with_grad=False, block_elements=spec.plan.block_elements,
+            blocked_rows=spec.plan.blocked_rows, shards=spec.shards, keep_final=True
         )
-        return _weighted(coef, loss, spec[1]), (args, coef, final)
-    if not spec[1]:  # "none": the backward recomputes with coef * upstream
+        return _weighted(coef, loss, spec.reduced), (args, coef, final)
+    if not spec.reduced:  # "none": the backward recomputes with coef * upstream
         loss = _run(spec, args, coef, with_grad=False)[0]
         return _weighted(coef, loss, False), (args, coef)
     loss, dh, dw, db = _run(spec, args, coef, with_grad=True)
@@ -646,13 +660,14 @@ def _as_primal_type(grad: Any, probe: Any) -> Any:
 
 
 def _head_bwd(spec: Spec, res: tuple, g: Array) -> tuple:
-    cfg, reduced, (block_elements, blocked_rows, _, _, _), (h_dtype, w_dtype, b_dtype), shards, (recompute, recompute_plan) = spec
-    if recompute:  # the gradients of sum_i coef_i g_i l_i, dW and db already rounded
+    cfg, reduced, plan, shards = spec.config, spec.reduced, spec.plan, spec.shards
+    h_dtype, w_dtype, b_dtype = spec.dtypes
+    if plan.recompute_logits:  # the gradients of sum_i coef_i g_i l_i, dW and db already rounded
         args, coef, final = res
         probes = _type_probes(args)
         dh, dw, db = head_backward(
             cfg, *args, jnp.where(coef != 0, coef * g.astype(F32), 0.0), final, probes,
-            block_elements=block_elements, blocked_rows=blocked_rows, shards=shards, plan=recompute_plan,
+            block_elements=plan.block_elements, blocked_rows=plan.blocked_rows, shards=shards, plan=plan.recompute_plan,
         )
         return _as_primal_type(dh, probes[0]).astype(h_dtype), dw, db, None, None, None
     if reduced:
@@ -766,7 +781,8 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     impl = spec_linear.head_impl(args["impl"], lossspec.JAX_IMPLS, "xla", shards is not None)
     recompute = spec_linear.check_recompute_logits(args["recompute_logits"], impl, "xla")
     softcaps = (getattr(config, "logit_softcap", None), getattr(config, "teacher_logit_softcap", None))
-    head_spec = (kcfg, config.normalization != "none", (BLOCK_ELEMENTS, BLOCKED_ROWS, impl, softcaps, _pallas_linear.TUNING), dtypes, shards, (recompute, RECOMPUTE_PLAN))
+    head_spec = Spec(kcfg, config.normalization != "none", spec_linear.HeadPlan(BLOCK_ELEMENTS, BLOCKED_ROWS, impl, recompute, RECOMPUTE_PLAN),
+                     softcaps, _pallas_linear.TUNING, dtypes, shards)
     device = lambda a: None if a is None else api._device(a)  # noqa: E731
     teacher_arrays = None if teacher is None else tuple(device(a) for a in teacher)
     try:

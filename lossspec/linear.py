@@ -22,6 +22,7 @@ and the memory plans (also of a vocabulary shard, :func:`head_plan_shard`, and o
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable, Optional
 
@@ -328,6 +329,22 @@ HEAD_LIVE_BLOCKS_VOCAB_PARALLEL: dict[str, dict[str, int]] = {
 HEAD_MAX_BLOCK_ELEMENTS: int = 1 << 24
 #: rows of a chunk in the vocabulary-blocked fallback (one row's V does not fit the budget)
 HEAD_BLOCKED_ROWS: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadPlan:
+    """How one fused-head call runs, resolved once before it: the block budget of
+    :func:`head_plan` (``block_elements``: ``None`` for its default; ``blocked_rows``: rows of a
+    chunk in the vocabulary-blocked fallback), the implementation (:func:`head_impl`), whether the
+    backward recomputes the logits (:func:`check_recompute_logits`) and that backward's
+    ``(R, B)`` (``None``: :func:`head_plan_recompute`'s). Frozen and hashable: JAX's
+    ``custom_vjp`` takes it as a static argument."""
+
+    block_elements: Optional[int] = None
+    blocked_rows: int = HEAD_BLOCKED_ROWS
+    impl: str = "auto"
+    recompute_logits: bool = False
+    recompute_plan: Optional[tuple[int, int]] = None
 #: the fewest vocabulary columns of a ``recompute_logits`` backward slice (when the budget allows)
 HEAD_RECOMPUTE_MIN_COLUMNS: int = 256
 #: bf16 terms of the fp32 logits gradient ``G`` in the heads' opt-in bf16 backward matmuls

@@ -605,11 +605,11 @@ def head_backward(
     return dh, dw, db
 
 
-def _head_forward(plan: tuple) -> Any:
-    """The one dispatch point: ``plan[2]`` is the resolved impl (:func:`lossspec.linear.head_impl`);
+def _head_forward(plan: spec_linear.HeadPlan) -> Any:
+    """The one dispatch point: ``plan.impl`` is the resolved impl (:func:`lossspec.linear.head_impl`);
     ``"triton"`` runs the fused kernels of :mod:`torchloss._triton_linear` (fp32 / 16-bit inputs;
     no vocabulary shards), anything else :func:`head_forward`."""
-    if plan[2] == "triton":
+    if plan.impl == "triton":
         from . import _triton_linear
 
         def kernels(*args: Any, shards: Any = None, **kwargs: Any) -> Any:
@@ -626,28 +626,28 @@ class LinearHeadFunction(torch.autograd.Function):
     ``forward(hidden [N, H], weight, bias, labels, teacher_hidden, teacher_weight,
     teacher_bias, coef, config, need_grad, plan, shards)`` returns ``sum_i coef_i l_i``
     (reduced) or the per-token ``coef_i l_i`` (``"none"``) in the compute dtype. ``plan``:
-    ``(block_elements, blocked_rows, impl, recompute_logits, RECOMPUTE_PLAN)``; ``shards``:
+    :class:`lossspec.linear.HeadPlan`; ``shards``:
     :class:`Shards` (``vocab_parallel``) or ``None``.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Optional[Tensor], t_hidden: Optional[Tensor],
-        t_weight: Optional[Tensor], t_bias: Optional[Tensor], coef: Tensor, config: LossConfig, need_grad: bool, plan: tuple,
+        t_weight: Optional[Tensor], t_bias: Optional[Tensor], coef: Tensor, config: LossConfig, need_grad: bool, plan: spec_linear.HeadPlan,
         shards: Optional[Shards],
     ) -> Tensor:
         reduced = config.normalization != "none"
         teacher = None if t_hidden is None else (t_hidden, t_weight, t_bias)
         args = (config, hidden, weight, bias, labels, teacher)
-        ctx.recompute, ctx.dtypes = plan[3], (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        if plan[3]:  # recompute_logits: the rows' statistics only; the backward computes the gradients
-            per_token, final = head_forward(*args, coef, need_grad=False, block_elements=plan[0], blocked_rows=plan[1], shards=shards, keep_final=True)
+        ctx.recompute, ctx.dtypes = plan.recompute_logits, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        if plan.recompute_logits:  # recompute_logits: the rows' statistics only; the backward computes the gradients
+            per_token, final = head_forward(*args, coef, need_grad=False, block_elements=plan.block_elements, blocked_rows=plan.blocked_rows, shards=shards, keep_final=True)
             if need_grad:
                 ctx.args, ctx.coef, ctx.final, ctx.plan, ctx.shards = args, coef, final, plan, shards
             contribution = torch.where(coef != 0, coef * per_token, 0.0)
             return contribution.sum() if reduced else contribution
         per_token, dh, dw, db = _head_forward(plan)(
-            *args, coef, need_grad=need_grad and reduced, block_elements=plan[0], blocked_rows=plan[1], shards=shards
+            *args, coef, need_grad=need_grad and reduced, block_elements=plan.block_elements, blocked_rows=plan.blocked_rows, shards=shards
         )
         ctx.reduced = reduced
         ctx.grads = (dh, dw, db)
@@ -663,7 +663,7 @@ class LinearHeadFunction(torch.autograd.Function):
             coef = ctx.coef
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
             dh, dw, db = head_backward(
-                *ctx.args, scaled, ctx.final, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1], shards=ctx.shards, plan=ctx.plan[4]
+                *ctx.args, scaled, ctx.final, block_elements=ctx.plan.block_elements, blocked_rows=ctx.plan.blocked_rows, shards=ctx.shards, plan=ctx.plan.recompute_plan
             )
             return (dh.to(ctx.dtypes[0]), dw, db) + (None,) * 9
         if ctx.reduced:
@@ -673,7 +673,7 @@ class LinearHeadFunction(torch.autograd.Function):
             coef = ctx.coef
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
             _, dh, dw, db = _head_forward(ctx.plan)(
-                *ctx.args, scaled, need_grad=True, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1], shards=ctx.shards
+                *ctx.args, scaled, need_grad=True, block_elements=ctx.plan.block_elements, blocked_rows=ctx.plan.blocked_rows, shards=ctx.shards
             )
             scale = None
         # Scaled in place unless the graph is kept for another backward (retain_graph=True),
@@ -765,7 +765,7 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     recompute = spec_linear.check_recompute_logits(args["recompute_logits"], impl, "torch")
     loss = LinearHeadFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad,
-        (BLOCK_ELEMENTS, BLOCKED_ROWS, impl, recompute, RECOMPUTE_PLAN), shards,
+        spec_linear.HeadPlan(BLOCK_ELEMENTS, BLOCKED_ROWS, impl, recompute, RECOMPUTE_PLAN), shards,
     )
     return api._finish(call, prepared, loss)
 
