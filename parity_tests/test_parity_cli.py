@@ -24,6 +24,7 @@ import lossspec
 from lossparity import backends as backends_module
 from lossparity.backends import Backend
 from lossparity import cli as cli_module
+from lossparity import inputs as inputs_module
 from lossparity import matrix as matrix_module
 from lossparity.cli import main
 
@@ -536,6 +537,26 @@ def test_npz_zip_bomb_is_refused_before_it_inflates(name: str, expected: str, tm
     assert inflated["bytes"] == 0
     assert peak < 16 * 2**20, peak
     assert seconds < 2, seconds
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_files_over_the_size_limit_are_refused_unread(suffix: str, tmp_path: Path, capfd: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch, no_backend_may_run: None) -> None:
+    """MAX_INPUT_BYTES (8 GiB), lowered here to 1000 bytes: an .npz whose members declare more
+    (uncompressed, from the zip's central directory) or a larger .safetensors file is refused."""
+    monkeypatch.setattr(inputs_module, "MAX_INPUT_BYTES", 1000)
+    logits = np.zeros((10, 50), np.float32)  # 2000 bytes
+    path = tmp_path / f"big{suffix}"
+    if suffix == ".npz":
+        np.savez(path, logits=logits)
+        expected = f"the arrays declare {2000 + len(_npy_header((10, 50)))} bytes uncompressed; lossparity reads input files of at most 1000 bytes"
+    else:
+        _write_safetensors(path, {"logits": {"dtype": "F32", "shape": [10, 50], "data_offsets": [0, 2000]}}, logits.tobytes())
+        expected = f"{path.stat().st_size} bytes; lossparity reads input files of at most 1000 bytes"
+    capfd.readouterr()
+    code = main(["--no-plot", "--out", str(tmp_path), "--inputs", str(path)])
+    captured = capfd.readouterr()
+    _assert_one_line_error(code, captured.out, captured.err, expected)
 
 
 def test_reports_replace_links_never_write_through_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
