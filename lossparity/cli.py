@@ -12,10 +12,12 @@ imported: a bad one costs a one-line error, not the seconds of those imports.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import math
 import platform
+import secrets
 import sys
 import tempfile
 import time
@@ -44,6 +46,10 @@ FILE_OPTIONS: dict[str, Any] = {name: default for spec in lossspec.KIND_SPECS.va
 # The array a file needs for each kind (entropy: the logits alone).
 TARGET_KEY: dict[str, str | None] = {kind: lossspec.KIND_SPECS[kind].target for kind in lossspec.ALL_KINDS}
 BUILTIN_SHAPE = ((2, 9), 300)
+# --shape's limit on the logits' elements (leading dims x vocabulary): every case of the matrix
+# holds several arrays of that size in float64 on each backend, the kernels interpreted on CPU.
+MAX_BUILTIN_ELEMENTS = 2**24
+MAX_SEED = 2**63 - 1  # --seed: NumPy's generators take non-negative seeds; any int64 one is plenty
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,7 +75,20 @@ def _shape(text: str) -> tuple[tuple[int, ...], int]:
         raise argparse.ArgumentTypeError(f"shape must look like 2x9x300 (leading dims x vocabulary); got {text!r}") from None
     if len(dims) < 2 or any(d <= 0 for d in dims):
         raise argparse.ArgumentTypeError(f"shape needs at least one leading dim and a vocabulary, all > 0; got {text!r}")
+    if math.prod(dims) > MAX_BUILTIN_ELEMENTS:
+        raise argparse.ArgumentTypeError(f"shape {text!r} has {math.prod(dims)} logits; the built-in matrix takes at most "
+                                         f"{MAX_BUILTIN_ELEMENTS} (leading dims x vocabulary)")
     return dims[:-1], dims[-1]
+
+
+def _seed(text: str) -> int:
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seed must be an integer; got {text!r}") from None
+    if not 0 <= seed <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"seed must be in [0, 2**63 - 1]; got {seed}")
+    return seed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "sequence_sum included)")
     parser.add_argument("--shape", type=_shape, default=None, metavar="AxBx...xV",
                         help="built-in matrix only: leading shape and vocabulary (default: 2x9x300)")
-    parser.add_argument("--seed", type=int, default=None, help="built-in matrix only: seed of the generated inputs (default: 0)")
+    parser.add_argument("--seed", type=_seed, default=None, help="built-in matrix only: seed of the generated inputs (default: 0)")
     parser.add_argument("--inputs", metavar="FILE",
                         help="check every backend on your own batch: .npz or .safetensors with 'logits', optional "
                              "'labels' and/or 'teacher_logits', 'loss_mask', 'segment_ids'")
@@ -154,6 +173,22 @@ def check_out(text: str) -> Path:
     except OSError as error:
         raise InputError(f"--out {out}: cannot write there ({error.strerror or error})") from None
     return out
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a new file beside it, renamed over ``path``: whatever
+    ``path`` was (a file, or a symbolic link planted there) is replaced, never written through,
+    and a reader never sees half a report."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    # O_EXCL: a fresh file, never an existing one or the target of a link of that name.
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def _builtin_cases(args: argparse.Namespace) -> tuple[list[CaseSpec], list[str]]:
@@ -317,8 +352,10 @@ def write_plot(results: list[Result], path: Path) -> None:
         ax.legend(loc="upper left")
     axes[0].set_ylabel("error in units of the bound")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
     plt.close(fig)
+    replace_file(path, image.getvalue())
 
 
 def _group_summary(rows: list[Result], count: str = "cases") -> dict[str, Any]:
@@ -404,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path = out / "parity_report.json"
     try:  # checked before the run; this only fails if the folder changed meanwhile
         out.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(json_safe(report), indent=1, allow_nan=False))
+        replace_file(json_path, json.dumps(json_safe(report), indent=1, allow_nan=False).encode())
     except OSError as error:
         print(f"lossparity: error: --out {out}: cannot write there ({error.strerror or error})", file=sys.stderr)
         return EXIT["usage"]

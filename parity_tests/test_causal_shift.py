@@ -11,6 +11,7 @@ accumulation helpers with ``labels=input_ids``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -283,6 +284,34 @@ def test_count_denominator_counts_the_scored_positions() -> None:
     assert lossspec.count_denominator(labels, normalization="tokens", causal_shift=True) == 2 * 3 * 4
     # Weights of the first position are never read: with the shift they are not counted.
     assert lossspec.count_denominator(None, np.eye(1, 5, 0, dtype=np.float32), causal_shift=True) == 0.0
+
+
+@pytest.mark.parametrize("time", [0, 1])
+def test_no_scored_position_counts_zero(time: int) -> None:
+    """An empty time axis (T = 0) or rows of one token (T = 1): no position is scored, so every
+    count is exactly 0 (``prod(lead[:-1]) * max(T - 1, 0)``, not ``3 * (0 - 1) = -3``) in the
+    oracle and both frameworks, and every loss is 0 with a zero gradient of the logits' shape."""
+    labels, mask = np.zeros((3, time), np.int64), np.ones((3, time), np.float32)
+    assert lossspec.scored_positions((3, time), True) == 0
+    for normalization in ("tokens", "valid_tokens"):
+        for given in ((labels, mask), (labels, None), (None, mask)):
+            counts = {
+                "oracle": lossspec.count_denominator(*given, normalization=normalization, causal_shift=True),
+                "jax": float(jaxloss.count_denominator(*(None if a is None else jnp.asarray(a) for a in given),
+                                                       normalization=normalization, causal_shift=True)),
+                "torch": float(torchloss.count_denominator(*(None if a is None else torch.from_numpy(a) for a in given),
+                                                           normalization=normalization, causal_shift=True)),
+            }
+            assert counts == {"oracle": 0.0, "jax": 0.0, "torch": 0.0}, (normalization, given is None, counts)
+    case = _case("cross_entropy", "no_mask", lead=(3, time))
+    case = dataclasses.replace(case, target=labels)
+    for normalization in NORMALIZATIONS:
+        ref = _reference(case, normalization=normalization)
+        assert np.all(ref.loss == 0) and np.shape(ref.loss) == (() if normalization != "none" else (3, time))
+        assert ref.grad.shape == (3, time, VOCAB) and not ref.grad.any()
+        for name, run in (("xla", _jax_run), ("torch", _torch_run)):
+            loss, grad = run(case, normalization=normalization)
+            assert np.array_equal(loss, ref.loss) and np.array_equal(grad, ref.grad), (name, normalization, loss)
 
 
 def test_errors_are_the_same_everywhere() -> None:

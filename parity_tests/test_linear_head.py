@@ -75,17 +75,28 @@ def test_jax_jit_of_grad(kind: str) -> None:
 
 
 def test_teacher_gets_no_gradient() -> None:
+    """The teacher's hidden states, weight and bias get no gradient (torch: ``None``; JAX: exact
+    zeros), and the student's gradients are the oracle's, whose teacher is a constant."""
     inputs = make_inputs("reverse_kl", "float32", seed=4)
+    teacher = (inputs["teacher_hidden"], inputs["teacher_weight"], inputs["teacher_bias"])
+    ref_loss, ref = spec_linear.oracle_head("reverse_kl", inputs["hidden"], inputs["weight"], teacher)
     t = {k: torch.tensor(inputs[k], requires_grad=True) for k in ("teacher_hidden", "teacher_weight", "teacher_bias")}
-    h = torch.tensor(inputs["hidden"], requires_grad=True)
-    loss = torchloss.linear_reverse_kl(h, torch.tensor(inputs["weight"]), t["teacher_hidden"], t["teacher_weight"], teacher_bias=t["teacher_bias"])
+    h, w = torch.tensor(inputs["hidden"], requires_grad=True), torch.tensor(inputs["weight"], requires_grad=True)
+    loss = torchloss.linear_reverse_kl(h, w, t["teacher_hidden"], t["teacher_weight"], teacher_bias=t["teacher_bias"])
     loss.backward()
-    assert h.grad is not None and float(h.grad.abs().sum()) > 0
     assert all(p.grad is None for p in t.values())
-    grads = jax.grad(
-        lambda th, tw, tb: jaxloss.linear_reverse_kl(inputs["hidden"], inputs["weight"], th, tw, teacher_bias=tb), argnums=(0, 1, 2)
-    )(inputs["teacher_hidden"], inputs["teacher_weight"], inputs["teacher_bias"])
-    assert all(float(jnp.abs(g).max()) == 0.0 for g in grads)
+    lossspec.compare_loss(float(loss.detach()), ref_loss, "torch loss").check()
+    for name, grad in (("hidden", h.grad), ("weight", w.grad)):
+        spec_linear.compare_head_grad(grad.double().numpy(), ref[name], "float32", f"torch grad {name}").check()
+
+    def jax_loss(hidden: Any, weight: Any, th: Any, tw: Any, tb: Any) -> Any:
+        return jaxloss.linear_reverse_kl(hidden, weight, th, tw, teacher_bias=tb)
+
+    loss, grads = jax.value_and_grad(jax_loss, argnums=(0, 1, 2, 3, 4))(inputs["hidden"], inputs["weight"], *teacher)
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in grads[2:])
+    lossspec.compare_loss(float(loss), ref_loss, "jax loss").check()
+    for name, grad in zip(("hidden", "weight"), grads[:2]):
+        spec_linear.compare_head_grad(np.asarray(grad, np.float64), ref[name], "float32", f"jax grad {name}").check()
 
 
 # --------------------------------------------------------------------------------------------

@@ -113,6 +113,23 @@ def test_comparisons_report_units_of_the_bound() -> None:
     assert not lossspec.compare_grad(np.full(3, 1e-30), np.zeros(3), "float32", g0=0.0).ok
 
 
+def test_compare_loss_exactly_at_the_bound_and_at_opposite_infinities() -> None:
+    """SPEC section 6 says ``<=``: an error of exactly the bound passes and the next float past it
+    fails. Infinities match only the same infinity: ``-inf`` against ``+inf`` is the largest
+    error there is, not a match (every parity test and lossparity rely on this comparison)."""
+    bound = lossspec.LOSS_RTOL  # |ref| <= 1: the bound is LOSS_RTOL * 1, exactly
+    at = lossspec.compare_loss(bound, 0.0)
+    assert at.error_units == 1.0 and at.ok
+    at.check()
+    assert not lossspec.compare_loss(np.nextafter(bound, 1.0), 0.0).ok
+    assert lossspec.compare_loss(np.array([bound, -bound]), np.zeros(2)).ok  # per token ("none")
+    inf = np.inf
+    for actual, reference in ((-inf, inf), (inf, -inf), (inf, 1.0), (1.0, -inf)):
+        assert not lossspec.compare_loss(actual, reference).ok, (actual, reference)
+    assert not lossspec.compare_loss(np.array([1.0, -inf]), np.array([1.0, inf])).ok
+    assert lossspec.compare_loss(inf, inf).ok and lossspec.compare_loss(-inf, -inf).ok
+
+
 @pytest.mark.parametrize("kind", lossspec.KINDS)
 def test_generators(kind: str) -> None:
     confident = lossspec.make_case(kind, "confident", vocab=1000, lead_shape=(8,))

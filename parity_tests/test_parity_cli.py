@@ -4,11 +4,17 @@ torch programs, and one-line errors for bad files and arguments."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
+import struct
 import subprocess
 import sys
 import tempfile
+import time
+import tracemalloc
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +24,7 @@ import lossspec
 from lossparity import backends as backends_module
 from lossparity.backends import Backend
 from lossparity import cli as cli_module
+from lossparity import inputs as inputs_module
 from lossparity import matrix as matrix_module
 from lossparity.cli import main
 
@@ -310,12 +317,35 @@ def _write_bad_files(folder: Path) -> None:
     np.savez(folder / "ids_float.npz", logits=np.zeros((2, 3, 5), np.float32), segment_ids=np.zeros((2, 3), np.float32))
     np.savez(folder / "one_token.npz", logits=np.zeros(5, np.float32))
     (folder / "a_file").write_text("")
+    # Hostile headers: sizes that wrap around in int64 ([2**32, 2**32] floats are 2**66 bytes, 0
+    # modulo 2**64), JSON's true and 1e30 as sizes, a dtype that is not a name, a header of lists
+    # nested 200k deep (past Python's recursion limit), and a .npy member declaring 37 GiB.
+    for name, shape in (("wraps", [2**32, 2**32]), ("bool_shape", [True, 8]), ("float_shape", [1e30, 1])):
+        _write_safetensors(folder / f"{name}.safetensors", {"logits": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}})
+    _write_safetensors(folder / "list_dtype.safetensors", {"logits": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}},
+                       body=b"\0" * 8)
+    _write_safetensors(folder / "deep.safetensors", b"[" * 200_000 + b"]" * 200_000)
+    _write_npz_member(folder / "declares_37gib.npz", "logits", (10_000_000_000,), b"\0" * 64)
 
 
 def _write_safetensors(path: Path, header: object, body: bytes = b"") -> None:
-    """A safetensors file by hand: 8-byte little-endian header size, JSON header, raw bytes."""
-    text = json.dumps(header).encode()
+    """A safetensors file by hand: 8-byte little-endian header size, JSON header (or raw header
+    bytes), raw bytes."""
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
     path.write_bytes(len(text).to_bytes(8, "little") + text + body)
+
+
+def _npy_header(shape: tuple[int, ...], descr: str = "<f4") -> bytes:
+    """The .npy header np.save writes for an array of ``shape`` and dtype ``descr``."""
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
+
+
+def _write_npz_member(path: Path, name: str, shape: tuple[int, ...], data: bytes) -> None:
+    """An .npz whose one member's .npy header declares ``shape`` (float32) over ``data``."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name}.npy", _npy_header(shape) + data)
 
 
 # (arguments, given the folder holding the files of _write_bad_files; a piece of the one-line error)
@@ -334,6 +364,19 @@ BAD_CASES = {
                              "tensor 'logits': header entry needs 'dtype', 'shape' and 'data_offsets'"),
     "wrong_size_safetensors": (lambda d: ["--inputs", str(d / "wrong_size.safetensors")],
                                "tensor 'logits': shape [3, 5] of F32 needs 60 bytes; data_offsets hold 8"),
+    "size_wraps_safetensors": (lambda d: ["--inputs", str(d / "wraps.safetensors")],
+                               "shape [4294967296, 4294967296] of F32 needs 73786976294838206464 bytes; data_offsets hold 0"),
+    "bool_shape_safetensors": (lambda d: ["--inputs", str(d / "bool_shape.safetensors")],
+                               "tensor 'logits': shape must be a list of sizes; got [True, 8]"),
+    "float_shape_safetensors": (lambda d: ["--inputs", str(d / "float_shape.safetensors")],
+                                "tensor 'logits': shape must be a list of sizes; got [1e+30, 1]"),
+    "list_dtype_safetensors": (lambda d: ["--inputs", str(d / "list_dtype.safetensors")],
+                               "tensor 'logits' has unsupported dtype ['F32']"),
+    "deep_header_safetensors": (lambda d: ["--inputs", str(d / "deep.safetensors")],
+                                "not a safetensors file (the header is nested too deeply)"),
+    "npz_member_declares_37_gib": (lambda d: ["--inputs", str(d / "declares_37gib.npz")],
+                                   "the array 'logits' declares shape [10000000000] of float32 (40000000000 bytes); "
+                                   "the archive holds 64"),
     "no_logits": (lambda d: ["--inputs", str(d / "no_logits.npz")], "no 'logits' array (found: labels)"),
     "no_target": (lambda d: ["--inputs", str(d / "no_target.npz"), "--kinds", "cross_entropy,forward_kl,reverse_kl"],
                   "cross_entropy needs 'labels'; forward_kl, reverse_kl need 'teacher_logits' (found: logits, loss_mask)"),
@@ -353,6 +396,10 @@ BAD_CASES = {
     "bad_label": (lambda d: ["--inputs", str(d / "bad_label.npz")], "labels must lie in [0, 5)"),
     "unknown_kind": (lambda d: ["--kinds", "crossentropy"], "unknown kind crossentropy"),
     "bad_shape": (lambda d: ["--shape", "12"], "shape needs at least one leading dim"),
+    "huge_shape": (lambda d: ["--shape", "1000000x1000000x1000"],
+                   "argument --shape: shape '1000000x1000000x1000' has 1000000000000000 logits; the built-in matrix "
+                   "takes at most 16777216"),
+    "negative_seed": (lambda d: ["--seed", "-1"], "argument --seed: seed must be in [0, 2**63 - 1]; got -1"),
     "unknown_backend": (lambda d: ["--backends", "jax-xla,cuda"], "unknown backend cuda"),
     "unknown_option": (lambda d: ["--bogus"], "unrecognized arguments: --bogus"),
     # --out: checked before anything runs (a valid built-in run otherwise).
@@ -424,6 +471,116 @@ def test_unwritable_out_is_a_one_line_error(tmp_path: Path, capfd: pytest.Captur
     captured = capfd.readouterr()
     _assert_one_line_error(code, captured.out, captured.err, f"--out {folder}/lossparity-reports: cannot write there (")
     assert not (folder / "lossparity-reports").exists()
+
+
+def _write_zip_bomb(path: Path, inflated_bytes: int, name: str = "logits", chunk: int = 2**20) -> None:
+    """An .npz of one deflated member, ``name.npy`` (float32 zeros), that inflates to
+    ``inflated_bytes`` from about a thousandth of that: a real bomb, its sizes and CRC honest,
+    which zipfile inflates whole. Each further chunk of zeros deflates (after a full flush) to the
+    same bytes, so the stream is built without deflating gigabytes."""
+    head = _npy_header(((inflated_bytes - 128) // 4,))
+    assert len(head) == 128 and inflated_bytes % chunk == 0
+    zeros = bytes(chunk)
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)  # raw deflate, as in a zip
+    first = packer.compress(head + zeros[len(head):]) + packer.flush(zlib.Z_FULL_FLUSH)
+    block = packer.compress(zeros) + packer.flush(zlib.Z_FULL_FLUSH)
+    count = inflated_bytes // chunk
+    body = first + block * (count - 1) + packer.flush()
+    crc = zlib.crc32(head + zeros[len(head):])
+    for _ in range(count - 1):
+        crc = zlib.crc32(zeros, crc)
+    member = f"{name}.npy".encode()
+    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, zipfile.ZIP_DEFLATED, 0, 0, crc, len(body), inflated_bytes,
+                        len(member), 0) + member
+    central = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, zipfile.ZIP_DEFLATED, 0, 0, crc, len(body),
+                          inflated_bytes, len(member), 0, 0, 0, 0, 0, 0) + member
+    end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 1, 1, len(central), len(local) + len(body), 0)
+    path.write_bytes(local + body + central + end)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("logits", "the array 'logits' would inflate from {packed} to 1992294400 bytes (more than 100 times): refused as a zip bomb"),
+    ("extra", "no 'logits' array (found: extra)"),  # the names are checked first: a bomb under a wrong one too
+])
+def test_npz_zip_bomb_is_refused_before_it_inflates(name: str, expected: str, tmp_path: Path, capfd: pytest.CaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch, no_backend_may_run: None) -> None:
+    """2 MB on disk, 1.9 GB inflated: refused from the sizes the zip's central directory declares,
+    in well under a second and a few MiB of memory (inflating it takes seconds and 1.9 GB, more
+    with tracemalloc: a reader that inflates it is stopped at 16 MiB by an assertion instead)."""
+    bomb = tmp_path / "bomb.npz"
+    _write_zip_bomb(bomb, 1900 * 2**20, name)
+    packed = zipfile.ZipFile(bomb).getinfo(f"{name}.npy").compress_size
+    assert bomb.stat().st_size < 2.1e6 and packed < 2.1e6
+    inflated = {"bytes": 0}
+
+    def capped(read):  # zipfile's reads (readinto goes through read), counted and capped
+        def counting(self, *args):
+            data = read(self, *args)
+            inflated["bytes"] += len(data)
+            assert inflated["bytes"] <= 16 * 2**20, "the reader inflates the bomb"
+            return data
+        return counting
+
+    for method in ("read", "read1"):
+        monkeypatch.setattr(zipfile.ZipExtFile, method, capped(getattr(zipfile.ZipExtFile, method)))
+    capfd.readouterr()
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        code = main(["--no-plot", "--out", str(tmp_path), "--inputs", str(bomb)])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    seconds = time.perf_counter() - started
+    captured = capfd.readouterr()
+    _assert_one_line_error(code, captured.out, captured.err, expected.format(packed=packed))
+    assert inflated["bytes"] == 0
+    assert peak < 16 * 2**20, peak
+    assert seconds < 2, seconds
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_files_over_the_size_limit_are_refused_unread(suffix: str, tmp_path: Path, capfd: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch, no_backend_may_run: None) -> None:
+    """MAX_INPUT_BYTES (8 GiB), lowered here to 1000 bytes: an .npz whose members declare more
+    (uncompressed, from the zip's central directory) or a larger .safetensors file is refused."""
+    monkeypatch.setattr(inputs_module, "MAX_INPUT_BYTES", 1000)
+    logits = np.zeros((10, 50), np.float32)  # 2000 bytes
+    path = tmp_path / f"big{suffix}"
+    if suffix == ".npz":
+        np.savez(path, logits=logits)
+        expected = f"the arrays declare {2000 + len(_npy_header((10, 50)))} bytes uncompressed; lossparity reads input files of at most 1000 bytes"
+    else:
+        _write_safetensors(path, {"logits": {"dtype": "F32", "shape": [10, 50], "data_offsets": [0, 2000]}}, logits.tobytes())
+        expected = f"{path.stat().st_size} bytes; lossparity reads input files of at most 1000 bytes"
+    capfd.readouterr()
+    code = main(["--no-plot", "--out", str(tmp_path), "--inputs", str(path)])
+    captured = capfd.readouterr()
+    _assert_one_line_error(code, captured.out, captured.err, expected)
+
+
+def test_reports_replace_links_never_write_through_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """Symbolic links named parity_report.json (to a file of someone else's) and parity_report.png
+    (to a path that does not exist yet) in --out: each is replaced by the report, and neither the
+    file it pointed to is touched nor the missing one created."""
+    monkeypatch.setitem(backends_module.BACKENDS, "torch", Backend("torch", "torch", backends_module.BACKENDS["oracle"].run))
+    monkeypatch.setattr(cli_module, "available", lambda names: (list(names), {}))  # no framework import needed
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "precious.txt").write_text("not yours")
+    (out / "parity_report.json").symlink_to(elsewhere / "precious.txt")
+    (out / "parity_report.png").symlink_to(elsewhere / "new.png")
+    code = main(["--kinds", "cross_entropy", "--dtypes", "float32", "--backends", "torch", "--normalizations", "sum",
+                 "--shape", "3x40", "--out", str(out)])
+    assert code == 0, capsys.readouterr()
+    assert (elsewhere / "precious.txt").read_text() == "not yours"
+    assert sorted(path.name for path in elsewhere.iterdir()) == ["precious.txt"]
+    assert sorted(path.name for path in out.iterdir()) == ["parity_report.json", "parity_report.png"]  # no temporaries left
+    assert not any(path.is_symlink() for path in out.iterdir())
+    assert json.loads((out / "parity_report.json").read_text())["passed"] is True
+    assert (out / "parity_report.png").read_bytes().startswith(b"\x89PNG")
 
 
 def _imported_modules(importtime_log: str) -> set[str]:

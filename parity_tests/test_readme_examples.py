@@ -4,7 +4,10 @@ the project, every relative link points to a file of the repository, and the ben
 quotes are those of a recorded run on a clean tree.
 
 Signatures and other text that is not meant to run go in ```text blocks. A guide page with
-runnable examples is added to ``EXAMPLE_PAGES``.
+runnable examples is added to ``EXAMPLE_PAGES``. The numbers an example prints are checked too:
+``ORACLE_CHECKS`` holds, per block, code run after it in the same interpreter that recomputes
+what it printed with the float64 oracle (from the block's own inputs, in float64) and compares
+the printed numbers, parsed from its output, at the SPEC loss bound.
 """
 
 from __future__ import annotations
@@ -31,6 +34,117 @@ BLOCKS = [(page, index, code) for page in EXAMPLE_PAGES if (ROOT / page).exists(
           for index, code in enumerate(python_blocks(page))]
 
 
+# Run before a block: its output is kept (still printed) so that the check after it can read it.
+_CAPTURE = """\
+import io as _io, sys as _sys
+class _Tee(_io.TextIOBase):
+    def __init__(self, out):
+        self.out, self.seen = out, []
+    def write(self, text):
+        self.seen.append(text)
+        return self.out.write(text)
+    def flush(self):
+        self.out.flush()
+_tee = _Tee(_sys.stdout)
+_sys.stdout = _tee
+"""
+# Run after a block, before its check: ``_numbers(i)`` are the numbers of the block's i-th printed
+# line; ``_printed_matches(printed, oracle_loss, what)`` asserts a printed number at the loss bound.
+_HELPERS = """\
+import copy as _copy, re as _re
+import numpy as _np
+import lossspec as _spec
+_sys.stdout = _tee.out
+_lines = "".join(_tee.seen).splitlines()
+_checked = []
+def _numbers(line):
+    return [float(n) for n in _re.findall(r"[-+]?(?:\\d+\\.\\d*|\\.\\d+|\\d+)(?:[eE][-+]?\\d+)?", _lines[line])]
+def _f64(x):
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().double()
+    return _np.asarray(x).astype(_np.float64)
+def _printed_matches(printed, oracle_loss, what):
+    _spec.compare_loss(printed, float(oracle_loss), what).check()
+    _checked.append(what)
+"""
+_DONE = """
+assert _checked
+print("oracle checks:", ", ".join(_checked))
+"""
+
+# Per block ("page-index"): recompute the printed numbers with the float64 oracle.
+ORACLE_CHECKS = {
+    "README.md-0": """
+torch.manual_seed(0)  # the block's first model, before its optimizer steps: step 0's loss
+start = torch.nn.Sequential(torch.nn.Embedding(100, 32), torch.nn.Linear(32, 100)).double()
+ref, _ = _spec.oracle("cross_entropy", _f64(start(tokens)), labels.numpy(), label_smoothing=0.1)
+_printed_matches(_numbers(0)[1], ref, "step 0 loss")
+""",
+    "README.md-1": """
+start = TinyLM(100, 32, nnx.Rngs(0))  # the block's model before its first update: step 0's loss
+logits = _f64(start.embed.embedding[...])[_np.asarray(tokens)] @ _f64(start.head.kernel[...]) + _f64(start.head.bias[...])
+ref, _ = _spec.oracle("cross_entropy", logits, _np.asarray(labels), label_smoothing=0.1)
+_printed_matches(_numbers(0)[1], ref, "step 0 loss")
+""",
+    "docs/lossspec.md-0": """
+ref = case.reference(label_smoothing=0.1)
+_printed_matches(_numbers(0)[0], ref.loss, "loss")
+assert 0 <= _numbers(0)[1] <= 1
+""",
+    "docs/jaxloss.md-0": """
+ref, _ = _spec.oracle("cross_entropy", _f64(logits), _np.asarray(labels), _np.asarray(loss_mask), label_smoothing=0.1, z_loss=1e-4)
+_printed_matches(_numbers(0)[0], ref, "cross_entropy")
+""",
+    "docs/jaxloss.md-1": """
+s, t, m = _f64(student), _f64(teacher), _np.asarray(mask)
+for value, (kind, options) in zip(_numbers(0), [("soft_cross_entropy", {"temperature": 2.0}),
+                                                 ("forward_kl", {"temperature": 2.0}), ("reverse_kl", {})]):
+    _printed_matches(value, _spec.oracle(kind, s, t, m, **options)[0], kind)
+""",
+    "docs/jaxloss.md-2": """
+ref, _ = _spec.oracle("cross_entropy", _f64(logits), _np.asarray(labels), _np.asarray(mask))
+_printed_matches(_numbers(0)[0], ref, "sum of micro-batches")
+_printed_matches(_numbers(0)[1], ref, "full batch")
+""",
+    "docs/jaxloss.md-3": """
+logits = _f64(params["emb"])[_np.asarray(input_ids)] @ _f64(params["head"])
+ref, _ = _spec.oracle("cross_entropy", logits, _np.asarray(input_ids), _np.asarray(padding), causal_shift=True)
+_printed_matches(_numbers(0)[0], ref, "full batch")
+_printed_matches(_numbers(0)[1], ref, "accumulate")
+""",
+    "docs/jaxloss.md-6": """
+ref, _ = _spec.oracle("cross_entropy", _f64(logits), _np.asarray(labels), label_smoothing=0.1)
+_printed_matches(_numbers(0)[0], ref, "vocab-parallel")
+_printed_matches(_numbers(0)[1], ref, "full")
+""",
+    "docs/torchloss.md-0": """
+ref, _ = _spec.oracle("cross_entropy", _f64(logits), labels.numpy(), mask.numpy(), label_smoothing=0.1, z_loss=1e-4)
+_printed_matches(_numbers(0)[0], ref, "cross_entropy")
+""",
+    "docs/torchloss.md-2": """
+ref, _ = _spec.oracle("cross_entropy", _f64(logits), labels.numpy())
+_printed_matches(_numbers(0)[0], ref, "sum of micro-batches")
+_printed_matches(_numbers(0)[1], ref, "full batch")
+""",
+    "docs/torchloss.md-3": """
+logits = _f64(_copy.deepcopy(model).double()(input_ids))
+ref, _ = _spec.oracle("cross_entropy", logits, input_ids.numpy(), padding.numpy(), causal_shift=True)
+_printed_matches(_numbers(0)[0], ref, "full batch")
+_printed_matches(_numbers(0)[1], ref, "accumulate")
+""",
+    "docs/torchloss.md-5": """
+ref, _ = _spec.oracle("reverse_kl", _f64(logits), _f64(teacher), temperature=1.5)
+_printed_matches(_numbers(0)[0], ref, "torch")
+_printed_matches(_numbers(1)[0], ref, "triton")
+""",
+    "docs/distributed.md-1": """
+logits = _f64(_copy.deepcopy(model).double()(batch["tokens"]))
+ref, _ = _spec.oracle("cross_entropy", logits, batch["labels"].numpy(), batch["loss_mask"].numpy())
+_printed_matches(_numbers(0)[0], ref, "accumulate")
+""",
+}
+
+
 def test_pages_have_examples() -> None:
     assert len(python_blocks("README.md")) >= 2  # the torch and the Flax NNX quickstarts
     assert len(BLOCKS) >= 15
@@ -39,8 +153,16 @@ def test_pages_have_examples() -> None:
 @pytest.mark.parametrize("page,index,code", BLOCKS, ids=[f"{page}-{index}" for page, index, _ in BLOCKS])
 def test_example_runs(page: str, index: int, code: str) -> None:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    check = ORACLE_CHECKS.get(f"{page}-{index}")
+    program = code if check is None else _CAPTURE + code + "\n" + _HELPERS + check + _DONE
+    result = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, f"{page} block {index} failed:\n{code}\n{result.stderr[-3000:]}"
+    if check is not None:  # the printed numbers were compared with the oracle's
+        assert "oracle checks: " in result.stdout, result.stdout[-2000:]
+
+
+def test_oracle_checks_name_existing_blocks() -> None:
+    assert set(ORACLE_CHECKS) <= {f"{page}-{index}" for page, index, _ in BLOCKS}
 
 
 def test_readme_starts_with_the_setup_commands() -> None:

@@ -180,6 +180,20 @@ def test_where_forcausallmloss_gives_nan_we_give_zero() -> None:
         assert torch.isnan(theirs), theirs
 
 
+@pytest.mark.parametrize("num_items", [0, torch.tensor(0), torch.tensor([0])], ids=["int", "tensor", "one_element_tensor"])
+def test_zero_num_items_with_valid_tokens_gives_zero(num_items: Any) -> None:
+    """``num_items_in_batch == 0`` is a denominator of 0 (SPEC: loss 0, gradient 0), not "no
+    count given" (the mean over this batch's valid tokens): here the batch has valid tokens, so
+    the two differ (with every token ignored, both give 0)."""
+    logits, labels = make_batch(seed=9, shape=(2, 6))
+    targets = causal_targets(labels, -100)
+    assert (targets != -100).sum() > 0
+    ref_loss, ref_grad = lossspec.oracle("cross_entropy", logits.astype(np.float64), targets, denominator=0.0)
+    assert ref_loss == 0.0 and not ref_grad.any()  # the oracle's D == 0
+    loss, grad = loss_and_grad(for_causal_lm_loss, logits, "float32", torch.from_numpy(labels), VOCAB, num_items)
+    assert loss == ref_loss and np.array_equal(grad, ref_grad)
+
+
 def test_bad_arguments_are_named() -> None:
     logits = torch.zeros(2, 4, VOCAB)
     labels = torch.zeros(2, 4, dtype=torch.long)

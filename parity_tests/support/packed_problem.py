@@ -22,14 +22,15 @@ OPTIONS = {
     "forward_kl": {"temperature": 2.0, "teacher_logit_scale": 0.8},
     "reverse_kl": {"temperature": 0.8, "logit_scale": 1.2},
 }
-# Document ids of each packed row (TIME = 12 tokens): lengths 1 to 12, padding (-1, -7), ids
-# reused in every row, a row with interleaved (non-contiguous) ids and one with large ids.
+# Document ids of each packed row (TIME = 12 tokens): lengths 1 to 12, padding (-1, -2, -3, -7;
+# any id < 0 is padding, not only -1), ids reused in every row, a row with interleaved
+# (non-contiguous) ids and one with large ids.
 PACKED_IDS = np.array(
     [
         [0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2],
         [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
         [0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2],  # document 0 is all masked (MASKED_DOCUMENT)
-        [0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1],
+        [0, 0, 0, 0, 0, 0, 0, -1, -2, -1, -3, -1],  # padding, unmasked in loss_mask (packed_case)
         [1000, 1000, 1000, 70000, 70000, 70000, 70000, 70000, 70000, 70000, 70000, 70000],
         [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -7],  # the whole row is masked (MASKED_ROW)
         [3, 3, 9, 9, 3, 3, 9, 9, 5, 5, 5, 5],
@@ -53,6 +54,10 @@ def packed_case(kind: str, *, float_weights: bool = False, seed: int = 0, dtype:
     if lead[0] > MASKED_ROW:
         mask[MASKED_DOCUMENT] = 0
         mask[MASKED_ROW] = 0
+    # Padding weighs 1 in loss_mask (outside the masked row): only its ids (< 0, -2 and -3 too)
+    # exclude it, so a backend that took only -1 for padding would count the others.
+    padding = (ids < 0) & (np.arange(lead[0])[:, None] != MASKED_ROW)
+    mask[padding] = 1
     if kind == "cross_entropy":
         labels = rng.integers(0, VOCAB, lead)
         labels = np.where(rng.random(lead) < 0.1, -100, labels)
