@@ -487,7 +487,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "hf_zero_num_items_as_none",
         "for_causal_lm_loss takes num_items_in_batch=0 for None: the mean over the valid tokens instead of loss 0",
-        "torchloss/hf.py",
+        "torchloss/hf.py::_denominator",
         "        return num_items_in_batch\n",
         "        return num_items_in_batch or None\n",
         ("parity_tests/test_torchloss_hf.py", "-k", "zero_num_items"),
@@ -495,7 +495,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "causal_tokens_count_negative_at_t0",
         "causal_shift's \"tokens\" count is prod(lead[:-1]) * (T - 1): -3 for an empty time axis (oracle and JAX)",
-        "lossspec/causal.py",
+        "lossspec/causal.py::scored_positions",
         "    return math.prod(lead[:-1]) * max(lead[-1] - 1, 0)",
         "    return math.prod(lead[:-1]) * (lead[-1] - 1)",
         ("parity_tests/test_causal_shift.py", "-k", "no_scored_position"),
@@ -503,7 +503,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "compare_fails_at_the_bound",
         "a comparison exactly at its bound fails (SPEC: <= passes)",
-        "lossspec/tolerances.py",
+        "lossspec/tolerances.py::Comparison.ok",
         "        return bool(self.error_units <= 1.0)",
         "        return bool(self.error_units < 1.0)",
         ("parity_tests/test_lossspec_checks.py", "-k", "compare_loss_exactly"),
@@ -511,7 +511,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "compare_infinities_sign_blind",
         "-inf matches +inf in every comparison (loss and gradient)",
-        "lossspec/tolerances.py",
+        "lossspec/tolerances.py::_worst",
         "    same_inf = np.isinf(actual) & (actual == reference)",
         "    same_inf = np.isinf(actual) & (np.abs(actual) == np.abs(reference))",
         ("parity_tests/test_lossspec_checks.py", "-k", "compare_loss_exactly"),
@@ -519,7 +519,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "padding_only_minus_one_oracle",
         "the oracle takes only segment id -1 for padding (-2, -3 ... count as documents)",
-        "lossspec/oracle.py",
+        "lossspec/oracle.py::token_weights",
         "        valid &= np.asarray(segment_ids) >= 0",
         "        valid &= np.asarray(segment_ids) != -1",
         ("parity_tests/test_sequence_normalization.py", "-m", "not slow", "-k", "oracle"),
@@ -527,7 +527,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "padding_only_minus_one_jax",
         "jaxloss takes only segment id -1 for padding (-2, -3 ... count as documents)",
-        "jaxloss/api.py",
+        "jaxloss/api.py::_weights",
         "        valid = valid & (segment_ids >= 0)",
         "        valid = valid & (segment_ids != -1)",
         ("parity_tests/test_sequence_normalization.py", "-m", "not slow", "-k", "jax"),
@@ -535,7 +535,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "padding_only_minus_one_torch",
         "torchloss takes only segment id -1 for padding (-2, -3 ... count as documents)",
-        "torchloss/api.py",
+        "torchloss/api.py::_weights",
         "        valid = valid & (segment_ids >= 0)",
         "        valid = valid & (segment_ids != -1)",
         ("parity_tests/test_sequence_normalization.py", "-m", "not slow", "-k", "torch"),
@@ -543,7 +543,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "z_loss_not_squared",
         "the z-loss term is lam * lse, not lam * lse**2 (shared algebra; the docs' examples print it)",
-        "lossspec/stats.py",
+        "lossspec/stats.py::finalize",
         "            loss = loss + lam * full_lse * full_lse",
         "            loss = loss + lam * full_lse",
         ("parity_tests/test_readme_examples.py", "-k", "jaxloss.md-0 or torchloss.md-0"),
@@ -551,7 +551,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "case_reference_ignores_mask",
         "Case.reference drops the loss mask (the frameworks-free oracle still gives a positive loss)",
-        "lossspec/generators.py",
+        "lossspec/generators.py::Case.reference",
         "        loss, grad = oracle(self.kind, self.logits, self.target, self.loss_mask, **options)",
         "        loss, grad = oracle(self.kind, self.logits, self.target, None, **options)",
         ("parity_tests/test_lossspec_oracle.py", "-k", "import_without"),
@@ -559,7 +559,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lossparity_bool_safetensors_size",
         "lossparity takes JSON's true for a safetensors size (a traceback instead of a one-line error)",
-        "lossparity/inputs.py",
+        "lossparity/inputs.py::_safetensors_bytes",
         "    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):",
         "    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):",
         ("parity_tests/test_parity_cli.py", "-k", "bool_shape_safetensors"),
@@ -567,7 +567,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lossparity_no_zip_bomb_cap",
         "lossparity inflates any .npz member however far it inflates (a 2 MB zip bomb to 1.9 GB)",
-        "lossparity/inputs.py",
+        "lossparity/inputs.py::_npz_members",
         "        if info.file_size > RATIO_FREE_BYTES + MAX_COMPRESSION_RATIO * info.compress_size:",
         "        if False:",
         ("parity_tests/test_parity_cli.py", "-k", "zip_bomb"),
@@ -575,7 +575,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lossparity_report_through_link",
         "lossparity writes parity_report.json through a symbolic link planted in --out",
-        "lossparity/cli.py",
+        "lossparity/cli.py::main",
         "        replace_file(json_path, json.dumps(json_safe(report), indent=1, allow_nan=False).encode())",
         "        json_path.write_bytes(json.dumps(json_safe(report), indent=1, allow_nan=False).encode())",
         ("parity_tests/test_parity_cli.py", "-k", "replace_links"),
@@ -583,7 +583,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lossparity_negative_seed",
         "lossparity accepts --seed -1 (a NumPy traceback once the matrix is built)",
-        "lossparity/cli.py",
+        "lossparity/cli.py::_seed",
         "    if not 0 <= seed <= MAX_SEED:",
         "    if seed > MAX_SEED:",
         ("parity_tests/test_parity_cli.py", "-k", "negative_seed"),
