@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 from typing import Any, Callable, Optional
 
+from .checks import foreign_keyword_hint
 from .config import ALL_KINDS, make_config
 
 _P = inspect.Parameter
@@ -235,7 +236,8 @@ def public_function(
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as err:
-            raise TypeError(f"{spec.kind}(): {err}") from None
+            hint = foreign_keyword_hint(set(kwargs) - set(signature.parameters), kwargs)
+            raise TypeError(f"{spec.kind}(): {err}" + (f"; {hint}" if hint else "")) from None
         bound.apply_defaults()
         return impl(spec.kind, **bound.arguments)
 
@@ -267,7 +269,9 @@ def module_settings(spec: KindSpec, extra: FrameworkArgs, options: dict[str, Any
     defaults = dict(spec.options, normalization="valid_tokens", **{name: default for name, default, _ in extra.args})
     unknown = sorted(set(options) - set(defaults))
     if unknown:
-        raise TypeError(f"{owner} got unexpected option(s) {', '.join(unknown)}; it accepts {', '.join(defaults)}")
+        hint = foreign_keyword_hint(unknown, options)
+        raise TypeError(f"{owner} got unexpected option(s) {', '.join(unknown)}; " + (f"{hint}; " if hint else "")
+                        + f"it accepts {', '.join(defaults)}")
     settings = {**defaults, **options}
     make_config(spec.kind, normalization=settings["normalization"], **{name: settings[name] for name in spec.option_names})
     return settings
