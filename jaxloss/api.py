@@ -182,6 +182,7 @@ def count_denominator(
     (:func:`lossspec.check_weights`: ``ValueError`` for concrete inputs, a NaN count under
     tracing). The count is data: no gradient flows to ``loss_mask``.
     """
+    lossspec.accumulation.record("count_denominator", normalization, causal_shift)  # accumulate(check=...)
     labels = None if labels is None else _as_array(labels)
     loss_mask = None if loss_mask is None else _as_array(loss_mask)
     segment_ids = None if segment_ids is None else _as_array(segment_ids)

@@ -72,6 +72,8 @@ from .config import (
     make_config,
 )
 from .microbatches import batch_rows, check_num_microbatches, check_shifted_microbatch, microbatch_sizes
+from . import accumulation
+from .accumulation import check_accumulation
 from .kinds import KIND_SPECS, FrameworkArgs, KindSpec, public_function
 from .stats import FINAL_STAT_INDEX, FINAL_STATS, KIND_IDS, MIXTURE_STATS, ROW_STAT_INDEX, ROW_STATS, stats_used
 from .generators import SCENARIOS, Case, Reference, all_cases, make_case

@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 from typing import Any, Callable, Optional
 
+from . import accumulation
 from .checks import foreign_keyword_hint
 from .config import ALL_KINDS, make_config
 
@@ -239,7 +240,9 @@ def public_function(
             hint = foreign_keyword_hint(set(kwargs) - set(signature.parameters), kwargs)
             raise TypeError(f"{spec.kind}(): {err}" + (f"; {hint}" if hint else "")) from None
         bound.apply_defaults()
-        return impl(spec.kind, **bound.arguments)
+        arguments = bound.arguments
+        accumulation.record(spec.kind, arguments["normalization"], arguments["causal_shift"], arguments["denominator"])
+        return impl(spec.kind, **arguments)
 
     loss.__name__ = loss.__qualname__ = spec.kind
     loss.__module__ = module

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from . import accumulation
 from .checks import FLOAT_KIND, LOGIT_DTYPES, ArrayMeta, _shape, foreign_keyword_hint, meta
 from .config import KINDS, check_impl
 from .kinds import _ARG_DOCS, _RETURNS, KIND_SPECS, FrameworkArgs, KindSpec
@@ -167,7 +168,9 @@ def head_public_function(kind: str, impl: Callable[..., Any], module: str, extra
             hint = foreign_keyword_hint(set(kwargs) - set(signature.parameters), kwargs)
             raise TypeError(f"{name}(): {err}" + (f"; {hint}" if hint else "")) from None
         bound.apply_defaults()
-        return impl(kind, **bound.arguments)
+        arguments = bound.arguments
+        accumulation.record(name, arguments["normalization"], arguments["causal_shift"], arguments["denominator"])
+        return impl(kind, **arguments)
 
     loss.__name__ = loss.__qualname__ = name
     loss.__module__ = module

@@ -846,6 +846,7 @@ def count_denominator(
     position, a token by the rank holding it), so the shares add up over that group too
     (all-reduce over the data-parallel and sequence-parallel ranks together).
     """
+    lossspec.accumulation.record("count_denominator", normalization, causal_shift)  # accumulate(check=...)
     if labels is not None:
         labels = _require_tensor("labels", labels)
     if loss_mask is not None:
