@@ -39,9 +39,9 @@ from .backends import BACKENDS, Inputs, available, torch_device  # noqa: E402
 from .inputs import InputError, found_keys, read_inputs  # noqa: E402
 from .matrix import STATUSES, CaseSpec, Result, builtin_cases, run_matrix  # noqa: E402
 
-# The default run: the two fast paths (seconds). The kernels (jax-pallas, torch-triton) run in
-# their interpreters on a CPU-only machine, four times the matrix's time: --full (or --backends
-# all) adds them.
+# The default run: the two fast paths (the built-in matrix in about a minute on 2 cores). The
+# kernels (jax-pallas, torch-triton) run in their interpreters on a CPU-only machine, about four
+# times that: --full (or --backends all) adds them.
 DEFAULT_BACKENDS = ["jax-xla", "torch"]
 ALL_BACKENDS = ["jax-xla", "jax-pallas", "torch", "torch-triton"]
 DEFAULT_DTYPES = ["float32", "bfloat16", "float16"]
