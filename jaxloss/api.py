@@ -182,6 +182,7 @@ def count_denominator(
     (:func:`lossspec.check_weights`: ``ValueError`` for concrete inputs, a NaN count under
     tracing). The count is data: no gradient flows to ``loss_mask``.
     """
+    lossspec.accumulation.record("count_denominator", normalization, causal_shift)  # accumulate(check=...)
     labels = None if labels is None else _as_array(labels)
     loss_mask = None if loss_mask is None else _as_array(loss_mask)
     segment_ids = None if segment_ids is None else _as_array(segment_ids)
@@ -194,6 +195,7 @@ def count_denominator(
     )
     axes = None if sequence_parallel is None else _sequence_axes(sequence_parallel)
     config = lossspec.make_config("cross_entropy", ignore_index=ignore_index, normalization=normalization, causal_shift=causal_shift)
+    loss_mask = _broadcast_mask(loss_mask, tuple(next(a for a in (labels, segment_ids, loss_mask) if a is not None).shape))
     if loss_mask is not None and _concrete(loss_mask):
         # With causal_shift only loss_mask[..., 1:] is ever read (lossspec.causal).
         lossspec.check_weights(np.asarray(loss_mask)[..., 1:] if causal_shift else np.asarray(loss_mask))
@@ -234,6 +236,17 @@ def _as_array(value: Any) -> Any:
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return value
     return jnp.asarray(value)
+
+
+def _broadcast_mask(loss_mask: Any, lead: tuple[int, ...]) -> Any:
+    """A ``loss_mask`` that broadcasts to the leading shape ``lead`` (``[T]``, ``[B, T, 1]``;
+    ``lossspec.mask_broadcasts``, checked before) with that shape: a NumPy view for a NumPy mask
+    (its values are still checked on the host), ``jnp.broadcast_to`` otherwise (tracers too)."""
+    if loss_mask is None or tuple(loss_mask.shape) == lead:
+        return loss_mask
+    if isinstance(loss_mask, np.ndarray):
+        return lossspec.broadcast_mask(loss_mask, lead)
+    return jnp.broadcast_to(jnp.reshape(loss_mask, lossspec.squeezed_mask_shape(tuple(loss_mask.shape), lead)), lead)
 
 
 def _dtype_kind(dtype: Any) -> str:
@@ -358,6 +371,7 @@ def _loss(
     lossspec.check_inputs(
         config, _meta(logits), target_meta, None if loss_mask is None else _meta(loss_mask), None if segment_ids is None else _meta(segment_ids)
     )
+    loss_mask = _broadcast_mask(loss_mask, tuple(logits.shape[:-1]))
     lossspec.check_denominator_allowed(config, denominator)
     time_axes = None
     if sequence_parallel is not None:

@@ -14,6 +14,7 @@ hold the same tokens and would be counted twice.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import jax
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lossspec
+from lossspec.accumulation import check_accumulation  # noqa: F401 - the hand-written loop's check, re-exported
 
 from ._stats import varying_axes
 from .api import count_denominator
@@ -180,6 +182,7 @@ def accumulate(
     causal_shift: bool = False,
     segment_ids_key: str = "segment_ids",
     sequence_parallel: AxisNames = None,
+    check: str = "off",
 ) -> tuple[jax.Array, Any]:
     """One optimizer step's loss and gradients, split into micro-batches (and replicas).
 
@@ -208,6 +211,11 @@ def accumulate(
         ``loss_fn`` passes ``causal_shift=True`` to its loss itself; a ``count_fn`` counts on its own.
       data_axes: data-parallel axis name(s) when called inside ``shard_map``/``pmap``: the count,
         the loss and the gradients are ``psum``-ed over them.
+      check: ``"off"`` (default), ``"warn"`` or ``"raise"``: check the step's loss and count calls
+        for the mistakes that give a plausible but wrong result (``lossspec.accumulation``): a loss
+        called without ``denominator=`` (each micro-batch normalised locally: about ``K`` times too
+        large), a count whose ``causal_shift`` or normalisation differs from the loss's. Warns
+        (``RuntimeWarning``) or raises a ``ValueError`` naming each one.
 
     Returns:
       ``(loss, grads)``: the full-batch loss (fp32; the sum over micro-batches and replicas,
@@ -221,6 +229,33 @@ def accumulate(
     """
     lossspec.check_normalization(normalization)
     causal_shift = lossspec.check_causal_shift(causal_shift)
+    check = lossspec.accumulation.check_mode(check)
+    # Checked: the step's loss and count calls recorded (at trace time under jit) and read at the end.
+    with lossspec.accumulation.recording() if check != "off" else contextlib.nullcontext([]) as calls:
+        result = _accumulate(
+            loss_fn, params, batch, num_microbatches, normalization, ignore_index, count_fn, data_axes,
+            labels_key, mask_key, causal_shift, segment_ids_key, sequence_parallel,
+        )
+    lossspec.accumulation.report(lossspec.accumulation.problems(calls, normalization), check, "accumulate")
+    return result
+
+
+def _accumulate(
+    loss_fn: LossFn,
+    params: Any,
+    batch: Any,
+    num_microbatches: int,
+    normalization: str,
+    ignore_index: int,
+    count_fn: Callable[[Any], jax.Array] | None,
+    data_axes: AxisNames,
+    labels_key: str,
+    mask_key: str,
+    causal_shift: bool,
+    segment_ids_key: str,
+    sequence_parallel: Any,
+) -> tuple[jax.Array, Any]:
+    """The body of :func:`accumulate` (arguments checked)."""
     if normalization == "none":
         raise ValueError("accumulate needs a scalar loss: normalization must be 'valid_tokens', 'tokens' or 'sum', not 'none'")
     axes = _axes(data_axes)

@@ -735,6 +735,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     loss_mask = _optional(args["loss_mask"])
     segment_ids = _optional(args["segment_ids"])
     lossspec.check_inputs(config, logits_meta, meta(labels) if ce else teacher_meta, meta(loss_mask), meta(segment_ids))
+    loss_mask = api._broadcast_mask(loss_mask, tuple(logits_meta.shape[:-1]))
     named = [("weight", weight), ("bias", bias), ("labels", labels), ("loss_mask", loss_mask), ("segment_ids", segment_ids)]
     if teacher is not None:
         named += list(zip(("teacher_hidden", "teacher_weight", "teacher_bias"), teacher))

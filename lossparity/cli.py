@@ -1,9 +1,13 @@
 """``lossparity``: prove that every backend computes the same masked losses and gradients.
 
-With no arguments it runs the built-in matrix (kinds x normalisations x dtypes x scenarios x
-backends), prints one line per case as it goes (the oracle's loss, each backend's loss and its
-error in units of the bound), writes ``parity_report.json`` and ``parity_report.png`` and exits
-with a status from ``EXIT``. ``--inputs FILE`` checks every backend on a user's own batch instead.
+With no arguments it runs the built-in matrix (kinds x normalisations x dtypes x scenarios) on
+the fast backends (``jax-xla``, ``torch``; ``--full`` adds the Pallas and Triton kernels, which
+run in their interpreters without a GPU), shows its progress on stderr, prints every failing
+case in full and, at the end, one table of the worst error (in units of the bound) per kind and
+backend; ``--verbose`` prints every case's line (the oracle's loss, each backend's loss and its
+error), ``--quiet`` only a one-line summary and the failures. It writes ``parity_report.json``
+and ``parity_report.png`` (every comparison, whatever is printed) and exits with a status from
+``EXIT``. ``--inputs FILE`` checks the backends on a user's own batch instead.
 
 Arguments, the file and ``--out`` are all checked, with NumPy alone, before JAX and torch are
 imported: a bad one costs a one-line error, not the seconds of those imports.
@@ -18,6 +22,7 @@ import os
 import math
 import platform
 import secrets
+import shutil
 import sys
 import tempfile
 import time
@@ -34,9 +39,13 @@ import lossspec  # noqa: E402
 
 from .backends import BACKENDS, Inputs, available, torch_device  # noqa: E402
 from .inputs import InputError, found_keys, read_inputs  # noqa: E402
-from .matrix import CaseSpec, Result, builtin_cases, run_matrix  # noqa: E402
+from .matrix import STATUSES, CaseSpec, Result, builtin_cases, run_matrix  # noqa: E402
 
-DEFAULT_BACKENDS = ["jax-xla", "jax-pallas", "torch", "torch-triton"]
+# The default run: the two fast paths (the built-in matrix in about a minute on 2 cores). The
+# kernels (jax-pallas, torch-triton) run in their interpreters on a CPU-only machine, about four
+# times that: --full (or --backends all) adds them.
+DEFAULT_BACKENDS = ["jax-xla", "torch"]
+ALL_BACKENDS = ["jax-xla", "jax-pallas", "torch", "torch-triton"]
 DEFAULT_DTYPES = ["float32", "bfloat16", "float16"]
 EXIT = {"pass": 0, "fail": 1, "usage": 2, "nonfinite": 3}
 # The loss options of --inputs runs and their defaults (those of the public functions,
@@ -57,12 +66,16 @@ class _Parser(argparse.ArgumentParser):
         raise InputError(message)
 
 
-def _csv(allowed: Sequence[str], what: str):
+def _csv(allowed: Sequence[str], what: str, everything: Sequence[str] | None = None):
+    """A comma list of ``allowed`` names; ``all`` stands for ``everything`` when that is given."""
     def parse(text: str) -> list[str]:
         items = [item.strip() for item in text.split(",") if item.strip()]
+        if everything is not None and items == ["all"]:
+            return list(everything)
         unknown = [item for item in items if item not in allowed]
         if unknown or not items:
-            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or repr(text)}; choose from {', '.join(allowed)}")
+            choices = ", ".join([*allowed, *(["all"] if everything is not None else [])])
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or repr(text)}; choose from {choices}")
         return items
 
     return parse
@@ -103,8 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kinds", type=_csv(lossspec.ALL_KINDS, "kind"), default=None,
                         help="comma list of loss kinds (default: all six; with --inputs, those the file has arrays "
                              "for: entropy needs the logits alone)")
-    parser.add_argument("--backends", type=_csv(list(BACKENDS), "backend"), default=DEFAULT_BACKENDS,
-                        help=f"comma list of backends to compare with the oracle (default: {','.join(DEFAULT_BACKENDS)})")
+    parser.add_argument("--backends", type=_csv(list(BACKENDS), "backend", ALL_BACKENDS), default=None,
+                        help=f"comma list of backends to compare with the oracle, or 'all' ({','.join(ALL_BACKENDS)}) "
+                             f"(default: {','.join(DEFAULT_BACKENDS)}, the fast ones)")
+    parser.add_argument("--full", action="store_true",
+                        help="every backend, the Pallas and Triton kernels too (--backends all; without a GPU they run in "
+                             "their interpreters: minutes)")
     parser.add_argument("--dtypes", type=_csv(DEFAULT_DTYPES, "dtype"), default=None,
                         help="logit dtypes of the built-in matrix (default: float32,bfloat16,float16); with --inputs, "
                              "the one dtype to run the file's logits in (default: the file's own)")
@@ -134,7 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=".", help="folder for parity_report.json and parity_report.png, created if "
                                                    "missing; must not be a file (default: .)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
-    parser.add_argument("--quiet", action="store_true", help="print only failures, non-finite cases and the summary")
+    printing = parser.add_mutually_exclusive_group()
+    printing.add_argument("--verbose", action="store_true",
+                          help="print every case's line (losses and errors per backend) and the tables per backend and "
+                               "per normalisation")
+    printing.add_argument("--quiet", action="store_true",
+                          help="no progress and no table: a one-line summary, and the failing and non-finite cases")
     return parser
 
 
@@ -391,10 +413,117 @@ def _print_table(title: str, summary: dict[str, dict[str, Any]], count: str = "c
               f"{row['max_loss_error']:12.3g}  {row['max_grad_error']:12.3g}")
 
 
+def _backends(args: argparse.Namespace) -> list[str]:
+    """The backends to run: ``--backends``, every one with ``--full``, else the fast ones."""
+    if args.full and args.backends is not None:
+        raise InputError("--full runs every backend (--backends all); give --full or --backends, not both")
+    return list(ALL_BACKENDS) if args.full else list(args.backends or DEFAULT_BACKENDS)
+
+
+class Progress:
+    """Progress on stderr while the cases run: on a terminal one line rewritten in place
+    (``\r``); elsewhere (a log, a pipe) one line per kind when its last case is done. Failing
+    and non-finite cases are printed in full on stdout as they come (every case with
+    ``verbose``); ``quiet`` prints neither progress nor passing cases."""
+
+    def __init__(self, specs: list[CaseSpec], verbose: bool, quiet: bool, stream: Any = None) -> None:
+        self.total, self.done, self.verbose, self.quiet = len(specs), 0, verbose, quiet
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) and not quiet
+        self.width = len(str(self.total))
+        self.kinds = list(dict.fromkeys(spec.kind for spec in specs))
+        self.remaining = {kind: sum(spec.kind == kind for spec in specs) for kind in self.kinds}
+        self.per_kind: dict[str, list[Result]] = {kind: [] for kind in self.kinds}
+        self.start = time.perf_counter()
+        self.shown = 0  # characters of the in-place line on the terminal
+
+    def _clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r" + " " * self.shown + "\r")
+            self.stream.flush()
+            self.shown = 0
+
+    def __call__(self, spec: CaseSpec, row: list[Result], oracle_loss: float) -> None:
+        self.done += 1
+        line = _format_row(spec, row, oracle_loss)
+        if self.verbose or row_status(row) != "PASS":
+            self._clear()
+            print(f"[{self.done:>{self.width}}/{self.total}] {line}", flush=True)
+        self.per_kind[spec.kind] += row
+        self.remaining[spec.kind] -= 1
+        if self.quiet:
+            return
+        seconds = time.perf_counter() - self.start
+        if self.tty:
+            text = f"lossparity: [{self.done:>{self.width}}/{self.total}] {spec.name} ({seconds:.0f} s)"
+            text = text[: max(20, shutil.get_terminal_size((100, 20)).columns - 1)]
+            self.stream.write("\r" + text.ljust(self.shown))
+            self.stream.flush()
+            self.shown = len(text)
+        elif not self.remaining[spec.kind]:
+            rows = self.per_kind[spec.kind]
+            bad = sum(r.status != "pass" for r in rows)
+            verdict = f"{bad} not passing" if bad else "all pass"
+            print(f"lossparity: [{self.done:>{self.width}}/{self.total}] {spec.kind}: {len(rows)} comparisons, {verdict} "
+                  f"({seconds:.0f} s)", file=self.stream, flush=True)
+
+    def finish(self) -> None:
+        self._clear()
+
+
+def _cell(rows: list[Result]) -> str:
+    """Worst error of ``rows`` in units of the bound; ``!`` if one failed, ``~`` if one is
+    non-finite (and none failed)."""
+    if not rows:
+        return "-"
+    worst = max(max(r.loss_error, r.grad_error) for r in rows)
+    mark = "!" if any(r.status == "fail" for r in rows) else "~" if any(r.status == "nonfinite" for r in rows) else ""
+    return f"{worst:.2g}{mark}"
+
+
+def _summary_by_kind(results: list[Result]) -> dict[str, dict[str, Any]]:
+    """Per kind, per backend or twin pair: :func:`_group_summary` of its comparisons."""
+    kinds = list(dict.fromkeys(r.kind for r in results))
+    names = list(dict.fromkeys(_name(r) for r in results))
+    return {kind: {name: _group_summary(rows) for name in names
+                   if (rows := [r for r in results if r.kind == kind and _name(r) == name])}
+            for kind in kinds}
+
+
+def _print_kind_table(results: list[Result]) -> None:
+    """Kinds x backends (and twin pairs): the worst error in units of the bound (<= 1 passes),
+    and each kind's verdict."""
+    kinds = list(dict.fromkeys(r.kind for r in results))
+    names = list(dict.fromkeys(_name(r) for r in results))
+    widths = [max(len(name), 6) for name in names]
+    print(f"\n{'worst error / bound':20s} " + "  ".join(f"{n:>{w}s}" for n, w in zip(names, widths)) + "  verdict")
+    for kind in kinds:
+        rows = [r for r in results if r.kind == kind]
+        cells = [_cell([r for r in rows if _name(r) == name]) for name in names]
+        failed, nonfinite = sum(r.status == "fail" for r in rows), sum(r.status == "nonfinite" for r in rows)
+        verdict = f"FAIL ({failed})" if failed else f"NONFINITE ({nonfinite})" if nonfinite else "pass"
+        print(f"{kind:20s} " + "  ".join(f"{c:>{w}s}" for c, w in zip(cells, widths)) + f"  {verdict}")
+    print("(<= 1 passes; ! a failed comparison, ~ non-finite values that match the reference's)")
+
+
+def _one_line(status: str, results: list[Result], cases: int, backends: list[str], seconds: float, json_path: Path) -> str:
+    worst = max((max(r.loss_error, r.grad_error) for r in results), default=0.0)
+    counts = {name: sum(r.status == name for r in results) for name in STATUSES}
+    what = f"{len(results)} comparisons ({cases} cases x {', '.join(backends)} and twins)"
+    if status == "pass":
+        verdict = f"PASS: all {what} within the SPEC bounds, worst {worst:.2g} of the bound"
+    elif status == "fail":
+        verdict = f"FAIL: {counts['fail']} of {what} failed"
+    else:
+        verdict = f"NONFINITE: {counts['nonfinite']} of {what} non-finite (no failure)"
+    return f"lossparity: {verdict} ({seconds:.0f} s; report {json_path})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     try:  # everything the user gave, checked with NumPy only: no JAX or torch import yet
         args = build_parser().parse_args(argv)
+        requested = _backends(args)
         out = check_out(args.out)
         specs, warnings = _file_cases(args) if args.inputs else _builtin_cases(args)
     except InputError as error:
@@ -402,26 +531,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT["usage"]
     for warning in warnings:
         print(f"lossparity: warning: {warning}", file=sys.stderr)
-    backends, missing = available(args.backends)  # imports jaxloss / torchloss
+    backends, missing = available(requested)  # imports jaxloss / torchloss
     for name, why in missing.items():
         print(f"lossparity: skipping {name}: {why}", file=sys.stderr)
     if not [name for name in backends if name != "oracle"]:
         # Zero comparisons would "pass" and prove nothing.
         print("lossparity: error: no backend to compare with the oracle (--backends "
-              f"{','.join(args.backends)}; install jax or torch, or name jax-xla/jax-pallas/torch/torch-triton)", file=sys.stderr)
+              f"{','.join(requested)}; install jax or torch, or name jax-xla/jax-pallas/torch/torch-triton)", file=sys.stderr)
         return EXIT["usage"]
 
-    print(f"lossparity: {len(specs)} cases x {len(backends)} backends ({', '.join(backends)}); "
-          f"losses to 9 digits, errors in units of the SPEC bound, <= 1 passes")
-    counter = {"done": 0}
-
-    def progress(spec: CaseSpec, row: list[Result], oracle_loss: float) -> None:
-        counter["done"] += 1
-        line = _format_row(spec, row, oracle_loss)
-        if not args.quiet or not line.startswith("PASS"):
-            print(f"[{counter['done']:>{len(str(len(specs)))}}/{len(specs)}] {line}", flush=True)
-
-    results = run_matrix(specs, backends, on_result=progress)
+    if not args.quiet:
+        left_out = [name for name in ALL_BACKENDS if name not in requested]
+        print(f"lossparity: {len(specs)} cases x {len(backends)} backends ({', '.join(backends)})"
+              + (f"; --full adds {', '.join(left_out)}" if left_out and args.backends is None else "")
+              + ("; losses to 9 digits, errors in units of the SPEC bound, <= 1 passes" if args.verbose else ""), flush=True)
+    progress = Progress(specs, args.verbose, args.quiet)
+    try:
+        results = run_matrix(specs, backends, on_result=progress)
+    finally:
+        progress.finish()
     failures = [r for r in results if r.status == "fail"]
     nonfinite = [r for r in results if r.status == "nonfinite"]
     status = "fail" if failures else "nonfinite" if nonfinite else "pass"
@@ -433,7 +561,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bounds": {"LOSS_RTOL": lossspec.LOSS_RTOL, "GRAD_RTOL": lossspec.GRAD_RTOL, "GRAD_ULPS_16BIT": lossspec.GRAD_ULPS_16BIT},
         "environment": _environment(),
         "inputs": args.inputs,
+        "backends": backends,
         "summary": summary,
+        "summary_by_kind": _summary_by_kind(results),
         "summary_by_normalization": _summary_by_normalization(results),
         "results": [r.__dict__ for r in results],
         "seconds": round(time.perf_counter() - start, 2),
@@ -445,24 +575,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as error:
         print(f"lossparity: error: --out {out}: cannot write there ({error.strerror or error})", file=sys.stderr)
         return EXIT["usage"]
-    _print_table("backend (vs reference)", summary)
-    _print_table("normalisation (+segment ids)", report["summary_by_normalization"], "comparisons")
     if not args.no_plot:
         write_plot(results, out / "parity_report.png")
-        print(f"wrote {json_path} and {out / 'parity_report.png'}")
-    else:
-        print(f"wrote {json_path}")
+    if args.verbose:
+        _print_table("backend (vs reference)", summary)
+        _print_table("normalisation (+segment ids)", report["summary_by_normalization"], "comparisons")
+    if not args.quiet:
+        _print_kind_table(results)
+        print(f"wrote {json_path}" + ("" if args.no_plot else f" and {out / 'parity_report.png'}"))
     if failures:
         print(f"\nFAILED: {len(failures)} comparison(s):", file=sys.stderr)
-        for failure in failures[:20]:
+        for failure in failures:
             print(f"  {failure.case} [{failure.backend} vs {failure.reference}]: {failure.message}", file=sys.stderr)
     if nonfinite:
         print(f"\nNONFINITE: {len(nonfinite)} comparison(s) with NaN or inf that the reference has too (not a pass: "
               "those values prove nothing; look for NaN or +inf in the inputs):", file=sys.stderr)
-        for flagged in nonfinite[:20]:
+        for flagged in nonfinite:
             print(f"  {flagged.case} [{flagged.backend} vs {flagged.reference}]: {flagged.message}", file=sys.stderr)
-    if status == "pass":
-        print(f"all {len(results)} comparisons within the SPEC bounds ({time.perf_counter() - start:.0f} s)")
+    print(_one_line(status, results, len(specs), backends, time.perf_counter() - start, json_path))
     return EXIT[status]
 
 

@@ -23,7 +23,14 @@ from .causal import (
 from .checks import (
     FP32_MAX,
     FP32_TINY,
+    REDUCTION_TO_NORMALIZATION,
     ArrayMeta,
+    broadcast_mask,
+    class_axis_hint,
+    count_shape,
+    foreign_keyword_hint,
+    mask_broadcasts,
+    squeezed_mask_shape,
     check_count_args,
     check_denominator_allowed,
     check_denominator_shape,
@@ -65,6 +72,8 @@ from .config import (
     make_config,
 )
 from .microbatches import batch_rows, check_num_microbatches, check_shifted_microbatch, microbatch_sizes
+from . import accumulation
+from .accumulation import check_accumulation
 from .kinds import KIND_SPECS, FrameworkArgs, KindSpec, public_function
 from .stats import FINAL_STAT_INDEX, FINAL_STATS, KIND_IDS, MIXTURE_STATS, ROW_STAT_INDEX, ROW_STATS, stats_used
 from .generators import SCENARIOS, Case, Reference, all_cases, make_case

@@ -87,7 +87,7 @@ def check_inputs(
         if target.shape != lead:
             raise ValueError(
                 f"labels must have the leading shape of logits {_shape(lead)}; got labels {_shape(target.shape)} "
-                f"for logits {_shape(logits.shape)}"
+                f"for logits {_shape(logits.shape)}" + class_axis_hint(logits.shape, target.shape)
             )
     else:
         assert target is not None
@@ -102,9 +102,10 @@ def check_inputs(
     if loss_mask is not None:
         if loss_mask.kind not in (BOOL_KIND, FLOAT_KIND, *INT_KINDS):
             raise TypeError(f"loss_mask must be boolean or floating-point weights; got dtype {loss_mask.dtype}")
-        if loss_mask.shape != lead:
+        if not mask_broadcasts(loss_mask.shape, lead):
             raise ValueError(
-                f"loss_mask must have the leading shape of logits {_shape(lead)}; got {_shape(loss_mask.shape)}"
+                f"loss_mask must have the leading shape of logits {_shape(lead)} or broadcast to it "
+                f"({_broadcast_examples(lead)}); got {_shape(loss_mask.shape)}" + class_axis_hint(logits.shape, loss_mask.shape)
             )
     if segment_ids is not None:
         check_segment_ids(segment_ids.kind, segment_ids.dtype, segment_ids.shape, lead)
@@ -256,13 +257,103 @@ def check_count_args(
         raise TypeError(f"labels must be an integer array; got dtype {labels.dtype}")
     if loss_mask is not None and loss_mask.kind not in (BOOL_KIND, FLOAT_KIND, *INT_KINDS):
         raise TypeError(f"loss_mask must be boolean or floating-point weights; got dtype {loss_mask.dtype}")
-    if labels is not None and loss_mask is not None and labels.shape != loss_mask.shape:
+    lead = count_shape(labels, loss_mask, segment_ids)
+    if loss_mask is not None and not mask_broadcasts(loss_mask.shape, lead):
+        of = "labels" if labels is not None else "segment_ids"
         raise ValueError(
-            f"loss_mask must have the shape of labels {_shape(labels.shape)}; got {_shape(loss_mask.shape)}"
+            f"loss_mask must have the shape of {of} {_shape(lead)} or broadcast to it ({_broadcast_examples(lead)}); "
+            f"got {_shape(loss_mask.shape)}"
         )
-    ref = next(a for a in (labels, loss_mask, segment_ids) if a is not None)
     if segment_ids is not None:
-        check_segment_ids(segment_ids.kind, segment_ids.dtype, segment_ids.shape, ref.shape)
-    check_sequence_time_axis(normalization, ref.shape)
+        check_segment_ids(segment_ids.kind, segment_ids.dtype, segment_ids.shape, lead)
+    check_sequence_time_axis(normalization, lead)
     if check_causal_shift(causal_shift):
-        check_count_time_axis(ref.shape)
+        check_count_time_axis(lead)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shapes and names users bring from other libraries (torch.nn.functional, Liger-Kernel)
+# ----------------------------------------------------------------------------------------------
+
+
+def squeezed_mask_shape(mask_shape: tuple[int, ...], lead: tuple[int, ...]) -> tuple[int, ...]:
+    """``mask_shape`` without a trailing size-1 axis where it has one axis more than the
+    leading shape ``lead`` (``[B, T, 1]`` for ``[B, T]``: a mask shaped like the logits with
+    ``V = 1``); otherwise as given."""
+    mask_shape = tuple(mask_shape)
+    if len(mask_shape) == len(lead) + 1 and mask_shape[-1] == 1:
+        return mask_shape[:-1]
+    return mask_shape
+
+
+def mask_broadcasts(mask_shape: tuple[int, ...], lead: tuple[int, ...]) -> bool:
+    """Whether a ``loss_mask`` of ``mask_shape`` is accepted for the leading shape ``lead``
+    (SPEC section 5): after :func:`squeezed_mask_shape`, it broadcasts to ``lead`` by NumPy's
+    rules (trailing axes aligned, size-1 or missing axes repeated) without growing it: ``[T]``,
+    ``[B, 1]``, ``[B, T, 1]`` for ``[B, T]``."""
+    squeezed = squeezed_mask_shape(mask_shape, lead)
+    try:
+        return np.broadcast_shapes(squeezed, tuple(lead)) == tuple(lead)
+    except ValueError:
+        return False
+
+
+def broadcast_mask(loss_mask: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
+    """A NumPy ``loss_mask`` accepted by :func:`mask_broadcasts`, as a (read-only) view of the
+    leading shape ``lead``; a mask of that shape is returned as it is."""
+    loss_mask = np.asarray(loss_mask)
+    if loss_mask.shape == tuple(lead):
+        return loss_mask
+    return np.broadcast_to(loss_mask.reshape(squeezed_mask_shape(loss_mask.shape, lead)), tuple(lead))
+
+
+def _broadcast_examples(lead: tuple[int, ...]) -> str:
+    examples = [_shape(lead[1:])] if len(lead) > 1 else []
+    return "e.g. " + " or ".join(examples + [_shape(tuple(lead) + (1,))])
+
+
+def count_shape(labels: ArrayMeta | None, loss_mask: ArrayMeta | None, segment_ids: ArrayMeta | None) -> tuple[int, ...]:
+    """The leading shape ``count_denominator`` counts over: the labels', else the segment ids',
+    else the mask's (a mask broadcasts to the other two)."""
+    ref = next(a for a in (labels, segment_ids, loss_mask) if a is not None)
+    return tuple(ref.shape)
+
+
+def class_axis_hint(logits_shape: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    """A hint for logits in ``torch.nn.functional.cross_entropy``'s ``[B, V, T...]`` layout
+    (class axis second): ``""`` unless ``shape`` (the labels' or the mask's) is ``logits_shape``
+    without its second axis."""
+    logits_shape, shape = tuple(logits_shape), tuple(shape)
+    if len(logits_shape) >= 3 and shape == logits_shape[:1] + logits_shape[2:]:
+        moved = logits_shape[:1] + logits_shape[2:] + logits_shape[1:2]
+        return (
+            f"; the class axis goes last here: logits {_shape(logits_shape)} look like torch.nn.functional.cross_entropy's "
+            f"[B, V, T] layout, pass them as {_shape(moved)} (torch: logits.movedim(1, -1); JAX: jnp.moveaxis(logits, 1, -1))"
+        )
+    return ""
+
+
+# ``reduction=`` of torch.nn.functional and Liger-Kernel, as a normalisation here.
+REDUCTION_TO_NORMALIZATION = {"mean": "valid_tokens", "sum": "sum", "none": "none", "batchmean": "tokens"}
+# Other libraries' option names for options these losses have under another name.
+RENAMED_OPTIONS = {"lse_square_scale": "z_loss", "softcap": "logit_softcap"}
+
+
+def foreign_keyword_hint(names: Any, values: dict[str, Any] | None = None) -> str:
+    """What to write instead of keyword arguments named as in torch or Liger-Kernel (``""`` when
+    ``names`` holds none of them): ``reduction=`` becomes ``normalization=``
+    (:data:`REDUCTION_TO_NORMALIZATION`), and the options of :data:`RENAMED_OPTIONS` their names
+    here. ``values`` (the call's keyword arguments) makes the hint name the exact replacement."""
+    values = values or {}
+    hints = []
+    if "reduction" in names:
+        given = values.get("reduction")
+        mapping = "reduction= maps to normalization= as 'mean' -> 'valid_tokens' (the mean over valid tokens), " \
+                  "'sum' -> 'sum', 'none' -> 'none', 'batchmean' -> 'tokens'; with micro-batches pass denominator= too"
+        if isinstance(given, str) and given in REDUCTION_TO_NORMALIZATION:
+            hints.append(f"write normalization={REDUCTION_TO_NORMALIZATION[given]!r} instead of reduction={given!r}; {mapping}")
+        else:
+            hints.append(f"write normalization= instead of reduction=; {mapping}")
+    for name in sorted(set(names) & set(RENAMED_OPTIONS)):
+        hints.append(f"write {RENAMED_OPTIONS[name]}= instead of {name}=")
+    return "; ".join(hints)

@@ -256,15 +256,23 @@ def public_function(
 ) -> Callable[..., Any]:
     """A function named ``spec.kind`` with the signature of :func:`parameters` and the
     docstring of :func:`docstring` that calls ``impl(spec.kind, **bound arguments)``."""
+    # checks, accumulation and config import this table: imported when the frameworks build
+    # their functions, once lossspec is whole.
+    from . import accumulation
+    from .checks import foreign_keyword_hint
+
     signature = inspect.Signature(parameters(spec, extra))
 
     def loss(*args: Any, **kwargs: Any) -> Any:
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as err:
-            raise TypeError(f"{spec.kind}(): {err}") from None
+            hint = foreign_keyword_hint(set(kwargs) - set(signature.parameters), kwargs)
+            raise TypeError(f"{spec.kind}(): {err}" + (f"; {hint}" if hint else "")) from None
         bound.apply_defaults()
-        return impl(spec.kind, **bound.arguments)
+        arguments = bound.arguments
+        accumulation.record(spec.kind, arguments["normalization"], arguments["causal_shift"], arguments["denominator"])
+        return impl(spec.kind, **arguments)
 
     loss.__name__ = loss.__qualname__ = spec.kind
     loss.__module__ = module
@@ -294,7 +302,11 @@ def module_settings(spec: KindSpec, extra: FrameworkArgs, options: dict[str, Any
     defaults = dict(spec.options, normalization="valid_tokens", **{name: default for name, default, _ in extra.args})
     unknown = sorted(set(options) - set(defaults))
     if unknown:
-        raise TypeError(f"{owner} got unexpected option(s) {', '.join(unknown)}; it accepts {', '.join(defaults)}")
+        from .checks import foreign_keyword_hint  # checks and config import this table: imported here
+
+        hint = foreign_keyword_hint(unknown, options)
+        raise TypeError(f"{owner} got unexpected option(s) {', '.join(unknown)}; " + (f"{hint}; " if hint else "")
+                        + f"it accepts {', '.join(defaults)}")
     from .config import make_config  # config builds its kind lists from this table
 
     settings = {**defaults, **options}

@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .checks import FLOAT_KIND, LOGIT_DTYPES, ArrayMeta, _shape, meta
+from . import accumulation
+from .checks import FLOAT_KIND, LOGIT_DTYPES, ArrayMeta, _shape, foreign_keyword_hint, meta
 from .config import KINDS, check_impl
 from .kinds import _ARG_DOCS, _RETURNS, KIND_SPECS, FrameworkArgs, KindSpec
 from .oracle import oracle
@@ -165,9 +166,12 @@ def head_public_function(kind: str, impl: Callable[..., Any], module: str, extra
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as err:
-            raise TypeError(f"{name}(): {err}") from None
+            hint = foreign_keyword_hint(set(kwargs) - set(signature.parameters), kwargs)
+            raise TypeError(f"{name}(): {err}" + (f"; {hint}" if hint else "")) from None
         bound.apply_defaults()
-        return impl(kind, **bound.arguments)
+        arguments = bound.arguments
+        accumulation.record(name, arguments["normalization"], arguments["causal_shift"], arguments["denominator"])
+        return impl(kind, **arguments)
 
     loss.__name__ = loss.__qualname__ = name
     loss.__module__ = module

@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from .checks import check_denominator_allowed, check_denominator_value, check_inputs, check_labels, check_weights, numpy_meta
+from .checks import (broadcast_mask, check_denominator_allowed, check_denominator_value, check_inputs, check_labels,
+                     check_weights, numpy_meta)
 from .causal import scored_positions, shift_targets
 from .config import LossConfig, make_config
 from .sequences import SEQUENCE_NORMALIZATIONS, scored_segment_ids, sequence_coefficients, sequence_weight_sums
@@ -212,6 +213,8 @@ def count_denominator(
         causal_shift,
         None if segment_ids is None else numpy_meta(np.asarray(segment_ids)),
     )
+    if loss_mask is not None:  # a mask that broadcasts to the labels' (or ids') shape, expanded
+        loss_mask = broadcast_mask(loss_mask, next(np.shape(a) for a in (labels, segment_ids, loss_mask) if a is not None))
     ref = np.asarray(next(a for a in (labels, loss_mask, segment_ids) if a is not None))
     if normalization == "tokens":
         return float(scored_positions(ref.shape, causal_shift))
@@ -251,6 +254,8 @@ def _prepare(
         None if loss_mask is None else numpy_meta(np.asarray(loss_mask)),
         None if segment_ids is None else numpy_meta(np.asarray(segment_ids)),
     )
+    if loss_mask is not None:  # a mask that broadcasts to the leading shape (check_inputs), expanded
+        loss_mask = broadcast_mask(loss_mask, logits.shape[:-1])
     if segment_ids is not None or config.per_sequence:
         segment_ids = scored_segment_ids(segment_ids, logits.shape[:-1], config.causal_shift)
     check_denominator_allowed(config, denominator)

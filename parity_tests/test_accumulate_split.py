@@ -5,6 +5,8 @@ denominator equals the float64 full-batch oracle for any ``K`` (10 rows in 4 mic
 
 from __future__ import annotations
 
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -165,3 +167,147 @@ def test_jax_accumulate_uneven_per_replica() -> None:
     sharded = shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
     loss, grads = jax.jit(sharded)(jax.tree_util.tree_map(jnp.asarray, params), jax.tree_util.tree_map(jnp.asarray, batch))
     tiny_lm_oracle.assert_matches(loss, {n: np.asarray(g) for n, g in grads.items()}, ref_loss, ref_grads, "D=2 K=2 uneven")
+
+
+# ----------------------------------------------------------------------------------------------
+# accumulate(check=...): the mistakes that give a plausible but wrong step, caught
+# ----------------------------------------------------------------------------------------------
+
+from lossspec import accumulation  # noqa: E402
+
+CE = OPTIONS["cross_entropy"]
+
+
+def _torch_model(params: dict[str, np.ndarray]) -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Embedding(VOCAB_IN, HIDDEN), torch.nn.Linear(HIDDEN, VOCAB, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.from_numpy(params["emb"]))
+        model[1].weight.copy_(torch.from_numpy(params["head"].T))
+    return model
+
+
+def _loss_fns(use_denominator: bool, causal_shift: bool = False, normalization: str = "valid_tokens"):
+    """The same loss closure in JAX and torch; ``use_denominator=False`` is the mistake."""
+    options = dict(CE, causal_shift=causal_shift, normalization=normalization)
+
+    def jax_fn(params, mb, denominator):
+        logits = params["emb"][mb["tokens"]] @ params["head"]
+        return jaxloss.cross_entropy(logits, mb["labels"], mb["loss_mask"], denominator=denominator if use_denominator else None,
+                                     **options)
+
+    def torch_fn(model, mb, denominator):
+        return torchloss.cross_entropy(model(mb["tokens"]), mb["labels"], mb["loss_mask"],
+                                       denominator=denominator if use_denominator else None, **options)
+
+    return jax_fn, torch_fn
+
+
+def _both_accumulate(jax_fn, torch_fn, check: str, **kwargs) -> tuple[tuple, torch.Tensor]:
+    params, batch = make_problem("cross_entropy", "valid_tokens")
+    jax_result = jd.accumulate(jax_fn, jax.tree_util.tree_map(jnp.asarray, params), jax.tree_util.tree_map(jnp.asarray, batch),
+                               num_microbatches=2, check=check, **kwargs)
+    torch_batch = {key: torch.from_numpy(np.asarray(value)) for key, value in batch.items()}
+    torch_result = td.accumulate(torch_fn, _torch_model(params), torch_batch, num_microbatches=2, check=check, **kwargs)
+    return jax_result, torch_result
+
+
+def _expected(*calls: accumulation.Call, normalization: str = "valid_tokens") -> str:
+    found = accumulation.problems(list(calls), normalization)
+    assert len(found) == 1
+    return f"accumulate: {found[0]}"
+
+
+def test_check_catches_a_locally_normalised_loss() -> None:
+    """A loss called without denominator=: each micro-batch divided by its own count. The check
+    raises (or warns) with the same message in both frameworks; off, it stays silent."""
+    jax_fn, torch_fn = _loss_fns(use_denominator=False)
+    message = _expected(accumulation.Call("count_denominator", "valid_tokens", False),
+                        accumulation.Call("cross_entropy", "valid_tokens", False, denominator=False))
+    assert "cross_entropy(normalization='valid_tokens') was called without denominator=" in message
+    params, batch = make_problem("cross_entropy", "valid_tokens")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        jd.accumulate(jax_fn, jax.tree_util.tree_map(jnp.asarray, params), jax.tree_util.tree_map(jnp.asarray, batch),
+                      num_microbatches=2, check="raise")
+    torch_batch = {key: torch.from_numpy(np.asarray(value)) for key, value in batch.items()}
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        td.accumulate(torch_fn, _torch_model(params), torch_batch, num_microbatches=2, check="raise")
+    with pytest.warns(RuntimeWarning, match=f"^{re.escape(message)}$"):
+        td.accumulate(torch_fn, _torch_model(params), torch_batch, num_microbatches=2, check="warn")
+    # The mistake itself (check off): the sum of the two micro-batches' own means, not the step's mean.
+    ref_loss, _ = reference("cross_entropy", "valid_tokens", params, batch)
+    halves = [{key: value[rows] for key, value in batch.items()} for rows in (slice(0, 5), slice(5, 10))]
+    local = sum(reference("cross_entropy", "valid_tokens", params, half)[0] for half in halves)
+    loss = td.accumulate(torch_fn, _torch_model(params), torch_batch, num_microbatches=2)
+    assert abs(float(loss) - local) <= 1e-5 * local and abs(local - ref_loss) > 0.5 * ref_loss
+
+
+def test_check_catches_a_causal_shift_the_count_lacks() -> None:
+    """causal_shift=True in the loss, not in accumulate's count: D counts T positions per row
+    where the loss scores T - 1. Caught from the default count and from a count_fn alike."""
+    jax_fn, torch_fn = _loss_fns(use_denominator=True, causal_shift=True)
+    message = _expected(accumulation.Call("count_denominator", "valid_tokens", False),
+                        accumulation.Call("cross_entropy", "valid_tokens", True, denominator=True))
+    assert "count_denominator counted with causal_shift=False (T positions per row) but cross_entropy scores with " \
+           "causal_shift=True (T - 1 scored positions per row)" in message
+    for kwargs in ({}, {"count_fn": None}):
+        params, batch = make_problem("cross_entropy", "valid_tokens")
+        torch_batch = {key: torch.from_numpy(np.asarray(value)) for key, value in batch.items()}
+        torch_count = (lambda mb: torchloss.count_denominator(mb["labels"], mb["loss_mask"])) if "count_fn" in kwargs else None
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            td.accumulate(torch_fn, _torch_model(params), torch_batch, num_microbatches=2, check="raise", count_fn=torch_count)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        jd.accumulate(jax_fn, jax.tree_util.tree_map(jnp.asarray, params), jax.tree_util.tree_map(jnp.asarray, batch),
+                      num_microbatches=2, check="raise")
+
+
+def test_check_catches_a_normalization_the_count_lacks() -> None:
+    _, torch_fn = _loss_fns(use_denominator=True, normalization="valid_tokens")
+    message = _expected(accumulation.Call("count_denominator", "tokens", False),
+                        accumulation.Call("cross_entropy", "valid_tokens", False, denominator=True), normalization="tokens")
+    assert "cross_entropy(normalization='valid_tokens') was given the 'tokens' count" in message
+    params, batch = make_problem("cross_entropy", "valid_tokens")
+    torch_batch = {key: torch.from_numpy(np.asarray(value)) for key, value in batch.items()}
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        td.accumulate(torch_fn, _torch_model(params), torch_batch, num_microbatches=2, normalization="tokens", check="raise")
+
+
+@pytest.mark.parametrize("causal_shift", [False, True])
+def test_check_stays_quiet_on_correct_use(causal_shift: bool) -> None:
+    """denominator= passed and the same causal_shift in the count and the loss: no error, no
+    warning, and (without the shift) the float64 oracle's full-batch loss."""
+    jax_fn, torch_fn = _loss_fns(use_denominator=True, causal_shift=causal_shift)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        (jax_loss, _), torch_loss = _both_accumulate(jax_fn, torch_fn, "warn", causal_shift=causal_shift)
+        _both_accumulate(jax_fn, torch_fn, "raise", causal_shift=causal_shift)
+    if not causal_shift:
+        params, batch = make_problem("cross_entropy", "valid_tokens")
+        ref_loss, _ = reference("cross_entropy", "valid_tokens", params, batch)
+        for loss in (jax_loss, torch_loss):
+            assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
+
+
+def test_check_accumulation_in_a_hand_written_loop() -> None:
+    """The context manager of both frameworks (lossspec's): the README's loop without
+    denominator= raises when the block ends; with it, nothing."""
+    assert jd.check_accumulation is td.check_accumulation is accumulation.check_accumulation
+    params, batch = make_problem("cross_entropy", "valid_tokens")
+    model = _torch_model(params)
+    tokens, labels, mask = (torch.from_numpy(np.asarray(batch[key])) for key in ("tokens", "labels", "loss_mask"))
+    micro = torch.split(torch.arange(ROWS), 4)
+    with pytest.raises(ValueError, match=r"^check_accumulation: cross_entropy\(normalization='valid_tokens'\) was called "
+                                         r"without denominator="):
+        with td.check_accumulation():
+            for rows in micro:
+                torchloss.cross_entropy(model(tokens[rows]), labels[rows], mask[rows]).backward()
+    with td.check_accumulation():
+        denominator = sum(torchloss.count_denominator(labels[rows], mask[rows]) for rows in micro)
+        for rows in micro:
+            torchloss.cross_entropy(model(tokens[rows]), labels[rows], mask[rows], denominator=denominator).backward()
+    with pytest.raises(ValueError, match="the step made no loss call that the check could see"):
+        with td.check_accumulation():
+            pass
+    with pytest.raises(ValueError, match=r"check must be one of 'off', 'warn', 'raise'; got 'yes'"):
+        td.accumulate(lambda m, mb, d: None, model, {"labels": labels}, num_microbatches=2, check="yes")
+    with pytest.raises(ValueError, match=r"check must be one of 'off', 'warn', 'raise'; got True"):
+        jd.accumulate(lambda p, mb, d: None, {}, {"labels": jnp.asarray(batch["labels"])}, num_microbatches=2, check=True)

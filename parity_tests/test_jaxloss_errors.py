@@ -3,6 +3,7 @@ message of ``lossspec`` (the oracle raises the very same error on the same NumPy
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import jax
@@ -247,3 +248,29 @@ def test_module_options_are_checked_on_construction() -> None:
     assert_same_error(lambda: ForwardKLLoss(temperature=0.0), lambda: lossspec.make_config("forward_kl", temperature=0.0))
     assert_same_error(lambda: CrossEntropyLoss(normalization="mean"), lambda: lossspec.make_config("cross_entropy", normalization="mean"))
     assert_same_error(lambda: CrossEntropyLoss(impl="torch"), lambda: lossspec.check_impl("torch", lossspec.JAX_IMPLS))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_reduction_says_what_to_write(reduction: str) -> None:
+    """torch's and Liger-Kernel's ``reduction=``: a TypeError naming the ``normalization=`` to
+    write, from the functions, the fused heads and the modules (lossspec's hint, as in torch)."""
+    hint = lossspec.foreign_keyword_hint({"reduction"}, {"reduction": reduction})
+    expected = {"mean": "valid_tokens", "sum": "sum", "none": "none"}[reduction]
+    assert f"write normalization='{expected}' instead of reduction='{reduction}'" in hint
+    message = f"cross_entropy(): got an unexpected keyword argument 'reduction'; {hint}"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        jaxloss.cross_entropy(X, Y, reduction=reduction)
+    with pytest.raises(TypeError, match=re.escape(f"linear_cross_entropy(): got an unexpected keyword argument 'reduction'; {hint}")):
+        jaxloss.linear_cross_entropy(X, X, Y, reduction=reduction)
+    with pytest.raises(TypeError, match=re.escape(f"CrossEntropyLoss got unexpected option(s) reduction; {hint}; it accepts")):
+        CrossEntropyLoss(reduction=reduction)
+
+
+def test_class_axis_second_layout_gets_the_hint() -> None:
+    """F.cross_entropy's [B, V, T] logits: lossspec's message, with the hint to move the class axis last."""
+    logits = np.zeros((2, V, 3), np.float32)
+    labels = np.zeros((2, 3), np.int32)
+    assert_same_error(lambda: jaxloss.cross_entropy(jnp.asarray(logits), jnp.asarray(labels)),
+                      lambda: lossspec.oracle("cross_entropy", logits, labels))
+    with pytest.raises(ValueError, match=r"the class axis goes last.*jnp\.moveaxis\(logits, 1, -1\)"):
+        jaxloss.cross_entropy(jnp.asarray(logits), jnp.asarray(labels))

@@ -250,3 +250,55 @@ def test_ignore_index_is_compared_exactly() -> None:
     assert lossspec.count_denominator(np.array([1, 2**32 - 100], np.uint32)) == 2.0
     assert lossspec.count_denominator(np.array([1, 2**40], np.int64), ignore_index=2**40) == 1.0
     assert lossspec.count_denominator(np.array([1, -100], np.int32), ignore_index=2**40) == 2.0
+
+
+@pytest.mark.parametrize("reduction, normalization", [("mean", "valid_tokens"), ("sum", "sum"), ("none", "none"), ("batchmean", "tokens")])
+def test_reduction_hint_names_the_normalization(reduction: str, normalization: str) -> None:
+    """torch's / Liger-Kernel's ``reduction=`` gets the exact ``normalization=`` to write."""
+    hint = lossspec.foreign_keyword_hint({"reduction"}, {"reduction": reduction})
+    assert hint.startswith(f"write normalization='{normalization}' instead of reduction='{reduction}'; "), hint
+    assert "'mean' -> 'valid_tokens'" in hint and "denominator=" in hint
+    assert lossspec.foreign_keyword_hint({"reduction"}, {"reduction": "avg"}).startswith("write normalization= instead of reduction=")
+    assert lossspec.foreign_keyword_hint({"lse_square_scale"}) == "write z_loss= instead of lse_square_scale="
+    assert lossspec.foreign_keyword_hint({"bogus"}) == ""
+
+
+def test_class_axis_second_gets_a_hint() -> None:
+    """Logits in F.cross_entropy's [B, V, T] layout: the error says the class axis goes last."""
+    logits_bvt = np.zeros((2, 5, 3), np.float32)  # [B, V, T] with labels [B, T]
+    with pytest.raises(ValueError, match=r"labels must have the leading shape of logits \[2, 5\]; got labels \[2, 3\] .*"
+                                         r"the class axis goes last.*pass them as \[2, 3, 5\]"):
+        oracle("cross_entropy", logits_bvt, LABELS)
+    with pytest.raises(ValueError, match=r"loss_mask must have the leading shape.*the class axis goes last"):
+        oracle("forward_kl", logits_bvt, logits_bvt, np.ones((2, 3), bool))
+    with pytest.raises(ValueError) as plain:  # a shape that is not that layout: no hint
+        oracle("cross_entropy", X, LABELS[:, :2])
+    assert "class axis" not in str(plain.value)
+
+
+@pytest.mark.parametrize("shape", [(3,), (1, 3), (2, 1), (2, 3, 1), (1,), ()])
+def test_broadcast_mask_equals_the_expanded_mask(shape: tuple[int, ...]) -> None:
+    """A mask that broadcasts to the leading shape [2, 3] (a trailing size-1 class axis
+    dropped) gives exactly the loss, gradient and count of the explicitly expanded mask."""
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(2, 3, 5)).astype(np.float32)
+    labels = rng.integers(0, 5, (2, 3))
+    mask = rng.uniform(0.5, 2.0, shape).astype(np.float32)
+    squeezed = mask.reshape(shape[:-1]) if len(shape) == 3 else mask
+    expanded = np.broadcast_to(squeezed, (2, 3)).copy()
+    for normalization in ("valid_tokens", "none", "sequence_mean"):
+        got = oracle("cross_entropy", logits, labels, mask, normalization=normalization, causal_shift=True)
+        want = oracle("cross_entropy", logits, labels, expanded, normalization=normalization, causal_shift=True)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    assert lossspec.count_denominator(labels, mask, causal_shift=True) == lossspec.count_denominator(labels, expanded, causal_shift=True)
+    assert lossspec.count_denominator(None, mask, segment_ids=np.zeros((2, 3), np.int64)) == float(expanded.sum(dtype=np.float64))
+
+
+@pytest.mark.parametrize("shape", [(2,), (3, 2), (2, 3, 2), (1, 2, 3), (2, 3, 1, 1)])
+def test_mask_that_does_not_broadcast_is_refused(shape: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match=r"loss_mask must have the leading shape of logits \[2, 3\] or broadcast to it "
+                                         r"\(e\.g\. \[3\] or \[2, 3, 1\]\); got"):
+        oracle("cross_entropy", X, LABELS, np.ones(shape, bool))
+    with pytest.raises(ValueError, match=r"loss_mask must have the shape of labels \[2, 3\] or broadcast to it"):
+        lossspec.count_denominator(LABELS, np.ones(shape, bool))

@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -29,11 +30,13 @@ from lossparity import matrix as matrix_module
 from lossparity.cli import main
 
 SMALL = ["--shape", "3x40", "--no-plot"]
+# A progress line on a non-terminal stderr: one per kind, when its last case is done.
+PROGRESS_LINE = re.compile(r"lossparity: \[ *\d+/\d+\] \w+: \d+ comparisons, (all pass|\d+ not passing) \(\d+ s\)$")
 
 
 def test_builtin_matrix_passes_and_writes_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     code = main(["--kinds", "cross_entropy,reverse_kl", "--dtypes", "float32,bfloat16", "--backends", "jax-xla,torch",
-                 "--shape", "2x5x70", "--out", str(tmp_path)])
+                 "--shape", "2x5x70", "--out", str(tmp_path), "--verbose"])
     out = capsys.readouterr().out
     assert code == 0, out
     report = json.loads((tmp_path / "parity_report.json").read_text())
@@ -70,6 +73,11 @@ def test_builtin_matrix_covers_entropy_and_jensen_shannon(tmp_path: Path, monkey
     assert code == 1 and "jensen_shannon/random/valid_tokens" in err and "entropy/" not in err
 
 
+def _without_progress(err: str) -> str:
+    """stderr less the progress lines (one per kind, naming it)."""
+    return "\n".join(line for line in err.splitlines() if not PROGRESS_LINE.match(line))
+
+
 PACKED = ["--shape", "2x9x40", "--no-plot"]  # two packed rows of 9 tokens
 
 
@@ -94,7 +102,7 @@ def test_builtin_matrix_covers_the_sequence_modes(tmp_path: Path, capsys: pytest
     """sequence_mean/sequence_sum on packed rows (segment ids) and with one sequence per row; the
     oracle's losses are lossspec.oracle's with those ids; the JSON and the tables name both."""
     code = main(["--kinds", "cross_entropy,jensen_shannon", "--dtypes", "float32,float16", "--backends", "jax-xla,torch",
-                 "--normalizations", "sequence_mean,sequence_sum", "--out", str(tmp_path), *PACKED])
+                 "--normalizations", "sequence_mean,sequence_sum", "--out", str(tmp_path), "--verbose", *PACKED])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "PASS cross_entropy/packed/sequence_mean/float32/2x9x40[segment_ids]" in out
@@ -170,7 +178,7 @@ def test_perturbed_backend_fails_and_is_named(tmp_path: Path, monkeypatch: pytes
     assert code == 1
     assert "FAIL forward_kl/random/valid_tokens/float32/3x40" in captured.out
     assert "forward_kl/random/valid_tokens/float32/3x40 [torch vs oracle]: grad: worst error" in captured.err
-    assert "cross_entropy" not in captured.err  # the honest kind still passes
+    assert "cross_entropy" not in _without_progress(captured.err)  # the honest kind still passes
     report = json.loads((tmp_path / "parity_report.json").read_text())
     assert report["passed"] is False
     failed = {(r["kind"], r["backend"], r["reference"]) for r in report["results"] if not r["ok"]}
@@ -240,7 +248,7 @@ def _run_programs(*programs: str) -> None:
 def test_inputs_from_jax_and_torch_programs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     jax_file, torch_file, st_file = tmp_path / "jax_batch.npz", tmp_path / "torch_batch.npz", tmp_path / "torch.safetensors"
     _run_programs(_jax_program(jax_file), _torch_program(torch_file, st_file))
-    backends = ["--backends", "jax-xla,torch"]
+    backends = ["--backends", "jax-xla,torch", "--verbose"]
     assert main(["--inputs", str(jax_file), "--out", str(tmp_path), *backends, "--no-plot"]) == 0
     out = capsys.readouterr().out
     # labels and teacher logits in the file: all six kinds, all six normalisations, in bf16.
@@ -269,7 +277,7 @@ def test_inputs_with_entropy_jensen_shannon_and_segment_ids(tmp_path: Path, caps
     ids = np.array([[0, 0, 0, 0, 0, 1, 2], [5, 5, 9, 9, 9, -1, -1]], np.int32)
     np.savez(tmp_path / "packed.npz", logits=logits, teacher_logits=teacher, loss_mask=mask, segment_ids=ids)
     code = main(["--inputs", str(tmp_path / "packed.npz"), "--kinds", "entropy,jensen_shannon", "--beta", "0.3",
-                 "--backends", "jax-xla,torch", "--no-plot", "--out", str(tmp_path)])
+                 "--backends", "jax-xla,torch", "--no-plot", "--out", str(tmp_path), "--verbose"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "12 cases" in out
@@ -288,7 +296,7 @@ def test_inputs_with_entropy_jensen_shannon_and_segment_ids(tmp_path: Path, caps
             assert row["reference_loss"] == expected and abs(row["loss"] - expected) <= lossspec.LOSS_RTOL * abs(expected)
     save_file({"logits": logits, "segment_ids": ids.astype(np.int64)}, str(tmp_path / "logits.safetensors"))
     code = main(["--inputs", str(tmp_path / "logits.safetensors"), "--backends", "torch", "--no-plot",
-                 "--normalizations", "sequence_mean", "--out", str(tmp_path)])
+                 "--normalizations", "sequence_mean", "--out", str(tmp_path), "--verbose"])
     out = capsys.readouterr().out
     assert code == 0 and "1 cases" in out and "PASS entropy/logits.safetensors/sequence_mean/float32/2x7x23[segment_ids," in out
 
@@ -401,6 +409,7 @@ BAD_CASES = {
                    "takes at most 16777216"),
     "negative_seed": (lambda d: ["--seed", "-1"], "argument --seed: seed must be in [0, 2**63 - 1]; got -1"),
     "unknown_backend": (lambda d: ["--backends", "jax-xla,cuda"], "unknown backend cuda"),
+    "full_and_backends": (lambda d: ["--full", "--backends", "torch"], "give --full or --backends, not both"),
     "unknown_option": (lambda d: ["--bogus"], "unrecognized arguments: --bogus"),
     # --out: checked before anything runs (a valid built-in run otherwise).
     "out_is_a_file": (lambda d: ["--kinds", "cross_entropy", "--out", str(d / "a_file")],
@@ -659,7 +668,7 @@ def test_options_that_do_not_apply_warn(case: str, tmp_path: Path, capfd: pytest
     captured = capfd.readouterr()
     assert code == 0, captured
     expected = [] if warning is None else [f"lossparity: warning: {warning}"]
-    assert captured.err.splitlines() == expected
+    assert _without_progress(captured.err).splitlines() == expected
 
 
 def test_loss_values_are_printed_and_reported(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -670,7 +679,7 @@ def test_loss_values_are_printed_and_reported(tmp_path: Path, capsys: pytest.Cap
     import torchloss
 
     code = main(["--kinds", "cross_entropy", "--dtypes", "float32", "--backends", "jax-xla,torch",
-                 "--normalizations", "valid_tokens,none", "--out", str(tmp_path), *SMALL])
+                 "--normalizations", "valid_tokens,none", "--out", str(tmp_path), "--verbose", *SMALL])
     out = capsys.readouterr().out
     assert code == 0, out
     made = lossspec.make_case("cross_entropy", "random", lead_shape=(3,), vocab=40, dtype="float32", seed=0)
@@ -768,6 +777,116 @@ def test_report_is_strict_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 def test_help_documents_the_options() -> None:
     result = subprocess.run([sys.executable, "-m", "lossparity", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
-    for option in ("--inputs", "--kinds", "--backends", "--dtypes", "--shape", "--normalizations", "--out"):
+    for option in ("--inputs", "--kinds", "--backends", "--full", "--dtypes", "--shape", "--normalizations", "--out",
+                   "--verbose", "--quiet"):
         assert option in result.stdout
     assert "3 non-finite" in " ".join(result.stdout.split())
+
+
+def _worst(rows: list[dict]) -> float:
+    return max(max(r["loss_error"], r["grad_error"]) for r in rows)
+
+
+def test_default_run_is_quick_and_compact(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """No --backends: the fast backends only (the interpreted kernels behind --full); no line per
+    passing case; progress on stderr, one line per kind (stderr is not a terminal here); at the end
+    one table of the worst error per kind and backend (the JSON's numbers) and a one-line summary."""
+    code = main(["--kinds", "cross_entropy,entropy", "--dtypes", "float32", "--out", str(tmp_path), *SMALL])
+    captured = capsys.readouterr()
+    assert code == 0, captured
+    report = json.loads((tmp_path / "parity_report.json").read_text())
+    assert report["backends"] == ["jax-xla", "torch"]
+    assert {r["backend"] for r in report["results"]} == {"jax-xla", "torch"}
+    lines = captured.out.splitlines()
+    assert "; --full adds jax-pallas, torch-triton" in lines[0]
+    assert not any(line.startswith(("[", "PASS")) or " PASS " in line for line in lines), captured.out
+    assert len(lines) <= 10, captured.out
+    header = next(line for line in lines if line.startswith("worst error / bound"))
+    assert header.split()[4:] == ["jax-xla", "torch", "jax-xla~torch", "verdict"]
+    results = report["results"]
+    for kind in ("cross_entropy", "entropy"):
+        row = next(line for line in lines if line.startswith(kind + " ")).split()
+        names = ("jax-xla~oracle", "torch~oracle", "jax-xla~torch")
+        expected = [f"{_worst([r for r in results if r['kind'] == kind and r['backend'] + '~' + r['reference'] == name]):.2g}"
+                    for name in names]
+        assert row[1:] == expected + ["pass"], (row, expected)
+        summary = report["summary_by_kind"][kind]
+        assert set(summary) == {"jax-xla", "torch", "jax-xla~torch"} and summary["torch"]["cases"] == 15  # 12 token-level cases, 3 per-sequence
+    assert lines[-1].startswith(f"lossparity: PASS: all {len(results)} comparisons (30 cases x jax-xla, torch and twins)")
+    assert f"worst {_worst(results):.2g} of the bound" in lines[-1]
+    progress = captured.err.splitlines()
+    assert len(progress) == 2 and all(PROGRESS_LINE.match(line) for line in progress), progress
+    assert "cross_entropy: 45 comparisons, all pass" in progress[0] and "[30/30] entropy" in progress[1]
+
+
+def test_failures_are_printed_in_full_and_marked_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    """A failing case: its whole line (losses, errors) on stdout, its message on stderr, a ! in
+    the table's cell and the kind's verdict FAIL (n); the honest kind stays quiet."""
+    poisoned = _poisoned("grad")
+    honest = backends_module.BACKENDS["torch"].run
+
+    def run(kind, inputs, options, grad_output):
+        return (poisoned if kind == "forward_kl" else honest)(kind, inputs, options, grad_output)
+
+    monkeypatch.setitem(backends_module.BACKENDS, "torch", Backend("torch", "torch", run))
+    code = main(["--kinds", "forward_kl,entropy", "--dtypes", "float32", "--normalizations", "sum,none", "--out", str(tmp_path),
+                 *SMALL])
+    captured = capsys.readouterr()
+    assert code == 1, captured
+    failing = [line for line in captured.out.splitlines() if line.startswith("[")]
+    assert len(failing) == 4 and all("FAIL forward_kl/" in line and "oracle " in line and "torch loss=" in line or
+                                     "torch sum(loss)=" in line for line in failing), captured.out
+    lines = captured.out.splitlines()
+    table = next(line for line in lines if line.startswith("forward_kl "))
+    assert table.split()[2:] == ["inf!", "inf!", "FAIL", "(8)"], table  # torch~oracle and jax-xla~torch, 4 cases
+    assert next(line for line in lines if line.startswith("entropy ")).endswith(" pass")
+    assert captured.err.count("[torch vs oracle]: grad is non-finite (nan)") == 4
+    assert lines[-1].startswith("lossparity: FAIL: 8 of 24 comparisons")
+
+
+def test_quiet_prints_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code = main(["--kinds", "reverse_kl", "--dtypes", "float32", "--normalizations", "sum", "--out", str(tmp_path), "--quiet",
+                 *SMALL])
+    captured = capsys.readouterr()
+    assert code == 0 and captured.err == "", captured
+    assert captured.out.count("\n") == 1 and captured.out.startswith("lossparity: PASS: all 6 comparisons (2 cases x jax-xla, torch and twins)"), captured.out
+
+
+def test_progress_on_a_terminal_is_one_line_rewritten(tmp_path: Path) -> None:
+    """stderr a terminal: each case rewrites one line (\\r, no newline), cleared at the end."""
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    specs, _ = cli_module._builtin_cases(cli_module.build_parser().parse_args(
+        ["--kinds", "entropy", "--dtypes", "float32", "--normalizations", "sum,tokens", "--shape", "3x40"]))
+    terminal = Terminal()
+    progress = cli_module.Progress(specs, verbose=False, quiet=False, stream=terminal)
+    matrix_module.run_matrix(specs, ["torch"], on_result=progress)
+    progress.finish()
+    text = terminal.getvalue()
+    assert "\n" not in text and text.count("\r") == 6  # four cases, then a clear and its return
+    assert "lossparity: [4/4] entropy/neg_inf/tokens/float32/3x40" in text and text.endswith("\r")
+
+
+@pytest.mark.parametrize("flags", [["--full"], ["--backends", "all"]])
+def test_full_and_backends_all_name_every_backend(flags: list[str]) -> None:
+    assert cli_module._backends(cli_module.build_parser().parse_args(flags)) == ["jax-xla", "jax-pallas", "torch", "torch-triton"]
+    assert cli_module._backends(cli_module.build_parser().parse_args([])) == ["jax-xla", "torch"]
+
+
+def test_full_matrix_every_backend(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--full``: the whole built-in matrix (6 kinds x 42 cases, every dtype and normalisation)
+    on all four backends (the kernels interpreted on a CPU), each against the oracle and the
+    three twin pairs, at a small shape."""
+    code = main(["--full", "--shape", "2x4x40", "--no-plot", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out[-3000:] + captured.err[-3000:]
+    report = json.loads((tmp_path / "parity_report.json").read_text())
+    names = {r["backend"] + "~" + r["reference"] for r in report["results"]}
+    assert names == {"jax-xla~oracle", "jax-pallas~oracle", "torch~oracle", "torch-triton~oracle",
+                     "jax-xla~torch", "jax-pallas~torch-triton", "jax-xla~torch-triton"}
+    assert len({r["case"] for r in report["results"]}) == 6 * 42
+    assert len(report["results"]) == 6 * 42 * 7
+    assert all(r["status"] == "pass" for r in report["results"])

@@ -213,3 +213,29 @@ def test_device_side_bad_values_give_nan(monkeypatch: pytest.MonkeyPatch, kind: 
             assert torch.isnan(loss)
             loss.backward()  # the kernel never indexed out of bounds
         assert torch.isnan(torchloss.count_denominator(None, _t(np.where(np.arange(6) == 2, -0.5, mask))))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_reduction_says_what_to_write(reduction: str) -> None:
+    """``reduction=`` as in ``F.cross_entropy``: a TypeError naming the ``normalization=`` to
+    write, from the functions, the fused heads and the modules (lossspec's hint, as in JAX)."""
+    logits, labels, _ = _inputs("cross_entropy")
+    hint = lossspec.foreign_keyword_hint({"reduction"}, {"reduction": reduction})
+    expected = {"mean": "valid_tokens", "sum": "sum", "none": "none"}[reduction]
+    assert f"write normalization='{expected}' instead of reduction='{reduction}'" in hint
+    message = f"cross_entropy(): got an unexpected keyword argument 'reduction'; {hint}"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        torchloss.cross_entropy(_t(logits), _t(labels), reduction=reduction)
+    with pytest.raises(TypeError, match=re.escape(f"linear_cross_entropy(): got an unexpected keyword argument 'reduction'; {hint}")):
+        torchloss.linear_cross_entropy(_t(logits), _t(logits), _t(labels), reduction=reduction)
+    with pytest.raises(TypeError, match=re.escape(f"CrossEntropyLoss got unexpected option(s) reduction; {hint}; it accepts")):
+        torchloss.nn.CrossEntropyLoss(reduction=reduction)
+
+
+def test_class_axis_second_layout_gets_the_hint() -> None:
+    """F.cross_entropy's [B, V, T] logits: lossspec's message, with the hint to move the class axis last."""
+    logits = np.zeros((2, 10, 3), np.float32)
+    labels = np.zeros((2, 3), np.int64)
+    _both("cross_entropy", "torch", logits, labels)
+    with pytest.raises(ValueError, match=r"the class axis goes last.*logits\.movedim\(1, -1\)"):
+        torchloss.cross_entropy(_t(logits), _t(labels))

@@ -277,6 +277,14 @@ def _numpy(tensor: Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
+def _broadcast_mask(loss_mask: Optional[Tensor], lead: tuple[int, ...]) -> Optional[Tensor]:
+    """A ``loss_mask`` that broadcasts to the leading shape ``lead`` (``[T]``, ``[B, T, 1]``;
+    ``lossspec.mask_broadcasts``, checked before) as a view of that shape (no copy)."""
+    if loss_mask is None or tuple(loss_mask.shape) == lead:
+        return loss_mask
+    return loss_mask.reshape(lossspec.squeezed_mask_shape(tuple(loss_mask.shape), lead)).expand(lead)
+
+
 def _check_device(name: str, tensor: Optional[Tensor], device: torch.device) -> None:
     if tensor is not None and tensor.device != device:
         raise ValueError(f"{name} must be on the device of logits ({device}); got {tensor.device}")
@@ -387,6 +395,7 @@ def _validate(
     lossspec.check_inputs(
         config, _meta(logits), target_meta, None if loss_mask is None else _meta(loss_mask), None if segment_ids is None else _meta(segment_ids)
     )
+    loss_mask = _broadcast_mask(loss_mask, tuple(logits.shape[:-1]))
     lossspec.check_denominator_allowed(config, denominator)
     if isinstance(denominator, Tensor):
         lossspec.check_denominator_shape(tuple(denominator.shape))
@@ -837,6 +846,7 @@ def count_denominator(
     position, a token by the rank holding it), so the shares add up over that group too
     (all-reduce over the data-parallel and sequence-parallel ranks together).
     """
+    lossspec.accumulation.record("count_denominator", normalization, causal_shift)  # accumulate(check=...)
     if labels is not None:
         labels = _require_tensor("labels", labels)
     if loss_mask is not None:
@@ -851,6 +861,7 @@ def count_denominator(
         None if segment_ids is None else _meta(segment_ids),
     )
     config = lossspec.make_config("cross_entropy", ignore_index=ignore_index, normalization=normalization, causal_shift=causal_shift)
+    loss_mask = _broadcast_mask(loss_mask, tuple(next(t for t in (labels, segment_ids, loss_mask) if t is not None).shape))
     ref = next(t for t in (labels, loss_mask, segment_ids) if t is not None)
     device = ref.device
     _check_device("loss_mask", loss_mask, device)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import lossspec
+from lossspec.accumulation import check_accumulation  # noqa: F401 - the hand-written loop's check, re-exported
 
 from .api import count_denominator
 
@@ -134,6 +135,7 @@ def accumulate(
     causal_shift: bool = False,
     segment_ids_key: str = "segment_ids",
     sequence_parallel: dist.ProcessGroup | None = None,
+    check: str = "off",
 ) -> torch.Tensor:
     """Run one optimizer step's forward and backward passes over micro-batches (and replicas),
     leaving the full-batch gradients in ``param.grad``.
@@ -164,6 +166,11 @@ def accumulate(
         anything else; ``no_sync`` skips the all-reduce of all but the last micro-batch. With a
         plain module and a ``group``, the gradients are all-reduced (SUM) after the last
         micro-batch.
+      check: ``"off"`` (default), ``"warn"`` or ``"raise"``: check the step's loss and count calls
+        for the mistakes that give a plausible but wrong result (``lossspec.accumulation``): a loss
+        called without ``denominator=`` (each micro-batch normalised locally: about ``K`` times too
+        large), a count whose ``causal_shift`` or normalisation differs from the loss's. Warns
+        (``RuntimeWarning``) or raises a ``ValueError`` naming each one.
 
     Returns:
       The full-batch loss (a detached fp32 0-d tensor: the sum over micro-batches and
@@ -171,6 +178,33 @@ def accumulate(
     """
     lossspec.check_normalization(normalization)
     causal_shift = lossspec.check_causal_shift(causal_shift)
+    check = lossspec.accumulation.check_mode(check)
+    # Checked: the step's loss and count calls recorded (at trace time under jit) and read at the end.
+    with lossspec.accumulation.recording() if check != "off" else contextlib.nullcontext([]) as calls:
+        result = _accumulate(
+            loss_fn, model, batch, num_microbatches, normalization, ignore_index, count_fn, group,
+            labels_key, mask_key, causal_shift, segment_ids_key, sequence_parallel,
+        )
+    lossspec.accumulation.report(lossspec.accumulation.problems(calls, normalization), check, "accumulate")
+    return result
+
+
+def _accumulate(
+    loss_fn: LossFn,
+    model: torch.nn.Module,
+    batch: Any,
+    num_microbatches: int,
+    normalization: str,
+    ignore_index: int,
+    count_fn: Callable[[Any], torch.Tensor] | None,
+    group: dist.ProcessGroup | None,
+    labels_key: str,
+    mask_key: str,
+    causal_shift: bool,
+    segment_ids_key: str,
+    sequence_parallel: Any,
+) -> torch.Tensor:
+    """The body of :func:`accumulate` (arguments checked)."""
     if normalization == "none":
         raise ValueError("accumulate needs a scalar loss: normalization must be 'valid_tokens', 'tokens' or 'sum', not 'none'")
     is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
