@@ -157,6 +157,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_torchloss_oracle.py", "-k", "reverse"),
     ),
     Mutant(
+        "masked_row_infinite_factor_torch",
+        "the torch path's masked rows with an infinite reverse-KL mean_d (teacher -inf) keep 0 * inf = NaN gradients",
+        "torchloss/_stats.py",
+        "            degenerate = degenerate | ~torch.isfinite(factor)",
+        "            pass",
+        ("parity_tests/test_torchloss_reliability.py", "-k", "masked_row_with_infinite"),
+    ),
+    Mutant(
         "causal_count_unshifted_torch",
         "torchloss.count_denominator(causal_shift=True) counts the unshifted labels (the 20/24 scaling)",
         "torchloss/api.py",
