@@ -165,6 +165,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_torchloss_reliability.py", "-k", "masked_row_with_infinite"),
     ),
     Mutant(
+        "compiled_denominator_read_on_host_torch",
+        "under torch.compile a Python-number denominator is value-checked on the host (np.asarray): one recompile per value",
+        "torchloss/api.py",
+        "        denominator = torch.full((), denominator, dtype=torch.float64, device=device)",
+        "        pass",
+        ("parity_tests/test_torchloss_compile.py", "-k", "python_denominator"),
+    ),
+    Mutant(
+        "denominator_twin_in_float32_only_torch",
+        "the on-device denominator check reads the value only as float32 (a float64 1e-300 passes as 0: loss 0, not NaN)",
+        "torchloss/api.py",
+        "            bad = bad | ~torch.isfinite(denom) | ~(given >= 0) | out_of_range",
+        "            bad = bad | ~torch.isfinite(denom) | ~(given >= 0)",
+        ("parity_tests/test_torchloss_compile.py", "-k", "python_denominator"),
+    ),
+    Mutant(
         "causal_count_unshifted_torch",
         "torchloss.count_denominator(causal_shift=True) counts the unshifted labels (the 20/24 scaling)",
         "torchloss/api.py",

@@ -635,6 +635,12 @@ def _prepare(call: _Call) -> _Prepared:
     valid, weight = _weights(config, labels, loss_mask, full_lead, device, acc, ids)
     float_mask = loss_mask is not None and loss_mask.dtype != torch.bool
     denominator = call.denominator
+    if denominator is not None and not isinstance(denominator, Tensor) and torch.compiler.is_compiling():
+        # Traced, a Python number that changes between calls is a symbolic float: reading it on
+        # the host (the value check's np.asarray) would specialise the graph to each value (a
+        # recompile per value, FailOnRecompileLimitHit under fullgraph=True). As a 0-d float64
+        # tensor it is runtime data, checked on the device like a denominator tensor (NaN loss).
+        denominator = torch.full((), denominator, dtype=torch.float64, device=device)
     # Value checks where they are free (SPEC section 5), in the oracle's order.
     if denominator is not None and (call.host or not isinstance(denominator, Tensor)):
         lossspec.check_denominator_value(_numpy(denominator) if isinstance(denominator, Tensor) else denominator)
@@ -658,8 +664,11 @@ def _prepare(call: _Call) -> _Prepared:
         n, counted = _sequence_count(weight, ids) if config.per_sequence else (None, None)  # type: ignore[arg-type]
         denom = _denominator(config, denominator, weight, counted, full_lead, acc)
         if isinstance(denom, Tensor) and isinstance(denominator, Tensor) and bad is not None:
-            # the on-device twin of lossspec.check_denominator_value
-            bad = bad | ~torch.isfinite(denom) | (denom < 0) | ((denom > 0) & (denom < lossspec.FP32_TINY))
+            # the on-device twin of lossspec.check_denominator_value, on the value as given (a
+            # float64 one below the float32 range must not pass as 0) and as used in float32
+            given = denominator.detach().reshape(()).to(device)
+            out_of_range = (given != 0) & ((given < lossspec.FP32_TINY) | (given > lossspec.FP32_MAX))
+            bad = bad | ~torch.isfinite(denom) | ~(given >= 0) | out_of_range
         coef = _coefficients(config, weight, n, denom)
     if window is not None:
         coef, valid = window.take(coef), window.take(valid)
