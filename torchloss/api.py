@@ -503,11 +503,27 @@ def _scored_segment_ids(
         if not config.per_sequence:
             return None
         segment_ids = torch.zeros(lead, dtype=torch.int64, device=device)
-    ids = segment_ids.detach().to(torch.int64)
+    ids = _signed_ids(segment_ids.detach())
     if not config.causal_shift:
         return ids
     following = _shift_left(ids, -1)
     return torch.where(ids == following, following, -1)
+
+
+def _signed_ids(ids: Tensor) -> Tensor:
+    """``ids`` as int64 with the same sequences and padding (``lossspec.signed_segment_ids``):
+    as they are, except uint64 ids, which int64 would wrap (``2**63`` and up would become
+    padding): those are their ranks among the tensor's distinct ids (sort-based, on the device;
+    an unsigned id is never padding)."""
+    if ids.dtype != getattr(torch, "uint64", None):
+        return ids.to(torch.int64)
+    # Flipping the sign bit maps uint64 onto int64 in order (sorts of int64 run on every device).
+    flat = ids.reshape(-1).view(torch.int64) ^ torch.iinfo(torch.int64).min
+    sorted_ids, order = torch.sort(flat, stable=True)
+    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+    starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    ranks = torch.empty_like(flat).scatter_(0, order, torch.cumsum(starts, dim=0) - 1)
+    return ranks.reshape(ids.shape)
 
 
 def _sequence_sums(weight: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
