@@ -615,6 +615,9 @@ def _head(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, teac
 
 def _head_fwd(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, teacher: Any, coef: Array) -> tuple:
     args = (hidden, weight, bias, labels, teacher)
+    # The residuals hold the inputs themselves: JAX arrays are immutable, so the backward that
+    # recomputes the head (recompute_logits, "none") reads exactly what the forward read (torch
+    # needs autograd's saved tensors and their version check for that: torchloss.linear).
     if spec[5][0]:  # recompute_logits: the rows' statistics only; the backward computes the gradients
         cfg, _, (block_elements, blocked_rows, _, _, _), _, shards, _ = spec
         loss, final = head_forward(

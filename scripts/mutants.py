@@ -205,6 +205,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_sequence_normalization.py", "-k", "oracle_counts_extreme_ids"),
     ),
     Mutant(
+        "head_inputs_saved_unversioned_torch",
+        "torch's recomputing head backward keeps the weight without its version counter (an in-place update gives a silently wrong dh)",
+        "torchloss/linear.py",
+        "    ctx.save_for_backward(hidden, weight, bias, labels, t_hidden, t_weight, t_bias, coef)",
+        "    ctx.save_for_backward(hidden, weight.data, bias, labels, t_hidden, t_weight, t_bias, coef)",
+        ("parity_tests/test_linear_head_recompute.py", "-k", "in_place"),
+    ),
+    Mutant(
         "causal_count_unshifted_torch",
         "torchloss.count_denominator(causal_shift=True) counts the unshifted labels (the 20/24 scaling)",
         "torchloss/api.py",

@@ -625,6 +625,26 @@ def _head_forward(plan: tuple) -> Any:
     return head_forward
 
 
+def _save_inputs(
+    ctx: Any, config: LossConfig, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Optional[Tensor],
+    t_hidden: Optional[Tensor], t_weight: Optional[Tensor], t_bias: Optional[Tensor], coef: Tensor,
+) -> None:
+    """Keep the inputs that a backward recomputing the head reads (``recompute_logits``, and
+    ``"none"``) through autograd's saved tensors: an in-place update between forward and backward
+    (an optimizer step on the weight) then raises autograd's "modified by an inplace operation"
+    error instead of giving gradients of the new values."""
+    ctx.config = config
+    ctx.save_for_backward(hidden, weight, bias, labels, t_hidden, t_weight, t_bias, coef)
+
+
+def _saved_inputs(ctx: Any) -> tuple[tuple[Any, ...], Tensor]:
+    """``((config, hidden, weight, bias, labels, teacher), coef)`` of :func:`_save_inputs`
+    (autograd checks their versions here)."""
+    hidden, weight, bias, labels, t_hidden, t_weight, t_bias, coef = ctx.saved_tensors
+    teacher = None if t_hidden is None else (t_hidden, t_weight, t_bias)
+    return (ctx.config, hidden, weight, bias, labels, teacher), coef
+
+
 class LinearHeadFunction(torch.autograd.Function):
     """Autograd Function of the ``linear_*`` losses.
 
@@ -648,7 +668,8 @@ class LinearHeadFunction(torch.autograd.Function):
         if plan[3]:  # recompute_logits: the rows' statistics only; the backward computes the gradients
             per_token, final = head_forward(*args, coef, need_grad=False, block_elements=plan[0], blocked_rows=plan[1], shards=shards, keep_final=True)
             if need_grad:
-                ctx.args, ctx.coef, ctx.final, ctx.plan, ctx.shards = args, coef, final, plan, shards
+                _save_inputs(ctx, config, hidden, weight, bias, labels, t_hidden, t_weight, t_bias, coef)
+                ctx.final, ctx.plan, ctx.shards = final, plan, shards
             contribution = torch.where(coef != 0, coef * per_token, 0.0)
             return contribution.sum() if reduced else contribution
         per_token, dh, dw, db = _head_forward(plan)(
@@ -657,7 +678,8 @@ class LinearHeadFunction(torch.autograd.Function):
         ctx.reduced = reduced
         ctx.grads = (dh, dw, db)
         if need_grad and not reduced:  # "none": the backward recomputes with coef * upstream
-            ctx.args, ctx.coef, ctx.plan, ctx.shards = args, coef, plan, shards
+            _save_inputs(ctx, config, hidden, weight, bias, labels, t_hidden, t_weight, t_bias, coef)
+            ctx.plan, ctx.shards = plan, shards
         contribution = torch.where(coef != 0, coef * per_token, 0.0)
         return contribution.sum() if reduced else contribution
 
@@ -665,20 +687,20 @@ class LinearHeadFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_loss: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
         if ctx.recompute:  # the gradients of sum_i coef_i g_i l_i, dW and db already rounded
-            coef = ctx.coef
+            args, coef = _saved_inputs(ctx)
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
             dh, dw, db = head_backward(
-                *ctx.args, scaled, ctx.final, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1], shards=ctx.shards, plan=ctx.plan[4]
+                *args, scaled, ctx.final, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1], shards=ctx.shards, plan=ctx.plan[4]
             )
             return (dh.to(ctx.dtypes[0]), dw, db) + (None,) * 9
         if ctx.reduced:
             dh, dw, db = ctx.grads
             scale: Any = grad_loss.to(dh.dtype)
         else:
-            coef = ctx.coef
+            args, coef = _saved_inputs(ctx)
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
             _, dh, dw, db = _head_forward(ctx.plan)(
-                *ctx.args, scaled, need_grad=True, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1], shards=ctx.shards
+                *args, scaled, need_grad=True, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1], shards=ctx.shards
             )
             scale = None
         # Scaled in place unless the graph is kept for another backward (retain_graph=True),
