@@ -659,9 +659,10 @@ class LinearHeadFunction(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Optional[Tensor], t_hidden: Optional[Tensor],
         t_weight: Optional[Tensor], t_bias: Optional[Tensor], coef: Tensor, config: LossConfig, need_grad: bool, plan: tuple,
-        shards: Optional[Shards],
+        shards: Optional[Shards], anchor: Optional[Tensor] = None,
     ) -> Tensor:
         reduced = config.normalization != "none"
+        ctx.anchor = anchor
         teacher = None if t_hidden is None else (t_hidden, t_weight, t_bias)
         args = (config, hidden, weight, bias, labels, teacher)
         ctx.recompute, ctx.dtypes = plan[3], (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -684,15 +685,24 @@ class LinearHeadFunction(torch.autograd.Function):
         return contribution.sum() if reduced else contribution
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_loss: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        create_graph = torch.is_grad_enabled()  # backward(create_graph=True)
+        with torch.no_grad():
+            grads = LinearHeadFunction._gradients(ctx, grad_loss)
+        if create_graph:  # first order only: differentiating these raises (torchloss.api)
+            grads = api._first_order_only(grads, ctx.anchor)
+        return grads + (None,) * 10
+
+    @staticmethod
+    def _gradients(ctx: Any, grad_loss: Tensor) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """``(dh, dw, db)`` in the inputs' dtypes for the upstream gradient ``grad_loss``."""
         if ctx.recompute:  # the gradients of sum_i coef_i g_i l_i, dW and db already rounded
             args, coef = _saved_inputs(ctx)
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
             dh, dw, db = head_backward(
                 *args, scaled, ctx.final, block_elements=ctx.plan[0], blocked_rows=ctx.plan[1], shards=ctx.shards, plan=ctx.plan[4]
             )
-            return (dh.to(ctx.dtypes[0]), dw, db) + (None,) * 9
+            return (dh.to(ctx.dtypes[0]), dw, db)
         if ctx.reduced:
             dh, dw, db = ctx.grads
             scale: Any = grad_loss.to(dh.dtype)
@@ -717,7 +727,7 @@ class LinearHeadFunction(torch.autograd.Function):
             return a.to(dtype)
 
         h_dtype, w_dtype, b_dtype = ctx.dtypes
-        return (cast(dh, h_dtype), cast(dw, w_dtype), cast(db, b_dtype)) + (None,) * 9
+        return (cast(dh, h_dtype), cast(dw, w_dtype), cast(db, b_dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -792,7 +802,7 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     recompute = spec_linear.check_recompute_logits(args["recompute_logits"], impl, "torch")
     loss = LinearHeadFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad,
-        (BLOCK_ELEMENTS, BLOCKED_ROWS, impl, recompute, RECOMPUTE_PLAN), shards,
+        (BLOCK_ELEMENTS, BLOCKED_ROWS, impl, recompute, RECOMPUTE_PLAN), shards, api.second_order_anchor(hidden, weight, bias) if need_grad else None,
     )
     return api._finish(call, prepared, loss)
 
