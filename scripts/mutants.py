@@ -237,6 +237,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_jaxloss_derivatives.py", "-k", "head_second_order_raises"),
     ),
     Mutant(
+        "compiled_options_absent_cap_kept_nan_torch",
+        "the compiled op's options tensor does not decode an absent soft cap (NaN) back to None",
+        "torchloss/_ops.py",
+        "    values = [None if value != value else value for value in options.tolist()]  # NaN: None",
+        "    values = options.tolist()",
+        ("parity_tests/test_torchloss_compile.py", "-k", "option_changing or opcheck or python_denominator"),
+    ),
+    Mutant(
         "causal_count_unshifted_torch",
         "torchloss.count_denominator(causal_shift=True) counts the unshifted labels (the 20/24 scaling)",
         "torchloss/api.py",
