@@ -525,13 +525,30 @@ def _scored_segment_ids(config: LossConfig, segment_ids: Optional[Array], lead: 
         if not config.per_sequence:
             return None
         segment_ids = jnp.zeros(lead, jnp.int32)
-    ids = jax.lax.stop_gradient(segment_ids)
-    if jnp.issubdtype(ids.dtype, jnp.unsignedinteger):  # -1 marks padding below: a signed dtype
-        ids = ids.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+    ids = _signed_ids(jax.lax.stop_gradient(segment_ids))
     if not config.causal_shift:
         return ids
     following = _shift_left(ids, -1)
     return jnp.where(ids == following, following, -1)
+
+
+def _signed_ids(ids: Array) -> Array:
+    """``ids`` in a signed dtype with the same sequences and padding (``-1`` marks padding after
+    the shift; ``lossspec.signed_segment_ids``): signed ids as they are; unsigned ids (never
+    padding) as int32 (int64 with x64) where it holds every value of their dtype, else (uint32
+    without x64, uint64) their ranks among the array's distinct ids: a cast would wrap ids from
+    ``2**31`` (``2**63``) on to negative ids, i.e. padding."""
+    if not jnp.issubdtype(ids.dtype, jnp.unsignedinteger):
+        return ids
+    signed = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+    if jnp.iinfo(ids.dtype).max <= jnp.iinfo(signed).max:
+        return ids.astype(signed)
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    starts = jnp.ones(sorted_ids.shape, bool).at[1:].set(sorted_ids[1:] != sorted_ids[:-1])
+    ranks = jnp.zeros(flat.shape, signed).at[order].set(jnp.cumsum(starts, dtype=signed) - 1)
+    return ranks.reshape(ids.shape)
 
 
 def _sequence_count(weight: Array, ids: Array) -> tuple[Array, Array]:

@@ -53,7 +53,7 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import _pallas_linear, _vocab_parallel, api
+from . import _pallas, _pallas_linear, _vocab_parallel, _xla, api
 from ._stats import F32, Final, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
 
 Array = jax.Array
@@ -627,8 +627,39 @@ def _head(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, teac
     return _weighted(coef, loss, spec.reduced)
 
 
+HEAD_HIGHER_ORDER_16BIT_MESSAGE = (
+    "jaxloss: higher-order derivatives (grad of grad, jax.hessian, jax.jvp of a gradient) of the fused head need "
+    "float32 or float64 hidden states, weight and bias: 16-bit ones travel through impl='xla' as raw bits, which "
+    "carry no derivative (the result would be silently wrong or 0). Cast them to float32 before the call, e.g. "
+    "linear_cross_entropy(hidden.astype(jnp.float32), weight.astype(jnp.float32), ...), and use impl='xla'."
+)
+
+
+def _first_order_inputs(spec: Spec, hidden: Array, weight: Array, bias: Any) -> tuple[Array, Array, Any]:
+    """``(hidden, weight, bias)`` unchanged, except that where the head's second derivatives
+    would be wrong or fail obscurely (16-bit inputs, read as raw bits; the Pallas kernels;
+    ``vocab_parallel``'s collectives), differentiating through them raises a
+    ``NotImplementedError`` that says so. Only a higher-order derivative differentiates the
+    custom_vjp's forward (and so these inputs); first order never does. ``impl="xla"`` with
+    float32 / float64 inputs keeps its (correct) second derivatives, as the unfused losses."""
+    impl, dtypes, shards = spec.plan.impl, spec.dtypes, spec.shards
+    if impl == "pallas":
+        message = _pallas.HIGHER_ORDER_MESSAGE
+    elif shards is not None:
+        message = api.VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE
+    elif any(dtype is not None and jnp.dtype(dtype).itemsize == 2 for dtype in dtypes):
+        message = HEAD_HIGHER_ORDER_16BIT_MESSAGE
+    else:
+        return hidden, weight, bias
+    return _xla.no_derivatives(lambda *arrays: arrays, message)(hidden, weight, bias)
+
+
 def _head_fwd(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, teacher: Any, coef: Array) -> tuple:
+    hidden, weight, bias = _first_order_inputs(spec, hidden, weight, bias)
     args = (hidden, weight, bias, labels, teacher)
+    # The residuals hold the inputs themselves: JAX arrays are immutable, so the backward that
+    # recomputes the head (recompute_logits, "none") reads exactly what the forward read (torch
+    # needs autograd's saved tensors and their version check for that: torchloss.linear).
     if spec.plan.recompute_logits:  # the rows' statistics only; the backward computes the gradients
         loss, final = head_forward(
             spec.config, *args, coef, with_grad=False, block_elements=spec.plan.block_elements,

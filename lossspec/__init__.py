@@ -52,6 +52,7 @@ from .sequences import (
     scored_segment_ids,
     sequence_coefficients,
     sequence_weight_sums,
+    signed_segment_ids,
 )
 from .config import (
     ALL_KINDS,

@@ -6,7 +6,11 @@ time) labels the tokens of each row: the tokens of one row with the same id ``>=
 sequence (packed documents; a sequence need not be contiguous), and an id ``< 0`` is padding
 (weight 0, in every normalisation). Without ``segment_ids`` each row of the leading shape is one
 sequence (all ids 0). A sequence is a ``(row, id)`` pair: equal ids in different rows are
-different sequences.
+different sequences. Ids are compared by value in their own dtype, the same for every integer
+dtype in both frameworks: an unsigned id is never padding (a uint32 ``2**32 - 1`` is a document,
+not ``-1``); where a framework's working signed dtype cannot hold an unsigned dtype's values
+(uint32 in JAX without x64, uint64) the ids are replaced by their ranks among the call's distinct
+ids, which keeps the sequences (:func:`signed_segment_ids`).
 
 Weights. ``w_t`` is the token's weight as for ``"valid_tokens"`` (``loss_mask`` times valid
 labels), times ``id_t >= 0``. ``n_s = sum_{t in s} w_t`` and ``S`` = the number of sequences with
@@ -80,11 +84,21 @@ def scored_segment_ids(segment_ids: np.ndarray | None, lead_shape: tuple[int, ..
     """The ids of the scored positions (NumPy, int64): as given (zeros without ``segment_ids``),
     or with ``causal_shift`` ``ids[t + 1]`` where ``ids[t] == ids[t + 1]``, else ``-1``; ``-1`` at
     the last position of each row."""
-    ids = np.zeros(tuple(lead_shape), np.int64) if segment_ids is None else np.asarray(segment_ids).astype(np.int64)
+    ids = np.zeros(tuple(lead_shape), np.int64) if segment_ids is None else signed_segment_ids(segment_ids)
     if not causal_shift or ids.ndim == 0:
         return ids
     following = np.concatenate([ids[..., 1:], np.full(ids.shape[:-1] + (min(ids.shape[-1], 1),), -1, np.int64)], axis=-1)
     return np.where(ids == following, following, -1)
+
+
+def signed_segment_ids(segment_ids: np.ndarray) -> np.ndarray:
+    """NumPy ids as int64 with the same sequences and padding (ids ``< 0``): as they are, except
+    uint64 ids, which int64 would wrap (``2**63`` and up would become padding): those are their
+    ranks among the array's distinct ids (all ``>= 0``: an unsigned id is never padding)."""
+    ids = np.asarray(segment_ids)
+    if ids.dtype.kind == "u" and ids.dtype.itemsize >= 8:
+        return np.unique(ids, return_inverse=True)[1].reshape(ids.shape).astype(np.int64)
+    return ids.astype(np.int64)
 
 
 def sequence_weight_sums(weight: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, int]:

@@ -167,6 +167,64 @@ def test_vocab_parallel_second_order_raises(impl: str) -> None:
             _second_orders(f, x)[name]()
 
 
+HEAD_H = RNG.normal(size=(N, 4)).astype(np.float32)
+HEAD_W = (RNG.normal(size=(V, 4)) * 0.7).astype(np.float32)
+HEAD_B = (RNG.normal(size=V) * 0.5).astype(np.float32)
+HEAD_DIRECTION = RNG.normal(size=(V, 4)).astype(np.float32)
+
+
+def _head(recompute: bool, impl: str = "xla", hidden: Any = HEAD_H, bias: Any = HEAD_B):
+    """The fused head's cross-entropy as a function of the weight."""
+    return lambda w: jaxloss.linear_cross_entropy(hidden, w, LABELS, MASK, bias=bias, label_smoothing=0.1, impl=impl, recompute_logits=recompute)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["default", "recompute_logits"])
+def test_xla_head_second_order_matches_oracle(recompute: bool) -> None:
+    """The fused head on the XLA path with float32 inputs keeps correct second derivatives, as
+    the losses: ``H v`` w.r.t. the weight (forward over reverse, reverse over reverse) and the
+    mixed route (the hidden states' derivative of the weight gradient) against central
+    differences of the float64 head oracle's gradients."""
+    from lossspec import linear as spec_linear
+
+    step = 1e-4
+    h64, w64, v64, b64 = (a.astype(np.float64) for a in (HEAD_H, HEAD_W, HEAD_DIRECTION, HEAD_B))
+
+    def oracle_grads(hidden: np.ndarray, weight: np.ndarray) -> dict[str, np.ndarray]:
+        return spec_linear.oracle_head("cross_entropy", hidden, weight, LABELS, MASK, bias=b64, label_smoothing=0.1)[1]
+
+    ref = (oracle_grads(h64, w64 + step * v64)["weight"] - oracle_grads(h64, w64 - step * v64)["weight"]) / (2 * step)
+    f, w, v = _head(recompute), jnp.asarray(HEAD_W), jnp.asarray(HEAD_DIRECTION)
+    _assert_close(jax.jvp(jax.grad(f), (w,), (v,))[1], ref, "head jvp(grad)")
+    _assert_close(jax.grad(lambda w: jnp.vdot(jax.grad(f)(w), v))(w), ref, "head grad(grad . v)")
+    # d/dh <dL/dW, v>: a central difference over h of the oracle's weight gradient, one column at a time
+    mixed = jax.grad(lambda h: jnp.vdot(jax.grad(_head(recompute, hidden=h))(w), v))(jnp.asarray(HEAD_H))
+    ref_mixed = np.zeros_like(h64)
+    for index in np.ndindex(*h64.shape):
+        e = np.zeros_like(h64)
+        e[index] = step
+        ref_mixed[index] = np.vdot(oracle_grads(h64 + e, w64)["weight"] - oracle_grads(h64 - e, w64)["weight"], v64) / (2 * step)
+    _assert_close(mixed, ref_mixed, "head d/dh <grad_w, v>")
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "bfloat16-recompute_logits", "pallas"])
+def test_head_second_order_raises_where_it_would_be_wrong(case: str) -> None:
+    """16-bit inputs travel as raw bits (the head's Hessian w.r.t. a bf16 weight was silently
+    wrong with recompute_logits, the mixed hidden/weight route silently 0); Pallas failed with a
+    bare AssertionError. Each route now raises the documented NotImplementedError."""
+    impl = "pallas" if case == "pallas" else "xla"
+    dtype = jnp.float32 if case == "pallas" else jnp.bfloat16
+    hidden, w = jnp.asarray(HEAD_H).astype(dtype), jnp.asarray(HEAD_W).astype(dtype)
+    recompute = case.endswith("recompute_logits")
+    f = _head(recompute, impl, hidden=hidden, bias=None)
+    jax.grad(f)(w)  # first order works
+    match = r"impl='pallas' supports first-order" if impl == "pallas" else r"fused head need float32 or float64 hidden states"
+    routes = dict(_second_orders(f, w))
+    routes["d/dh grad_w"] = lambda: jax.grad(lambda h: jnp.sum(jax.grad(_head(recompute, impl, hidden=h, bias=None))(w).astype(jnp.float32) ** 2))(hidden)
+    for name, run in routes.items():
+        with pytest.raises(NotImplementedError, match=match):
+            run()
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_forward_mode_on_the_loss_raises_a_clear_error(impl: str) -> None:
     f = _objective("soft_cross_entropy", {}, impl=impl)

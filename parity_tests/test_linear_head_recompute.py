@@ -97,6 +97,38 @@ def test_recompute_with_a_nan_row_gives_a_nan_gradient_row() -> None:
         assert np.isnan(grads["weight"]).any(), framework
 
 
+@pytest.mark.parametrize("kind", ["cross_entropy", "forward_kl"])
+@pytest.mark.parametrize("mode", ["recompute_logits", "none"])
+def test_torch_weight_updated_in_place_before_the_backward_raises(kind: str, mode: str) -> None:
+    """A backward that recomputes the head (``recompute_logits=True``, or ``"none"``) reads the
+    inputs as the forward saw them: an in-place update of the weight (an optimizer step) between
+    forward and backward raises autograd's in-place error (it once gave a wrong hidden gradient,
+    max error 1.42, silently); the teacher's weight likewise. Without the update the gradients
+    are the oracle's. JAX arrays are immutable: nothing can change under a JAX backward."""
+    inputs = make_inputs(kind, "float32")
+    options = {**options_for(kind), **(RECOMPUTE if mode == "recompute_logits" else NORMS["none"])}
+    grad_output = np.ones(np.shape(inputs["loss_mask"]), np.float32) if mode == "none" else np.asarray(1.0, np.float32)
+    targets = ["weight"] + ([] if kind == "cross_entropy" else ["teacher_weight"])
+    for changed in [None] + targets:
+        hidden = torch.tensor(inputs["hidden"], requires_grad=True)
+        weight = torch.tensor(inputs["weight"], requires_grad=True)
+        target: tuple = (torch.tensor(inputs["labels"]),) if kind == "cross_entropy" else (torch.tensor(inputs["teacher_hidden"]), torch.tensor(inputs["teacher_weight"]))
+        loss = getattr(torchloss, f"linear_{kind}")(hidden, weight, *target, torch.tensor(inputs["loss_mask"]), **options)
+        if changed is None:
+            loss.backward(torch.tensor(grad_output))
+            ref_loss, ref_grads = spec_linear.oracle_head(
+                kind, inputs["hidden"], inputs["weight"], inputs["labels"] if kind == "cross_entropy" else (inputs["teacher_hidden"], inputs["teacher_weight"], None),
+                inputs["loss_mask"], grad_output=grad_output, **{k: v for k, v in options.items() if k != "recompute_logits"},
+            )
+            spec_linear.compare_head_grad(hidden.grad.double().numpy(), ref_grads["hidden"], "float32", "dh").check()
+            spec_linear.compare_head_grad(weight.grad.double().numpy(), ref_grads["weight"], "float32", "dw").check()
+            continue
+        with torch.no_grad():
+            (weight if changed == "weight" else target[1]).mul_(0.5)  # an optimizer step, in place
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward(torch.tensor(grad_output))
+
+
 @pytest.mark.parametrize("impl", ["pallas", "triton"])
 def test_recompute_is_refused_by_the_kernels(impl: str) -> None:
     """``recompute_logits=True`` is a mode of the XLA / torch path: the fused kernels refuse it

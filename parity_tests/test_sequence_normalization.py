@@ -34,6 +34,7 @@ from parity_tests.support.packed_problem import (
     MASKED_ROW,
     MODES,
     OPTIONS,
+    PACKED_IDS,
     TIME,
     VOCAB,
     assert_tiny,
@@ -145,6 +146,91 @@ def test_compact_segment_ids_keeps_the_sequences() -> None:
 # --------------------------------------------------------------------------------------------
 # Both frameworks against the oracle
 # --------------------------------------------------------------------------------------------
+
+
+def _extreme_ids(dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """PACKED_IDS at the top of ``dtype``'s range, and int64 ids with the same sequences.
+
+    Each distinct non-negative id becomes ``max - rank``: uint32 ids from ``2**31`` on, uint64
+    from ``2**63`` on, ids a signed cast of the same width would wrap to negative (padding).
+    Signed dtypes keep padding (``min + rank``); unsigned ones have none: every distinct id,
+    PACKED_IDS' padding ids included, is a document there."""
+    info = np.iinfo(dtype)
+    distinct = np.unique(PACKED_IDS)
+    ranks = np.searchsorted(distinct, PACKED_IDS)
+    if info.min < 0:
+        negatives = int(np.sum(distinct < 0))
+        values = [info.min + int(r) if r < negatives else info.max - (int(r) - negatives) for r in ranks.ravel()]
+        same = PACKED_IDS
+    else:
+        values = [info.max - int(r) for r in ranks.ravel()]
+        same = ranks  # no padding: every id is a document
+    return np.array(values, dtype=dtype).reshape(PACKED_IDS.shape), same.astype(np.int64)
+
+
+UNSIGNED_AND_SIGNED = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64")
+
+
+@pytest.mark.parametrize("dtype", UNSIGNED_AND_SIGNED)
+def test_oracle_counts_extreme_ids_by_value(dtype: str) -> None:
+    """The oracle keeps the sequences of ids at the top of every integer dtype (uint64 from 2**63
+    on once wrapped to padding in int64): the same counts as the small ids with the same sequences."""
+    big, same = _extreme_ids(dtype)
+    case, _ = packed_case("cross_entropy", float_weights=True)
+    for mode in ("valid_tokens",) + MODES:
+        for shift in (False, True):
+            want = lossspec.count_denominator(case.target, case.loss_mask, normalization=mode, causal_shift=shift, segment_ids=same)
+            got = lossspec.count_denominator(case.target, case.loss_mask, normalization=mode, causal_shift=shift, segment_ids=big)
+            assert got == want, (dtype, mode, shift)
+    assert lossspec.count_denominator(None, np.ones(big.shape), normalization="sequence_sum", segment_ids=big) == len(_documents(same))
+
+
+@pytest.mark.parametrize("dtype", UNSIGNED_AND_SIGNED)
+def test_torch_extreme_ids_match_oracle(dtype: str) -> None:
+    """torch: ids at the top of every integer dtype, against the oracle of the same sequences as
+    small ids, and the exact counts (uint64 from 2**63 on once became padding in int64)."""
+    big, same = _extreme_ids(dtype)
+    kind = "forward_kl"
+    case, _ = packed_case(kind, float_weights=True)
+    for mode in MODES:
+        for shift in (False, True):
+            ref = case.reference(segment_ids=same, normalization=mode, causal_shift=shift, **OPTIONS[kind])
+            loss, grad = _torch_run(case, big, normalization=mode, causal_shift=shift, **OPTIONS[kind])
+            assert_close_to_oracle(loss, grad, ref.loss, ref.grad, dtype=case.dtype, g0=ref.g0, what=f"torch:{dtype}/{mode}/{shift}")
+            counted = torchloss.count_denominator(
+                None, torch.tensor(case.loss_mask), normalization=mode, causal_shift=shift, segment_ids=torch.from_numpy(big)
+            )
+            assert float(counted) == lossspec.count_denominator(None, case.loss_mask, normalization=mode, causal_shift=shift, segment_ids=same)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=() if d == "uint32" else pytest.mark.slow) for d in UNSIGNED_AND_SIGNED])
+def test_jax_extreme_ids_match_oracle(dtype: str) -> None:
+    """JAX: ids at the top of every integer dtype as device arrays (uint32 from 2**31 on once
+    became padding in int32), eagerly and under jit, against the oracle of the same sequences as
+    small ids, and the exact counts; the 64-bit dtypes with x64 on. JAX compiles per dtype: the
+    fast lane keeps uint32, the case once wrong."""
+    big, same = _extreme_ids(dtype)
+    kind = "forward_kl"
+    case, _ = packed_case(kind, float_weights=True)
+    mode = "sequence_mean"
+    with jax.enable_x64(dtype.endswith("64")):
+        ids = jnp.asarray(big)
+        assert ids.dtype == big.dtype
+        x, teacher, mask = jnp.asarray(case.logits, jnp.float32), jnp.asarray(case.target, jnp.float32), jnp.asarray(case.loss_mask)
+
+        def total(logits: Any, ids: Any, shift: bool) -> Any:
+            return jnp.sum(jaxloss.forward_kl(logits, teacher, mask, segment_ids=ids, normalization=mode, causal_shift=shift, **OPTIONS[kind]))
+
+        for shift, run in ((False, jax.value_and_grad(total)), (True, jax.jit(jax.value_and_grad(total), static_argnums=2))):
+            ref = case.reference(segment_ids=same, normalization=mode, causal_shift=shift, **OPTIONS[kind])
+            loss, grad = run(x, ids, shift)
+            assert_close_to_oracle(float(loss), np.asarray(grad, np.float64), ref.loss, ref.grad, dtype="float32", g0=ref.g0, what=f"jax:{dtype}/{shift}")
+            count = jaxloss.count_denominator if not shift else jax.jit(functools.partial(jaxloss.count_denominator, causal_shift=True, normalization=mode))
+            counted = count(None, mask, normalization=mode, segment_ids=ids) if not shift else count(None, mask, segment_ids=ids)
+            want = lossspec.count_denominator(None, case.loss_mask, normalization=mode, causal_shift=shift, segment_ids=same)
+            assert float(counted) == want, (dtype, shift)
+
+
 
 
 def _jax_run(case: lossspec.Case, ids: Any, impl: str = "xla", jit: bool = False, **options: Any) -> tuple[np.ndarray, np.ndarray]:

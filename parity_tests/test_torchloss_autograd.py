@@ -120,6 +120,96 @@ def test_retain_graph_and_double_backward() -> None:
         grad.sum().backward()
 
 
+def _second_derivatives_raise(loss: torch.Tensor, params: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """For each parameter: its ``create_graph=True`` gradient, then that gradient differentiated
+    again by every route (``torch.autograd.grad`` w.r.t. each parameter with
+    ``allow_unused=True``, and ``.backward()``), each of which must raise the documented error.
+    Returns the first-order gradients."""
+    first = {}
+    for name, param in params.items():
+        (grad,) = torch.autograd.grad(loss, param, create_graph=True, retain_graph=True)
+        first[name] = grad.detach().double().numpy()
+        for other_name, other in params.items():
+            with pytest.raises(RuntimeError, match="differentiable once"):  # once (None,): a zero Hessian
+                torch.autograd.grad(grad.pow(2).sum(), other, allow_unused=True, retain_graph=True)
+        with pytest.raises(RuntimeError, match="differentiable once"):
+            grad.pow(2).sum().backward(retain_graph=True)
+    return first
+
+
+@pytest.mark.parametrize("normalization", ["valid_tokens", "none"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_route_to_a_second_derivative_raises(kind: str, dtype: str, normalization: str) -> None:
+    """Logits from a linear layer: the ``create_graph`` gradient of the logits, of the hidden
+    states and of the weight, differentiated again w.r.t. any of them (``autograd.grad`` with
+    ``inputs=`` once returned ``None`` silently), raises "differentiable once"; the first-order
+    gradient of the logits is still the oracle's."""
+    case = lossspec.make_case(kind, "random", lead_shape=(6,), vocab=11, dtype=dtype)
+    hidden, target, mask = inputs(case)
+    weight = torch.eye(11, dtype=hidden.dtype).requires_grad_(True)
+    logits = hidden @ weight.T  # exactly the case's logits (one non-zero product per entry)
+    loss = FUNCTIONS[kind](logits, target, mask, impl="torch", normalization=normalization)
+    total = loss.sum() if normalization == "none" else loss
+    first = _second_derivatives_raise(total, {"logits": logits, "hidden": hidden, "weight": weight})
+    ref_loss, ref_grad = lossspec.oracle(kind, case.logits, case.target, case.loss_mask, normalization=normalization)
+    lossspec.assert_close_to_oracle(
+        loss.detach().double().numpy(), first["logits"], ref_loss, ref_grad, dtype=dtype, g0=case.g0(normalization=normalization), what=kind
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradgradcheck_raises_instead_of_a_zero_hessian(kind: str) -> None:
+    """``gradgradcheck`` once reported a Jacobian mismatch (autograd saw a zero Hessian); it now
+    meets the documented error on its first second-order route."""
+    case = lossspec.make_case(kind, "random", lead_shape=(4,), vocab=7, dtype="float32")
+    target = torch.from_numpy(np.array(case.target))
+    target = target if kind == "cross_entropy" else target.double()
+    logits = torch.from_numpy(case.logits).double().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.autograd.gradgradcheck(lambda x: FUNCTIONS[kind](x, target, impl="torch"), (logits,))
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["default", "recompute_logits"])
+@pytest.mark.parametrize("normalization", ["valid_tokens", "none"])
+@pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
+def test_fused_head_second_derivatives_raise(kind: str, normalization: str, recompute: bool) -> None:
+    """The fused head: the ``create_graph`` gradients of hidden, weight and bias, each
+    differentiated again w.r.t. each of them (``once_differentiable`` let ``autograd.grad``
+    return ``None``), raise "differentiable once", and so does ``gradgradcheck``; the first-order
+    gradients are still the head oracle's."""
+    from lossspec import linear as spec_linear
+
+    rng = np.random.default_rng(5)
+    h, w, b = rng.normal(size=(5, 3)), rng.normal(size=(7, 3)) * 0.7, rng.normal(size=7) * 0.5
+    mask = np.array([1.0, 0.0, 2.0, 1.0, 0.5])
+    if kind == "cross_entropy":
+        target_np: tuple = (rng.integers(0, 7, 5),)
+        target: tuple = (torch.from_numpy(target_np[0]),)
+        oracle_target: object = target_np[0]
+    else:
+        target_np = (rng.normal(size=(5, 2)), rng.normal(size=(7, 2)))
+        target = tuple(torch.from_numpy(a) for a in target_np)
+        oracle_target = (*target_np, None)
+    options = {"normalization": normalization, "recompute_logits": recompute}
+    fn = getattr(torchloss, f"linear_{kind}")
+    params = {name: torch.from_numpy(a).requires_grad_(True) for name, a in (("hidden", h), ("weight", w), ("bias", b))}
+    loss = fn(params["hidden"], params["weight"], *target, torch.from_numpy(mask), bias=params["bias"], **options)
+    loss = loss.sum() if normalization == "none" else loss
+    first = _second_derivatives_raise(loss, params)
+    upstream = np.ones(5) if normalization == "none" else None
+    _, ref_grads = spec_linear.oracle_head(kind, h, w, oracle_target, mask, bias=b, normalization=normalization, grad_output=upstream)
+    for name, grad in first.items():
+        np.testing.assert_allclose(grad, ref_grads[name], rtol=1e-10, atol=1e-12, err_msg=name)
+    for name in params:
+        def head(x: torch.Tensor, name: str = name) -> torch.Tensor:
+            args = {**{k: v.detach() for k, v in params.items()}, name: x}
+            return fn(args["hidden"], args["weight"], *target, torch.from_numpy(mask), bias=args["bias"], **options)
+
+        with pytest.raises(RuntimeError, match="differentiable once"):  # fast_mode: few numerical head calls first
+            torch.autograd.gradgradcheck(head, (params[name].detach().clone().requires_grad_(True),), fast_mode=True)
+
+
 @pytest.mark.parametrize("upstream", [1.0, 0.37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_hands_out_its_buffer(dtype: torch.dtype, upstream: float) -> None:

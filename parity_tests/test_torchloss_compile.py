@@ -370,6 +370,63 @@ def test_changing_values_under_compile() -> None:
         lossspec.compare_loss(got.item(), ref).check()
 
 
+@pytest.mark.slow
+def test_a_python_denominator_changing_every_call_compiles_once() -> None:
+    """A Python-number denominator that changes every call (a token count) once recompiled per
+    value: the value check read it on the host (``np.asarray``), specialising the graph to it,
+    so that the 9th value raised ``FailOnRecompileLimitHit`` under ``fullgraph=True`` (without
+    it the calls fell back to eager). Now Dynamo's first (static) graph and one symbolic retrace
+    serve 20 values, with the oracle's loss and gradient; under tracing a bad value is caught on
+    the device (NaN loss), while the eager call still raises (docs/DESIGN.md, value checks)."""
+    case = lossspec.make_case("reverse_kl", "random", lead_shape=LEAD, vocab=VOCAB, seed=8)
+    teacher, mask = torch.tensor(case.target), torch.tensor(case.loss_mask)
+
+    def loss(x: torch.Tensor, denominator: float) -> torch.Tensor:
+        return torchloss.reverse_kl(x, teacher, mask, denominator=denominator, temperature=0.8)
+
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(loss, backend=counter, fullgraph=True)
+    for step in range(20):
+        value = 3.0 + 1.25 * step
+        x = torch.tensor(case.logits, requires_grad=True)
+        got = compiled(x, value)
+        got.backward()
+        ref = case.reference(denominator=value, temperature=0.8)
+        lossspec.assert_close_to_oracle(got.item(), x.grad.double().numpy(), ref.loss, ref.grad, dtype="float32", g0=ref.g0)
+    assert counter.frame_count == 2, counter.frame_count  # the static first call, then one symbolic graph
+    x = torch.tensor(case.logits)
+    for bad in (-1.0, 1e-40, 1e-300, 1e39, float("inf"), float("nan")):
+        assert torch.isnan(compiled(x, bad)), bad
+        with pytest.raises(ValueError, match="denominator must be"):
+            loss(x, bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_option_changing_every_call_compiles_once(dtype: str) -> None:
+    """An option that changes every call (a temperature or soft-cap schedule) once recompiled per
+    value: the custom op took the options as float arguments, which a graph specialises (the 9th
+    value raised ``FailOnRecompileLimitHit`` under ``fullgraph=True``). They now travel as a
+    tensor's values: the static first graph and one symbolic retrace serve 20 values, with the
+    oracle's loss and gradient (bf16: the backward's recompute reads the options too)."""
+    case = lossspec.make_case("reverse_kl", "random", lead_shape=LEAD, vocab=VOCAB, dtype=dtype, seed=9)
+    teacher, mask = torch.tensor(case.target).to(DTYPES[dtype]), torch.tensor(case.loss_mask)
+
+    def loss(x: torch.Tensor, temperature: float, cap: float) -> torch.Tensor:
+        return torchloss.reverse_kl(x, teacher, mask, temperature=temperature, logit_softcap=cap)
+
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(loss, backend=counter, fullgraph=True)
+    for step in range(20):
+        temperature, cap = 0.5 + 0.125 * step, 30.0 - step
+        x = torch.tensor(case.logits).to(DTYPES[dtype]).requires_grad_(True)
+        got = compiled(x, temperature, cap)
+        got.backward(torch.tensor(0.75))
+        ref = case.reference(temperature=temperature, logit_softcap=cap, grad_output=0.75)
+        lossspec.assert_close_to_oracle(got.item(), x.grad.double().numpy(), ref.loss, ref.grad, dtype=dtype, g0=ref.g0)
+    assert counter.frame_count == 2, counter.frame_count  # the static first call, then one symbolic graph
+
+
 def test_argument_errors_under_compile() -> None:
     """A shape error is raised while tracing with the eager message: the ValueError itself, or
     under fullgraph=True Dynamo's Unsupported carrying it."""

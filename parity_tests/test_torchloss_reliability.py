@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from parity_tests.support.torch_cases import FUNCTIONS, inputs
+from parity_tests.support.torch_cases import FUNCTIONS, TORCH_DTYPES, inputs
 
 import lossspec
 import torchloss
@@ -78,6 +78,56 @@ def test_a_nan_loss_gives_a_nan_gradient_row(kind: str, dtype: torch.dtype) -> N
     assert torch.isfinite(grad[4:]).all() and torch.isfinite(loss[4:]).all()
     with pytest.raises(RuntimeError, match="non-finite"):
         torch.nn.utils.clip_grad_norm_([x], 1.0, error_if_nonfinite=True)
+
+
+DISTILL_KINDS = tuple(k for k in KINDS if k not in ("cross_entropy", "entropy"))
+
+
+def _masked_infinite_rows(pattern: str, masked_rows: int, dtype: str) -> lossspec.Case:
+    """16 finite rows, the first ``masked_rows`` of them masked and holding ``-inf``: in the
+    teacher at one entry, in the teacher at the student's argmax (reverse KL's pivot), or in both
+    student and teacher. 1 masked row is 6.25% (dense tiles), 4 are 25% (16-bit: compact tiles,
+    ``_cpu.COMPACT_MIN_MASKED``)."""
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0.0, 2.0, size=(16, 40))
+    teacher = rng.normal(0.0, 2.0, size=(16, 40))
+    logits = lossspec.round_to_dtype(logits, dtype)
+    teacher = lossspec.round_to_dtype(teacher, dtype)
+    for row in range(masked_rows):
+        if pattern == "teacher_entry":
+            teacher[row, 2 + row] = -np.inf
+        elif pattern == "teacher_at_argmax":
+            teacher[row, int(np.argmax(logits[row]))] = -np.inf
+        else:
+            logits[row, 5] = -np.inf
+            teacher[row, [5, 9]] = -np.inf
+    mask = np.ones(16, dtype=bool)
+    mask[:masked_rows] = False
+    return lossspec.Case("reverse_kl", pattern, dtype, logits, teacher, mask)
+
+
+@pytest.mark.parametrize("masked_rows", (1, 4), ids=("dense", "compact"))
+@pytest.mark.parametrize("pattern", ("teacher_entry", "teacher_at_argmax", "student_and_teacher"))
+@pytest.mark.parametrize("dtype", ("float64", "float32", "bfloat16", "float16"))
+@pytest.mark.parametrize("kind", DISTILL_KINDS)
+def test_a_masked_row_with_infinite_entries_has_a_zero_gradient(kind: str, dtype: str, pattern: str, masked_rows: int) -> None:
+    """A masked row's gradient is exactly 0 whatever it holds: the reverse-KL path once left
+    ``0 * inf = NaN`` in a masked row whose teacher had ``-inf`` where the student has
+    probability (its ``mean_d`` infinite) while the loss was finite; 16-bit logits escaped only
+    through compact tiles (>= 12.5% of rows masked)."""
+    case = _masked_infinite_rows(pattern, masked_rows, dtype)
+    case = lossspec.Case(kind, case.name, dtype, case.logits, case.target, case.loss_mask)
+    torch_dtype = TORCH_DTYPES[dtype]
+    logits = torch.from_numpy(case.logits).to(torch_dtype).requires_grad_(True)
+    teacher = torch.from_numpy(case.target).to(torch_dtype)
+    loss = FUNCTIONS[kind](logits, teacher, torch.from_numpy(case.loss_mask), impl="torch")
+    loss.backward()
+    grad = logits.grad.double().numpy()
+    assert np.array_equal(grad[:masked_rows], np.zeros((masked_rows, 40))), grad[:masked_rows]
+    ref_loss, ref_grad = lossspec.oracle(kind, case.logits, case.target, case.loss_mask)
+    lossspec.assert_close_to_oracle(
+        loss.item(), grad, ref_loss, ref_grad, dtype="float32" if dtype == "float64" else dtype, g0=case.g0(), what=kind
+    )
 
 
 def _new_thread_num_threads() -> int:

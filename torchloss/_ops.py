@@ -7,8 +7,11 @@ shapes, so a compiled model keeps the loss in its graph (``fullgraph=True`` work
 the same backend functions (``_torch.forward`` / ``_triton.forward`` and their ``regrad_``):
 the numbers are the eager numbers.
 
-Ops (``config`` is the :class:`lossspec.LossConfig` flattened into primitive arguments, see
-:data:`CONFIG_FIELDS`; ``impl`` is ``"torch"`` or ``"triton"``)::
+Ops (``config`` is the :class:`lossspec.LossConfig` flattened into ``kind, normalization,
+ignore_index, options``, see :func:`config_args`: the float options travel as the values of a
+float64 tensor ``options`` :data:`OPTION_FIELDS` (``None`` as NaN), runtime data rather than
+float arguments, which a graph would have to specialise to each value (an option that changes
+every call would recompile every call); ``impl`` is ``"torch"`` or ``"triton"``)::
 
     loss, grad = torchloss::masked_loss(logits [N, V], target, coef [N], *config, impl, need_grad)
         loss  = sum_i where(coef_i != 0, coef_i l_i, 0)   0-d (reduced modes) or [N] ("none"),
@@ -35,7 +38,7 @@ Target and ``coef`` get no gradient (the teacher and the mask are data). First o
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,11 +50,9 @@ from ._stats import compute_dtype
 
 __all__ = ["CONFIG_FIELDS", "masked_loss", "config_args"]
 
-# The LossConfig fields passed to the ops, in order (all primitives: str, int, float, float?).
-CONFIG_FIELDS: tuple[str, ...] = (
-    "kind",
-    "normalization",
-    "ignore_index",
+# The LossConfig fields passed to the ops, in order: three primitives (str, str, int), then the
+# float options (float or None) as one float64 tensor.
+OPTION_FIELDS: tuple[str, ...] = (
     "label_smoothing",
     "z_loss",
     "logit_scale",
@@ -61,17 +62,28 @@ CONFIG_FIELDS: tuple[str, ...] = (
     "logit_softcap",
     "teacher_logit_softcap",
 )
+CONFIG_FIELDS: tuple[str, ...] = ("kind", "normalization", "ignore_index") + OPTION_FIELDS
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def config_args(config: LossConfig) -> tuple[Any, ...]:
-    """``config`` as the ops' primitive arguments (order :data:`CONFIG_FIELDS`)."""
-    return tuple(getattr(config, name) for name in CONFIG_FIELDS)
+    """``config`` as the ops' arguments ``(kind, normalization, ignore_index, options)``, with
+    ``options`` the float64 CPU tensor of :data:`OPTION_FIELDS` (``None``, an absent soft cap, as
+    NaN: a cap is finite). Traced by Dynamo, an option that changes between calls is a symbolic
+    float that becomes the tensor's value: one graph for every value."""
+    values = [float("nan") if getattr(config, name) is None else getattr(config, name) for name in OPTION_FIELDS]
+    return config.kind, config.normalization, config.ignore_index, torch.tensor(values, dtype=torch.float64)
+
+
+def _config(kind: str, normalization: str, ignore_index: int, options: Tensor) -> LossConfig:
+    """The :class:`LossConfig` of the ops' arguments (:func:`config_args`)."""
+    values = [None if value != value else value for value in options.tolist()]  # NaN: None
+    return _cached_config(kind, normalization, ignore_index, *values)
 
 
 @functools.lru_cache(maxsize=256)
-def _config(*values: Any) -> LossConfig:
-    """The :class:`LossConfig` of the ops' primitive arguments (validated once per value set)."""
+def _cached_config(*values: Any) -> LossConfig:
+    """The :class:`LossConfig` of primitive values (validated once per value set)."""
     return LossConfig(**dict(zip(CONFIG_FIELDS, values)))
 
 
@@ -100,21 +112,12 @@ def _masked_loss_op(
     kind: str,
     normalization: str,
     ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    logit_scale: float,
-    teacher_logit_scale: float,
-    temperature: float,
-    beta: float,
-    logit_softcap: Optional[float],
-    teacher_logit_softcap: Optional[float],
+    options: Tensor,
     impl: str,
     need_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """``(loss, grad)`` of one call (module docstring); the body of the eager Function's forward."""
-    config = _config(
-        kind, normalization, ignore_index, label_smoothing, z_loss, logit_scale, teacher_logit_scale, temperature, beta, logit_softcap, teacher_logit_softcap
-    )
+    config = _config(kind, normalization, ignore_index, options)
     per_token, grad = _backend(impl).forward(config, logits, target, coef, need_grad=need_grad)
     contribution = torch.where(coef != 0, coef * per_token, 0.0)
     loss = contribution.sum() if normalization != "none" else contribution
@@ -150,21 +153,12 @@ def _regrad_op(
     kind: str,
     normalization: str,
     ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    logit_scale: float,
-    teacher_logit_scale: float,
-    temperature: float,
-    beta: float,
-    logit_softcap: Optional[float],
-    teacher_logit_softcap: Optional[float],
+    options: Tensor,
     impl: str,
 ) -> None:
     """Rewrite ``grad`` in place for ``coef * upstream`` (``backend.regrad_``, the eager
     backward's call)."""
-    config = _config(
-        kind, normalization, ignore_index, label_smoothing, z_loss, logit_scale, teacher_logit_scale, temperature, beta, logit_softcap, teacher_logit_softcap
-    )
+    config = _config(kind, normalization, ignore_index, options)
     _backend(impl).regrad_(config, logits, target, coef, upstream, grad)
 
 
@@ -179,14 +173,14 @@ def _regrad_fake(*args: Any) -> None:
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    logits, target, coef, *config, impl, need_grad = inputs
+    logits, target, coef, kind, normalization, ignore_index, options, impl, need_grad = inputs
     _, grad = output
-    ctx.config, ctx.impl = tuple(config), impl
-    ctx.reduced = config[CONFIG_FIELDS.index("normalization")] != "none"
+    ctx.config, ctx.impl = (kind, normalization, ignore_index), impl
+    ctx.reduced = normalization != "none"
     ctx.recompute = bool(need_grad) and logits.dtype in _SIXTEEN_BIT
     ctx.need_grad = bool(need_grad)
     if ctx.recompute:
-        ctx.save_for_backward(grad, logits, target, coef)
+        ctx.save_for_backward(grad, logits, target, coef, options)
     else:
         ctx.save_for_backward(grad)
 
@@ -194,14 +188,14 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
 def _backward(ctx: Any, grad_loss: Tensor, _grad_of_grad: Any) -> tuple[Any, ...]:
     """``dlogits`` for the upstream gradient of ``loss`` (module docstring); no gradient for the
     target, ``coef`` and the primitive arguments."""
-    nones = (None,) * (2 + len(CONFIG_FIELDS) + 2)
+    nones = (None,) * (2 + 4 + 2)  # target, coef, the config's four, impl, need_grad
     if not ctx.need_grad:
         return (None, *nones)
     if ctx.recompute:
-        grad, logits, target, coef = ctx.saved_tensors
+        grad, logits, target, coef, options = ctx.saved_tensors
         upstream = grad_loss.to(coef.dtype).reshape(-1)  # 1 value, or 1 per token
         grad = grad.clone()  # the saved buffer stays intact (the compiler may drop the copy)
-        torch.ops.torchloss.masked_loss_regrad_(logits, target, coef, upstream, grad, *ctx.config, ctx.impl)
+        torch.ops.torchloss.masked_loss_regrad_(logits, target, coef, upstream, grad, *ctx.config, options, ctx.impl)
         return (grad, *nones)
     (grad,) = ctx.saved_tensors
     upstream = grad_loss if ctx.reduced else grad_loss.reshape(-1, 1)

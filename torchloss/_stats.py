@@ -423,12 +423,20 @@ def block_grad(
 def fill_bad_rows(g: Tensor, fin: Any, coef: Tensor) -> None:
     """Finish the gradient rows ``g`` ``[R, B]`` of the rows whose statistics ``fin`` are not
     those of a finite row: masked rows (``coef == 0``) are exact zeros even where their
-    statistics are NaN, inf or 0 (``0 * NaN``), unmasked bad rows (NaN / ``+inf``) NaN."""
+    statistics are NaN, inf or 0 (``0 * NaN``), unmasked bad rows (NaN / ``+inf``) NaN.
+
+    A masked row is formed with ``scale = 0`` (dense tiles compute it like any other), so any
+    infinite per-row factor of its gradient leaves ``0 * inf = NaN`` there: besides the exp-sums,
+    the row factors ``mean_d`` (reverse KL: infinite where the teacher has ``-inf`` at an entry
+    the student gives probability, or at the pivot), ``mean_h``, ``q_coef`` and ``kl_qm``."""
     bad = bad_rows(fin)
     dead = coef == 0
     degenerate = bad | ~(fin.s > 0) | torch.isinf(fin.s)
     if fin.st is not None:
         degenerate = degenerate | ~(fin.st > 0) | torch.isinf(fin.st)
+    for factor in (fin.mean_d, fin.mean_h, fin.q_coef, fin.kl_qm):
+        if factor is not None:
+            degenerate = degenerate | ~torch.isfinite(factor)
     zero, nan = dead & degenerate, bad & ~dead
     if g.device.type != "cpu" or bool((zero | nan).any()):  # rare: one host check on the CPU
         _fill_rows(g, zero, 0.0)

@@ -96,8 +96,10 @@ class _MaskedLossFunction(torch.autograd.Function):
         backend: Any,
         need_grad: bool,
         inplace: bool,
+        anchor: Optional[Tensor] = None,
     ) -> Tensor:
         write_inplace = inplace and need_grad
+        ctx.anchor = anchor
         per_token, grad = backend.forward(config, logits, target, coef, need_grad=need_grad, out=logits if write_inplace else None)
         if write_inplace:
             # The kernel wrote behind autograd's back: bump the version counter so that any other
@@ -121,8 +123,8 @@ class _MaskedLossFunction(torch.autograd.Function):
             else:
                 grad = _scaled_grad(ctx, grad_loss)
         if create_graph:
-            grad = _first_order_only(grad)
-        return (grad, None, None, None, None, None, None)
+            grad = _first_order_only(grad, ctx.anchor)
+        return (grad, None, None, None, None, None, None, None)
 
 
 def _scaled_grad(ctx: Any, grad_loss: Tensor) -> Tensor:
@@ -165,13 +167,47 @@ _SECOND_ORDER = (
 )
 
 
-def _first_order_only(grad: Optional[Tensor]) -> Optional[Tensor]:
-    """With ``create_graph=True`` the returned gradient carries a node that raises a clear
-    error if it is differentiated (autograd would otherwise treat it as a constant)."""
-    if grad is None:
-        return grad
-    marker = grad.detach().requires_grad_(True)
-    return torch._C._functions.DelayedError(_SECOND_ORDER.encode(), 1)(marker)
+class _SecondOrderError(torch.autograd.Function):
+    """The identity on gradients formed in a forward pass, whose backward raises
+    :data:`_SECOND_ORDER`. Its inputs also hold an :func:`second_order_anchor` of the inputs
+    those gradients belong to, so that the node lies on *every* route from the gradients back
+    to the inputs: ``.backward()``, ``torch.autograd.grad(..., inputs=weight)`` and
+    ``gradgradcheck`` alike. (A node fed by a detached copy of the gradient, as
+    ``once_differentiable`` makes, is reached by ``.backward()`` only: ``autograd.grad`` with
+    ``inputs=`` prunes it and returns ``None``, a zero Hessian.)"""
+
+    @staticmethod
+    def forward(ctx: Any, count: int, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        return tensors[:count]  # the gradients themselves (autograd makes views), the anchor dropped
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        raise RuntimeError(_SECOND_ORDER)
+
+
+def second_order_anchor(*inputs: Optional[Tensor]) -> Optional[Tensor]:
+    """A 0-element tensor that autograd's graph connects to each of ``inputs`` requiring grad
+    (an empty slice of each, concatenated: the graph keeps their shapes, none of their memory),
+    or ``None``; made in the forward for :func:`_first_order_only`."""
+    live = [t for t in inputs if t is not None and t.requires_grad]
+    if not live:
+        return None
+    return torch.cat([t.narrow(-1, 0, 0).reshape(0) for t in live])
+
+
+def _first_order_only(grads: Any, anchor: Optional[Tensor]) -> Any:
+    """With ``create_graph=True``: the gradients (one tensor or a tuple, ``None`` entries kept)
+    through :class:`_SecondOrderError`, tied to ``anchor`` (the inputs'
+    :func:`second_order_anchor`), so that differentiating them raises a clear error (autograd
+    would otherwise treat them as constants)."""
+    single = not isinstance(grads, tuple)
+    items = (grads,) if single else grads
+    present = [g for g in items if g is not None]
+    if not present or anchor is None:
+        return grads
+    wrapped = iter(_SecondOrderError.apply(len(present), *present, anchor))
+    out = tuple(None if g is None else next(wrapped) for g in items)
+    return out[0] if single else out
 
 
 def _is_unit(upstream: Tensor) -> bool:
@@ -512,11 +548,27 @@ def _scored_segment_ids(
         if not config.per_sequence:
             return None
         segment_ids = torch.zeros(lead, dtype=torch.int64, device=device)
-    ids = segment_ids.detach().to(torch.int64)
+    ids = _signed_ids(segment_ids.detach())
     if not config.causal_shift:
         return ids
     following = _shift_left(ids, -1)
     return torch.where(ids == following, following, -1)
+
+
+def _signed_ids(ids: Tensor) -> Tensor:
+    """``ids`` as int64 with the same sequences and padding (``lossspec.signed_segment_ids``):
+    as they are, except uint64 ids, which int64 would wrap (``2**63`` and up would become
+    padding): those are their ranks among the tensor's distinct ids (sort-based, on the device;
+    an unsigned id is never padding)."""
+    if ids.dtype != getattr(torch, "uint64", None):
+        return ids.to(torch.int64)
+    # Flipping the sign bit maps uint64 onto int64 in order (sorts of int64 run on every device).
+    flat = ids.reshape(-1).view(torch.int64) ^ torch.iinfo(torch.int64).min
+    sorted_ids, order = torch.sort(flat, stable=True)
+    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+    starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    ranks = torch.empty_like(flat).scatter_(0, order, torch.cumsum(starts, dim=0) - 1)
+    return ranks.reshape(ids.shape)
 
 
 def _sequence_sums(weight: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -644,6 +696,12 @@ def _prepare(call: _Call) -> _Prepared:
     valid, weight = _weights(config, labels, loss_mask, full_lead, device, acc, ids)
     float_mask = loss_mask is not None and loss_mask.dtype != torch.bool
     denominator = call.denominator
+    if denominator is not None and not isinstance(denominator, Tensor) and torch.compiler.is_compiling():
+        # Traced, a Python number that changes between calls is a symbolic float: reading it on
+        # the host (the value check's np.asarray) would specialise the graph to each value (a
+        # recompile per value, FailOnRecompileLimitHit under fullgraph=True). As a 0-d float64
+        # tensor it is runtime data, checked on the device like a denominator tensor (NaN loss).
+        denominator = torch.full((), denominator, dtype=torch.float64, device=device)
     # Value checks where they are free (SPEC section 5), in the oracle's order.
     if denominator is not None and (call.host or not isinstance(denominator, Tensor)):
         lossspec.check_denominator_value(_numpy(denominator) if isinstance(denominator, Tensor) else denominator)
@@ -667,8 +725,11 @@ def _prepare(call: _Call) -> _Prepared:
         n, counted = _sequence_count(weight, ids) if config.per_sequence else (None, None)  # type: ignore[arg-type]
         denom = _denominator(config, denominator, weight, counted, full_lead, acc)
         if isinstance(denom, Tensor) and isinstance(denominator, Tensor) and bad is not None:
-            # the on-device twin of lossspec.check_denominator_value
-            bad = bad | ~torch.isfinite(denom) | (denom < 0) | ((denom > 0) & (denom < lossspec.FP32_TINY))
+            # the on-device twin of lossspec.check_denominator_value, on the value as given (a
+            # float64 one below the float32 range must not pass as 0) and as used in float32
+            given = denominator.detach().reshape(()).to(device)
+            out_of_range = (given != 0) & ((given < lossspec.FP32_TINY) | (given > lossspec.FP32_MAX))
+            bad = bad | ~torch.isfinite(denom) | ~(given >= 0) | out_of_range
         coef = _coefficients(config, weight, n, denom)
     if window is not None:
         coef, valid = window.take(coef), window.take(valid)
@@ -703,7 +764,9 @@ def _apply(call: _Call, prepared: _Prepared) -> Tensor:
     if torch.compiler.is_compiling():
         return _ops.masked_loss(x2d, prepared.target, prepared.coef, call.config, _impl_name(call.backend), call.need_grad)
     function = _FUNCTIONS[call.config.kind]
-    return function.apply(x2d, prepared.target, prepared.coef, call.config, call.backend, call.need_grad, call.inplace)
+    # The anchor ties a create_graph=True gradient to the logits (First order only, docs/DESIGN.md).
+    anchor = second_order_anchor(x2d) if call.need_grad else None
+    return function.apply(x2d, prepared.target, prepared.coef, call.config, call.backend, call.need_grad, call.inplace, anchor)
 
 
 def _impl_name(backend: Any) -> str:

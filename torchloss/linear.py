@@ -620,6 +620,26 @@ def _head_forward(plan: spec_linear.HeadPlan) -> Any:
     return head_forward
 
 
+def _save_inputs(
+    ctx: Any, config: LossConfig, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Optional[Tensor],
+    t_hidden: Optional[Tensor], t_weight: Optional[Tensor], t_bias: Optional[Tensor], coef: Tensor,
+) -> None:
+    """Keep the inputs that a backward recomputing the head reads (``recompute_logits``, and
+    ``"none"``) through autograd's saved tensors: an in-place update between forward and backward
+    (an optimizer step on the weight) then raises autograd's "modified by an inplace operation"
+    error instead of giving gradients of the new values."""
+    ctx.config = config
+    ctx.save_for_backward(hidden, weight, bias, labels, t_hidden, t_weight, t_bias, coef)
+
+
+def _saved_inputs(ctx: Any) -> tuple[tuple[Any, ...], Tensor]:
+    """``((config, hidden, weight, bias, labels, teacher), coef)`` of :func:`_save_inputs`
+    (autograd checks their versions here)."""
+    hidden, weight, bias, labels, t_hidden, t_weight, t_bias, coef = ctx.saved_tensors
+    teacher = None if t_hidden is None else (t_hidden, t_weight, t_bias)
+    return (ctx.config, hidden, weight, bias, labels, teacher), coef
+
+
 class LinearHeadFunction(torch.autograd.Function):
     """Autograd Function of the ``linear_*`` losses.
 
@@ -634,16 +654,18 @@ class LinearHeadFunction(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Optional[Tensor], t_hidden: Optional[Tensor],
         t_weight: Optional[Tensor], t_bias: Optional[Tensor], coef: Tensor, config: LossConfig, need_grad: bool, plan: spec_linear.HeadPlan,
-        shards: Optional[Shards],
+        shards: Optional[Shards], anchor: Optional[Tensor] = None,
     ) -> Tensor:
         reduced = config.normalization != "none"
+        ctx.anchor = anchor
         teacher = None if t_hidden is None else (t_hidden, t_weight, t_bias)
         args = (config, hidden, weight, bias, labels, teacher)
         ctx.recompute, ctx.dtypes = plan.recompute_logits, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         if plan.recompute_logits:  # recompute_logits: the rows' statistics only; the backward computes the gradients
             per_token, final = head_forward(*args, coef, need_grad=False, block_elements=plan.block_elements, blocked_rows=plan.blocked_rows, shards=shards, keep_final=True)
             if need_grad:
-                ctx.args, ctx.coef, ctx.final, ctx.plan, ctx.shards = args, coef, final, plan, shards
+                _save_inputs(ctx, config, hidden, weight, bias, labels, t_hidden, t_weight, t_bias, coef)
+                ctx.final, ctx.plan, ctx.shards = final, plan, shards
             contribution = torch.where(coef != 0, coef * per_token, 0.0)
             return contribution.sum() if reduced else contribution
         per_token, dh, dw, db = _head_forward(plan)(
@@ -652,28 +674,39 @@ class LinearHeadFunction(torch.autograd.Function):
         ctx.reduced = reduced
         ctx.grads = (dh, dw, db)
         if need_grad and not reduced:  # "none": the backward recomputes with coef * upstream
-            ctx.args, ctx.coef, ctx.plan, ctx.shards = args, coef, plan, shards
+            _save_inputs(ctx, config, hidden, weight, bias, labels, t_hidden, t_weight, t_bias, coef)
+            ctx.plan, ctx.shards = plan, shards
         contribution = torch.where(coef != 0, coef * per_token, 0.0)
         return contribution.sum() if reduced else contribution
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_loss: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        create_graph = torch.is_grad_enabled()  # backward(create_graph=True)
+        with torch.no_grad():
+            grads = LinearHeadFunction._gradients(ctx, grad_loss)
+        if create_graph:  # first order only: differentiating these raises (torchloss.api)
+            grads = api._first_order_only(grads, ctx.anchor)
+        return grads + (None,) * 10
+
+    @staticmethod
+    def _gradients(ctx: Any, grad_loss: Tensor) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """``(dh, dw, db)`` in the inputs' dtypes for the upstream gradient ``grad_loss``."""
         if ctx.recompute:  # the gradients of sum_i coef_i g_i l_i, dW and db already rounded
-            coef = ctx.coef
+            args, coef = _saved_inputs(ctx)
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
             dh, dw, db = head_backward(
-                *ctx.args, scaled, ctx.final, block_elements=ctx.plan.block_elements, blocked_rows=ctx.plan.blocked_rows, shards=ctx.shards, plan=ctx.plan.recompute_plan
+                *args, scaled, ctx.final, block_elements=ctx.plan.block_elements, blocked_rows=ctx.plan.blocked_rows, shards=ctx.shards,
+                plan=ctx.plan.recompute_plan,
             )
-            return (dh.to(ctx.dtypes[0]), dw, db) + (None,) * 9
+            return (dh.to(ctx.dtypes[0]), dw, db)
         if ctx.reduced:
             dh, dw, db = ctx.grads
             scale: Any = grad_loss.to(dh.dtype)
         else:
-            coef = ctx.coef
+            args, coef = _saved_inputs(ctx)
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
             _, dh, dw, db = _head_forward(ctx.plan)(
-                *ctx.args, scaled, need_grad=True, block_elements=ctx.plan.block_elements, blocked_rows=ctx.plan.blocked_rows, shards=ctx.shards
+                *args, scaled, need_grad=True, block_elements=ctx.plan.block_elements, blocked_rows=ctx.plan.blocked_rows, shards=ctx.shards
             )
             scale = None
         # Scaled in place unless the graph is kept for another backward (retain_graph=True),
@@ -690,7 +723,7 @@ class LinearHeadFunction(torch.autograd.Function):
             return a.to(dtype)
 
         h_dtype, w_dtype, b_dtype = ctx.dtypes
-        return (cast(dh, h_dtype), cast(dw, w_dtype), cast(db, b_dtype)) + (None,) * 9
+        return (cast(dh, h_dtype), cast(dw, w_dtype), cast(db, b_dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -766,6 +799,7 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     loss = LinearHeadFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad,
         spec_linear.HeadPlan(BLOCK_ELEMENTS, BLOCKED_ROWS, impl, recompute, RECOMPUTE_PLAN), shards,
+        api.second_order_anchor(hidden, weight, bias) if need_grad else None,
     )
     return api._finish(call, prepared, loss)
 
