@@ -25,7 +25,7 @@ Soft caps (``logit_softcap``, ``teacher_logit_softcap``; SPEC section 1): the ra
 first replaced by ``cap * tanh(x / cap)`` (finite entries; ``+-inf`` and NaN are kept), then
 everything above applies to the capped values; the gradient with respect to the raw logits is
 the one with respect to the capped ones times ``d/dx cap tanh(x / cap) = 1 / cosh(x / cap)^2``
-(written here from the raw logit, independently of the kernels' ``1 - (capped / cap)^2``).
+(written here with ``cosh``, independently of the kernels' ``4 e / (1 + e)^2``).
 
 Normalised loss: ``sum_i coef_i l_i`` with ``coef_i = w_i / D`` (SPEC section 2), or the
 per-sequence ``coef_i = w_i / (n_s S)`` / ``w_i / S`` (:mod:`lossspec.sequences`); the gradient
