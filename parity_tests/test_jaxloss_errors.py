@@ -73,6 +73,12 @@ BAD_CALLS = [
     ("temperature-zero", "forward_kl", X, T, None, {"temperature": 0.0}),
     ("temperature-negative", "soft_cross_entropy", X, T, None, {"temperature": -2.0}),
     ("teacher-scale-negative", "reverse_kl", X, T, None, {"teacher_logit_scale": -1.0}),
+    # Every float option a normal float32 number (lossspec.config.check_fp32_normal).
+    ("logit-scale-above-float32", "cross_entropy", X, Y, None, {"logit_scale": 1e300}),
+    ("temperature-subnormal", "forward_kl", X, T, None, {"temperature": 1e-300}),
+    ("temperature-beyond-float", "reverse_kl", X, T, None, {"temperature": 10**400}),
+    ("softcap-tiny", "cross_entropy", X, Y, None, {"logit_softcap": 1e-300}),
+    ("teacher-scale-over-temperature", "soft_cross_entropy", X, T, None, {"teacher_logit_scale": 1e20, "temperature": 1e-20}),
     ("option-bool", "cross_entropy", X, Y, None, {"z_loss": True}),
     ("option-string", "forward_kl", X, T, None, {"temperature": "2"}),
     ("ignore-index-float", "cross_entropy", X, Y, None, {"ignore_index": 1.5}),

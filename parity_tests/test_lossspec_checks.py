@@ -45,6 +45,52 @@ def test_bad_options_and_shapes(kind, target, mask, options, error, match) -> No
         oracle(kind, X, target, mask, **options)
 
 
+def _fp32_message(name: str, value: str, zero: bool = False) -> str:
+    return (f"{name} must be {'0 or ' if zero else ''}a normal float32 number, magnitude in [1.1754944e-38, 3.4028235e+38] "
+            f"(it is used in float32); got {value}")
+
+
+FP32_OPTION_CASES = [
+    # (kind, options, message): every float option a normal float32 number (SPEC section 5)
+    ("entropy", {"logit_softcap": 1e-300}, _fp32_message("logit_softcap", "1e-300")),
+    ("forward_kl", {"teacher_logit_softcap": 1e300}, _fp32_message("teacher_logit_softcap", "1e+300")),
+    ("cross_entropy", {"logit_scale": 1e300}, _fp32_message("logit_scale", "1e+300")),
+    ("reverse_kl", {"teacher_logit_scale": 1e-45}, _fp32_message("teacher_logit_scale", "1e-45")),
+    ("soft_cross_entropy", {"temperature": 1e-300}, _fp32_message("temperature", "1e-300")),
+    ("jensen_shannon", {"beta": 1e-40}, _fp32_message("beta", "1e-40", zero=True)),
+    ("cross_entropy", {"label_smoothing": 1e-40}, _fp32_message("label_smoothing", "1e-40", zero=True)),
+    ("cross_entropy", {"z_loss": 1e39}, _fp32_message("z_loss", "1e+39", zero=True)),
+    ("cross_entropy", {"z_loss": 1e-39}, _fp32_message("z_loss", "1e-39", zero=True)),
+    # the factors used in fp32: each option normal, their ratio not
+    ("forward_kl", {"logit_scale": 1e30, "temperature": 1e-30}, _fp32_message("logit_scale / temperature", "1e+60")),
+    ("entropy", {"temperature": 1e30, "logit_scale": 1e-30}, _fp32_message("logit_scale / temperature", repr(1e-30 / 1e30))),
+    ("reverse_kl", {"temperature": 1e-20, "teacher_logit_scale": 1e20}, _fp32_message("teacher_logit_scale / temperature", "1e+40")),
+    # beyond the float range: a ValueError naming the option, not float()'s OverflowError
+    ("forward_kl", {"temperature": 10**400}, "temperature must be finite, got an integer of 1329 bits (beyond the float range)"),
+    ("cross_entropy", {"logit_softcap": -(10**400)}, "logit_softcap must be finite, got an integer of 1329 bits (beyond the float range)"),
+]
+
+
+@pytest.mark.parametrize("kind, options, message", FP32_OPTION_CASES)
+def test_options_outside_float32_are_rejected(kind: str, options: dict, message: str) -> None:
+    """Options that fp32 cannot hold (NaN gradients, NaN losses or an OverflowError before) raise
+    a ValueError naming the option, from make_config and the oracle alike."""
+    for call in (lambda: lossspec.make_config(kind, **options), lambda: oracle(kind, X, LABELS if kind == "cross_entropy" else X, None, **options)):
+        with pytest.raises(ValueError) as info:
+            call()
+        assert str(info.value) == message
+
+
+def test_float32_edges_of_the_options_are_accepted() -> None:
+    tiny, big = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    assert lossspec.make_config("entropy", logit_softcap=tiny).logit_softcap == tiny
+    assert lossspec.make_config("forward_kl", teacher_logit_softcap=big).teacher_logit_softcap == big
+    config = lossspec.make_config("forward_kl", logit_scale=1e-30, temperature=1e-30, teacher_logit_scale=1e-30)
+    assert config.student_scale == config.teacher_scale == 1.0
+    assert lossspec.make_config("cross_entropy", label_smoothing=0.0, z_loss=0.0).z_loss == 0.0
+    assert lossspec.make_config("jensen_shannon", beta=0.0).beta == 0.0
+
+
 def test_bad_logits() -> None:
     with pytest.raises(TypeError, match="logits must be a floating-point array"):
         oracle("cross_entropy", X.astype(np.int32), LABELS)

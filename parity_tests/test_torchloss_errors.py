@@ -86,11 +86,16 @@ def test_option_errors(kind: str, impl: str) -> None:
         {"logit_scale": 0.0},
         {"logit_scale": float("nan")},
         {"logit_scale": "1"},
+        # every float option a normal float32 number (lossspec.config.check_fp32_normal)
+        {"logit_scale": 1e300},
+        {"logit_softcap": 1e-300},
+        {"logit_softcap": 1e300},
     ]
     if kind == "cross_entropy":
         bad += [{"label_smoothing": -0.1}, {"label_smoothing": 1.5}, {"z_loss": -1e-4}, {"ignore_index": 1.5}]
     else:
-        bad += [{"temperature": 0.0}, {"temperature": -1.0}, {"teacher_logit_scale": 0.0}, {"temperature": float("inf")}]
+        bad += [{"temperature": 0.0}, {"temperature": -1.0}, {"teacher_logit_scale": 0.0}, {"temperature": float("inf")},
+                {"temperature": 1e-300}, {"temperature": 10**400}, {"teacher_logit_scale": 1e20, "temperature": 1e-20}]
     for options in bad:
         _both(kind, impl, logits, target, mask, **options)
     _same_error(

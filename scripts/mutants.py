@@ -301,6 +301,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_softcap.py", "-m", "not slow"),
     ),
     Mutant(
+        "fp32_options_subnormal",
+        "float options below the smallest normal float32 accepted (a subnormal cap: an all-NaN gradient)",
+        "lossspec/config.py",
+        "    if (value != 0.0 or not zero_allowed) and not FP32_TINY <= abs(value) <= FP32_MAX:",
+        "    if (value != 0.0 or not zero_allowed) and not abs(value) <= FP32_MAX:",
+        ("parity_tests/test_lossspec_checks.py", "-k", "float32"),
+    ),
+    Mutant(
         "softcap_slope_cancels",
         "the soft cap's slope formed as 1 - tanh^2 in fp32 (cancels near saturation; shared by the JAX backends)",
         "lossspec/stats.py",
