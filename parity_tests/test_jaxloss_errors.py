@@ -253,3 +253,55 @@ def test_module_options_are_checked_on_construction() -> None:
     assert_same_error(lambda: ForwardKLLoss(temperature=0.0), lambda: lossspec.make_config("forward_kl", temperature=0.0))
     assert_same_error(lambda: CrossEntropyLoss(normalization="mean"), lambda: lossspec.make_config("cross_entropy", normalization="mean"))
     assert_same_error(lambda: CrossEntropyLoss(impl="torch"), lambda: lossspec.check_impl("torch", lossspec.JAX_IMPLS))
+
+
+def _bad_values(kind: str) -> list[tuple[str, Any, Any, Any]]:
+    """``(what, target, mask, denominator)``, each with one bad value that only a host check
+    sees: a label outside ``[0, V)`` (cross-entropy), a negative or NaN weight, a negative
+    denominator."""
+    target = Y if kind == "cross_entropy" else T
+    calls: list[tuple[str, Any, Any, Any]] = [
+        ("negative weight", target, np.array([1.0, -0.5, 0.0, 2.0], np.float32), None),
+        ("NaN weight", target, np.array([1.0, np.nan, 0.0, 2.0], np.float32), None),
+        ("negative denominator", target, M, np.float32(-1.0)),
+    ]
+    if kind == "cross_entropy":
+        calls += [("label V", np.array([1, V, 2, 3], np.int32), M, None), ("label -1", np.array([1, 2, 3, -1], np.int32), M, None)]
+    return calls
+
+
+@pytest.mark.parametrize("normalization", ["valid_tokens", "none"])
+@pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
+def test_jitted_bad_values_give_nan_gradient(kind: str, normalization: str) -> None:
+    """Under jit (values not on the host) a bad label, weight or denominator makes the loss NaN
+    and the whole gradient NaN too: a step that uses only the gradient never trains on a
+    plausible one. Good inputs: the oracle's loss and gradient."""
+
+    @jax.jit
+    def loss_and_grad(x: Any, target: Any, mask: Any, denominator: Any) -> Any:
+        def objective(x: Any) -> Any:
+            loss = FNS[kind](x, target, mask, normalization=normalization, denominator=denominator)
+            return jnp.sum(loss), loss
+
+        (_, loss), grad = jax.value_and_grad(objective, has_aux=True)(x)
+        return loss, grad
+
+    target = Y if kind == "cross_entropy" else T
+    loss, grad = loss_and_grad(jnp.asarray(X), jnp.asarray(target), jnp.asarray(M), None)
+    ref_loss, ref_grad = lossspec.oracle(kind, X, target, M, normalization=normalization)
+    lossspec.compare_loss(np.asarray(loss), ref_loss).check()
+    lossspec.compare_grad(np.asarray(grad), ref_grad, "float32", float(np.abs(ref_grad).max())).check()
+    for what, bad_target, bad_mask, denominator in _bad_values(kind):
+        if normalization == "none" and denominator is not None:
+            continue
+        loss, grad = loss_and_grad(jnp.asarray(X), jnp.asarray(bad_target), jnp.asarray(bad_mask), denominator)
+        assert np.all(np.isnan(np.asarray(loss))), what
+        assert np.all(np.isnan(np.asarray(grad))), f"{what}: a NaN loss with a finite gradient"
+
+
+def test_jitted_head_bad_label_gives_nan_gradient() -> None:
+    """The fused head under jit: an out-of-range label makes every gradient (hidden, weight) NaN."""
+    hidden = jnp.asarray(RNG.normal(size=(N, 3)).astype(np.float32))
+    weight = jnp.asarray(RNG.normal(size=(V, 3)).astype(np.float32))
+    grads = jax.jit(jax.grad(lambda h, w, y: jaxloss.linear_cross_entropy(h, w, y), argnums=(0, 1)))(hidden, weight, jnp.asarray([1, V, 2, 3], jnp.int32))
+    assert all(np.all(np.isnan(np.asarray(g))) for g in grads)

@@ -218,3 +218,70 @@ def test_device_side_bad_values_give_nan(monkeypatch: pytest.MonkeyPatch, kind: 
             assert torch.isnan(loss)
             loss.backward()  # the kernel never indexed out of bounds
         assert torch.isnan(torchloss.count_denominator(None, _t(np.where(np.arange(6) == 2, -0.5, mask))))
+
+
+def _bad_value_calls(kind: str) -> list[tuple[str, np.ndarray, np.ndarray, Any]]:
+    """``(what, target, mask, denominator)`` each with one bad value that only a host check sees:
+    a label outside ``[0, V)`` (cross-entropy), a negative or NaN weight, a negative denominator."""
+    _, target, mask = _inputs(kind)
+    calls = [
+        ("negative weight", target, np.where(np.arange(6) == 2, -0.5, mask).astype(np.float32), None),
+        ("NaN weight", target, np.where(np.arange(6) == 4, np.nan, mask).astype(np.float32), None),
+        ("negative denominator", target, mask, torch.tensor(-1.0)),
+    ]
+    if kind == "cross_entropy":
+        for bad_label in (10, -1):
+            labels = target.copy()
+            labels[3] = bad_label
+            calls.append((f"label {bad_label}", labels, mask, None))
+    return calls
+
+
+def _nan_loss_and_gradient(fn: Callable[..., Any], kind: str, impl: str, normalization: str) -> None:
+    """Every bad value of :func:`_bad_value_calls`: NaN loss and an all-NaN gradient; good
+    inputs: the oracle's loss and gradient (SPEC section 6)."""
+    logits, target, mask = _inputs(kind)
+    device = device_for(impl)
+    for what, bad_target, bad_mask, denominator in [("good", target, mask, None)] + _bad_value_calls(kind):
+        if normalization == "none" and denominator is not None:
+            continue
+        x = _t(logits, device).requires_grad_()
+        with quiet():
+            loss = fn(x, _t(bad_target, device), _t(bad_mask, device), impl, normalization, denominator)
+            loss.sum().backward()
+        assert x.grad is not None
+        if what == "good":
+            ref_loss, ref_grad = lossspec.oracle(kind, logits, target, mask, normalization=normalization)
+            g0 = float(np.abs(ref_grad).max())  # S = max|ref grad|: the bound of SPEC section 6 without G0
+            lossspec.compare_loss(loss.detach().cpu().numpy(), ref_loss, "good loss").check()
+            lossspec.compare_grad(x.grad.cpu().numpy(), ref_grad, "float32", g0, "good grad").check()
+        else:
+            assert torch.all(torch.isnan(loss)), what
+            assert torch.all(torch.isnan(x.grad)), f"{what}: a NaN loss with a finite gradient"
+
+
+def _call(kind: str) -> Callable[..., Any]:
+    def call(x: Any, target: Any, mask: Any, impl: str, normalization: str, denominator: Any) -> Any:
+        return FUNCTIONS[kind](x, target, mask, impl=impl, normalization=normalization, denominator=denominator)
+
+    return call
+
+
+@pytest.mark.parametrize("normalization", ["valid_tokens", "none"])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_unchecked_bad_values_give_nan_gradient(monkeypatch: pytest.MonkeyPatch, kind: str, impl: str, normalization: str) -> None:
+    """Where the values are not checked on the host (CUDA tensors, torch.compile), a bad label,
+    weight or denominator makes the gradient NaN too, not only the loss (as JAX under jit)."""
+    monkeypatch.setattr(api, "_host_readable", lambda *tensors: False)
+    _nan_loss_and_gradient(_call(kind), kind, impl, normalization)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
+def test_compiled_bad_values_give_nan_gradient(kind: str) -> None:
+    """:func:`test_unchecked_bad_values_give_nan_gradient` under torch.compile (the checks are
+    skipped while Dynamo traces)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_call(kind), backend="aot_eager", fullgraph=True, dynamic=False)
+    _nan_loss_and_gradient(compiled, kind, "torch", "valid_tokens")

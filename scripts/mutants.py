@@ -309,6 +309,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_lossspec_checks.py", "-k", "float32"),
     ),
     Mutant(
+        "traced_bad_value_finite_grad_jax",
+        "under jit a bad label / weight / denominator makes the loss NaN but leaves the gradient finite",
+        "jaxloss/api.py",
+        "    coef = jnp.where(bad, jnp.nan, coef)",
+        "    pass",
+        ("parity_tests/test_jaxloss_errors.py", "-k", "nan_gradient"),
+    ),
+    Mutant(
+        "unchecked_bad_value_finite_grad_torch",
+        "torch without host checks (GPU, torch.compile): a bad value makes the loss NaN but leaves the gradient finite",
+        "torchloss/api.py",
+        "        coef = torch.where(bad, float(\"nan\"), coef)",
+        "        pass",
+        ("parity_tests/test_torchloss_errors.py", "-m", "not slow", "-k", "nan_gradient"),
+    ),
+    Mutant(
         "softcap_slope_cancels",
         "the soft cap's slope formed as 1 - tanh^2 in fp32 (cancels near saturation; shared by the JAX backends)",
         "lossspec/stats.py",

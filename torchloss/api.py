@@ -661,6 +661,11 @@ def _prepare(call: _Call) -> _Prepared:
             # the on-device twin of lossspec.check_denominator_value
             bad = bad | ~torch.isfinite(denom) | (denom < 0) | ((denom > 0) & (denom < lossspec.FP32_TINY))
         coef = _coefficients(config, weight, n, denom)
+    if bad is not None:
+        # A value that could not be checked on the host and is bad makes every coefficient NaN:
+        # the loss and the whole gradient are NaN (as in JAX under jit), never a plausible
+        # gradient that a step using only the gradient would train on.
+        coef = torch.where(bad, float("nan"), coef)
     if window is not None:
         coef, valid = window.take(coef), window.take(valid)
         labels = None if labels is None else window.take(labels)
