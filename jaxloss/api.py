@@ -318,6 +318,10 @@ def _checked_denominator(denominator: Any) -> Any:
     """``denominator=`` checked (shape; value where concrete) as a 0-d array, or ``None``."""
     if denominator is None:
         return None
+    if isinstance(denominator, (jax.Array, np.ndarray)):
+        lossspec.check_denominator_type(denominator, _meta(denominator))
+    else:  # a Python / NumPy number; a string, a list or True is a TypeError
+        lossspec.check_denominator_type(denominator)
     host = not isinstance(denominator, jax.Array)  # a Python / NumPy number: check it as given
     denominator = np.asarray(denominator) if host else denominator
     lossspec.check_denominator_shape(tuple(denominator.shape))

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .checks import check_denominator_allowed, check_denominator_value, check_inputs, check_labels, check_weights, numpy_meta
+from .checks import check_denominator_allowed, check_denominator_type, check_denominator_value, check_inputs, check_labels, check_weights, numpy_meta
 from .causal import scored_positions, shift_targets
 from .config import LossConfig, make_config
 from .sequences import SEQUENCE_NORMALIZATIONS, scored_segment_ids, sequence_coefficients, sequence_weight_sums
@@ -255,6 +255,7 @@ def _prepare(
         segment_ids = scored_segment_ids(segment_ids, logits.shape[:-1], config.causal_shift)
     check_denominator_allowed(config, denominator)
     if denominator is not None:
+        check_denominator_type(denominator, numpy_meta(denominator) if isinstance(denominator, np.ndarray) else None)
         check_denominator_value(denominator)
     if config.causal_shift:
         labels, loss_mask = shift_targets(target if config.kind == "cross_entropy" else None, loss_mask, logits.shape[:-1])

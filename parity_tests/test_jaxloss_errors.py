@@ -80,6 +80,14 @@ BAD_CALLS = [
     ("softcap-tiny", "cross_entropy", X, Y, None, {"logit_softcap": 1e-300}),
     ("teacher-scale-over-temperature", "soft_cross_entropy", X, T, None, {"teacher_logit_scale": 1e20, "temperature": 1e-20}),
     ("option-bool", "cross_entropy", X, Y, None, {"z_loss": True}),
+    # Validation gaps: fp8 logits, integer masks, denominators that are not real numbers.
+    ("fp8-logits", "cross_entropy", X.astype(jnp.float8_e4m3fn), Y, None, {}),
+    ("fp8-teacher", "reverse_kl", X, T.astype(jnp.float8_e4m3fn), None, {}),
+    ("integer-mask", "cross_entropy", X, Y, np.array([1, 0, 2, 1], np.int32), {}),
+    ("denominator-string", "cross_entropy", X, Y, None, {"denominator": "5"}),
+    ("denominator-bool", "forward_kl", X, T, None, {"denominator": True}),
+    ("denominator-list", "cross_entropy", X, Y, None, {"denominator": [5.0]}),
+    ("denominator-complex", "cross_entropy", X, Y, None, {"denominator": np.array(5 + 0j, np.complex64)}),
     ("option-string", "forward_kl", X, T, None, {"temperature": "2"}),
     ("ignore-index-float", "cross_entropy", X, Y, None, {"ignore_index": 1.5}),
     ("label-too-large", "cross_entropy", X, np.array([1, V, 2, 3], np.int32), None, {}),
@@ -305,3 +313,17 @@ def test_jitted_head_bad_label_gives_nan_gradient() -> None:
     weight = jnp.asarray(RNG.normal(size=(V, 3)).astype(np.float32))
     grads = jax.jit(jax.grad(lambda h, w, y: jaxloss.linear_cross_entropy(h, w, y), argnums=(0, 1)))(hidden, weight, jnp.asarray([1, V, 2, 3], jnp.int32))
     assert all(np.all(np.isnan(np.asarray(g))) for g in grads)
+
+
+def test_integer_mask_and_jax_denominators_are_refused() -> None:
+    """``entropy(logits, labels)`` (labels where the mask goes) and jax-array denominators of a
+    bool / complex dtype: lossspec's TypeError."""
+    for call, reference in (
+        (lambda: jaxloss.entropy(jnp.asarray(X), jnp.asarray(Y)), lambda: lossspec.oracle("entropy", X, None, Y)),
+        (lambda: jaxloss.cross_entropy(jnp.asarray(X), jnp.asarray(Y), denominator=jnp.asarray(5 + 0j, jnp.complex64)),
+         lambda: lossspec.oracle("cross_entropy", X, Y, denominator=np.array(5 + 0j, np.complex64))),
+        (lambda: jaxloss.cross_entropy(jnp.asarray(X), jnp.asarray(Y), denominator=jnp.asarray(True)),
+         lambda: lossspec.oracle("cross_entropy", X, Y, denominator=np.array(True))),
+        (lambda: jaxloss.count_denominator(jnp.asarray(Y), jnp.asarray(Y)), lambda: lossspec.count_denominator(Y, Y)),
+    ):
+        assert_same_error(call, reference)

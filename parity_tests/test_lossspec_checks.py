@@ -279,3 +279,30 @@ def test_ignore_index_is_compared_exactly() -> None:
     assert lossspec.count_denominator(np.array([1, 2**32 - 100], np.uint32)) == 2.0
     assert lossspec.count_denominator(np.array([1, 2**40], np.int64), ignore_index=2**40) == 1.0
     assert lossspec.count_denominator(np.array([1, -100], np.int32), ignore_index=2**40) == 2.0
+
+
+def test_validation_gaps_have_clear_errors() -> None:
+    """fp8 logits, integer masks, denominators that are not real numbers and a vocab_size that is
+    not an int: a TypeError naming the argument (not a failure inside ATen / int())."""
+    import ml_dtypes
+
+    fp8 = X.astype(ml_dtypes.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"^logits must have dtype float32, bfloat16, float16 or float64; got float8_e4m3fn$"):
+        oracle("cross_entropy", fp8, LABELS)
+    with pytest.raises(TypeError, match=r"^teacher_logits must have dtype float32, bfloat16, float16 or float64; got float8_e5m2$"):
+        oracle("forward_kl", X, X.astype(ml_dtypes.float8_e5m2))
+    message = "loss_mask must be boolean or floating-point weights; got dtype int64 (an integer mask would weight tokens by its values: pass mask.bool() or a float mask)"
+    for call in (lambda: oracle("entropy", X, None, LABELS), lambda: lossspec.count_denominator(LABELS, LABELS)):
+        with pytest.raises(TypeError) as info:
+            call()
+        assert str(info.value) == message
+    for denominator, got in (("5", "str"), (True, "bool"), ([5.0], "list"), (np.bool_(True), type(np.bool_(True)).__name__), (np.array(5 + 0j, np.complex64), "dtype complex64"), (np.array(True), "dtype bool")):
+        with pytest.raises(TypeError) as info:
+            oracle("cross_entropy", X, LABELS, denominator=denominator)
+        assert str(info.value) == f"denominator must be a number or a 0-d tensor / array of a real dtype; got {got}"
+    assert oracle("cross_entropy", X, LABELS, denominator=np.int32(6))[0] == oracle("cross_entropy", X, LABELS, denominator=6.0)[0]
+    for bad, got in ((None, "NoneType"), (32.0, "float"), (True, "bool")):
+        with pytest.raises(TypeError) as info:
+            lossspec.check_vocab_size_arg(bad)
+        assert str(info.value) == f"vocab_size must be an int (the last dimension of logits); got {got}"
+    assert lossspec.check_vocab_size_arg(np.int64(7)) == 7

@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -285,3 +286,38 @@ def test_compiled_bad_values_give_nan_gradient(kind: str) -> None:
     torch._dynamo.reset()
     compiled = torch.compile(_call(kind), backend="aot_eager", fullgraph=True, dynamic=False)
     _nan_loss_and_gradient(compiled, kind, "torch", "valid_tokens")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_validation_gaps(impl: str) -> None:
+    """uint64 labels work (and an out-of-range one, 2**64 - 1, is reported as given, never
+    wrapped to -1 or ignored); fp8 logits, integer masks (``entropy(logits, labels)``), denominators
+    that are not real numbers: lossspec's error, as in JAX, not a failure inside ATen."""
+    logits, labels, mask = _inputs("cross_entropy")
+    device = device_for(impl)
+    unsigned = labels.astype(np.uint64)
+    loss = FUNCTIONS["cross_entropy"](_t(logits, device), _t(unsigned, device), impl=impl)
+    lossspec.compare_loss(loss.item(), lossspec.oracle("cross_entropy", logits, unsigned)[0]).check()
+    assert torchloss.count_denominator(_t(unsigned)).item() == lossspec.count_denominator(unsigned) == 6
+    for big in (2**64 - 1, 2**64 - 100, 2**40):
+        bad = unsigned.copy()
+        bad[2] = big
+        for ignore_index in (-100, -1):
+            _both("cross_entropy", impl, logits, bad, mask, ignore_index=ignore_index)
+            _same_error(lambda: lossspec.oracle("cross_entropy", logits, bad, ignore_index=ignore_index),
+                        lambda: FUNCTIONS["cross_entropy"](_t(logits), _t(bad), ignore_index=ignore_index, impl=impl))
+        masked = mask.copy()
+        masked[2] = 0  # never read there
+        got = FUNCTIONS["cross_entropy"](_t(logits, device), _t(bad, device), _t(masked, device), impl=impl)
+        lossspec.compare_loss(got.item(), lossspec.oracle("cross_entropy", logits, bad, masked)[0]).check()
+    _same_error(lambda: lossspec.oracle("cross_entropy", logits.astype(ml_dtypes.float8_e4m3fn), labels),
+                lambda: FUNCTIONS["cross_entropy"](torch.from_numpy(logits).to(torch.float8_e4m3fn), _t(labels), impl=impl))
+    teacher = np.ones_like(logits)
+    _same_error(lambda: lossspec.oracle("reverse_kl", logits, teacher.astype(ml_dtypes.float8_e5m2)),
+                lambda: FUNCTIONS["reverse_kl"](_t(logits), torch.from_numpy(teacher).to(torch.float8_e5m2), impl=impl))
+    int_labels = labels.astype(np.int64)
+    _same_error(lambda: lossspec.oracle("entropy", logits, None, int_labels), lambda: torchloss.entropy(_t(logits), _t(int_labels), impl=impl))
+    _same_error(lambda: lossspec.count_denominator(int_labels, int_labels), lambda: torchloss.count_denominator(_t(int_labels), _t(int_labels)))
+    for denominator in ("5", True, [5.0], np.array(5 + 0j, np.complex64), np.array(True)):
+        _same_error(lambda: lossspec.oracle("cross_entropy", logits, labels, denominator=denominator),
+                    lambda: FUNCTIONS["cross_entropy"](_t(logits), _t(labels), denominator=_t(denominator), impl=impl))
