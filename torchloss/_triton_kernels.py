@@ -163,6 +163,12 @@ def _is_bad(v):
 @triton.jit
 def _tanh(u):
     """``tanh(u)`` from ``exp``: ``lossspec.stats.tanh``, the same operations."""
+    return _tanh_of(u, tl.exp(-2.0 * tl.abs(u)))
+
+
+@triton.jit
+def _tanh_of(u, e):
+    """:func:`_tanh` given ``e = exp(-2 |u|)`` (shared with the soft cap's slope)."""
     z = u * u
     series = TANH_C7
     series = series * z + TANH_C6
@@ -172,7 +178,6 @@ def _tanh(u):
     series = series * z + TANH_C2
     series = series * z + TANH_C1
     small = u + u * (z * series)
-    e = tl.exp(-2.0 * tl.abs(u))
     big = (1.0 - e) / (1.0 + e)
     big = tl.where(u < 0, -big, big)
     return tl.where(tl.abs(u) < TANH_SERIES_LIMIT, small, big)
@@ -185,11 +190,23 @@ def _softcap(v, cap):
 
 
 @triton.jit
+def _softcap_with_slope(v, cap):
+    """``(cap * tanh(v / cap), slope)``: :func:`_softcap` (the same operations) and
+    :func:`_softcap_slope` of the raw ``v``, sharing ``u = v / cap`` and ``e = exp(-2 |u|)``."""
+    u = v / cap
+    e = tl.exp(-2.0 * tl.abs(u))
+    capped = tl.where(v - v == 0, cap * _tanh_of(u, e), v)
+    return capped, tl.fdiv(4.0 * e, (1.0 + e) * (1.0 + e), ieee_rounding=False)
+
+
+@triton.jit
 def _softcap_slope(v, cap):
     """``d/dv cap tanh(v / cap) = 4 e / (1 + e)^2``, ``e = exp(-2 |v / cap|)``, from the raw ``v``
-    (``lossspec.stats.softcap_slope``: no cancellation near saturation; 0 at ``+-inf``)."""
+    (``lossspec.stats.softcap_slope``: no cancellation near saturation; 0 at ``+-inf``). The
+    division is the fast one (``div.full.f32``, within 2 ulps on a GPU; exact in the
+    interpreter): the IEEE division's subroutine made the 16-warp kernels spill."""
     e = tl.exp(-2.0 * tl.abs(v / cap))
-    return 4.0 * e / ((1.0 + e) * (1.0 + e))
+    return tl.fdiv(4.0 * e, (1.0 + e) * (1.0 + e), ieee_rounding=False)
 
 
 @triton.jit
@@ -454,10 +471,9 @@ def _row_grad(
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs
         inside = cols < V
-        x_raw = _load_logits(x_row, cols, inside, params_ptr, P_CAP, False, ACC)
-        x = x_raw
+        x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, False, ACC)
         if SOFTCAP:
-            x = _softcap(x_raw, tl.load(params_ptr + P_CAP))
+            x, slope = _softcap_with_slope(x, tl.load(params_ptr + P_CAP))
         u = x - m
         e = tl.exp(c * u)
         if KIND == CROSS_ENTROPY:
@@ -481,7 +497,7 @@ def _row_grad(
             else:
                 g = e * p_scale - tl.exp(ct * (t - mt)) * t_scale
         if SOFTCAP:
-            g = g * _softcap_slope(x_raw, tl.load(params_ptr + P_CAP))
+            g = g * slope
         g = tl.where(bad != 0, float("nan"), g)
         g = _round_for_store(g, GRAD_BF16)
         tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=inside)
