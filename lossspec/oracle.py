@@ -255,7 +255,9 @@ def _prepare(
         segment_ids = scored_segment_ids(segment_ids, logits.shape[:-1], config.causal_shift)
     check_denominator_allowed(config, denominator)
     if denominator is not None:
-        check_denominator_type(denominator, numpy_meta(denominator) if isinstance(denominator, np.ndarray) else None)
+        # arrays of any framework (anything with __array__ but a NumPy scalar) by their dtype
+        is_array = hasattr(denominator, "__array__") and not isinstance(denominator, np.generic)
+        check_denominator_type(denominator, numpy_meta(np.asarray(denominator)) if is_array else None)
         check_denominator_value(denominator)
     if config.causal_shift:
         labels, loss_mask = shift_targets(target if config.kind == "cross_entropy" else None, loss_mask, logits.shape[:-1])
