@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._stats import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, softcap
+from ._stats import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, softcap, softcap_slope
 
 Array = jax.Array
 HIGHEST = lax.Precision.HIGHEST
@@ -135,10 +135,12 @@ def _cap(ops: dict[str, Any], rows: tuple, which: int) -> Array:
     return plgpu.load(ops["caps"].at[rows[0] * 0 + which])[:, None]
 
 
-def _tiles(cfg: KernelConfig, shape: HeadShape, ops: dict[str, Any], rows: tuple, cols: tuple, block_hidden: int) -> tuple:
-    """``(z, t)`` tiles of the rows and columns (``t``: ``None`` for cross-entropy)."""
+def _tiles(cfg: KernelConfig, shape: HeadShape, ops: dict[str, Any], rows: tuple, cols: tuple, block_hidden: int,
+           cap_student: bool = True) -> tuple:
+    """``(z, t)`` tiles of the rows and columns (``t``: ``None`` for cross-entropy); ``z`` raw
+    (never capped) with ``cap_student=False``."""
     z = _tile_logits(ops["h"], ops["w"], ops.get("b"), rows, cols, shape.width, block_hidden, shape.has_bias,
-                     _cap(ops, rows, 0) if shape.has_softcap else None)
+                     _cap(ops, rows, 0) if shape.has_softcap and cap_student else None)
     if cfg.is_ce:
         return z, None
     t = _tile_logits(ops["th"], ops["tw"], ops.get("tb"), rows, cols, shape.t_width, block_hidden, shape.has_t_bias,
@@ -149,13 +151,13 @@ def _tiles(cfg: KernelConfig, shape: HeadShape, ops: dict[str, Any], rows: tuple
 def _grad_tile(cfg: KernelConfig, shape: HeadShape, ops: dict[str, Any], fin: Final, coef: Array, y: Optional[Array], rows: tuple,
                cols: tuple, block_hidden: int) -> Array:
     """``G = coef * c * dl/dz_raw`` ``[R, B]`` fp32 (:func:`~jaxloss._stats.grad_block`, times
-    ``1 - (z / cap)^2`` with a soft cap); exactly 0 outside the arrays."""
-    z, t = _tiles(cfg, shape, ops, rows, cols, block_hidden)
+    the cap's slope from the raw ``z`` with a soft cap); exactly 0 outside the arrays."""
+    z_raw, t = _tiles(cfg, shape, ops, rows, cols, block_hidden, cap_student=False)
+    z = softcap(z_raw, _cap(ops, rows, 0)) if shape.has_softcap else z_raw
     hit = (cols[0][None, :] == y[:, None]) if cfg.is_ce else None
     g = grad_block(cfg, fin, coef, z, t, hit=hit, vocab=shape.vocab)
     if shape.has_softcap:
-        cap = _cap(ops, rows, 0)
-        g = g * (1.0 - (z / cap) * (z / cap))
+        g = g * softcap_slope(z_raw, _cap(ops, rows, 0))  # from the raw z: no cancellation near saturation
     return jnp.where(rows[1][:, None] & cols[1][None, :], g, 0.0)
 
 

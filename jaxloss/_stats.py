@@ -190,6 +190,12 @@ def softcap(x: Array, cap: Optional[float]) -> Array:
     return stats.softcap(jnp, x, cap)
 
 
+def softcap_slope(x: Array, cap: Any) -> Array:
+    """``d/dx cap tanh(x / cap)`` from the raw logits ``x`` (``lossspec.stats.softcap_slope``:
+    no cancellation near saturation)."""
+    return stats.softcap_slope(jnp, x, cap)
+
+
 def grad_block(
     cfg: KernelConfig,
     fin: Final,
@@ -211,9 +217,11 @@ def grad_block(
     given, are the block's ``exp(c (x - m))`` relative to the *final* maxima (single-block
     rows), which saves recomputing the exponentials. Rows with ``coef == 0`` are exactly 0,
     bad rows (NaN / ``+inf``) NaN. ``x``, ``t`` are raw: with a soft cap the gradient is formed
-    on the capped logits and multiplied by the cap's slope ``1 - (x / cap)^2``.
+    on the capped logits and multiplied by the cap's slope (:func:`softcap_slope`, from the raw
+    ``x``).
     """
     c, ct = cfg.scale, cfg.teacher_scale
+    x_raw = x
     x = softcap(x, cfg.logit_softcap)
     if t is not None:
         t = softcap(t, cfg.teacher_logit_softcap)
@@ -244,7 +252,7 @@ def grad_block(
     scale = (coef * c)[:, None]
     grad = scale * gz
     if cfg.logit_softcap is not None:  # the chain rule to the raw logits, in fp32
-        grad = grad * stats.softcap_slope(jnp, x, cfg.logit_softcap)
+        grad = grad * softcap_slope(x_raw, cfg.logit_softcap)
     grad = jnp.where(bad_rows(fin)[:, None], jnp.nan, grad)
     return jnp.where(scale != 0, grad, 0.0)
 

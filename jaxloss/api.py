@@ -29,7 +29,7 @@ Rules shared with ``torchloss`` (the ``lossspec`` docstrings hold the exact cond
   the smallest normal float32, a weight above the float32 range and a weight set whose sum
   overflows float32 are rejected (:func:`lossspec.check_weights`); a denominator must be 0 or a
   normal float32 number (:func:`lossspec.check_denominator_value`). Under tracing the same
-  conditions make the loss (and ``count_denominator``) NaN.
+  conditions make the loss (and ``count_denominator``) NaN, and every gradient NaN.
 - Labels are compared with ``ignore_index`` and with ``[0, V)`` exactly, in their own dtype:
   no wrapping (a ``uint32`` label ``2**32 - 100`` is an out-of-range label, not ``-100``), and
   an ``ignore_index`` the labels' dtype cannot hold masks nothing.
@@ -331,6 +331,10 @@ def _checked_denominator(denominator: Any) -> Any:
     """``denominator=`` checked (shape; value where concrete) as a 0-d array, or ``None``."""
     if denominator is None:
         return None
+    if isinstance(denominator, (jax.Array, np.ndarray)):
+        lossspec.check_denominator_type(denominator, _meta(denominator))
+    else:  # a Python / NumPy number; a string, a list or True is a TypeError
+        lossspec.check_denominator_type(denominator)
     host = not isinstance(denominator, jax.Array)  # a Python / NumPy number: check it as given
     denominator = np.asarray(denominator) if host else denominator
     lossspec.check_denominator_shape(tuple(denominator.shape))
@@ -670,6 +674,10 @@ def _prepare(
         coef = weight
     else:
         coef, bad = _coefficients(config, weight, ids, denominator, lead, bad)
+    # A bad value that could not raise (traced inputs) makes every coefficient NaN: the loss is
+    # NaN (also _finish's flag) and so is the whole gradient, never a plausible one that a step
+    # using only the gradient would train on. Nothing changes where bad is False.
+    coef = jnp.where(bad, jnp.nan, coef)
     if axes is not None:
         coef = _take_window(coef, axes, local_lead[-1])
         labels = None if labels is None else _take_window(labels, axes, local_lead[-1])

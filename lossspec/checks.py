@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,8 @@ def check_inputs(
     """
     if logits.kind != FLOAT_KIND:
         raise TypeError(f"logits must be a floating-point array of shape [..., V]; got dtype {logits.dtype}")
+    if logits.dtype not in LOGIT_DTYPES:  # e.g. float8_*: no kernel reads them (fail here, not in ATen / XLA)
+        raise TypeError(f"logits must have dtype float32, bfloat16, float16 or float64; got {logits.dtype}")
     if len(logits.shape) == 0:
         raise ValueError("logits must have shape [..., V] with at least one dimension; got a scalar")
     if logits.shape[-1] == 0:
@@ -95,13 +98,14 @@ def check_inputs(
             raise TypeError(
                 f"teacher_logits must be a floating-point array of shape {_shape(logits.shape)}; got dtype {target.dtype}"
             )
+        if target.dtype not in LOGIT_DTYPES:
+            raise TypeError(f"teacher_logits must have dtype float32, bfloat16, float16 or float64; got {target.dtype}")
         if target.shape != logits.shape:
             raise ValueError(
                 f"teacher_logits must have the shape of logits {_shape(logits.shape)}; got {_shape(target.shape)}"
             )
     if loss_mask is not None:
-        if loss_mask.kind not in (BOOL_KIND, FLOAT_KIND, *INT_KINDS):
-            raise TypeError(f"loss_mask must be boolean or floating-point weights; got dtype {loss_mask.dtype}")
+        check_loss_mask_dtype(loss_mask)
         if not mask_broadcasts(loss_mask.shape, lead):
             raise ValueError(
                 f"loss_mask must have the leading shape of logits {_shape(lead)} or broadcast to it "
@@ -110,6 +114,39 @@ def check_inputs(
     if segment_ids is not None:
         check_segment_ids(segment_ids.kind, segment_ids.dtype, segment_ids.shape, lead)
     check_sequence_time_axis(config.normalization, lead)
+
+
+def check_loss_mask_dtype(loss_mask: ArrayMeta) -> None:
+    """``loss_mask`` is boolean (a 0/1 mask) or floating-point weights. An integer mask is refused
+    (``TypeError``): it would be read as weights, so a mask built from label ids (or passed where
+    the labels go, ``entropy(logits, labels)``) would silently weight tokens by their values."""
+    if loss_mask.kind not in (BOOL_KIND, FLOAT_KIND):
+        hint = " (an integer mask would weight tokens by its values: pass mask.bool() or a float mask)" if loss_mask.kind in INT_KINDS else ""
+        raise TypeError(f"loss_mask must be boolean or floating-point weights; got dtype {loss_mask.dtype}{hint}")
+
+
+DENOMINATOR_TYPE_MESSAGE = "denominator must be a number or a 0-d tensor / array of a real dtype; got {}"
+
+
+def check_denominator_type(denominator: Any, array: ArrayMeta | None = None) -> None:
+    """``denominator=`` is a real number: a Python ``int`` / ``float`` or a NumPy real scalar (not
+    ``bool``), or (``array``: its metadata) an array / tensor of an integer or floating dtype (not
+    bool, not complex). Anything else (a string, a list, ``True``, a complex tensor) is a
+    ``TypeError`` naming ``denominator``; the shape is :func:`check_denominator_shape`'s."""
+    if array is not None:
+        if array.kind not in (FLOAT_KIND, *INT_KINDS):
+            raise TypeError(DENOMINATOR_TYPE_MESSAGE.format(f"dtype {array.dtype}"))
+        return
+    if isinstance(denominator, (bool, np.bool_)) or not isinstance(denominator, numbers.Real):
+        raise TypeError(DENOMINATOR_TYPE_MESSAGE.format(type(denominator).__name__))
+
+
+def check_vocab_size_arg(vocab_size: Any) -> int:
+    """A ``vocab_size`` argument (the Hugging Face adapter's): a Python or NumPy ``int`` (not
+    ``bool``), as an ``int``; else a ``TypeError`` naming it."""
+    if isinstance(vocab_size, (bool, np.bool_)) or not isinstance(vocab_size, (int, np.integer)):
+        raise TypeError(f"vocab_size must be an int (the last dimension of logits); got {type(vocab_size).__name__}")
+    return int(vocab_size)
 
 
 def check_denominator_allowed(config: LossConfig, denominator: Any) -> None:
@@ -159,7 +196,8 @@ def check_denominator_shape(shape: tuple[int, ...]) -> None:
 def check_weights(loss_mask: np.ndarray) -> None:
     """Value check of a ``loss_mask`` on the host (SPEC section 5). Weights are used in float32.
 
-    Boolean masks always pass. Otherwise (float or integer weights), in this order, each
+    Boolean masks always pass (integer masks are refused earlier, :func:`check_loss_mask_dtype`).
+    Otherwise (float weights), in this order, each
     failure a ``ValueError`` that names ``loss_mask``:
 
     1. every weight finite (read as float64):
@@ -255,8 +293,8 @@ def check_count_args(
         raise ValueError("count_denominator needs labels or loss_mask (or segment_ids; any of them) to see the batch")
     if labels is not None and labels.kind not in INT_KINDS:
         raise TypeError(f"labels must be an integer array; got dtype {labels.dtype}")
-    if loss_mask is not None and loss_mask.kind not in (BOOL_KIND, FLOAT_KIND, *INT_KINDS):
-        raise TypeError(f"loss_mask must be boolean or floating-point weights; got dtype {loss_mask.dtype}")
+    if loss_mask is not None:
+        check_loss_mask_dtype(loss_mask)
     lead = count_shape(labels, loss_mask, segment_ids)
     if loss_mask is not None and not mask_broadcasts(loss_mask.shape, lead):
         of = "labels" if labels is not None else "segment_ids"

@@ -39,10 +39,21 @@ TORCH_IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
 KIND_OPTIONS: dict[str, tuple[str, ...]] = {kind: spec.option_names for kind, spec in KIND_SPECS.items()}
 
 
+# The float32 range every float option must stay in (the backends compute in fp32): the smallest
+# normal number 2**-126 (below it, subnormals are flushed to zero on some devices) and the largest
+# finite one. Equal to lossspec.checks.FP32_TINY / FP32_MAX (np.finfo(np.float32)).
+FP32_TINY: float = 2.0**-126
+FP32_MAX: float = float.fromhex("0x1.fffffep+127")
+_FP32_RANGE = f"[{FP32_TINY:.8g}, {FP32_MAX:.8g}]"
+
+
 def _finite_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not _is_numpy_scalar(value):
         raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond the float range (10**400): name the option, not float()
+        raise ValueError(f"{name} must be finite, got an integer of {int(value).bit_length()} bits (beyond the float range)") from None
     # ``value - value == 0`` is False for inf and NaN: math.isfinite's test in arithmetic, which
     # torch.compile can trace on a symbolic float (a changing option under Dynamo).
     if not value - value == 0:
@@ -50,15 +61,28 @@ def _finite_number(name: str, value: Any) -> float:
     return value
 
 
+def check_fp32_normal(name: str, value: float, zero_allowed: bool) -> float:
+    """``value`` (finite, in its option's range already) must be a normal float32 number, or 0
+    where ``zero_allowed``: the backends use every option in fp32, where a larger magnitude is
+    ``inf`` and a smaller one is subnormal (flushed to 0 on some devices), so the loss or the
+    gradient would be NaN or 0 instead of the option's value. Else a ``ValueError`` naming
+    ``name``."""
+    if (value != 0.0 or not zero_allowed) and not FP32_TINY <= abs(value) <= FP32_MAX:
+        # ``{value}`` without a format spec: torch.compile traces this on a symbolic float
+        raise ValueError(f"{name} must be {'0 or ' if zero_allowed else ''}a normal float32 number, magnitude in {_FP32_RANGE} (it is used in float32); got {value}")
+    return value
+
+
 def check_softcap(name: str, value: Any) -> Optional[float]:
     """A soft cap (``logit_softcap``, ``teacher_logit_softcap``): ``None`` (off) or a finite
-    number ``> 0``, as a Python ``float``."""
+    number ``> 0`` that is a normal float32 number (:func:`check_fp32_normal`), as a Python
+    ``float``."""
     if value is None:
         return None
     cap = _finite_number(name, value)
     if cap <= 0.0:
         raise ValueError(f"{name} must be None or > 0, got {cap}")
-    return cap
+    return check_fp32_normal(name, cap, zero_allowed=False)
 
 
 def _is_numpy_scalar(value: Any) -> bool:
@@ -122,7 +146,10 @@ class LossConfig:
     every kind (:mod:`lossspec.causal`). ``logit_softcap`` (every kind) and
     ``teacher_logit_softcap`` (the kinds with a teacher) are ``None`` (off) or a cap ``> 0``:
     ``x -> cap * tanh(x / cap)`` on the raw logits, before the scales and the temperature.
-    The effective student scale is ``student_scale = logit_scale / temperature`` and the
+    Every float option, and ``logit_scale / temperature`` and ``teacher_logit_scale /
+    temperature``, must be a normal float32 number (0 allowed where the option's range holds 0:
+    ``label_smoothing``, ``z_loss``, ``beta``), else a ``ValueError`` naming it
+    (:func:`check_fp32_normal`). The effective student scale is ``student_scale = logit_scale / temperature`` and the
     teacher's ``teacher_scale = teacher_logit_scale / temperature``.
     """
 
@@ -172,6 +199,18 @@ class LossConfig:
         teacher_softcap = check_softcap("teacher_logit_softcap", self.teacher_logit_softcap)
         if teacher_softcap is not None and self.kind not in DISTILL_KINDS:
             raise ValueError(f"teacher_logit_softcap applies to the kinds with a teacher only, not {self.kind}")
+        for name, value, zero_allowed in (
+            ("label_smoothing", eps, True),
+            ("z_loss", lam, True),
+            ("temperature", temperature, False),
+            ("logit_scale", scale, False),
+            ("teacher_logit_scale", teacher_scale, False),
+            ("beta", beta, True),
+            # the factors the backends multiply by, formed in float64 and used in fp32
+            ("logit_scale / temperature", scale / temperature, False),
+            ("teacher_logit_scale / temperature", teacher_scale / temperature, False),
+        ):
+            check_fp32_normal(name, value, zero_allowed)
         for name, value in (
             ("logit_softcap", softcap),
             ("teacher_logit_softcap", teacher_softcap),

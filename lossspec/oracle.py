@@ -25,7 +25,7 @@ Soft caps (``logit_softcap``, ``teacher_logit_softcap``; SPEC section 1): the ra
 first replaced by ``cap * tanh(x / cap)`` (finite entries; ``+-inf`` and NaN are kept), then
 everything above applies to the capped values; the gradient with respect to the raw logits is
 the one with respect to the capped ones times ``d/dx cap tanh(x / cap) = 1 / cosh(x / cap)^2``
-(written here from the raw logit, independently of the kernels' ``1 - (capped / cap)^2``).
+(written here with ``cosh``, independently of the kernels' ``4 e / (1 + e)^2``).
 
 Normalised loss: ``sum_i coef_i l_i`` with ``coef_i = w_i / D`` (SPEC section 2), or the
 per-sequence ``coef_i = w_i / (n_s S)`` / ``w_i / S`` (:mod:`lossspec.sequences`); the gradient
@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from .checks import (broadcast_mask, check_denominator_allowed, check_denominator_value, check_inputs, check_labels,
-                     check_weights, numpy_meta)
+from .checks import (broadcast_mask, check_denominator_allowed, check_denominator_type, check_denominator_value, check_inputs,
+                     check_labels, check_weights, numpy_meta)
 from .causal import scored_positions, shift_targets
 from .config import LossConfig, make_config
 from .sequences import SEQUENCE_NORMALIZATIONS, scored_segment_ids, sequence_coefficients, sequence_weight_sums
@@ -260,6 +260,9 @@ def _prepare(
         segment_ids = scored_segment_ids(segment_ids, logits.shape[:-1], config.causal_shift)
     check_denominator_allowed(config, denominator)
     if denominator is not None:
+        # arrays of any framework (anything with __array__ but a NumPy scalar) by their dtype
+        is_array = hasattr(denominator, "__array__") and not isinstance(denominator, np.generic)
+        check_denominator_type(denominator, numpy_meta(np.asarray(denominator)) if is_array else None)
         check_denominator_value(denominator)
     if config.causal_shift:
         labels, loss_mask = shift_targets(target if config.kind == "cross_entropy" else None, loss_mask, logits.shape[:-1])

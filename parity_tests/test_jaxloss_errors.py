@@ -74,7 +74,21 @@ BAD_CALLS = [
     ("temperature-zero", "forward_kl", X, T, None, {"temperature": 0.0}),
     ("temperature-negative", "soft_cross_entropy", X, T, None, {"temperature": -2.0}),
     ("teacher-scale-negative", "reverse_kl", X, T, None, {"teacher_logit_scale": -1.0}),
+    # Every float option a normal float32 number (lossspec.config.check_fp32_normal).
+    ("logit-scale-above-float32", "cross_entropy", X, Y, None, {"logit_scale": 1e300}),
+    ("temperature-subnormal", "forward_kl", X, T, None, {"temperature": 1e-300}),
+    ("temperature-beyond-float", "reverse_kl", X, T, None, {"temperature": 10**400}),
+    ("softcap-tiny", "cross_entropy", X, Y, None, {"logit_softcap": 1e-300}),
+    ("teacher-scale-over-temperature", "soft_cross_entropy", X, T, None, {"teacher_logit_scale": 1e20, "temperature": 1e-20}),
     ("option-bool", "cross_entropy", X, Y, None, {"z_loss": True}),
+    # Validation gaps: fp8 logits, integer masks, denominators that are not real numbers.
+    ("fp8-logits", "cross_entropy", X.astype(jnp.float8_e4m3fn), Y, None, {}),
+    ("fp8-teacher", "reverse_kl", X, T.astype(jnp.float8_e4m3fn), None, {}),
+    ("integer-mask", "cross_entropy", X, Y, np.array([1, 0, 2, 1], np.int32), {}),
+    ("denominator-string", "cross_entropy", X, Y, None, {"denominator": "5"}),
+    ("denominator-bool", "forward_kl", X, T, None, {"denominator": True}),
+    ("denominator-list", "cross_entropy", X, Y, None, {"denominator": [5.0]}),
+    ("denominator-complex", "cross_entropy", X, Y, None, {"denominator": np.array(5 + 0j, np.complex64)}),
     ("option-string", "forward_kl", X, T, None, {"temperature": "2"}),
     ("ignore-index-float", "cross_entropy", X, Y, None, {"ignore_index": 1.5}),
     ("label-too-large", "cross_entropy", X, np.array([1, V, 2, 3], np.int32), None, {}),
@@ -274,3 +288,67 @@ def test_class_axis_second_layout_gets_the_hint() -> None:
                       lambda: lossspec.oracle("cross_entropy", logits, labels))
     with pytest.raises(ValueError, match=r"the class axis goes last.*jnp\.moveaxis\(logits, 1, -1\)"):
         jaxloss.cross_entropy(jnp.asarray(logits), jnp.asarray(labels))
+def _bad_values(kind: str) -> list[tuple[str, Any, Any, Any]]:
+    """``(what, target, mask, denominator)``, each with one bad value that only a host check
+    sees: a label outside ``[0, V)`` (cross-entropy), a negative or NaN weight, a negative
+    denominator."""
+    target = Y if kind == "cross_entropy" else T
+    calls: list[tuple[str, Any, Any, Any]] = [
+        ("negative weight", target, np.array([1.0, -0.5, 0.0, 2.0], np.float32), None),
+        ("NaN weight", target, np.array([1.0, np.nan, 0.0, 2.0], np.float32), None),
+        ("negative denominator", target, M, np.float32(-1.0)),
+    ]
+    if kind == "cross_entropy":
+        calls += [("label V", np.array([1, V, 2, 3], np.int32), M, None), ("label -1", np.array([1, 2, 3, -1], np.int32), M, None)]
+    return calls
+
+
+@pytest.mark.parametrize("normalization", ["valid_tokens", "none"])
+@pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
+def test_jitted_bad_values_give_nan_gradient(kind: str, normalization: str) -> None:
+    """Under jit (values not on the host) a bad label, weight or denominator makes the loss NaN
+    and the whole gradient NaN too: a step that uses only the gradient never trains on a
+    plausible one. Good inputs: the oracle's loss and gradient."""
+
+    @jax.jit
+    def loss_and_grad(x: Any, target: Any, mask: Any, denominator: Any) -> Any:
+        def objective(x: Any) -> Any:
+            loss = FNS[kind](x, target, mask, normalization=normalization, denominator=denominator)
+            return jnp.sum(loss), loss
+
+        (_, loss), grad = jax.value_and_grad(objective, has_aux=True)(x)
+        return loss, grad
+
+    target = Y if kind == "cross_entropy" else T
+    loss, grad = loss_and_grad(jnp.asarray(X), jnp.asarray(target), jnp.asarray(M), None)
+    ref_loss, ref_grad = lossspec.oracle(kind, X, target, M, normalization=normalization)
+    lossspec.compare_loss(np.asarray(loss), ref_loss).check()
+    lossspec.compare_grad(np.asarray(grad), ref_grad, "float32", float(np.abs(ref_grad).max())).check()
+    for what, bad_target, bad_mask, denominator in _bad_values(kind):
+        if normalization == "none" and denominator is not None:
+            continue
+        loss, grad = loss_and_grad(jnp.asarray(X), jnp.asarray(bad_target), jnp.asarray(bad_mask), denominator)
+        assert np.all(np.isnan(np.asarray(loss))), what
+        assert np.all(np.isnan(np.asarray(grad))), f"{what}: a NaN loss with a finite gradient"
+
+
+def test_jitted_head_bad_label_gives_nan_gradient() -> None:
+    """The fused head under jit: an out-of-range label makes every gradient (hidden, weight) NaN."""
+    hidden = jnp.asarray(RNG.normal(size=(N, 3)).astype(np.float32))
+    weight = jnp.asarray(RNG.normal(size=(V, 3)).astype(np.float32))
+    grads = jax.jit(jax.grad(lambda h, w, y: jaxloss.linear_cross_entropy(h, w, y), argnums=(0, 1)))(hidden, weight, jnp.asarray([1, V, 2, 3], jnp.int32))
+    assert all(np.all(np.isnan(np.asarray(g))) for g in grads)
+
+
+def test_integer_mask_and_jax_denominators_are_refused() -> None:
+    """``entropy(logits, labels)`` (labels where the mask goes) and jax-array denominators of a
+    bool / complex dtype: lossspec's TypeError."""
+    for call, reference in (
+        (lambda: jaxloss.entropy(jnp.asarray(X), jnp.asarray(Y)), lambda: lossspec.oracle("entropy", X, None, Y)),
+        (lambda: jaxloss.cross_entropy(jnp.asarray(X), jnp.asarray(Y), denominator=jnp.asarray(5 + 0j, jnp.complex64)),
+         lambda: lossspec.oracle("cross_entropy", X, Y, denominator=np.array(5 + 0j, np.complex64))),
+        (lambda: jaxloss.cross_entropy(jnp.asarray(X), jnp.asarray(Y), denominator=jnp.asarray(True)),
+         lambda: lossspec.oracle("cross_entropy", X, Y, denominator=np.array(True))),
+        (lambda: jaxloss.count_denominator(jnp.asarray(Y), jnp.asarray(Y)), lambda: lossspec.count_denominator(Y, Y)),
+    ):
+        assert_same_error(call, reference)

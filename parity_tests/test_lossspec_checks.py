@@ -45,6 +45,52 @@ def test_bad_options_and_shapes(kind, target, mask, options, error, match) -> No
         oracle(kind, X, target, mask, **options)
 
 
+def _fp32_message(name: str, value: str, zero: bool = False) -> str:
+    return (f"{name} must be {'0 or ' if zero else ''}a normal float32 number, magnitude in [1.1754944e-38, 3.4028235e+38] "
+            f"(it is used in float32); got {value}")
+
+
+FP32_OPTION_CASES = [
+    # (kind, options, message): every float option a normal float32 number (SPEC section 5)
+    ("entropy", {"logit_softcap": 1e-300}, _fp32_message("logit_softcap", "1e-300")),
+    ("forward_kl", {"teacher_logit_softcap": 1e300}, _fp32_message("teacher_logit_softcap", "1e+300")),
+    ("cross_entropy", {"logit_scale": 1e300}, _fp32_message("logit_scale", "1e+300")),
+    ("reverse_kl", {"teacher_logit_scale": 1e-45}, _fp32_message("teacher_logit_scale", "1e-45")),
+    ("soft_cross_entropy", {"temperature": 1e-300}, _fp32_message("temperature", "1e-300")),
+    ("jensen_shannon", {"beta": 1e-40}, _fp32_message("beta", "1e-40", zero=True)),
+    ("cross_entropy", {"label_smoothing": 1e-40}, _fp32_message("label_smoothing", "1e-40", zero=True)),
+    ("cross_entropy", {"z_loss": 1e39}, _fp32_message("z_loss", "1e+39", zero=True)),
+    ("cross_entropy", {"z_loss": 1e-39}, _fp32_message("z_loss", "1e-39", zero=True)),
+    # the factors used in fp32: each option normal, their ratio not
+    ("forward_kl", {"logit_scale": 1e30, "temperature": 1e-30}, _fp32_message("logit_scale / temperature", "1e+60")),
+    ("entropy", {"temperature": 1e30, "logit_scale": 1e-30}, _fp32_message("logit_scale / temperature", repr(1e-30 / 1e30))),
+    ("reverse_kl", {"temperature": 1e-20, "teacher_logit_scale": 1e20}, _fp32_message("teacher_logit_scale / temperature", "1e+40")),
+    # beyond the float range: a ValueError naming the option, not float()'s OverflowError
+    ("forward_kl", {"temperature": 10**400}, "temperature must be finite, got an integer of 1329 bits (beyond the float range)"),
+    ("cross_entropy", {"logit_softcap": -(10**400)}, "logit_softcap must be finite, got an integer of 1329 bits (beyond the float range)"),
+]
+
+
+@pytest.mark.parametrize("kind, options, message", FP32_OPTION_CASES)
+def test_options_outside_float32_are_rejected(kind: str, options: dict, message: str) -> None:
+    """Options that fp32 cannot hold (NaN gradients, NaN losses or an OverflowError before) raise
+    a ValueError naming the option, from make_config and the oracle alike."""
+    for call in (lambda: lossspec.make_config(kind, **options), lambda: oracle(kind, X, LABELS if kind == "cross_entropy" else X, None, **options)):
+        with pytest.raises(ValueError) as info:
+            call()
+        assert str(info.value) == message
+
+
+def test_float32_edges_of_the_options_are_accepted() -> None:
+    tiny, big = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    assert lossspec.make_config("entropy", logit_softcap=tiny).logit_softcap == tiny
+    assert lossspec.make_config("forward_kl", teacher_logit_softcap=big).teacher_logit_softcap == big
+    config = lossspec.make_config("forward_kl", logit_scale=1e-30, temperature=1e-30, teacher_logit_scale=1e-30)
+    assert config.student_scale == config.teacher_scale == 1.0
+    assert lossspec.make_config("cross_entropy", label_smoothing=0.0, z_loss=0.0).z_loss == 0.0
+    assert lossspec.make_config("jensen_shannon", beta=0.0).beta == 0.0
+
+
 def test_bad_logits() -> None:
     with pytest.raises(TypeError, match="logits must be a floating-point array"):
         oracle("cross_entropy", X.astype(np.int32), LABELS)
@@ -302,3 +348,28 @@ def test_mask_that_does_not_broadcast_is_refused(shape: tuple[int, ...]) -> None
         oracle("cross_entropy", X, LABELS, np.ones(shape, bool))
     with pytest.raises(ValueError, match=r"loss_mask must have the shape of labels \[2, 3\] or broadcast to it"):
         lossspec.count_denominator(LABELS, np.ones(shape, bool))
+def test_validation_gaps_have_clear_errors() -> None:
+    """fp8 logits, integer masks, denominators that are not real numbers and a vocab_size that is
+    not an int: a TypeError naming the argument (not a failure inside ATen / int())."""
+    import ml_dtypes
+
+    fp8 = X.astype(ml_dtypes.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"^logits must have dtype float32, bfloat16, float16 or float64; got float8_e4m3fn$"):
+        oracle("cross_entropy", fp8, LABELS)
+    with pytest.raises(TypeError, match=r"^teacher_logits must have dtype float32, bfloat16, float16 or float64; got float8_e5m2$"):
+        oracle("forward_kl", X, X.astype(ml_dtypes.float8_e5m2))
+    message = "loss_mask must be boolean or floating-point weights; got dtype int64 (an integer mask would weight tokens by its values: pass mask.bool() or a float mask)"
+    for call in (lambda: oracle("entropy", X, None, LABELS), lambda: lossspec.count_denominator(LABELS, LABELS)):
+        with pytest.raises(TypeError) as info:
+            call()
+        assert str(info.value) == message
+    for denominator, got in (("5", "str"), (True, "bool"), ([5.0], "list"), (np.bool_(True), type(np.bool_(True)).__name__), (np.array(5 + 0j, np.complex64), "dtype complex64"), (np.array(True), "dtype bool")):
+        with pytest.raises(TypeError) as info:
+            oracle("cross_entropy", X, LABELS, denominator=denominator)
+        assert str(info.value) == f"denominator must be a number or a 0-d tensor / array of a real dtype; got {got}"
+    assert oracle("cross_entropy", X, LABELS, denominator=np.int32(6))[0] == oracle("cross_entropy", X, LABELS, denominator=6.0)[0]
+    for bad, got in ((None, "NoneType"), (32.0, "float"), (True, "bool")):
+        with pytest.raises(TypeError) as info:
+            lossspec.check_vocab_size_arg(bad)
+        assert str(info.value) == f"vocab_size must be an int (the last dimension of logits); got {got}"
+    assert lossspec.check_vocab_size_arg(np.int64(7)) == 7

@@ -182,6 +182,9 @@ BAD_CAPS = [
     (float("nan"), ValueError, "logit_softcap must be finite, got nan"),
     ("30", TypeError, "logit_softcap must be a Python number, got str"),
     (True, TypeError, "logit_softcap must be a Python number, got bool"),
+    # outside the float32 range (an all-NaN gradient / a NaN loss before)
+    (1e-300, ValueError, "logit_softcap must be a normal float32 number, magnitude in [1.1754944e-38, 3.4028235e+38] (it is used in float32); got 1e-300"),
+    (1e300, ValueError, "logit_softcap must be a normal float32 number, magnitude in [1.1754944e-38, 3.4028235e+38] (it is used in float32); got 1e+300"),
 ]
 
 
@@ -262,6 +265,56 @@ def test_gemma_like_caps(impl: str, kind: str) -> None:
     if kind in lossspec.DISTILL_KINDS:
         check(case, impl, **softcap_options(kind, None, 30.0))
         check(case, impl, **softcap_options(kind, 30.0, None))
+
+
+SATURATED_SEED = 7  # pre-fix: 4.9x the bound (reverse KL, both frameworks)
+
+
+def saturated_cases(kind: str, vocab: int = 64, rows: int = 4) -> list[tuple[lossspec.Case, dict[str, Any]]]:
+    """Logits far past the cap, where the slope ``1 - tanh(x / cap)^2`` is tiny and must keep its
+    relative precision (``1 - (y / cap)^2`` from the capped ``y`` cancels in fp32: up to 17x the
+    gradient bound on reverse KL): ``|x|`` log-uniform in ``[10, 1e4]`` of both signs at cap 2 and
+    T = 3 against an uncapped N(0, 1e4) teacher; N(0, 300) logits at cap 30 with an N(0, 300)
+    teacher capped at 30; N(0, 32) logits at Gemma's cap 30."""
+    rng = np.random.default_rng([SATURATED_SEED, KINDS.index(kind), vocab])
+    shape = (rows, vocab)
+    out = []
+    for student, teacher, cap, teacher_cap, temperature in (
+        (rng.choice([-1.0, 1.0], shape) * 10 ** rng.uniform(1.0, 4.0, shape), rng.normal(0, 1e4, shape), 2.0, None, 3.0),
+        (rng.normal(0, 300, shape), rng.normal(0, 300, shape), 30.0, 30.0, 1.0),
+        (rng.normal(0, 32, shape), rng.normal(0, 32, shape), 30.0, None, 1.0),
+    ):
+        target: Optional[np.ndarray] = None
+        options: dict[str, Any] = {"logit_softcap": cap}
+        if kind == "cross_entropy":
+            target = rng.integers(0, vocab, rows)
+        else:
+            options["temperature"] = temperature
+        if kind in lossspec.DISTILL_KINDS:
+            target = teacher.astype(np.float32)
+            options["teacher_logit_softcap"] = teacher_cap
+        out.append((lossspec.Case(kind, "saturated", "float32", student.astype(np.float32), target, None), options))
+    return out
+
+
+@_params("impl,kind", [(i, k) for i in IMPLS for k in KINDS], fast=lambda impl, kind: impl == "torch" or kind == "reverse_kl")
+def test_saturated_slope(impl: str, kind: str) -> None:
+    """The gradient of logits far past the cap meets the SPEC section 6 bound (the slope is
+    formed from the raw logits, without cancellation)."""
+    for case, options in saturated_cases(kind):
+        check(case, impl, **options)
+
+
+@pytest.mark.parametrize("impl", ("pallas", "triton"))
+@pytest.mark.parametrize("kind", ("cross_entropy", "reverse_kl", "entropy"))
+def test_saturated_slope_kernels(impl: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`test_saturated_slope` on the interpreted kernels, rows over several blocks."""
+    from torchloss import _triton
+
+    monkeypatch.setattr(_pallas, "TUNING", _pallas.PallasTuning(block_rows=2, block_vocab=16))
+    monkeypatch.setattr(_triton, "MAX_BLOCK_V", 16)
+    for case, options in saturated_cases(kind, vocab=40, rows=2):
+        check(case, impl, **options)
 
 
 @_params("impl,kind", [(i, k) for i in IMPLS for k in KINDS], fast=lambda impl, kind: impl == "torch")
@@ -397,6 +450,62 @@ def test_fused_head(framework: str, kind: str, dtype: str, plan: str) -> None:
         spec_linear.compare_head_grad(grad, ref_grads[name], dtype, f"{framework} {kind} grad {name}").check()
 
 
+def saturated_head_inputs(kind: str, lead: tuple[int, ...] = (2, 3), sizes: tuple[int, int, int] = (4, 3, 40)) -> dict[str, Any]:
+    """Head inputs whose logits lie far past a cap of 2 (``|z|`` up to ~1e4; hidden states of
+    +-1, integer weights of magnitude log-uniform in ``[2.5, 2500]``), the teacher's N(0, 5e3)
+    rounded to integers: the fused head's twin of :func:`saturated_cases`. The logits are exact in
+    float32 (sums of small integers), so only the cap and the statistics round."""
+    hidden, t_hidden, vocab = sizes
+    rng = np.random.default_rng([SATURATED_SEED, KINDS.index(kind)])
+    sign = lambda shape: rng.choice(np.array([-1.0, 1.0], np.float32), shape)  # noqa: E731
+    inputs: dict[str, Any] = {
+        "hidden": sign(lead + (hidden,)),
+        "weight": (sign((vocab, hidden)) * np.round(10 ** rng.uniform(0.4, 3.4, (vocab, hidden)))).astype(np.float32),
+        "bias": np.zeros(vocab, np.float32),
+        "loss_mask": np.ones(lead, np.float32),
+    }
+    if kind == "cross_entropy":
+        inputs["labels"] = rng.integers(0, vocab, size=lead)
+    else:
+        inputs.update(teacher_hidden=sign(lead + (t_hidden,)), teacher_weight=np.round(rng.normal(0, 5e3, (vocab, t_hidden))).astype(np.float32),
+                      teacher_bias=np.zeros(vocab, np.float32))
+    return inputs
+
+
+def _saturated_head_options(kind: str) -> dict[str, Any]:
+    return {"logit_softcap": 2.0} if kind == "cross_entropy" else {"logit_softcap": 2.0, "temperature": 3.0}
+
+
+@_params("framework,kind", [(f, k) for f in ("jax", "torch") for k in lossspec.KINDS], fast=lambda framework, kind: framework == "torch" or kind == "reverse_kl")
+def test_saturated_slope_fused_head(framework: str, kind: str) -> None:
+    """The fused head (XLA / torch paths) on logits far past the cap: hidden, weight and bias
+    gradients at the SPEC section 8 bound."""
+    inputs = saturated_head_inputs(kind)
+    options = _saturated_head_options(kind)
+    grad_output = grad_output_for("valid_tokens")
+    loss, grads = {"jax": run_jax, "torch": run_torch}[framework](kind, inputs, "float32", True, options, grad_output)
+    ref_loss, ref_grads = reference(kind, inputs, True, options, grad_output)
+    lossspec.compare_loss(loss, ref_loss, f"{framework} {kind} loss").check()
+    for name, grad in grads.items():
+        spec_linear.compare_head_grad(grad, ref_grads[name], "float32", f"{framework} {kind} grad {name}").check()
+
+
+@pytest.mark.parametrize("impl", ("pallas", "triton"))
+@pytest.mark.parametrize("kind", ("cross_entropy", "reverse_kl"))
+def test_saturated_slope_fused_head_kernels(impl: str, kind: str) -> None:
+    """:func:`test_saturated_slope_fused_head` on the interpreted head kernels (16-wide tiles:
+    three vocabulary blocks)."""
+    from test_linear_head_kernels import run as run_head_kernel
+
+    inputs = saturated_head_inputs(kind)
+    options = _saturated_head_options(kind)
+    loss, grads = run_head_kernel(impl, kind, inputs, "float32", True, options)
+    ref_loss, ref_grads = reference(kind, inputs, True, options, np.asarray(1.75, np.float32))  # that runner's upstream
+    lossspec.compare_loss(loss, ref_loss, f"{impl} {kind} loss").check()
+    for name, grad in grads.items():
+        spec_linear.compare_head_grad(grad, ref_grads[name], "float32", f"{impl} {kind} grad {name}").check()
+
+
 # --------------------------------------------------------------------------------------------
 # JAX vocab-parallel (shard_map over host devices)
 # --------------------------------------------------------------------------------------------
@@ -447,6 +556,20 @@ def _check_jax_vp(kind: str, impl: str, dtype: str, norm: str) -> None:
 def test_jax_vocab_parallel(kind: str) -> None:
     _check_jax_vp(kind, "xla", "float32", "valid_tokens")
     _check_jax_vp(kind, "xla", "bfloat16", "none")
+
+
+@pytest.mark.slow
+def test_jax_vocab_parallel_saturated() -> None:
+    """:func:`saturated_cases` (reverse KL) split over 2 vocabulary shards (the shard gradient's
+    slope)."""
+    rows = int(np.prod(VP_LEAD))
+    for case, options in saturated_cases("reverse_kl", vocab=64, rows=rows):
+        case = dataclasses.replace(case, logits=case.logits.reshape(VP_LEAD + (64,)), target=case.target.reshape(VP_LEAD + (64,)),
+                                   loss_mask=np.ones(VP_LEAD, bool))
+        upstream = np.ones(VP_LEAD, np.float32)
+        loss, grad = _jax_vp(case, 2, "xla", "valid_tokens", options, upstream)
+        ref = _reference(case, upstream[0, 0], dict(options, normalization="valid_tokens"))
+        lossspec.assert_close_to_oracle(loss, grad, ref.loss, ref.grad, dtype="float32", g0=ref.g0, what=f"jax vp saturated {options}")
 
 
 # --------------------------------------------------------------------------------------------

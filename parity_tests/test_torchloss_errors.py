@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -86,11 +87,16 @@ def test_option_errors(kind: str, impl: str) -> None:
         {"logit_scale": 0.0},
         {"logit_scale": float("nan")},
         {"logit_scale": "1"},
+        # every float option a normal float32 number (lossspec.config.check_fp32_normal)
+        {"logit_scale": 1e300},
+        {"logit_softcap": 1e-300},
+        {"logit_softcap": 1e300},
     ]
     if kind == "cross_entropy":
         bad += [{"label_smoothing": -0.1}, {"label_smoothing": 1.5}, {"z_loss": -1e-4}, {"ignore_index": 1.5}]
     else:
-        bad += [{"temperature": 0.0}, {"temperature": -1.0}, {"teacher_logit_scale": 0.0}, {"temperature": float("inf")}]
+        bad += [{"temperature": 0.0}, {"temperature": -1.0}, {"teacher_logit_scale": 0.0}, {"temperature": float("inf")},
+                {"temperature": 1e-300}, {"temperature": 10**400}, {"teacher_logit_scale": 1e20, "temperature": 1e-20}]
     for options in bad:
         _both(kind, impl, logits, target, mask, **options)
     _same_error(
@@ -239,3 +245,103 @@ def test_class_axis_second_layout_gets_the_hint() -> None:
     _both("cross_entropy", "torch", logits, labels)
     with pytest.raises(ValueError, match=r"the class axis goes last.*logits\.movedim\(1, -1\)"):
         torchloss.cross_entropy(_t(logits), _t(labels))
+def _bad_value_calls(kind: str) -> list[tuple[str, np.ndarray, np.ndarray, Any]]:
+    """``(what, target, mask, denominator)`` each with one bad value that only a host check sees:
+    a label outside ``[0, V)`` (cross-entropy), a negative or NaN weight, a negative denominator."""
+    _, target, mask = _inputs(kind)
+    calls = [
+        ("negative weight", target, np.where(np.arange(6) == 2, -0.5, mask).astype(np.float32), None),
+        ("NaN weight", target, np.where(np.arange(6) == 4, np.nan, mask).astype(np.float32), None),
+        ("negative denominator", target, mask, torch.tensor(-1.0)),
+    ]
+    if kind == "cross_entropy":
+        for bad_label in (10, -1):
+            labels = target.copy()
+            labels[3] = bad_label
+            calls.append((f"label {bad_label}", labels, mask, None))
+    return calls
+
+
+def _nan_loss_and_gradient(fn: Callable[..., Any], kind: str, impl: str, normalization: str) -> None:
+    """Every bad value of :func:`_bad_value_calls`: NaN loss and an all-NaN gradient; good
+    inputs: the oracle's loss and gradient (SPEC section 6)."""
+    logits, target, mask = _inputs(kind)
+    device = device_for(impl)
+    for what, bad_target, bad_mask, denominator in [("good", target, mask, None)] + _bad_value_calls(kind):
+        if normalization == "none" and denominator is not None:
+            continue
+        x = _t(logits, device).requires_grad_()
+        with quiet():
+            loss = fn(x, _t(bad_target, device), _t(bad_mask, device), impl, normalization, denominator)
+            loss.sum().backward()
+        assert x.grad is not None
+        if what == "good":
+            ref_loss, ref_grad = lossspec.oracle(kind, logits, target, mask, normalization=normalization)
+            g0 = float(np.abs(ref_grad).max())  # S = max|ref grad|: the bound of SPEC section 6 without G0
+            lossspec.compare_loss(loss.detach().cpu().numpy(), ref_loss, "good loss").check()
+            lossspec.compare_grad(x.grad.cpu().numpy(), ref_grad, "float32", g0, "good grad").check()
+        else:
+            assert torch.all(torch.isnan(loss)), what
+            assert torch.all(torch.isnan(x.grad)), f"{what}: a NaN loss with a finite gradient"
+
+
+def _call(kind: str) -> Callable[..., Any]:
+    def call(x: Any, target: Any, mask: Any, impl: str, normalization: str, denominator: Any) -> Any:
+        return FUNCTIONS[kind](x, target, mask, impl=impl, normalization=normalization, denominator=denominator)
+
+    return call
+
+
+@pytest.mark.parametrize("normalization", ["valid_tokens", "none"])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_unchecked_bad_values_give_nan_gradient(monkeypatch: pytest.MonkeyPatch, kind: str, impl: str, normalization: str) -> None:
+    """Where the values are not checked on the host (CUDA tensors, torch.compile), a bad label,
+    weight or denominator makes the gradient NaN too, not only the loss (as JAX under jit)."""
+    monkeypatch.setattr(api, "_host_readable", lambda *tensors: False)
+    _nan_loss_and_gradient(_call(kind), kind, impl, normalization)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["cross_entropy", "reverse_kl"])
+def test_compiled_bad_values_give_nan_gradient(kind: str) -> None:
+    """:func:`test_unchecked_bad_values_give_nan_gradient` under torch.compile (the checks are
+    skipped while Dynamo traces)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_call(kind), backend="aot_eager", fullgraph=True, dynamic=False)
+    _nan_loss_and_gradient(compiled, kind, "torch", "valid_tokens")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_validation_gaps(impl: str) -> None:
+    """uint64 labels work (and an out-of-range one, 2**64 - 1, is reported as given, never
+    wrapped to -1 or ignored); fp8 logits, integer masks (``entropy(logits, labels)``), denominators
+    that are not real numbers: lossspec's error, as in JAX, not a failure inside ATen."""
+    logits, labels, mask = _inputs("cross_entropy")
+    device = device_for(impl)
+    unsigned = labels.astype(np.uint64)
+    loss = FUNCTIONS["cross_entropy"](_t(logits, device), _t(unsigned, device), impl=impl)
+    lossspec.compare_loss(loss.item(), lossspec.oracle("cross_entropy", logits, unsigned)[0]).check()
+    assert torchloss.count_denominator(_t(unsigned)).item() == lossspec.count_denominator(unsigned) == 6
+    for big in (2**64 - 1, 2**64 - 100, 2**40):
+        bad = unsigned.copy()
+        bad[2] = big
+        for ignore_index in (-100, -1):
+            _both("cross_entropy", impl, logits, bad, mask, ignore_index=ignore_index)
+            _same_error(lambda: lossspec.oracle("cross_entropy", logits, bad, ignore_index=ignore_index),
+                        lambda: FUNCTIONS["cross_entropy"](_t(logits), _t(bad), ignore_index=ignore_index, impl=impl))
+        masked = mask.copy()
+        masked[2] = 0  # never read there
+        got = FUNCTIONS["cross_entropy"](_t(logits, device), _t(bad, device), _t(masked, device), impl=impl)
+        lossspec.compare_loss(got.item(), lossspec.oracle("cross_entropy", logits, bad, masked)[0]).check()
+    _same_error(lambda: lossspec.oracle("cross_entropy", logits.astype(ml_dtypes.float8_e4m3fn), labels),
+                lambda: FUNCTIONS["cross_entropy"](torch.from_numpy(logits).to(torch.float8_e4m3fn), _t(labels), impl=impl))
+    teacher = np.ones_like(logits)
+    _same_error(lambda: lossspec.oracle("reverse_kl", logits, teacher.astype(ml_dtypes.float8_e5m2)),
+                lambda: FUNCTIONS["reverse_kl"](_t(logits), torch.from_numpy(teacher).to(torch.float8_e5m2), impl=impl))
+    int_labels = labels.astype(np.int64)
+    _same_error(lambda: lossspec.oracle("entropy", logits, None, int_labels), lambda: torchloss.entropy(_t(logits), _t(int_labels), impl=impl))
+    _same_error(lambda: lossspec.count_denominator(int_labels, int_labels), lambda: torchloss.count_denominator(_t(int_labels), _t(int_labels)))
+    for denominator in ("5", True, [5.0], np.array(5 + 0j, np.complex64), np.array(True)):
+        _same_error(lambda: lossspec.oracle("cross_entropy", logits, labels, denominator=denominator),
+                    lambda: FUNCTIONS["cross_entropy"](_t(logits), _t(labels), denominator=_t(denominator), impl=impl))

@@ -364,6 +364,18 @@ def test_replacing_loss_mapping_breaks_trainers_count(tmp_path: Path, monkeypatc
 
 
 @pytest.mark.slow
+def test_vocab_size_must_be_an_int() -> None:
+    """``vocab_size=None`` (or a float): lossspec's TypeError naming it, not ``int(None)``'s."""
+    logits = torch.zeros(2, 3, 5)
+    labels = torch.zeros(2, 3, dtype=torch.long)
+    for bad in (None, 5.0):
+        with pytest.raises(TypeError) as want:
+            lossspec.check_vocab_size_arg(bad)
+        with pytest.raises(TypeError) as got:
+            for_causal_lm_loss(logits, labels, vocab_size=bad)
+        assert str(got.value) == str(want.value) and "vocab_size must be an int" in str(got.value)
+
+
 def test_importing_torchloss_does_not_import_transformers() -> None:
     code = "import sys, torchloss, torchloss.hf; assert 'transformers' not in sys.modules, 'imported'"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

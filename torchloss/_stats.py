@@ -131,6 +131,19 @@ def softcapped(xb: Tensor, cap: Optional[float], acc: torch.dtype) -> Tensor:
     return stats.softcap(torch, xb.to(acc), cap)
 
 
+def softcap_slope(xb: Tensor, cap: Optional[float], acc: torch.dtype) -> Optional[Tensor]:
+    """The soft cap's slope ``d/dx cap tanh(x / cap)`` (``lossspec.stats.softcap_slope``) from
+    the *raw* block, in the compute dtype (from the capped block, ``1 - (y / cap)^2`` cancels
+    near saturation); ``None`` for ``cap = None``."""
+    if cap is None:
+        return None
+    # lossspec.stats.softcap_slope's operations in the same order, in place: two block temporaries
+    e = torch.div(xb.to(acc), cap).abs_().mul_(-2.0).exp_()
+    denominator = e + 1.0
+    denominator.mul_(denominator)
+    return e.mul_(4.0).div_(denominator)
+
+
 def block_stats(
     config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: list[Tensor], x_y: Optional[Tensor] = None
 ) -> tuple[Any, Cache]:
@@ -148,14 +161,15 @@ def block_stats(
     ``(e, e D, clean)`` with ``D = c (x - m) - ct (t - tau)`` and ``clean`` True where no
     product ``e D`` is NaN or infinite (known on the CPU only); entropy ``(e, x - m)``;
     jensen_shannon ``(e, et, x - m, t - mt)`` (its second pass, :func:`mixture_sums`, reads
-    those two); each followed by the soft cap's slope ``1 - (x / cap)^2`` (``None`` without a
-    cap), taken here because a caller may reuse ``xb``'s memory as scratch before the gradient.
+    those two); each followed by the soft cap's slope (:func:`softcap_slope`, from the raw
+    ``xb``; ``None`` without a cap), taken here because a caller may reuse ``xb``'s memory as
+    scratch before the gradient.
     """
     acc = bufs[0].dtype
+    slope = softcap_slope(xb, config.logit_softcap, acc)
     xb = softcapped(xb, config.logit_softcap, acc)
     if tb is not None:
         tb = softcapped(tb, config.teacher_logit_softcap, acc)
-    slope = None if config.logit_softcap is None else stats.softcap_slope(torch, xb, config.logit_softcap)
     block, cache = _block_stats(config, xb, tb, bufs, x_y)
     return block, cache + (slope,)
 
@@ -345,7 +359,8 @@ def block_grad(
     (NaN / ``+inf``) NaN (:func:`fill_bad_rows`; ``fill_rows=False`` leaves that to the caller,
     who then calls it once over all rows). ``xb``, ``tb`` are raw: with a soft cap the gradient is formed on the
     capped block (taken before ``out``, which may be ``xb`` itself, is written) and multiplied
-    by the cap's slope ``1 - (x / cap)^2`` in the compute dtype, before the one rounding.
+    by the cap's slope (:func:`softcap_slope`, from the raw ``xb``) in the compute dtype, before
+    the one rounding.
     """
     kind, c, ct = config.kind, config.student_scale, config.teacher_scale
     scale = coef if c == 1.0 else coef * c
@@ -354,8 +369,8 @@ def block_grad(
     if cache is not None:
         slope = cache[-1]  # xb may have been scratch since block_stats; the cache holds all else
     elif config.logit_softcap is not None:
+        slope = softcap_slope(xb, config.logit_softcap, acc)
         xb = softcapped(xb, config.logit_softcap, acc)
-        slope = stats.softcap_slope(torch, xb, config.logit_softcap)
     if cache is None and tb is not None:
         tb = softcapped(tb, config.teacher_logit_softcap, acc)
     direct = out.dtype == acc  # the gradient can be formed in out itself

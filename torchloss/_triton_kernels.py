@@ -37,7 +37,7 @@ themselves are runtime scalars of the parameter tensor) every block of raw logit
 by ``cap * tanh(x / cap)`` in ``ACC`` as it is loaded (:func:`_load_logits`; ``+-inf``, NaN and
 the ragged tail's ``-inf`` kept), the fused kernels cap the label's logit ``x_y`` before
 :func:`_finalize` (the shard statistics hand it out raw: ``lossspec.stats.finalize`` caps it), and
-:func:`_row_grad` multiplies the gradient by the slope ``1 - (x / cap)^2`` before the one
+:func:`_row_grad` multiplies the gradient by the slope (``_softcap_slope``, from the raw logits) before the one
 rounding. Off, the branches are not compiled in: the code is that of a call without caps.
 
 Rows with ``coef == 0`` are skipped (loss 0, gradient 0, empty statistics). NaN or ``+inf`` in a
@@ -163,6 +163,12 @@ def _is_bad(v):
 @triton.jit
 def _tanh(u):
     """``tanh(u)`` from ``exp``: ``lossspec.stats.tanh``, the same operations."""
+    return _tanh_of(u, tl.exp(-2.0 * tl.abs(u)))
+
+
+@triton.jit
+def _tanh_of(u, e):
+    """:func:`_tanh` given ``e = exp(-2 |u|)`` (shared with the soft cap's slope)."""
     z = u * u
     series = TANH_C7
     series = series * z + TANH_C6
@@ -172,7 +178,6 @@ def _tanh(u):
     series = series * z + TANH_C2
     series = series * z + TANH_C1
     small = u + u * (z * series)
-    e = tl.exp(-2.0 * tl.abs(u))
     big = (1.0 - e) / (1.0 + e)
     big = tl.where(u < 0, -big, big)
     return tl.where(tl.abs(u) < TANH_SERIES_LIMIT, small, big)
@@ -182,6 +187,26 @@ def _tanh(u):
 def _softcap(v, cap):
     """``cap * tanh(v / cap)`` on finite entries; ``+-inf`` and NaN unchanged (``lossspec.stats.softcap``)."""
     return tl.where(v - v == 0, cap * _tanh(v / cap), v)
+
+
+@triton.jit
+def _softcap_with_slope(v, cap):
+    """``(cap * tanh(v / cap), slope)``: :func:`_softcap` (the same operations) and
+    :func:`_softcap_slope` of the raw ``v``, sharing ``u = v / cap`` and ``e = exp(-2 |u|)``."""
+    u = v / cap
+    e = tl.exp(-2.0 * tl.abs(u))
+    capped = tl.where(v - v == 0, cap * _tanh_of(u, e), v)
+    return capped, tl.fdiv(4.0 * e, (1.0 + e) * (1.0 + e), ieee_rounding=False)
+
+
+@triton.jit
+def _softcap_slope(v, cap):
+    """``d/dv cap tanh(v / cap) = 4 e / (1 + e)^2``, ``e = exp(-2 |v / cap|)``, from the raw ``v``
+    (``lossspec.stats.softcap_slope``: no cancellation near saturation; 0 at ``+-inf``). The
+    division is the fast one (``div.full.f32``, within 2 ulps on a GPU; exact in the
+    interpreter): the IEEE division's subroutine made the 16-warp kernels spill."""
+    e = tl.exp(-2.0 * tl.abs(v / cap))
+    return tl.fdiv(4.0 * e, (1.0 + e) * (1.0 + e), ieee_rounding=False)
 
 
 @triton.jit
@@ -428,7 +453,7 @@ def _row_grad(
     ``[0, V)`` when another shard owns it), ``V_total`` the global vocabulary. A bad row
     (``bad != 0``) is NaN everywhere: a NaN loss never comes with a plausible gradient. With
     ``SOFTCAP`` ``x`` is the capped block and the gradient is multiplied by the slope
-    ``1 - (x / cap)^2`` (0 at ``+-inf``) before the rounding.
+    (:func:`_softcap_slope` of the raw block, 0 at ``+-inf``) before the rounding.
     """
     offs = tl.arange(0, BLOCK_V)
     p_scale = scale / s
@@ -446,7 +471,9 @@ def _row_grad(
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs
         inside = cols < V
-        x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, SOFTCAP, ACC)
+        x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, False, ACC)
+        if SOFTCAP:
+            x, slope = _softcap_with_slope(x, tl.load(params_ptr + P_CAP))
         u = x - m
         e = tl.exp(c * u)
         if KIND == CROSS_ENTROPY:
@@ -470,8 +497,7 @@ def _row_grad(
             else:
                 g = e * p_scale - tl.exp(ct * (t - mt)) * t_scale
         if SOFTCAP:
-            ratio = tl.minimum(tl.maximum(x / tl.load(params_ptr + P_CAP), -1.0), 1.0)
-            g = g * (1.0 - ratio * ratio)
+            g = g * slope
         g = tl.where(bad != 0, float("nan"), g)
         g = _round_for_store(g, GRAD_BF16)
         tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=inside)

@@ -23,7 +23,7 @@ two runs give the same bits. Offsets are int64 (``rows * stride``). The scalars 
 ``coef`` (normalisation, denominator, upstream gradient) are a runtime ``[N]`` tensor: nothing
 recompiles per batch. ``HAS_SOFTCAP`` / ``HAS_T_SOFTCAP`` (constexpr) with the runtime caps
 ``cap`` / ``t_cap``: ``z -> cap tanh(z / cap)`` before the statistics (the gradient gains
-``1 - (z_capped / cap)^2``).
+the slope ``4 e / (1 + e)^2``, ``e = exp(-2 |z / cap|)``, from the raw ``z``).
 
 Rows with ``coef == 0`` get loss 0 and a zero gradient; NaN / ``+inf`` in a row makes its ``s``
 (or ``st``) NaN, its loss NaN and (``coef != 0``) its gradient row NaN, as in the unfused kernels.
@@ -66,6 +66,7 @@ from ._triton_kernels import (  # noqa: E402
     _load_params,
     _shift,
     _softcap,
+    _softcap_slope,
 )
 
 
@@ -208,7 +209,7 @@ def _head_grad_tile(
         soft CE, forward KL  q - p
         reverse KL           q (D - e_d / s),  D = c (x - m) - ct (t - tau)
 
-    times ``1 - (z / cap)^2`` with a soft cap. Exactly 0 outside the arrays and where
+    times the cap's slope (``_softcap_slope`` of the raw tile) with a soft cap. Exactly 0 outside the arrays and where
     ``coef == 0``; NaN on bad rows."""
     coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
     scale = coef * c
@@ -216,9 +217,12 @@ def _head_grad_tile(
     m = tl.load(fin + FIN_M * stride_fin, mask=row_ok, other=0.0)
     s = tl.load(fin + FIN_S * stride_fin, mask=row_ok, other=1.0)
     bad = s != s
-    z, t = _head_tiles(h_ptr, w_ptr, b_ptr, th_ptr, tw_ptr, tb_ptr, rows, cols, row_ok, col_ok, H, HT,
-                       stride_h, stride_w, stride_th, stride_tw, cap, t_cap,
-                       KIND, HAS_BIAS, HAS_T_BIAS, HAS_SOFTCAP, HAS_T_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H)
+    z_raw, t = _head_tiles(h_ptr, w_ptr, b_ptr, th_ptr, tw_ptr, tb_ptr, rows, cols, row_ok, col_ok, H, HT,
+                           stride_h, stride_w, stride_th, stride_tw, cap, t_cap,
+                           KIND, HAS_BIAS, HAS_T_BIAS, False, HAS_T_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H)
+    z = z_raw
+    if HAS_SOFTCAP:
+        z = _softcap(z_raw, cap)  # capped here: the slope below needs the raw tile
     u = z - m[:, None]
     e = tl.exp(c * u)
     p_scale = scale / s
@@ -241,8 +245,7 @@ def _head_grad_tile(
         else:
             g = e * p_scale[:, None] - tl.exp(ct * (t - mt[:, None])) * (scale / st)[:, None]
     if HAS_SOFTCAP:
-        ratio = z / cap
-        g = g * (1.0 - ratio * ratio)
+        g = g * _softcap_slope(z_raw, cap)
     g = tl.where(bad[:, None], float("nan"), g)
     return tl.where((scale != 0)[:, None] & col_ok[None, :], g, 0.0)
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from types import ModuleType
 from typing import Any, Optional, Union
 
@@ -434,9 +433,10 @@ def _validate(
     loss_mask = _broadcast_mask(loss_mask, tuple(logits.shape[:-1]))
     lossspec.check_denominator_allowed(config, denominator)
     if isinstance(denominator, Tensor):
+        lossspec.check_denominator_type(denominator, _meta(denominator))  # not bool, not complex
         lossspec.check_denominator_shape(tuple(denominator.shape))
-    elif denominator is not None and (isinstance(denominator, bool) or not isinstance(denominator, numbers.Real)):
-        raise TypeError(f"denominator must be a number or a 0-d tensor; got {type(denominator).__name__}")
+    elif denominator is not None:
+        lossspec.check_denominator_type(denominator)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool; got {type(inplace).__name__}")
     _check_no_functorch(logits, target, loss_mask)
@@ -477,14 +477,15 @@ def _weights(
     device: torch.device,
     acc: torch.dtype,
     segment_ids: Optional[Tensor] = None,
+    ignore_matches: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``(valid, weight)``: valid tokens (mask non-zero, segment id ``>= 0`` and label !=
-    ignore_index) and their weights in ``acc`` (0 where invalid). The mask is data: no gradient
-    flows to it."""
+    ignore_index, where the labels' dtype can hold it: ``ignore_matches``) and their weights in
+    ``acc`` (0 where invalid). The mask is data: no gradient flows to it."""
     valid = torch.ones(lead, dtype=torch.bool, device=device)
     if loss_mask is not None:
         valid = valid & (loss_mask != 0)
-    if labels is not None:
+    if labels is not None and ignore_matches:
         valid = valid & (labels != config.ignore_index)
     if segment_ids is not None:
         valid = valid & (segment_ids >= 0)
@@ -503,12 +504,24 @@ def _bad_weights(loss_mask: Tensor) -> Tensor:
     return bad | (w32.sum() > lossspec.FP32_MAX)
 
 
+_UINT64 = getattr(torch, "uint64", None)
+
+
 def _labels_int64(labels: Tensor) -> Tensor:
-    """Labels as int64 for comparisons; uint64 values above int64's range stay out of range."""
-    if labels.dtype == getattr(torch, "uint64", None):
-        big = labels > (2**63 - 1)
-        return torch.where(big, -1, labels.to(torch.int64))  # -1: out of range, never ignore_index
+    """Labels as int64 for comparisons. ATen has no uint64 comparison on the CPU, so uint64
+    labels are their bits read as int64: values from 2**63 read negative, out of ``[0, V)``
+    either way, and the host check reads them back as uint64 (:func:`_ignore_matches` keeps a
+    negative ``ignore_index`` from matching them: no wrapping)."""
+    if labels.dtype == _UINT64:
+        return labels.view(torch.int64)
     return labels.to(torch.int64)
+
+
+def _ignore_matches(labels: Optional[Tensor], ignore_index: int) -> bool:
+    """Whether a label of ``labels``' dtype can equal ``ignore_index`` after
+    :func:`_labels_int64` (``lossspec.ignore_index_in_dtype``; only uint64's int64 view could
+    otherwise match a negative one)."""
+    return labels is None or labels.dtype != _UINT64 or lossspec.ignore_index_in_dtype(ignore_index, "uint64")
 
 
 @dataclasses.dataclass
@@ -693,7 +706,8 @@ def _prepare(call: _Call) -> _Prepared:
     )
     labels, loss_mask = _scored_targets(config.causal_shift, labels, loss_mask, full_lead, device)
     ids = _scored_segment_ids(config, segment_ids, full_lead, device)
-    valid, weight = _weights(config, labels, loss_mask, full_lead, device, acc, ids)
+    ignore_matches = _ignore_matches(call.target if is_ce else None, config.ignore_index)
+    valid, weight = _weights(config, labels, loss_mask, full_lead, device, acc, ids, ignore_matches)
     float_mask = loss_mask is not None and loss_mask.dtype != torch.bool
     denominator = call.denominator
     if denominator is not None and not isinstance(denominator, Tensor) and torch.compiler.is_compiling():
@@ -711,7 +725,10 @@ def _prepare(call: _Call) -> _Prepared:
     if labels is not None:
         in_range = (labels >= 0) & (labels < call.vocab)
         if call.host:
-            lossspec.check_labels(_numpy(labels), _numpy(valid), call.vocab, config.causal_shift)
+            host_labels = _numpy(labels)
+            if call.target.dtype == _UINT64:
+                host_labels = host_labels.view(np.uint64)  # the given values, not their int64 view
+            lossspec.check_labels(host_labels, _numpy(valid), call.vocab, config.causal_shift)
     bad = None
     if not call.host:
         bad = torch.zeros((), dtype=torch.bool, device=device)
@@ -731,6 +748,11 @@ def _prepare(call: _Call) -> _Prepared:
             out_of_range = (given != 0) & ((given < lossspec.FP32_TINY) | (given > lossspec.FP32_MAX))
             bad = bad | ~torch.isfinite(denom) | ~(given >= 0) | out_of_range
         coef = _coefficients(config, weight, n, denom)
+    if bad is not None:
+        # A value that could not be checked on the host and is bad makes every coefficient NaN:
+        # the loss and the whole gradient are NaN (as in JAX under jit), never a plausible
+        # gradient that a step using only the gradient would train on.
+        coef = torch.where(bad, float("nan"), coef)
     if window is not None:
         coef, valid = window.take(coef), window.take(valid)
         labels = None if labels is None else window.take(labels)
@@ -932,6 +954,7 @@ def count_denominator(
     if sequence_parallel is not None:
         _check_process_group(sequence_parallel, "sequence_parallel")
     lead = tuple(ref.shape)
+    ignore_matches = _ignore_matches(labels, config.ignore_index)
     (labels, loss_mask, segment_ids), full_lead, window = _full_rows(
         sequence_parallel, (None if labels is None else _labels_int64(labels), loss_mask, segment_ids), lead, device
     )
@@ -947,7 +970,7 @@ def count_denominator(
     bad = _bad_weights(loss_mask[..., 1:] if causal_shift else loss_mask) if float_mask and not host else None
     labels, loss_mask = _scored_targets(causal_shift, labels, loss_mask, full_lead, device)
     ids = _scored_segment_ids(config, segment_ids, full_lead, device)
-    _, weight = _weights(config, labels, loss_mask, full_lead, device, torch.float32, ids)
+    _, weight = _weights(config, labels, loss_mask, full_lead, device, torch.float32, ids, ignore_matches)
     if config.per_sequence:
         _, counted = _sequence_count(weight, ids)  # type: ignore[arg-type]
         weight = counted.to(torch.float32)

@@ -19,6 +19,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
+import lossspec
+
 from .api import cross_entropy
 
 __all__ = ["for_causal_lm_loss"]
@@ -41,7 +43,8 @@ def _check_vocab_size(logits: Tensor, vocab_size: int) -> None:
     size would silently pair logits with the wrong labels there, so it is an error here."""
     if not isinstance(logits, Tensor):
         raise TypeError(f"logits must be a torch.Tensor; got {type(logits).__name__}")
-    if logits.ndim == 0 or int(logits.shape[-1]) != int(vocab_size):
+    vocab_size = lossspec.check_vocab_size_arg(vocab_size)  # None / a float: a clear TypeError, not int()'s
+    if logits.ndim == 0 or int(logits.shape[-1]) != vocab_size:
         raise ValueError(
             f"vocab_size must equal the last dimension of logits; got vocab_size={vocab_size} and logits of shape "
             f"{tuple(logits.shape)}"
