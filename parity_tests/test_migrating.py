@@ -16,6 +16,7 @@ guide names its test, and every row test is named by the guide.
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from pathlib import Path
 from types import ModuleType
@@ -24,7 +25,6 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import lossspec
 import torchloss
@@ -398,9 +398,8 @@ def test_trl_gkd_temperature() -> None:
         want = rederived(lambda z: (_jsd_rows(z, teacher, beta, temp) * t(valid.astype(np.float64))).sum() / valid.sum(), x)
         got = ours(torchloss.jensen_shannon, x, torch.tensor(teacher, dtype=torch.float32), torch.tensor(valid), beta=beta, temperature=temp)
         assert_within_spec(got, want, 1.0 / valid.sum() / temp, f"GKD temperature={temp}")
-    import inspect
-
     gkd_module = peer("trl.experimental.gkd.gkd_trainer")
+    # the guide's claim: the trainer's call of the loss passes no temperature (its default, 1, applies)
     assert "temperature" not in inspect.getsource(gkd_module.GKDTrainer.compute_loss).split("generalized_jsd_loss(")[1].split(")")[0]
     leaf = t(x).requires_grad_(True)
     loss = _gkd()(leaf, t(teacher), labels=torch.tensor(y), beta=beta, temperature=temperature)
