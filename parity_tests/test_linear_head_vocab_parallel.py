@@ -62,7 +62,7 @@ def check_shards(
     for (lo, hi), result in zip(bounds, shard_results):
         where = f"{what} shard [{lo}, {hi})"
         lossspec.compare_loss(result["loss"], ref_loss, f"{where} loss").check()
-        spec_linear.compare_head_grad(result["hidden"], ref["hidden"], dtype, f"{where} grad hidden").check()
+        spec_linear.compare_head_grad(result["hidden"], ref["hidden"], dtype, f"{where} grad hidden", ref.magnitude["hidden"]).check()
         assert result["weight"].shape == (hi - lo, ref["weight"].shape[1])
         # The bound's scale is the whole gradient's: a wrong shard shows against it just as well.
         lossspec.compare_grad(result["weight"], ref["weight"][lo:hi], dtype, float(np.abs(ref["weight"]).max()), f"{where} grad weight").check()

@@ -820,6 +820,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "        self.tty = False",
         ("parity_tests/test_parity_cli.py", "-k", "terminal"),
     ),
+    Mutant(
+        "head_dh_missing_column_torch",
+        "the torch fused head's dh misses vocabulary column 0 (whole-row chunks) (dh missing a term; "
+        "caught under SPEC section 8's componentwise bound on all-positive inputs)",
+        "torchloss/linear.py::_add_head_grads",
+        "                torch.mm(part, rows, out=dh)",
+        "                torch.mm(part[:, 1:], rows[1:], out=dh)",
+        ("parity_tests/test_linear_head.py", "-k", "torch and all_positive"),
+    ),
+    Mutant(
+        "head_dh_rounded_g_jax",
+        "the JAX fused head forms dh from the logits gradient G rounded to bf16 (the shortcut of heads that round G), "
+        "caught under the componentwise bound",
+        "jaxloss/linear.py::_head_grads.widened",
+        "        return _dot(g_slice, _rows_f32(w, at, slice_rows), (1, 0)), _dot(g_slice, h32, (0, 0))",
+        "        return _dot(g_slice.astype(jnp.bfloat16).astype(F32), _rows_f32(w, at, slice_rows), (1, 0)), _dot(g_slice, h32, (0, 0))",
+        ("parity_tests/test_linear_head.py", "-k", "jax and all_positive and reverse_kl"),
+    ),
 )
 
 
