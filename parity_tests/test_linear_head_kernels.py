@@ -25,7 +25,6 @@ from jax import export
 
 import jaxloss
 import lossspec
-import torchloss
 from jaxloss import _pallas_linear
 from jaxloss._stats import KernelConfig
 from lossspec import linear as spec_linear
@@ -33,71 +32,10 @@ from torchloss import _triton_linear
 
 from parity_tests.support.torch_problem import TRITON_DEVICE
 from parity_tests.support.head_cases import options_for
-from parity_tests.support.head_cases import make_inputs as head_inputs
 
 pytestmark = pytest.mark.slow
 
-KINDS = tuple(lossspec.KINDS)
-LEAD, H, HT, V = (4, 9), 40, 20, 37
-IMPLS = {"pallas": "jax", "triton": "torch"}
-
-
-def make_inputs(kind: str, dtype: str, seed: int = 0) -> dict[str, Any]:
-    """Seeded inputs exactly representable in ``dtype`` (``test_linear_head.make_inputs`` at this
-    file's shapes); float mask weights with zeros and one ignored label."""
-    return head_inputs(kind, dtype, seed, lead=LEAD, sizes=(H, HT, V), weight_scales=(0.4, 0.5))
-
-
-def _grad_output(options: dict[str, Any]) -> np.ndarray:
-    if options.get("normalization") == "none":
-        return np.linspace(0.5, 2.0, int(np.prod(LEAD))).reshape(LEAD).astype(np.float32)
-    return np.asarray(1.75, np.float32)
-
-
-def run(impl: str, kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, options: dict[str, Any]) -> tuple:
-    """``(loss, {name: grad})`` of ``linear_<kind>(..., impl=impl)`` (float64 NumPy)."""
-    grad_output = _grad_output(options)
-    ids = options.get("segment_ids")
-    if IMPLS[impl] == "jax":
-        if ids is not None:
-            options = {**options, "segment_ids": jnp.asarray(ids)}
-        jdt = jnp.dtype(dtype)
-        params = {"hidden": jnp.asarray(inputs["hidden"], jdt), "weight": jnp.asarray(inputs["weight"], jdt)}
-        if with_bias:
-            params["bias"] = jnp.asarray(inputs["bias"], jdt)
-        if kind == "cross_entropy":
-            target: tuple = (jnp.asarray(inputs["labels"], jnp.int32),)
-            extra: dict[str, Any] = {}
-        else:
-            target = (jnp.asarray(inputs["teacher_hidden"], jdt), jnp.asarray(inputs["teacher_weight"], jdt))
-            extra = {"teacher_bias": jnp.asarray(inputs["teacher_bias"], jdt)}
-        fn = getattr(jaxloss, f"linear_{kind}")
-        loss, vjp = jax.vjp(lambda p: fn(p["hidden"], p["weight"], *target, jnp.asarray(inputs["loss_mask"]), bias=p.get("bias"),
-                                         **extra, **options, impl=impl), params)
-        (grads,) = vjp(jnp.asarray(grad_output))
-        assert all(grads[name].dtype == jdt for name in grads)
-        return np.asarray(loss, np.float64), {k: np.asarray(g.astype(jnp.float32), np.float64) for k, g in grads.items()}
-    if ids is not None:
-        options = {**options, "segment_ids": torch.tensor(ids).to(TRITON_DEVICE)}
-    tdt = getattr(torch, dtype)
-    as_t = lambda a: torch.tensor(np.asarray(a, np.float32)).to(tdt).to(TRITON_DEVICE)  # noqa: E731  (exact)
-    params = {"hidden": as_t(inputs["hidden"]), "weight": as_t(inputs["weight"])}
-    if with_bias:
-        params["bias"] = as_t(inputs["bias"])
-    for p in params.values():
-        p.requires_grad_(True)
-    if kind == "cross_entropy":
-        target = (torch.tensor(inputs["labels"]).to(TRITON_DEVICE),)
-        extra = {}
-    else:
-        target = (as_t(inputs["teacher_hidden"]), as_t(inputs["teacher_weight"]))
-        extra = {"teacher_bias": as_t(inputs["teacher_bias"])}
-    fn = getattr(torchloss, f"linear_{kind}")
-    loss = fn(params["hidden"], params["weight"], *target, torch.tensor(inputs["loss_mask"]).to(TRITON_DEVICE), bias=params.get("bias"),
-              **extra, **options, impl=impl)
-    loss.backward(torch.tensor(grad_output).to(TRITON_DEVICE))
-    assert all(p.grad.dtype == tdt for p in params.values())
-    return loss.detach().cpu().double().numpy(), {k: p.grad.cpu().float().double().numpy() for k, p in params.items()}
+from parity_tests.support.head_kernels import H, HT, IMPLS, KINDS, LEAD, V, grad_output_for, make_inputs, run  # noqa: F401
 
 
 def check(impl: str, kind: str, dtype: str, with_bias: bool, options: dict[str, Any], seed: int = 0) -> None:
@@ -105,7 +43,7 @@ def check(impl: str, kind: str, dtype: str, with_bias: bool, options: dict[str, 
     loss, grads = run(impl, kind, inputs, dtype, with_bias, options)
     target = inputs["labels"] if kind == "cross_entropy" else (inputs["teacher_hidden"], inputs["teacher_weight"], inputs["teacher_bias"])
     ref_loss, ref = spec_linear.oracle_head(kind, inputs["hidden"], inputs["weight"], target, inputs["loss_mask"],
-                                            bias=inputs["bias"] if with_bias else None, grad_output=_grad_output(options), **options)
+                                            bias=inputs["bias"] if with_bias else None, grad_output=grad_output_for(options), **options)
     lossspec.compare_loss(loss, ref_loss, f"{impl} {kind} loss").check()
     assert set(grads) == ({"hidden", "weight", "bias"} if with_bias else {"hidden", "weight"})
     for name, grad in grads.items():
@@ -284,7 +222,7 @@ def test_kernels_all_positive_inputs(impl: str, kind: str) -> None:
     loss, grads = run(impl, kind, inputs, "float32", True, options)
     target = inputs["labels"] if kind == "cross_entropy" else (inputs["teacher_hidden"], inputs["teacher_weight"], inputs["teacher_bias"])
     ref_loss, ref = spec_linear.oracle_head(kind, inputs["hidden"], inputs["weight"], target, inputs["loss_mask"], bias=inputs["bias"],
-                                            grad_output=_grad_output(options))
+                                            grad_output=grad_output_for(options))
     lossspec.compare_loss(loss, ref_loss, f"{impl} {kind} loss").check()
     for name, grad in grads.items():
         spec_linear.compare_head_grad(grad, ref[name], "float32", f"{impl} {kind} grad {name}", ref.magnitude[name]).check()

@@ -495,7 +495,7 @@ def test_saturated_slope_fused_head(framework: str, kind: str) -> None:
 def test_saturated_slope_fused_head_kernels(impl: str, kind: str) -> None:
     """:func:`test_saturated_slope_fused_head` on the interpreted head kernels (16-wide tiles:
     three vocabulary blocks)."""
-    from test_linear_head_kernels import run as run_head_kernel
+    from parity_tests.support.head_kernels import run as run_head_kernel
 
     inputs = saturated_head_inputs(kind)
     options = _saturated_head_options(kind)
