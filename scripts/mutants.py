@@ -421,6 +421,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_torchloss_reliability.py", "-k", "free_cores"),
     ),
     Mutant(
+        "nonfinite_wording_cli",
+        "lossparity's NONFINITE lines say \"where the torch's is too\" again (an article before a backend's name)",
+        "lossparity/matrix.py",
+        '    return "the oracle\'s" if reference == "oracle" else f"{reference}\'s"',
+        '    return f"the {reference}\'s"',
+        ("parity_tests/test_parity_cli.py", "-k", "nan_that_the_oracle_shares"),
+    ),
+    Mutant(
         "gradient_mapping_shared_torch",
         "the torch path's gradient mapping is mmap's default MAP_SHARED (shmem: no huge pages, 2.5x slower faults)",
         "torchloss/_cpu.py",
