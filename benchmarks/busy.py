@@ -3,10 +3,8 @@
 On a shared or oversubscribed machine the torch path's CPU worker pool (``torchloss/_cpu.py``)
 must slow down no more than ``F.cross_entropy`` does. This times forward+backward of
 
-- ``torchloss``: ``torchloss.cross_entropy(impl="torch")`` as shipped (workers bounded by the free cores);
-- ``torchloss-unbounded``: the same with every worker the caller's thread count allows, whatever
-  the load (the pool before the free-core bound; for the record);
-- ``F.cross_entropy``: PyTorch's eager op,
+- ``torchloss``: ``torchloss.cross_entropy(impl="torch")`` (its tiles on the CPU worker pool);
+- ``F.cross_entropy``: PyTorch's eager op (one OpenMP parallel region per kernel),
 
 in one process, in interleaved rounds: each round runs every contender once quiet and once busy
 (the order of the two conditions and of the contenders rotated from round to round), so that load
@@ -39,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._registry import MASKED_FRACTION, MIN_REPS, parse_shape  # noqa: E402
 from benchmarks.run import RESULTS, describe_machine, machine_info  # noqa: E402
 
-CONTENDERS = ("torchloss", "torchloss-unbounded", "F.cross_entropy")
+CONTENDERS = ("torchloss", "F.cross_entropy")
 # One spinner: a busy loop that ends itself at its deadline whatever happens to its parent.
 SPINNER = "import time\ndeadline = time.monotonic() + {seconds}\nwhile time.monotonic() < deadline:\n    pass\n"
 
@@ -78,7 +76,6 @@ def contenders(n: int, v: int, dtype: str, masked: float, seed: int = 0) -> dict
     import torch.nn.functional as F
 
     import torchloss
-    from torchloss import _cpu
 
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(n, v, generator=gen) * 2.0).to(getattr(torch, dtype))
@@ -89,19 +86,11 @@ def contenders(n: int, v: int, dtype: str, masked: float, seed: int = 0) -> dict
         x = logits.detach().requires_grad_()
         torchloss.cross_entropy(x, labels, impl="torch").backward()
 
-    def ours_unbounded() -> None:
-        bounded = _cpu.free_cores
-        _cpu.free_cores = lambda: _cpu.MAX_WORKERS
-        try:
-            ours()
-        finally:
-            _cpu.free_cores = bounded
-
     def eager() -> None:
         x = logits.detach().requires_grad_()
         F.cross_entropy(x, labels, ignore_index=-100).backward()
 
-    return {"torchloss": ours, "torchloss-unbounded": ours_unbounded, "F.cross_entropy": eager}
+    return {"torchloss": ours, "F.cross_entropy": eager}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -111,59 +111,6 @@ def test_the_worker_pool_changes_no_process_wide_setting() -> None:
     assert len(pool_threads) <= _cpu.MAX_WORKERS
 
 
-def _tile_threads(monkeypatch: pytest.MonkeyPatch, running: int, own_running: int) -> tuple[list[str], float, float]:
-    """The workers that share the tiles of a 64 x 8192 cross-entropy (16 tiles), the machine's
-    running-thread count simulated as ``running`` of which ``own_running`` are this process's:
-    the name of each worker's thread (one entry per worker: each iterates the queue once), with
-    our loss and the oracle's."""
-    workers: list[str] = []
-
-    def recording_iter(self: "_cpu._Tiles") -> "_cpu._Tiles":
-        workers.append(threading.current_thread().name)
-        return self
-
-    monkeypatch.setattr(_cpu._Tiles, "__iter__", recording_iter)
-    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 8192 * 4)
-    monkeypatch.setattr(_cpu, "_running_threads", lambda: running)
-    monkeypatch.setattr(_cpu, "_own_running_threads", lambda: own_running)
-    rng = np.random.default_rng(0)
-    logits = rng.normal(0.0, 2.0, (64, 8192)).astype(np.float32)
-    labels = rng.integers(0, 8192, 64)
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(2, _cpu.MAX_WORKERS))
-    try:
-        ours = float(torchloss.cross_entropy(torch.from_numpy(logits), torch.from_numpy(labels), impl="torch"))
-    finally:
-        torch.set_num_threads(before)
-    expected = float(lossspec.oracle("cross_entropy", logits.astype(np.float64), labels, None)[0])
-    return workers, ours, expected
-
-
-@pytest.mark.skipif(_cpu.MAX_WORKERS < 2 or _cpu._omp_set_num_threads() is None,
-                    reason="one core (or no OpenMP runtime found): the tiles never go to several workers")
-def test_the_pool_uses_no_more_workers_than_the_free_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every core taken by other processes: one pool thread takes every tile (two workers handing
-    the GIL back and forth on busy cores ran 9-19x slower than on idle ones); still a pool thread,
-    whose ops are single-threaded, not the caller's OpenMP team. Idle: every core's worker."""
-    busy, ours, expected = _tile_threads(monkeypatch, running=1 + _cpu.MAX_WORKERS, own_running=1)
-    assert len(busy) == 1 and next(iter(busy)).startswith("torchloss"), busy
-    assert abs(ours - expected) <= 1e-5 * abs(expected)
-    idle, ours, expected = _tile_threads(monkeypatch, running=1, own_running=1)
-    assert len(idle) == min(_cpu.MAX_WORKERS, 16) and all(name.startswith("torchloss") for name in idle), idle
-    assert abs(ours - expected) <= 1e-5 * abs(expected)
-
-
-def test_free_cores_counts_only_other_processes_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The running count less this process's own running threads (a spinning OpenMP team is not
-    a busy machine), at least one core; every core where the count is unknown or only ours."""
-    cases = [(None, 1, _cpu.MAX_WORKERS), (1, 1, _cpu.MAX_WORKERS), (3, 3, _cpu.MAX_WORKERS),
-             (3, 2, max(1, _cpu.MAX_WORKERS - 1)), (2 + _cpu.MAX_WORKERS, 1, 1), (100, 1, 1)]
-    for running, own, expected in cases:
-        monkeypatch.setattr(_cpu, "_running_threads", lambda running=running: running)
-        monkeypatch.setattr(_cpu, "_own_running_threads", lambda own=own: own)
-        assert _cpu.free_cores() == expected, (running, own)
-
-
 def test_inplace_on_a_view_of_a_leaf_raises() -> None:
     weight = torch.nn.Parameter(torch.randn(4 * 10))
     labels = torch.randint(0, 10, (4,))

@@ -405,22 +405,6 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_torchloss_reliability.py", "-k", "huge"),
     ),
     Mutant(
-        "pool_ignores_busy_cores_torch",
-        "the torch path's CPU pool starts a worker per allowed thread on cores that other processes hold (GIL hand-offs wait for the scheduler: 9-19x slower on a busy machine)",
-        "torchloss/_cpu.py",
-        "    workers = min(workers, free_cores())",
-        "    workers = workers",
-        ("parity_tests/test_torchloss_reliability.py", "-k", "free_cores"),
-    ),
-    Mutant(
-        "free_cores_counts_own_threads_torch",
-        "the torch path counts its own running threads (a spinning OpenMP team) as other processes' load",
-        "torchloss/_cpu.py",
-        "    others = running - _own_running_threads()",
-        "    others = running - 1",
-        ("parity_tests/test_torchloss_reliability.py", "-k", "free_cores"),
-    ),
-    Mutant(
         "nonfinite_wording_cli",
         "lossparity's NONFINITE lines say \"where the torch's is too\" again (an article before a backend's name)",
         "lossparity/matrix.py",

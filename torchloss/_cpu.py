@@ -10,17 +10,12 @@ every thread created afterwards inherits). Each worker lowers only its *own* Ope
 through the OpenMP runtime that torch loaded (``omp_set_num_threads`` is per thread), after
 ATen's lazy per-thread initialisation. Where that runtime cannot be found the tiles run on the
 calling thread. There is one pool per process, its size bounded by the number of cores; a call
-uses ``min(torch.get_num_threads(), tiles, pool size)`` of its threads, and never more than the
-cores that other processes leave free at that moment (:func:`free_cores`), but at least one.
+uses ``min(torch.get_num_threads(), tiles, pool size)`` of its threads.
 
-Why the free cores bound the workers: each tile makes ~20 ATen dispatches from Python, and every
-dispatch hands the GIL to the other worker and takes it back. On an idle machine a hand-off costs
-microseconds; on an oversubscribed one the worker that is handed the GIL waits for the scheduler
-to give it a core, so every hand-off costs a time slice of another process. Two workers on two
-busy cores ran 9-19x slower than on idle cores, one worker 3-6x, ``F.cross_entropy`` 6-7x (2-core
-EPYC at a load of 12, ``benchmarks/busy.py``). A single worker still runs the tiles on a pool
-thread, with single-threaded ops: the calling thread's OpenMP team would stop at a barrier for its
-descheduled member on every op (6 s instead of 0.5 s in the same measurement).
+On a busy machine the pool keeps its size: bounding the workers by the cores that other
+processes leave free (one worker at a load of 15-20 on 2 cores) measured 2-5x slower than two
+workers, interleaved in one process (each worker then gets its own share of the cores); see
+``benchmarks/busy.py`` for the torch path against ``F.cross_entropy`` quiet and busy.
 """
 
 from __future__ import annotations
@@ -144,8 +139,6 @@ def map_tiles(run: Callable[[Iterable[T]], None], tiles: Sequence[T], device: to
     if workers <= 1:
         run(tiles)
         return
-    # No more workers than free cores (at least one pool thread: single-threaded ops, see above).
-    workers = min(workers, free_cores())
     queue = _Tiles(tiles)
     pool = _pool()
     for future in [pool.submit(run, queue) for _ in range(workers)]:
@@ -158,50 +151,6 @@ def worker_count(device: torch.device, n_tiles: int) -> int:
     if device.type != "cpu" or n_tiles < 2 or _omp_set_num_threads() is None:
         return 1
     return max(1, min(torch.get_num_threads(), n_tiles, MAX_WORKERS))
-
-
-def free_cores() -> int:
-    """The cores that other processes leave free at this instant, at least 1; :data:`MAX_WORKERS`
-    where the count of running threads is unknown (not Linux).
-
-    Linux counts the threads that are running or waiting for a core, machine-wide, in the fourth
-    field of ``/proc/loadavg`` (instantaneous, unlike the load averages). This thread is one of
-    them; when others are, this process's own running threads (an OpenMP team still spinning
-    after its last parallel region, the caller's other threads) are subtracted, so that only
-    other processes' threads count.
-    """
-    running = _running_threads()
-    if running is None or running <= 1:
-        return MAX_WORKERS
-    others = running - _own_running_threads()
-    return max(1, min(MAX_WORKERS, MAX_WORKERS - others))
-
-
-def _running_threads() -> Optional[int]:
-    """Threads running or runnable on the machine now (``/proc/loadavg``), or ``None``."""
-    try:
-        with open("/proc/loadavg") as loadavg:
-            return int(loadavg.read().split()[3].split("/")[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _own_running_threads() -> int:
-    """This process's threads in state R (running or runnable), this one included (at least 1)."""
-    count = 0
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return 1
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/stat", "rb") as stat:
-                text = stat.read()
-        except OSError:  # the thread ended meanwhile
-            continue
-        state = text[text.rfind(b")") + 2 : text.rfind(b")") + 3]  # the field after "(comm)"
-        count += state == b"R"
-    return max(1, count)
 
 
 _POOL: Optional[tuple[int, concurrent.futures.ThreadPoolExecutor]] = None
