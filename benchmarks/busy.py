@@ -4,6 +4,8 @@ On a shared or oversubscribed machine the torch path's CPU worker pool (``torchl
 must slow down no more than ``F.cross_entropy`` does. This times forward+backward of
 
 - ``torchloss``: ``torchloss.cross_entropy(impl="torch")`` (its tiles on the CPU worker pool);
+- ``torchloss-no-thp``: the same without the huge-page hint on its fresh gradient
+  (``torchloss._cpu.empty_output``; a diagnostic: what the hint costs or saves on this machine now);
 - ``F.cross_entropy``: PyTorch's eager op (one OpenMP parallel region per kernel),
 
 in one process, in interleaved rounds: each round runs every contender once quiet and once busy
@@ -37,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._registry import MASKED_FRACTION, MIN_REPS, parse_shape  # noqa: E402
 from benchmarks.run import RESULTS, describe_machine, machine_info  # noqa: E402
 
-CONTENDERS = ("torchloss", "F.cross_entropy")
+CONTENDERS = ("torchloss", "torchloss-no-thp", "F.cross_entropy")
 # One spinner: a busy loop that ends itself at its deadline whatever happens to its parent.
 SPINNER = "import time\ndeadline = time.monotonic() + {seconds}\nwhile time.monotonic() < deadline:\n    pass\n"
 
@@ -76,6 +78,7 @@ def contenders(n: int, v: int, dtype: str, masked: float, seed: int = 0) -> dict
     import torch.nn.functional as F
 
     import torchloss
+    from torchloss import _cpu
 
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(n, v, generator=gen) * 2.0).to(getattr(torch, dtype))
@@ -86,16 +89,25 @@ def contenders(n: int, v: int, dtype: str, masked: float, seed: int = 0) -> dict
         x = logits.detach().requires_grad_()
         torchloss.cross_entropy(x, labels, impl="torch").backward()
 
+    def ours_no_thp() -> None:
+        hint = _cpu._madvise
+        _cpu._madvise = lambda: None  # empty_output falls back to torch.empty
+        try:
+            ours()
+        finally:
+            _cpu._madvise = hint
+
     def eager() -> None:
         x = logits.detach().requires_grad_()
         F.cross_entropy(x, labels, ignore_index=-100).backward()
 
-    return {"torchloss": ours, "F.cross_entropy": eager}
+    return {"torchloss": ours, "torchloss-no-thp": ours_no_thp, "F.cross_entropy": eager}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Interleaved rounds; returns the JSON record."""
     n, v = parse_shape(args.shape)
+    machine = machine_info("cpu")  # before the rounds: the commit and tree measured, not edits made meanwhile
     calls = contenders(n, v, args.dtype, args.masked)
     for call in calls.values():  # warm-up (first-call allocations, the pool's threads)
         call()
@@ -120,7 +132,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "load_before": load_before,
         "load_after": os.getloadavg(),
         "shape": [n, v], "dtype": args.dtype, "masked": args.masked, "busy": args.busy, "reps": args.reps,
-        "machine": machine_info("cpu"),
+        "machine": machine,
         "times_s": times,
     }
 
@@ -167,6 +179,9 @@ def markdown(record: dict[str, Any]) -> str:
     ours, eager = rows["torchloss"]["busy_over_quiet"], rows["F.cross_entropy"]["busy_over_quiet"]
     lines += ["", f"torchloss slows down {ours:.2f}x under the load, F.cross_entropy {eager:.2f}x: "
               f"{'no worse' if ours <= eager else 'WORSE'} than PyTorch's own op."]
+    if "torchloss-no-thp" in rows:
+        lines.append(f"Without the huge-page hint on its gradient torchloss takes {rows['torchloss-no-thp']['quiet_vs_eager']:.2f}x "
+                     f"F.cross_entropy's time quiet and {rows['torchloss-no-thp']['busy_vs_eager']:.2f}x busy.")
     return "\n".join(lines) + "\n"
 
 
