@@ -212,6 +212,11 @@ def empty_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     tensor, so the hint never outlives it (advising memory of torch's allocator would leave the
     hint on ranges that the allocator later hands to other tensors). Where the kernel has THP
     off (or the platform has no ``madvise``) it is a plain ``torch.empty``.
+
+    Not a win everywhere: on a shared 2-core Xeon VM at a load of 8-15 (2026-12-06) the 256
+    hinted faults of that buffer cost 0.07-1.07 s of system time per call (no compaction stalls),
+    4 KiB pages 0.17-0.26 s, and the cross-entropy took 1.7 s with the hint against 0.8 s without
+    (``benchmarks/results/cpu_busy.md``, interleaved; ``python -m benchmarks.busy``).
     """
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
