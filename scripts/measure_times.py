@@ -154,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         if name == "fast" and args.pytest_k:
             command += f" -k {shlex.quote(args.pytest_k)}"
         rows[name] = run_step(name, command, clone, tmp / f"{name}.log")
+        if name == "setup":  # what the set-up installed: the size of the fresh .venv
+            size = subprocess.run(["du", "-sh", str(clone / ".venv")], capture_output=True, text=True).stdout.split()
+            if size:
+                rows[name]["result"] += f"; `.venv` {size[0]}B"
     notes = []
     if args.venv:
         notes.append("The set-up was not timed: an existing virtualenv was reused.")
