@@ -101,7 +101,8 @@ def write_table(path: Path, rows: dict[str, dict[str, str]], commit: str, note: 
         "The one place that states the project's times; every other page links here. Written by",
         "`python3 scripts/measure_times.py` (a fresh clone in a temporary folder, each step timed in turn);",
         "rerun it to refresh the table. Wall-clock times on the machine below: other people's work on a",
-        "shared machine lengthens them (the load averages say how busy it was).",
+        "shared machine lengthens them (the load averages say how busy it was), and the set-up's downloads",
+        "depend on the network and on pip's cache.",
         "",
         f"Machine: {cpu_model()}, {affinity} cores available ({cores} online), {platform.system()} "
         f"{platform.release()}, Python {platform.python_version()} (running this script).",
