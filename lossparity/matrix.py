@@ -103,6 +103,12 @@ def reported_loss(loss: Any) -> float:
     return float(np.sum(np.asarray(loss, dtype=np.float64)))
 
 
+def reference_values(reference: str) -> str:
+    """Whose values a backend was compared with, as a possessive: "the oracle's", "torch's" (a
+    backend's name takes no article: not "the torch's")."""
+    return "the oracle's" if reference == "oracle" else f"{reference}'s"
+
+
 def _nonfinite_mismatch(what: str, got: Any, ref: Any, reference: str) -> str:
     """A message when ``got`` is non-finite where ``ref`` is finite, else ``""``."""
     got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
@@ -110,7 +116,7 @@ def _nonfinite_mismatch(what: str, got: Any, ref: Any, reference: str) -> str:
     if not wrong.any():
         return ""
     first = tuple(int(i) for i in np.argwhere(wrong)[0])
-    return (f"{what} is non-finite ({float(got[first])!r}) where the {reference}'s is finite "
+    return (f"{what} is non-finite ({float(got[first])!r}) where {reference_values(reference)} is finite "
             f"({int(wrong.sum())} of {got.size} values; first at {first})")
 
 
@@ -230,7 +236,7 @@ def _compare(spec: CaseSpec, backend: str, reference: str, got: tuple, ref: tupl
                             for c, value, ref_value in ((loss_cmp, got[0], ref[0]), (grad_cmp, got[1], ref[1])) if not c.ok)
     elif any(nonfinite.values()):
         status = "nonfinite"
-        message = (f"non-finite where the {reference}'s is too: loss {nonfinite['loss']} of {np.size(got[0])}, "
+        message = (f"non-finite where {reference_values(reference)} is too: loss {nonfinite['loss']} of {np.size(got[0])}, "
                    f"grad {nonfinite['grad']} of {np.size(got[1])} values (NaN or +inf in the inputs?); "
                    "the finite values are within the bounds")
     else:

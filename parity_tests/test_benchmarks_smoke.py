@@ -174,3 +174,43 @@ def test_fused_head_rows_judge_against_their_own_frameworks_matmuls() -> None:
     assert jax_row["head_sol_verdict"] == "MISS"  # 1.40 > 1.15 * 0.5
     assert jax_row["meets_mem_target"] is False  # 1/4 of a logits buffer > 1/8
     assert math.isclose(torch_row["vs_sol"], 1.12 / 1.00)
+
+
+def test_busy_summary_ratios_are_medians_over_medians() -> None:
+    from benchmarks.busy import summary
+
+    record = {"times_s": {"quiet": {"torchloss": [0.1, 0.3, 0.2], "F.cross_entropy": [0.4, 0.5, 0.6]},
+                          "busy": {"torchloss": [0.9, 0.6, 0.8], "F.cross_entropy": [1.0, 2.0, 1.5]}}}
+    rows = summary(record)
+    assert math.isclose(rows["torchloss"]["quiet_ms"], 200.0) and math.isclose(rows["torchloss"]["busy_ms"], 800.0)
+    assert math.isclose(rows["torchloss"]["busy_over_quiet"], 4.0)
+    assert math.isclose(rows["F.cross_entropy"]["busy_over_quiet"], 3.0)
+    assert math.isclose(rows["torchloss"]["quiet_vs_eager"], 0.4) and math.isclose(rows["torchloss"]["busy_vs_eager"], 0.8 / 1.5)
+
+
+def test_busy_spinners_are_always_stopped() -> None:
+    """The competing load is bounded: stopped when the block ends, even by an exception, and each
+    spinner ends itself at its deadline anyway."""
+    from benchmarks.busy import Spinners
+
+    with pytest.raises(RuntimeError):
+        with Spinners(2, 60.0) as spinners:
+            procs = list(spinners.procs)
+            assert len(procs) == 2 and all(p.poll() is None for p in procs)  # spinning
+            raise RuntimeError("a contender failed")
+    assert all(p.returncode is not None for p in procs)
+    with Spinners(1, 0.5) as spinners:
+        (proc,) = spinners.procs
+        assert proc.wait(timeout=30) == 0  # its own deadline ends it
+
+
+@needs_frameworks
+def test_busy_benchmark_writes_its_row(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "benchmarks.busy", "--shape", "64x2048", "--reps", "1", "--busy", "1",
+           "--busy-seconds", "60", "--out-dir", str(tmp_path), "--name", "busy_smoke"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((tmp_path / "busy_smoke.json").read_text())
+    assert set(record["times_s"]) == {"quiet", "busy"}
+    assert all(len(times) == 1 and times[0] > 0 for cond in record["times_s"].values() for times in cond.values())
+    assert "| torchloss |" in (tmp_path / "busy_smoke.md").read_text()

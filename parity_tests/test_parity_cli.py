@@ -720,6 +720,9 @@ def test_nan_that_the_oracle_shares_is_flagged_nonfinite_not_pass(tmp_path: Path
     assert "NONFINITE cross_entropy/nan.npz/valid_tokens/float32/2x3x13" in captured.out
     assert "oracle loss=nan" in captured.out
     assert "NONFINITE: 6 comparison(s)" in captured.err
+    # Each line names whose values are non-finite too: the oracle's, or the twin backend's.
+    assert "[torch vs oracle]: non-finite where the oracle's is too: loss 1 of 1" in captured.err
+    assert "[jax-xla vs torch]: non-finite where torch's is too: loss 1 of 1" in captured.err
     report = json.loads((tmp_path / "parity_report.json").read_text())
     assert report["passed"] is False and report["status"] == "nonfinite"
     assert {r["status"] for r in report["results"]} == {"nonfinite"}

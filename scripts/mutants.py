@@ -573,6 +573,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_torchloss_reliability.py", "-k", "huge"),
     ),
     Mutant(
+        "nonfinite_wording_cli",
+        "lossparity's NONFINITE lines say \"where the torch's is too\" again (an article before a backend's name)",
+        "lossparity/matrix.py::reference_values",
+        '    return "the oracle\'s" if reference == "oracle" else f"{reference}\'s"',
+        '    return f"the {reference}\'s"',
+        ("parity_tests/test_parity_cli.py", "-k", "nan_that_the_oracle_shares"),
+    ),
+    Mutant(
+        "worker_exit_no_freeze",
+        "an xdist worker leaves its whole heap to pytest's last collection (past execnet's 5 s: a KeyboardInterrupt in _xla_gc_callback)",
+        "parity_tests/conftest.py::pytest_sessionfinish",
+        "    gc.freeze()",
+        "    pass",
+        ("parity_tests/test_worker_exit.py",),
+    ),
+    Mutant(
         "gradient_mapping_shared_torch",
         "the torch path's gradient mapping is mmap's default MAP_SHARED (shmem: no huge pages, 2.5x slower faults)",
         "torchloss/_cpu.py::empty_output",

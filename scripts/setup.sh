@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv/ and install everything the project needs; a no-op when nothing changed.
-# CPU machines get the CPU wheel of torch 2.13.0 (a bare `torch` pulls a multi-GB CUDA build)
-# and triton for its interpreter; machines with an NVIDIA GPU get the CUDA builds.
+# CPU machines get the CPU wheel of torch 2.13.0 from PyTorch's CPU index (a bare `torch` from
+# PyPI pulls a multi-GB CUDA build; where that index is unreachable, the configured index's) and
+# triton for its interpreter; machines with an NVIDIA GPU get the CUDA builds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python_bin="${PYTHON:-}"
@@ -23,10 +24,17 @@ if [ "$gpu" = cuda ]; then
   "${pip[@]}" "torch==2.13.0" "jax[cuda12]==0.10.2"
 else
   echo "[setup] no GPU: installing the CPU wheel of torch 2.13.0, triton (interpreter) and JAX (CPU)"
-  "${pip[@]}" "torch==2.13.0" "triton==3.9.0" "jax[cpu]==0.10.2"
+  # PyTorch's CPU index first: on PyPI a bare torch==2.13.0 is the CUDA build (with its multi-GB
+  # nvidia-* wheels). The try fails fast where that index cannot be reached (one 10 s attempt),
+  # and the plain name then takes whatever the configured index offers (a local CPU wheel, say).
+  if ! "${pip[@]}" --index-url https://download.pytorch.org/whl/cpu --timeout 10 --retries 0 "torch==2.13.0"; then
+    echo "[setup] PyTorch's CPU index unreachable: installing torch==2.13.0 from the configured index"
+    "${pip[@]}" "torch==2.13.0"
+  fi
+  "${pip[@]}" "triton==3.9.0" "jax[cpu]==0.10.2"
 fi
 echo "[setup] installing the project and its test tools"
-"${pip[@]}" -e ".[jax,torch,dev]" 2>&1 | grep -v "is ignored: it is neither" || true
+"${pip[@]}" -e ".[jax,torch,dev,peers]" 2>&1 | grep -v "is ignored: it is neither" || true
 .venv/bin/python -c "import lossspec, numpy" >/dev/null
 echo "$want" > "$stamp"
 echo "[setup] done"

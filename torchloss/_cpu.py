@@ -11,6 +11,11 @@ through the OpenMP runtime that torch loaded (``omp_set_num_threads`` is per thr
 ATen's lazy per-thread initialisation. Where that runtime cannot be found the tiles run on the
 calling thread. There is one pool per process, its size bounded by the number of cores; a call
 uses ``min(torch.get_num_threads(), tiles, pool size)`` of its threads.
+
+On a busy machine the pool keeps its size: bounding the workers by the cores that other
+processes leave free (one worker at a load of 15-20 on 2 cores) measured 2-5x slower than two
+workers, interleaved in one process (each worker then gets its own share of the cores); see
+``benchmarks/busy.py`` for the torch path against ``F.cross_entropy`` quiet and busy.
 """
 
 from __future__ import annotations
@@ -207,6 +212,11 @@ def empty_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     tensor, so the hint never outlives it (advising memory of torch's allocator would leave the
     hint on ranges that the allocator later hands to other tensors). Where the kernel has THP
     off (or the platform has no ``madvise``) it is a plain ``torch.empty``.
+
+    Not a win everywhere: on a shared 2-core Xeon VM at a load of 8-15 (2026-12-06) the 256
+    hinted faults of that buffer cost 0.07-1.07 s of system time per call (no compaction stalls),
+    4 KiB pages 0.17-0.26 s, and the cross-entropy took 1.7 s with the hint against 0.8 s without
+    (``benchmarks/results/cpu_busy.md``, interleaved; ``python -m benchmarks.busy``).
     """
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()

@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=16, help="packed rows per step, divisible by 4 (default 16)")
     parser.add_argument("--out", default="packed_docs_out", help="folder for packed.json and packed.png")
     args = parser.parse_args(argv)
+    from examples.tiny_lm.demo import single_threaded_torch
+
+    single_threaded_torch()  # why: its docstring
     start = time.perf_counter()
     result = run(args.steps, args.rows, list(CONFIGS), Path(args.out))
     print(f"\n{'check':34s} {'max |param diff|':>16s} {'/ bound':>9s}  expected  result")

@@ -176,12 +176,28 @@ def plot(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
     plt.close(fig)
 
 
+def single_threaded_torch() -> None:
+    """One intra-op thread for torch in this program (a demo is a whole process: its threads are
+    its own to set; a library call must not, which is why torchloss never calls this).
+
+    The tiny LM's tensors are far too small to gain from threads, but its matmuls, softmax and
+    indexing still open an OpenMP parallel region per op, and each region waits at its barrier
+    for every team member. On a busy machine a member is often descheduled, so every op waits a
+    time slice: 10 torch steps took 20.7 s with 2 threads and 1.0 s with 1 (2 cores at a load of
+    19, the same run interleaved; torch's profiler put 94% of the time in mm, bmm, softmax, tril
+    and index, 1% in the loss). On an idle machine 1 thread is as fast."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.tiny_lm.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="SGD steps per run (default 40)")
     parser.add_argument("--teacher-steps", type=int, default=60, help="SGD steps of the teacher (default 60)")
     parser.add_argument("--out", default="tiny_lm_out", help="folder for curves.json and curves.png")
     args = parser.parse_args(argv)
+    single_threaded_torch()
     start = time.perf_counter()
     result = run(args.steps, args.teacher_steps, list(TASKS), list(CONFIGS), Path(args.out))
     print(f"\n{'task':22s} {'check':32s} {'max rel gap':>12s}  expected  result")

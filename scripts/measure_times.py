@@ -1,0 +1,175 @@
+"""Measure how long the README's commands take and write docs/timings.md, the one place that states it.
+
+    python3 scripts/measure_times.py                  # everything: about 30-60 min on 2 idle cores
+    python3 scripts/measure_times.py --skip-full      # all but the whole test suite
+
+It clones the repository's committed HEAD (uncommitted changes are not measured) into a temporary
+folder and times there, one after the other:
+
+- ``setup``: ``bash scripts/setup.sh`` creating a fresh ``.venv`` (installs every package);
+- ``main``: ``bash scripts/main.sh`` (the main job: lossparity's matrix, then the two demos);
+- ``fast``: the fast lane, ``.venv/bin/python -m pytest -m "not slow" -n 2 parity_tests``;
+- ``full``: ``bash scripts/test.sh``, the whole suite (what CI runs).
+
+The table records the machine (CPU model, cores), the load average before and after each step
+(other people's work on a shared machine lengthens every figure), the date and the commit, and
+each step's outcome (pytest's summary line). ``--venv PATH`` reuses a set-up virtualenv instead
+of timing the set-up (setup.sh still runs and reinstalls into it if its stamp differs: never
+point it at a virtualenv others use); ``--steps`` and ``--pytest-k`` are for checking this script
+on a small part (the table then says what was left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = {  # name -> (what the README calls it, command run in the clone)
+    "setup": ("set-up from scratch (`bash scripts/setup.sh`, fresh `.venv`)", "bash scripts/setup.sh"),
+    "main": ("the main job (`bash scripts/main.sh`: lossparity, then the two demos)", "bash scripts/main.sh"),
+    "fast": ("the fast lane (`pytest -m \"not slow\" -n 2 parity_tests`)",
+             ".venv/bin/python -m pytest -q -m 'not slow' -n 2 parity_tests"),
+    "full": ("the whole test suite (`bash scripts/test.sh`, what CI runs)", "bash scripts/test.sh"),
+}
+PYTEST_SUMMARY = re.compile(r"^=*\s*(\d+ (passed|failed|error|errors|skipped|deselected)\b.*?)\s*=*$")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else what platform reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load() -> str:
+    """The 1, 5 and 15 minute load averages."""
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def minutes(seconds: float) -> str:
+    """``m:ss``."""
+    return f"{int(seconds // 60)}:{int(round(seconds % 60)):02d}"
+
+
+def outcome(returncode: int, output: str) -> str:
+    """pytest's summary line where there is one, else the exit status."""
+    for line in reversed(output.splitlines()):
+        match = PYTEST_SUMMARY.match(line.strip())
+        if match:
+            return match.group(1) + ("" if returncode == 0 else f" (exit {returncode})")
+    return "ok" if returncode == 0 else f"FAILED (exit {returncode})"
+
+
+def run_step(name: str, command: str, clone: Path, log: Path) -> dict[str, str]:
+    """Runs one step in the clone, its output to ``log``; its row of the table."""
+    env = dict(os.environ, PYTHONPATH=str(clone))  # the clone's code, whatever the venv was installed from
+    print(f"[measure] {name}: {command}", flush=True)
+    before = load()
+    start = time.monotonic()
+    with log.open("w") as out:
+        proc = subprocess.run(command, shell=True, cwd=clone, env=env, stdout=out, stderr=subprocess.STDOUT)
+    seconds = time.monotonic() - start
+    text = log.read_text(errors="replace")
+    row = {"step": STEPS[name][0], "time": minutes(seconds), "load": f"{before} -> {load()}",
+           "result": outcome(proc.returncode, text)}
+    print(f"[measure] {name}: {row['time']} ({row['result']})", flush=True)
+    return row
+
+
+def write_table(path: Path, rows: dict[str, dict[str, str]], commit: str, note: str) -> None:
+    """docs/timings.md: the machine, the date, the commit and a row per step (in the README's order)."""
+    cores = os.cpu_count()
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# How long things take",
+        "",
+        "The one place that states the project's times; every other page links here. Written by",
+        "`python3 scripts/measure_times.py` (a fresh clone in a temporary folder, each step timed in turn);",
+        "rerun it to refresh the table. Wall-clock times on the machine below: other people's work on a",
+        "shared machine lengthens them (the load averages say how busy it was), and the set-up's downloads",
+        "depend on the network and on pip's cache.",
+        "",
+        f"Machine: {cpu_model()}, {affinity} cores available ({cores} online), {platform.system()} "
+        f"{platform.release()}, Python {platform.python_version()} (running this script).",
+        f"Measured {now}, commit `{commit}`.",
+        "",
+        "| step | wall time (m:ss) | load average 1/5/15 min, before -> after | result |",
+        "|---|---|---|---|",
+    ]
+    for name, (label, _) in STEPS.items():
+        r = rows.get(name)
+        lines.append(f"| {label} | {r['time']} | {r['load']} | {r['result']} |" if r else f"| {label} | not measured in this run | | |")
+    if note:
+        lines += ["", note]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 scripts/measure_times.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", default=",".join(STEPS), help=f"comma list of steps (default: {','.join(STEPS)})")
+    parser.add_argument("--skip-full", action="store_true", help="leave out the whole test suite")
+    parser.add_argument("--venv", help="reuse this set-up virtualenv (symlinked into the clone) instead of timing the set-up")
+    parser.add_argument("--python", default=None, help="the Python that setup.sh creates .venv with (its PYTHON)")
+    parser.add_argument("--pytest-k", default=None, help="only the fast-lane tests matching this -k expression (a check of this script)")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "timings.md"), help="the table to write (default docs/timings.md)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary clone and the logs")
+    args = parser.parse_args(argv)
+    steps = [s for s in args.steps.split(",") if s]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        parser.error(f"unknown steps {unknown}; known: {list(STEPS)}")
+    if args.skip_full and "full" in steps:
+        steps.remove("full")
+    if args.venv and "setup" in steps:
+        steps.remove("setup")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                      text=True).stdout.strip():
+        print(f"[measure] note: uncommitted changes are not measured (the clone is commit {commit})", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="measure_times_"))
+    clone = tmp / "repo"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    if args.venv:
+        (clone / ".venv").symlink_to(Path(args.venv).resolve())
+    if args.python:
+        os.environ["PYTHON"] = args.python
+    rows: dict[str, dict[str, str]] = {}
+    for name in steps:
+        command = STEPS[name][1]
+        if name == "fast" and args.pytest_k:
+            command += f" -k {shlex.quote(args.pytest_k)}"
+        rows[name] = run_step(name, command, clone, tmp / f"{name}.log")
+        if name == "setup":  # what the set-up installed: the size of the fresh .venv
+            size = subprocess.run(["du", "-sh", str(clone / ".venv")], capture_output=True, text=True).stdout.split()
+            if size:
+                rows[name]["result"] += f"; `.venv` {size[0]}B"
+    notes = []
+    if args.venv:
+        notes.append("The set-up was not timed: an existing virtualenv was reused.")
+    if args.pytest_k:
+        notes.append(f"The fast lane ran only the tests matching `-k {args.pytest_k}` (a check of the script, not a figure).")
+    write_table(Path(args.out), rows, commit, " ".join(notes))
+    print(f"[measure] wrote {args.out}" + (f"; clone and logs in {tmp}" if args.keep else ""), flush=True)
+    if not args.keep:
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    return 0 if all("exit" not in r["result"] for r in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
