@@ -44,6 +44,7 @@ Rules shared with ``torchloss`` (the ``lossspec`` docstrings hold the exact cond
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional
 
@@ -424,9 +425,9 @@ def _loss(
     tuning = _xla.TUNING if impl == "xla" else _pallas.TUNING
     try:
         if axes is None:
-            tokens = _tokens((kcfg, impl, tuning), _device(logits), safe_target, coef)
+            tokens = _tokens(Spec(kcfg, impl, tuning), _device(logits), safe_target, coef)
         else:
-            tokens = _tokens_vocab_parallel((kcfg, impl, tuning, axes, vocab), _device(logits), safe_target, coef)
+            tokens = _tokens_vocab_parallel(VpSpec(kcfg, impl, tuning, axes, vocab), _device(logits), safe_target, coef)
     except TypeError as err:
         if "forward-mode" not in str(err):
             raise
@@ -722,14 +723,28 @@ def _finish(normalization: str, lead: tuple[int, ...], tokens: Array, bad: Array
     return jnp.sum(tokens) + nan_if_bad
 
 
-Spec = tuple  # (KernelConfig, impl, tuning): static, hashable
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What the loss's ``custom_vjp`` takes as static (hashable): the kernel's config, the
+    resolved impl and its tuning."""
+
+    config: KernelConfig
+    impl: str
+    tuning: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class VpSpec(Spec):
+    """:class:`Spec` of a vocab-parallel call, with the mesh axis names and the global ``V``."""
+
+    axes: tuple = ()
+    vocab: int = 0
 
 
 def _kernel(spec: Spec, x: Array, target: Array, coef: Array, with_grad: bool) -> tuple[Array, Optional[Array]]:
-    cfg, impl, tuning = spec
-    if impl == "pallas":
-        return _pallas.fused(cfg, x, target, coef, with_grad=with_grad, tuning=tuning)
-    return _xla.fused(cfg, x, target, coef, with_grad=with_grad, tuning=tuning)
+    if spec.impl == "pallas":
+        return _pallas.fused(spec.config, x, target, coef, with_grad=with_grad, tuning=spec.tuning)
+    return _xla.fused(spec.config, x, target, coef, with_grad=with_grad, tuning=spec.tuning)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -779,11 +794,8 @@ def _tokens(spec: Spec, logits: Array, target: Array, coef: Array) -> Array:
 
 
 # Vocab-parallel: the same contract, the statistics combined over the mesh axis in the forward.
-VpSpec = tuple  # (KernelConfig, impl, tuning, axis names, global V): static, hashable
-
-
 def _vp_losses(spec: VpSpec, x: Array, target: Array, coef: Array, with_grad: bool) -> tuple[Array, Optional[Array], Any]:
-    cfg, impl, tuning, axes, vocab = spec
+    cfg, impl, tuning, axes, vocab = spec.config, spec.impl, spec.tuning, spec.axes, spec.vocab
 
     def losses(x: Array, target: Array, coef: Array) -> tuple[Array, Optional[Array], Any]:
         return _vocab_parallel.losses(cfg, x, target, coef, axes=axes, vocab=vocab, impl=impl, tuning=tuning, with_grad=with_grad)
@@ -808,7 +820,7 @@ def _weighted_loss_vp_fwd(spec: VpSpec, x: Array, target: Array, coef: Array) ->
 
 def _weighted_loss_vp_bwd(spec: VpSpec, res: tuple[Any, ...], g: Array) -> tuple[Any, Any, Any]:
     grad, coef, target, x, fin = res
-    cfg, impl, tuning, _, vocab = spec
+    cfg, impl, tuning, vocab = spec.config, spec.impl, spec.tuning, spec.vocab
 
     def recompute(scaled: Array) -> Array:
         return _vocab_parallel.shard_grad(cfg, fin, x, target, scaled, vocab=vocab, impl=impl, tuning=tuning)
@@ -822,6 +834,6 @@ _weighted_loss_vp.defvjp(_weighted_loss_vp_fwd, _weighted_loss_vp_bwd)
 @functools.partial(jax.jit, static_argnums=(0,))
 def _tokens_vocab_parallel(spec: VpSpec, logits: Array, target: Array, coef: Array) -> Array:
     vocab_local = logits.shape[-1]
-    if spec[0].is_ce:
-        target = _vocab_parallel.shift_labels(target, vocab_local, spec[3])
+    if spec.config.is_ce:
+        target = _vocab_parallel.shift_labels(target, vocab_local, spec.axes)
     return _weighted_loss_vp(spec, logits.reshape(-1, vocab_local), target, coef)
