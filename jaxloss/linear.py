@@ -53,7 +53,7 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import _pallas, _pallas_linear, _vocab_parallel, _xla, api
+from . import _autodiff, _pallas, _pallas_linear, _prepare, _vocab_parallel, _xla, api
 from ._stats import F32, Final, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
 
 Array = jax.Array
@@ -646,7 +646,7 @@ def _first_order_inputs(spec: Spec, hidden: Array, weight: Array, bias: Any) -> 
     if impl == "pallas":
         message = _pallas.HIGHER_ORDER_MESSAGE
     elif shards is not None:
-        message = api.VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE
+        message = _autodiff.VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE
     elif any(dtype is not None and jnp.dtype(dtype).itemsize == 2 for dtype in dtypes):
         message = HEAD_HIGHER_ORDER_16BIT_MESSAGE
     else:
@@ -726,12 +726,12 @@ def _head_tokens(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: An
 
 
 # --------------------------------------------------------------------------------------------
-# Public functions: argument handling as in jaxloss.api._loss (checks from lossspec)
+# Public functions: argument handling as in jaxloss.api (jaxloss._prepare; checks from lossspec)
 # --------------------------------------------------------------------------------------------
 
 
 def _optional(value: Any) -> Any:
-    return None if value is None else api._as_array(value)
+    return None if value is None else _prepare.as_array(value)
 
 
 def _check_same_device(name: str, value: Any, ref: Any) -> None:
@@ -745,9 +745,9 @@ def _check_same_device(name: str, value: Any, ref: Any) -> None:
 
 
 def _denominator(config: LossConfig, denominator: Any) -> Any:
-    """The checked denominator as a 0-d fp32 array (as in :func:`jaxloss.api._loss`)."""
+    """The checked denominator as a 0-d fp32 array (as in the losses: :func:`jaxloss._prepare.checked_denominator`)."""
     lossspec.check_denominator_allowed(config, denominator)
-    return api._checked_denominator(denominator)
+    return _prepare.checked_denominator(denominator)
 
 
 def _linear_loss(kind: str, **args: Any) -> Array:
@@ -756,24 +756,24 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     options = {name: args[name] for name in spec.option_names}
     config = lossspec.make_config(kind, normalization=args["normalization"], **options)
     ce = config.has_labels
-    hidden, weight, bias = api._as_array(args["hidden"]), api._as_array(args["weight"]), _optional(args["bias"])
+    hidden, weight, bias = _prepare.as_array(args["hidden"]), _prepare.as_array(args["weight"]), _optional(args["bias"])
     teacher = None
     if not ce:
-        teacher = (api._as_array(args["teacher_hidden"]), api._as_array(args["teacher_weight"]), _optional(args["teacher_bias"]))
-    meta = lambda a: None if a is None else api._meta(a)  # noqa: E731
+        teacher = (_prepare.as_array(args["teacher_hidden"]), _prepare.as_array(args["teacher_weight"]), _optional(args["teacher_bias"]))
+    meta = lambda a: None if a is None else _prepare.array_meta(a)  # noqa: E731
     logits_meta, teacher_meta = spec_linear.check_head(kind, meta(hidden), meta(weight), meta(bias), None if ce else tuple(meta(a) for a in teacher))
-    labels = api._as_array(args["labels"]) if ce else None
+    labels = _prepare.as_array(args["labels"]) if ce else None
     loss_mask = _optional(args["loss_mask"])
     segment_ids = _optional(args["segment_ids"])
     lossspec.check_inputs(config, logits_meta, meta(labels) if ce else teacher_meta, meta(loss_mask), meta(segment_ids))
-    loss_mask = api._broadcast_mask(loss_mask, tuple(logits_meta.shape[:-1]))
+    loss_mask = _prepare.broadcast_mask(loss_mask, tuple(logits_meta.shape[:-1]))
     named = [("weight", weight), ("bias", bias), ("labels", labels), ("loss_mask", loss_mask), ("segment_ids", segment_ids)]
     if teacher is not None:
         named += list(zip(("teacher_hidden", "teacher_weight", "teacher_bias"), teacher))
     for name, value in named:
         _check_same_device(name, value, hidden)
     denominator = _denominator(config, args["denominator"])
-    if loss_mask is not None and api._concrete(loss_mask):
+    if loss_mask is not None and _prepare.is_concrete(loss_mask):
         lossspec.check_weights(np.asarray(loss_mask)[..., 1:] if config.causal_shift else np.asarray(loss_mask))
     lead, vocab = tuple(hidden.shape[:-1]), int(weight.shape[0])
     shards = None
@@ -783,8 +783,8 @@ def _linear_loss(kind: str, **args: Any) -> Array:
         vocab = vocab * _vocab_parallel.axis_size(axes)
         shards = Shards(axes, vocab)
     host_flags = None
-    concrete_ids = segment_ids is None or api._concrete(segment_ids)
-    if ce and api._concrete(labels) and (loss_mask is None or api._concrete(loss_mask)) and concrete_ids:
+    concrete_ids = segment_ids is None or _prepare.is_concrete(segment_ids)
+    if ce and _prepare.is_concrete(labels) and (loss_mask is None or _prepare.is_concrete(loss_mask)) and concrete_ids:
         labels_host = np.asarray(labels)
         mask_host = None if loss_mask is None else np.asarray(loss_mask)
         ids_host = None if segment_ids is None else lossspec.scored_segment_ids(np.asarray(segment_ids), lead, config.causal_shift)
@@ -793,19 +793,19 @@ def _linear_loss(kind: str, **args: Any) -> Array:
         valid, _ = lossspec.token_weights(config, labels_host, mask_host, lead, ids_host)
         lossspec.check_labels(labels_host, valid, vocab, config.causal_shift)
     if ce and isinstance(labels, np.ndarray):
-        labels, host_flags = api._host_labels(labels, config.ignore_index, vocab)
+        labels, host_flags = _prepare.host_labels(labels, config.ignore_index, vocab)
     # The teacher's logits are never formed: _prepare gets a [..., 1] stand-in (it only reads
     # the leading shape of a distillation target).
-    target = api._device(labels) if ce else jnp.zeros(lead + (1,), F32)
+    target = _prepare.to_device(labels) if ce else jnp.zeros(lead + (1,), F32)
     counting = LossConfig(kind=config.kind, normalization=config.normalization, ignore_index=config.ignore_index, causal_shift=config.causal_shift)
-    coef, safe_labels, bad = api._prepare(
+    coef, safe_labels, bad = _prepare.prepare(
         counting,
         vocab,
         None,  # no sequence_parallel axes for the head (yet)
         target,
-        None if loss_mask is None else api._device(loss_mask),
-        api._device_ids(segment_ids, None),
-        None if denominator is None else api._device(denominator),
+        None if loss_mask is None else _prepare.to_device(loss_mask),
+        _prepare.device_ids(segment_ids, None),
+        None if denominator is None else _prepare.to_device(denominator),
         host_flags,
     )
     kcfg = KernelConfig.of(config)
@@ -815,7 +815,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     softcaps = (getattr(config, "logit_softcap", None), getattr(config, "teacher_logit_softcap", None))
     head_spec = Spec(kcfg, config.normalization != "none", spec_linear.HeadPlan(BLOCK_ELEMENTS, BLOCKED_ROWS, impl, recompute, RECOMPUTE_PLAN),
                      softcaps, _pallas_linear.TUNING, dtypes, shards)
-    device = lambda a: None if a is None else api._device(a)  # noqa: E731
+    device = lambda a: None if a is None else _prepare.to_device(a)  # noqa: E731
     teacher_arrays = None if teacher is None else tuple(device(a) for a in teacher)
     try:
         tokens = _head_tokens(head_spec, device(hidden), device(weight), device(bias), safe_labels if ce else None, teacher_arrays, coef)
@@ -823,7 +823,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
         if "forward-mode" not in str(err):
             raise
         raise NotImplementedError(api.FORWARD_MODE_MESSAGE) from err
-    return api._finish(config.normalization, lead, tokens, bad)
+    return _prepare.finish(config.normalization, lead, tokens, bad)
 
 
 HEAD_FRAMEWORK_ARGS = spec_linear.head_framework_args(lossspec.FrameworkArgs(

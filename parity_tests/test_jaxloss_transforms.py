@@ -158,11 +158,11 @@ def test_denominator_does_not_recompile(impl: str) -> None:
     assert len(traces) == 1
     # Eager calls: a new denominator reuses the compiled kernel and preparation.
     jaxloss.cross_entropy(x, labels, mask, denominator=2.0, impl=impl)
-    sizes = (api._tokens._cache_size(), api._prepare._cache_size())
+    sizes = (jaxloss._autodiff.loss_tokens._cache_size(), jaxloss._prepare.prepare._cache_size())
     for denominator in (4.0, np.float32(6.0), jnp.asarray(8.0)):
         loss = jaxloss.cross_entropy(x, labels, mask, denominator=denominator, impl=impl)
         compare_loss(loss, case.reference(denominator=float(denominator)).loss).check()
-    assert (api._tokens._cache_size(), api._prepare._cache_size()) == sizes
+    assert (jaxloss._autodiff.loss_tokens._cache_size(), jaxloss._prepare.prepare._cache_size()) == sizes
 
 
 @pytest.mark.parametrize("impl", IMPLS)

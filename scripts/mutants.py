@@ -143,7 +143,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mask_gradient_jax",
         "jaxloss differentiates the loss w.r.t. a float loss_mask again",
-        "jaxloss/api.py::_weights",
+        "jaxloss/_prepare.py::_weights",
         "        loss_mask = jax.lax.stop_gradient(loss_mask)",
         "        loss_mask = loss_mask",
         ("parity_tests/test_jaxloss_transforms.py", "-k", "no_gradient"),
@@ -199,7 +199,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "unsigned_ids_wrap_jax",
         "JAX casts unsigned segment_ids to its signed dtype whatever their range (uint32 ids from 2**31 on become padding)",
-        "jaxloss/api.py::_signed_ids",
+        "jaxloss/_prepare.py::_signed_ids",
         "    if jnp.iinfo(ids.dtype).max <= jnp.iinfo(signed).max:",
         "    if True:",
         ("parity_tests/test_sequence_normalization.py", "-k", "jax_extreme_ids and uint32"),
@@ -415,7 +415,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "traced_bad_value_finite_grad_jax",
         "under jit a bad label / weight / denominator makes the loss NaN but leaves the gradient finite",
-        "jaxloss/api.py::_prepare",
+        "jaxloss/_prepare.py::prepare",
         "    coef = jnp.where(bad, jnp.nan, coef)",
         "    pass",
         ("parity_tests/test_jaxloss_errors.py", "-k", "nan_gradient"),
@@ -695,7 +695,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "padding_only_minus_one_jax",
         "jaxloss takes only segment id -1 for padding (-2, -3 ... count as documents)",
-        "jaxloss/api.py::_weights",
+        "jaxloss/_prepare.py::_weights",
         "        valid = valid & (segment_ids >= 0)",
         "        valid = valid & (segment_ids != -1)",
         ("parity_tests/test_sequence_normalization.py", "-m", "not slow", "-k", "jax"),
@@ -767,7 +767,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mask_not_expanded_jax",
         "jaxloss uses a broadcastable loss_mask as given, without expanding it to the leading shape",
-        "jaxloss/api.py::_broadcast_mask",
+        "jaxloss/_prepare.py::broadcast_mask",
         "    return jnp.broadcast_to(jnp.reshape(loss_mask, lossspec.squeezed_mask_shape(tuple(loss_mask.shape), lead)), lead)",
         "    return loss_mask",
         ("parity_tests/test_broadcast_mask.py",),

@@ -1,0 +1,144 @@
+"""The losses' ``jax.custom_vjp``: the kernel (XLA or Pallas, ``jaxloss._xla`` / ``jaxloss._pallas``)
+computes the per-token loss and, in the same pass, the gradient ``coef * c * dl/dz`` in the
+logits' dtype, the only residual; the backward scales it by the upstream gradient (16-bit logits:
+recomputed with ``coef * g`` and rounded once). Vocab-parallel: the same contract over
+``jaxloss._vocab_parallel``. The twin of ``torchloss._autodiff``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+
+from . import _pallas, _vocab_parallel, _xla
+from ._xla import KernelConfig
+
+Array = jax.Array
+F32 = jnp.float32
+
+VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE = (
+    "jaxloss: higher-order derivatives (grad of grad, jax.hessian, jax.jvp of a gradient) are not supported "
+    "with vocab_parallel: the shards' statistics are combined with explicit pmax/psum collectives, which are "
+    "never differentiated. Compute them on the whole vocabulary (vocab_parallel=None) with impl='xla' and "
+    "float32 logits."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What the loss's ``custom_vjp`` takes as static (hashable): the kernel's config, the
+    resolved impl and its tuning."""
+
+    config: KernelConfig
+    impl: str
+    tuning: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class VpSpec(Spec):
+    """:class:`Spec` of a vocab-parallel call, with the mesh axis names and the global ``V``."""
+
+    axes: tuple = ()
+    vocab: int = 0
+
+
+def _kernel(spec: Spec, x: Array, target: Array, coef: Array, with_grad: bool) -> tuple[Array, Optional[Array]]:
+    if spec.impl == "pallas":
+        return _pallas.fused(spec.config, x, target, coef, with_grad=with_grad, tuning=spec.tuning)
+    return _xla.fused(spec.config, x, target, coef, with_grad=with_grad, tuning=spec.tuning)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _weighted_loss(spec: Spec, x: Array, target: Array, coef: Array) -> Array:
+    """Per-token ``coef_i * l_i`` ``[N]`` (0 where ``coef == 0``) of logits ``x`` ``[N, V]``."""
+    loss, _ = _kernel(spec, x, target, coef, with_grad=False)
+    return jnp.where(coef != 0, coef * loss, 0.0)
+
+
+def _weighted_loss_fwd(spec: Spec, x: Array, target: Array, coef: Array) -> tuple[Array, tuple[Array, ...]]:
+    loss, grad = _kernel(spec, x, target, coef, with_grad=True)
+    # Residuals: the gradient (one logits-sized buffer, logits' dtype), [N] vectors, and a
+    # reference to the logits (no copy) for the 16-bit recompute below.
+    return jnp.where(coef != 0, coef * loss, 0.0), (grad, coef, target, x)
+
+
+def _weighted_loss_bwd(spec: Spec, res: tuple[Array, ...], g: Array) -> tuple[Any, Any, Any]:
+    grad, coef, target, x = res
+    return backward(grad, coef, g, lambda scaled: _kernel(spec, x, target, scaled, with_grad=True)[1])
+
+
+def backward(grad: Array, coef: Array, g: Array, recompute: Any) -> tuple[Array, None, None]:
+    """Cotangents of ``(x, target, coef)`` from the forward's gradient buffer ``grad`` and the
+    upstream ``g`` ``[N]``; ``recompute(coef')`` recomputes the gradient with coefficient ``coef'``.
+
+    The target (labels, or the teacher: stop-gradient) and ``coef`` (from the mask and the
+    denominator, which are data: stop-gradient) get no cotangent (``None``: zero)."""
+    if jnp.dtype(grad.dtype).itemsize >= 4:
+        # fp32/fp64: one more rounding stays far inside the 4e-6 bound (exact when g == 1).
+        dx = (grad.astype(F32) * g[:, None]).astype(grad.dtype)
+    else:
+        # 16-bit logits: scaling an already rounded gradient would round twice (up to ~1.5
+        # ulp). Where the upstream gradient is not exactly 1, recompute with coef * g in fp32
+        # and round once; the common g == 1 case reuses the forward's buffer.
+        unit = jnp.all(jnp.where(coef != 0, g == 1, True))
+        dx = jax.lax.cond(unit, lambda: grad, lambda: recompute(jnp.where(coef != 0, coef * g, 0.0)))
+    return dx, None, None
+
+
+_weighted_loss.defvjp(_weighted_loss_fwd, _weighted_loss_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def loss_tokens(spec: Spec, logits: Array, target: Array, coef: Array) -> Array:
+    vocab = logits.shape[-1]
+    return _weighted_loss(spec, logits.reshape(-1, vocab), target, coef)
+
+
+# Vocab-parallel: the same contract, the statistics combined over the mesh axis in the forward.
+def _vp_losses(spec: VpSpec, x: Array, target: Array, coef: Array, with_grad: bool) -> tuple[Array, Optional[Array], Any]:
+    cfg, impl, tuning, axes, vocab = spec.config, spec.impl, spec.tuning, spec.axes, spec.vocab
+
+    def losses(x: Array, target: Array, coef: Array) -> tuple[Array, Optional[Array], Any]:
+        return _vocab_parallel.losses(cfg, x, target, coef, axes=axes, vocab=vocab, impl=impl, tuning=tuning, with_grad=with_grad)
+
+    # Higher-order derivatives would differentiate pmax (no rule in JAX) and psum: refuse clearly.
+    return _xla.no_derivatives(losses, VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE)(x, target, coef)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _weighted_loss_vp(spec: VpSpec, x: Array, target: Array, coef: Array) -> Array:
+    """:func:`_weighted_loss` of this replica's vocabulary slice ``x`` ``[N, V_local]``
+    (``target``: labels shifted to the slice's column ids, or the teacher's slice)."""
+    loss, _, _ = _vp_losses(spec, x, target, coef, with_grad=False)
+    return jnp.where(coef != 0, coef * loss, 0.0)
+
+
+def _weighted_loss_vp_fwd(spec: VpSpec, x: Array, target: Array, coef: Array) -> tuple[Array, tuple[Any, ...]]:
+    loss, grad, fin = _vp_losses(spec, x, target, coef, with_grad=True)
+    # The global statistics ([N] vectors) are kept: a 16-bit recompute needs no collective.
+    return jnp.where(coef != 0, coef * loss, 0.0), (grad, coef, target, x, fin)
+
+
+def _weighted_loss_vp_bwd(spec: VpSpec, res: tuple[Any, ...], g: Array) -> tuple[Any, Any, Any]:
+    grad, coef, target, x, fin = res
+    cfg, impl, tuning, vocab = spec.config, spec.impl, spec.tuning, spec.vocab
+
+    def recompute(scaled: Array) -> Array:
+        return _vocab_parallel.shard_grad(cfg, fin, x, target, scaled, vocab=vocab, impl=impl, tuning=tuning)
+
+    return backward(grad, coef, g, recompute)
+
+
+_weighted_loss_vp.defvjp(_weighted_loss_vp_fwd, _weighted_loss_vp_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def loss_tokens_vocab_parallel(spec: VpSpec, logits: Array, target: Array, coef: Array) -> Array:
+    vocab_local = logits.shape[-1]
+    if spec.config.is_ce:
+        target = _vocab_parallel.shift_labels(target, vocab_local, spec.axes)
+    return _weighted_loss_vp(spec, logits.reshape(-1, vocab_local), target, coef)
