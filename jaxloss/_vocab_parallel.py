@@ -87,7 +87,7 @@ def axis_size(axes: Sequence[str]) -> int:
     return size
 
 
-def _axis(axes: Sequence[str]) -> AxisName:
+def axis_arg(axes: Sequence[str]) -> AxisName:
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
@@ -111,7 +111,7 @@ def local_stats(cfg: KernelConfig, x: Array, target: Array, impl: str, tuning: A
 
 def combine_shards(cfg: KernelConfig, local: Stats, x: Array, axes: Sequence[str]) -> Stats:
     """Step 2: the statistics of the whole row, identical on every shard (pmax, psum)."""
-    axis = _axis(axes)
+    axis = axis_arg(axes)
     local = varying_like(local, x)  # psum / pmax reduce values that vary over the axis
     # A NaN maximum (NaN in the shard) competes as +inf; its NaN sums mark the row bad anyway.
     m = lax.pmax(jnp.where(local.m != local.m, jnp.inf, local.m), axis)
@@ -130,7 +130,7 @@ def combine_shards(cfg: KernelConfig, local: Stats, x: Array, axes: Sequence[str
 
 def shift_labels(labels: Array, vocab_local: int, axes: Sequence[str]) -> Array:
     """Global label ids -> this shard's column ids (``labels - axis_index * V_local``)."""
-    offset = lax.axis_index(_axis(axes)) * vocab_local
+    offset = lax.axis_index(axis_arg(axes)) * vocab_local
     return labels - offset.astype(labels.dtype)
 
 
@@ -168,7 +168,7 @@ def mixture_shards(cfg: KernelConfig, fin: Final, x: Array, target: Array, axes:
     global ``lse``'s (:func:`mixture_shard_sums`, tiled; no collective), one ``psum`` of the two
     ``[N]`` sums, then the loss. The same code for both impls (it reads the shard once more)."""
     sums = mixture_shard_sums(cfg, fin, x, target)
-    kl_qm, kl_pm = lax.psum(varying_like(sums, x), _axis(axes))
+    kl_qm, kl_pm = lax.psum(varying_like(sums, x), axis_arg(axes))
     return finalize_mixture(jnp, cfg, fin, kl_qm, kl_pm)
 
 
@@ -191,8 +191,8 @@ def mixture_shard_sums(
     block = min(width, tuning.vocab_block) if width > tuning.max_single_block_vocab else width
     rows = max(1, min(n, tuning.chunk_elements // block))
     num_chunks, num_blocks = -(-n // rows), -(-width // block)
-    x_store, x_logical = _xla._storage(x)
-    t_store, t_logical = _xla._storage(target)
+    x_store, x_logical = _xla.storage(x)
+    t_store, t_logical = _xla.storage(target)
 
     def chunk(i: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
         start = jnp.minimum(i * rows, n - rows)
@@ -203,8 +203,8 @@ def mixture_shard_sums(
         def column_block(j: Array, sums: tuple[Array, Array]) -> tuple[Array, Array]:
             c0 = jnp.minimum(j * block, width - block)
             cols = c0 + lax.broadcasted_iota(jnp.int32, (1, block), 1)
-            xb = _xla._load(lax.dynamic_slice_in_dim(xc, c0, block, 1), x_logical)
-            tb = _xla._load(lax.dynamic_slice_in_dim(tc, c0, block, 1), t_logical)
+            xb = _xla.load_block(lax.dynamic_slice_in_dim(xc, c0, block, 1), x_logical)
+            tb = _xla.load_block(lax.dynamic_slice_in_dim(tc, c0, block, 1), t_logical)
             kl_qm, kl_pm = mixture_block(cfg, part, xb, tb, col_ok=cols >= j * block)
             return sums[0] + kl_qm, sums[1] + kl_pm
 

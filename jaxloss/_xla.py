@@ -69,7 +69,7 @@ def _to_bits(x: Array) -> Array:
     return lax.bitcast_convert_type(x, jnp.uint16)
 
 
-def _storage(x: Array) -> tuple[Array, Optional[jnp.dtype]]:
+def storage(x: Array) -> tuple[Array, Optional[jnp.dtype]]:
     """16-bit arrays travel through the loops as ``uint16``: XLA's CPU backend upcasts bf16 /
     fp16 dynamic-slices and dynamic-update-slices to fp32, which would convert the whole
     ``[N, V]`` array (or the gradient buffer, once per chunk). Bit patterns are exact. A
@@ -80,7 +80,7 @@ def _storage(x: Array) -> tuple[Array, Optional[jnp.dtype]]:
     return x, None
 
 
-def _load(block: Array, logical: Optional[jnp.dtype]) -> Array:
+def load_block(block: Array, logical: Optional[jnp.dtype]) -> Array:
     if logical is not None:
         block = lax.bitcast_convert_type(block, logical)
     return block.astype(F32)
@@ -123,8 +123,8 @@ def fused(
     width = min(vocab, tuning.vocab_block) if blocked else vocab
     rows = max(1, min(n, tuning.chunk_elements // width))
     num_chunks = -(-n // rows)
-    x_store, x_logical = _storage(x)
-    t_store, t_logical = _storage(target) if cfg.has_teacher else (target, None)
+    x_store, x_logical = storage(x)
+    t_store, t_logical = storage(target) if cfg.has_teacher else (target, None)
 
     def chunk(i: Array, carry: tuple[Array, Optional[Array]]) -> tuple[Array, Optional[Array]]:
         loss_buf, grad_buf = carry
@@ -164,14 +164,14 @@ def _chunk_single(
     """Rows whose whole vocabulary is one block: the exponentials are computed once and reused
     by the gradient."""
     vocab = xc.shape[1]
-    x32 = _load(xc, x_logical)
+    x32 = load_block(xc, x_logical)
     t32 = None
     if cfg.is_ce:
         # A gather of R elements, not a one-hot reduction over the chunk.
-        x_y = _load(jnp.take_along_axis(xc, jnp.clip(tc, 0, vocab - 1)[:, None], axis=1, mode="clip")[:, 0], x_logical)
+        x_y = load_block(jnp.take_along_axis(xc, jnp.clip(tc, 0, vocab - 1)[:, None], axis=1, mode="clip")[:, 0], x_logical)
         st, e, et = block_stats(cfg, x32, x_y=x_y)
     elif cfg.has_teacher:
-        t32 = _load(tc, t_logical)
+        t32 = load_block(tc, t_logical)
         st, e, et = block_stats(cfg, x32, t32)
     else:  # entropy: no target
         st, e, et = block_stats(cfg, x32)
@@ -209,13 +209,13 @@ def _chunk_blocked(
         # shares with the previous block are masked out (col_ok), in pass 2 they are rewritten.
         start = jnp.minimum(j * width, vocab - width)
         cols = start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
-        x32 = _load(lax.dynamic_slice_in_dim(xc, start, width, 1), x_logical)
-        t32 = _load(lax.dynamic_slice_in_dim(tc, start, width, 1), t_logical) if cfg.has_teacher else None
+        x32 = load_block(lax.dynamic_slice_in_dim(xc, start, width, 1), x_logical)
+        t32 = load_block(lax.dynamic_slice_in_dim(tc, start, width, 1), t_logical) if cfg.has_teacher else None
         return start, cols, x32, t32
 
     x_y = None
     if cfg.is_ce:
-        x_y = _load(jnp.take_along_axis(xc, jnp.clip(tc, 0, vocab - 1)[:, None], axis=1, mode="clip")[:, 0], x_logical)
+        x_y = load_block(jnp.take_along_axis(xc, jnp.clip(tc, 0, vocab - 1)[:, None], axis=1, mode="clip")[:, 0], x_logical)
 
     def pass1(j: Array, acc: Stats) -> Stats:
         _, cols, x32, t32 = window(j)

@@ -460,7 +460,7 @@ def head_forward(
         return loss, final
     if shards is not None and with_grad:
         # hidden feeds every shard: its gradient is the sum of the shards' G_k W_k (one psum).
-        dh = lax.psum(dh, _vocab_parallel._axis(shards.axes))  # the stored gradient's
+        dh = lax.psum(dh, _vocab_parallel.axis_arg(shards.axes))  # the stored gradient's
     return loss, dh, dw, db
 
 
@@ -569,7 +569,7 @@ def head_backward(
     dh, (dw, db) = lax.scan(vocab_slice, dh, jnp.arange(-(-vocab // cols)))
     dw, db = _stack(dw, vocab), None if db is None else _stack(db, vocab)
     if shards is not None:
-        dh = lax.psum(dh, _vocab_parallel._axis(shards.axes))  # the recompute backward's
+        dh = lax.psum(dh, _vocab_parallel.axis_arg(shards.axes))  # the recompute backward's
     return dh, dw, db
 
 

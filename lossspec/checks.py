@@ -49,7 +49,7 @@ def numpy_meta(array: np.ndarray) -> ArrayMeta:
     return meta(array.shape, kind, array.dtype.name)
 
 
-def _shape(shape: tuple[int, ...]) -> str:
+def shape_text(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
@@ -77,7 +77,7 @@ def check_inputs(
     if len(logits.shape) == 0:
         raise ValueError("logits must have shape [..., V] with at least one dimension; got a scalar")
     if logits.shape[-1] == 0:
-        raise ValueError(f"logits must have a non-empty vocabulary axis (V > 0); got shape {_shape(logits.shape)}")
+        raise ValueError(f"logits must have a non-empty vocabulary axis (V > 0); got shape {shape_text(logits.shape)}")
     if config.causal_shift:
         check_loss_time_axis(logits.shape)
     lead = logits.shape[:-1]
@@ -86,30 +86,30 @@ def check_inputs(
     elif config.has_labels:
         assert target is not None
         if target.kind not in INT_KINDS:
-            raise TypeError(f"labels must be an integer array of shape {_shape(lead)}; got dtype {target.dtype}")
+            raise TypeError(f"labels must be an integer array of shape {shape_text(lead)}; got dtype {target.dtype}")
         if target.shape != lead:
             raise ValueError(
-                f"labels must have the leading shape of logits {_shape(lead)}; got labels {_shape(target.shape)} "
-                f"for logits {_shape(logits.shape)}" + class_axis_hint(logits.shape, target.shape)
+                f"labels must have the leading shape of logits {shape_text(lead)}; got labels {shape_text(target.shape)} "
+                f"for logits {shape_text(logits.shape)}" + class_axis_hint(logits.shape, target.shape)
             )
     else:
         assert target is not None
         if target.kind != FLOAT_KIND:
             raise TypeError(
-                f"teacher_logits must be a floating-point array of shape {_shape(logits.shape)}; got dtype {target.dtype}"
+                f"teacher_logits must be a floating-point array of shape {shape_text(logits.shape)}; got dtype {target.dtype}"
             )
         if target.dtype not in LOGIT_DTYPES:
             raise TypeError(f"teacher_logits must have dtype float32, bfloat16, float16 or float64; got {target.dtype}")
         if target.shape != logits.shape:
             raise ValueError(
-                f"teacher_logits must have the shape of logits {_shape(logits.shape)}; got {_shape(target.shape)}"
+                f"teacher_logits must have the shape of logits {shape_text(logits.shape)}; got {shape_text(target.shape)}"
             )
     if loss_mask is not None:
         check_loss_mask_dtype(loss_mask)
         if not mask_broadcasts(loss_mask.shape, lead):
             raise ValueError(
-                f"loss_mask must have the leading shape of logits {_shape(lead)} or broadcast to it "
-                f"({_broadcast_examples(lead)}); got {_shape(loss_mask.shape)}" + class_axis_hint(logits.shape, loss_mask.shape)
+                f"loss_mask must have the leading shape of logits {shape_text(lead)} or broadcast to it "
+                f"({_broadcast_examples(lead)}); got {shape_text(loss_mask.shape)}" + class_axis_hint(logits.shape, loss_mask.shape)
             )
     if segment_ids is not None:
         check_segment_ids(segment_ids.kind, segment_ids.dtype, segment_ids.shape, lead)
@@ -190,7 +190,7 @@ def check_denominator_value(denominator: Any) -> None:
 
 def check_denominator_shape(shape: tuple[int, ...]) -> None:
     if tuple(shape) not in ((), (1,)):
-        raise ValueError(f"denominator must be a scalar; got shape {_shape(tuple(shape))}")
+        raise ValueError(f"denominator must be a scalar; got shape {shape_text(tuple(shape))}")
 
 
 def check_weights(loss_mask: np.ndarray) -> None:
@@ -299,8 +299,8 @@ def check_count_args(
     if loss_mask is not None and not mask_broadcasts(loss_mask.shape, lead):
         of = "labels" if labels is not None else "segment_ids"
         raise ValueError(
-            f"loss_mask must have the shape of {of} {_shape(lead)} or broadcast to it ({_broadcast_examples(lead)}); "
-            f"got {_shape(loss_mask.shape)}"
+            f"loss_mask must have the shape of {of} {shape_text(lead)} or broadcast to it ({_broadcast_examples(lead)}); "
+            f"got {shape_text(loss_mask.shape)}"
         )
     if segment_ids is not None:
         check_segment_ids(segment_ids.kind, segment_ids.dtype, segment_ids.shape, lead)
@@ -346,8 +346,8 @@ def broadcast_mask(loss_mask: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
 
 
 def _broadcast_examples(lead: tuple[int, ...]) -> str:
-    examples = [_shape(lead[1:])] if len(lead) > 1 else []
-    return "e.g. " + " or ".join(examples + [_shape(tuple(lead) + (1,))])
+    examples = [shape_text(lead[1:])] if len(lead) > 1 else []
+    return "e.g. " + " or ".join(examples + [shape_text(tuple(lead) + (1,))])
 
 
 def count_shape(labels: ArrayMeta | None, loss_mask: ArrayMeta | None, segment_ids: ArrayMeta | None) -> tuple[int, ...]:
@@ -365,8 +365,8 @@ def class_axis_hint(logits_shape: tuple[int, ...], shape: tuple[int, ...]) -> st
     if len(logits_shape) >= 3 and shape == logits_shape[:1] + logits_shape[2:]:
         moved = logits_shape[:1] + logits_shape[2:] + logits_shape[1:2]
         return (
-            f"; the class axis goes last here: logits {_shape(logits_shape)} look like torch.nn.functional.cross_entropy's "
-            f"[B, V, T] layout, pass them as {_shape(moved)} (torch: logits.movedim(1, -1); JAX: jnp.moveaxis(logits, 1, -1))"
+            f"; the class axis goes last here: logits {shape_text(logits_shape)} look like torch.nn.functional.cross_entropy's "
+            f"[B, V, T] layout, pass them as {shape_text(moved)} (torch: logits.movedim(1, -1); JAX: jnp.moveaxis(logits, 1, -1))"
         )
     return ""
 

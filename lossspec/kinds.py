@@ -153,7 +153,7 @@ _NOTATION = {
     ),
 }
 
-_ARG_DOCS: dict[str, str] = {
+ARG_DOCS: dict[str, str] = {
     "logits": "``[..., V]`` floating point (computed in fp32; fp64 in fp64 where the framework can).",
     "labels": "``[...]`` integers; labels of masked tokens are never read as indices (any value is legal there).",
     "teacher_logits": "``[..., V]`` floating point, the shape of ``logits``; gets no gradient.",
@@ -214,7 +214,7 @@ _ARG_DOCS: dict[str, str] = {
     ),
 }
 
-_RETURNS = (
+RETURNS_DOC = (
     "The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the\n"
     'per-token ``w_i l_i`` with ``labels``\' leading shape for ``normalization="none"`` (0 at masked tokens).'
 )
@@ -245,9 +245,9 @@ def docstring(spec: KindSpec, extra: FrameworkArgs) -> str:
     """The docstring of ``spec``'s public function in one framework."""
     lines = [spec.title, "", _NOTATION[spec.target], "", f"    {spec.loss}", f"    {spec.grad}", "", "Args:"]
     names = ["logits", *([spec.target] if spec.target else []), "loss_mask", *spec.option_names, "normalization", "denominator", "segment_ids"]
-    lines += [f"  {name}: {_ARG_DOCS[name]}" for name in names]
+    lines += [f"  {name}: {ARG_DOCS[name]}" for name in names]
     lines += [f"  {name}: {doc}" for name, _, doc in extra.args]
-    lines += ["", "Returns:"] + ["  " + line for line in _RETURNS.splitlines()]
+    lines += ["", "Returns:"] + ["  " + line for line in RETURNS_DOC.splitlines()]
     return "\n".join(lines) + "\n"
 
 

@@ -29,11 +29,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import accumulation
-from .checks import FLOAT_KIND, LOGIT_DTYPES, ArrayMeta, _shape, foreign_keyword_hint, meta
+from .checks import FLOAT_KIND, LOGIT_DTYPES, ArrayMeta, shape_text, foreign_keyword_hint, meta
 from .config import KINDS, check_impl
-from .kinds import _ARG_DOCS, _RETURNS, KIND_SPECS, FrameworkArgs, KindSpec
+from .kinds import ARG_DOCS, RETURNS_DOC, KIND_SPECS, FrameworkArgs, KindSpec
 from .oracle import oracle
-from .tolerances import GRAD_RTOL, GRAD_ULPS_16BIT, SIXTEEN_BIT, Comparison, _worst, gradient_scale, ulp
+from .tolerances import GRAD_RTOL, GRAD_ULPS_16BIT, SIXTEEN_BIT, Comparison, worst_comparison, gradient_scale, ulp
 
 _P = inspect.Parameter
 
@@ -62,7 +62,7 @@ _HEAD_ARG_DOCS: dict[str, str] = {
     ),
 }
 
-_HEAD_RETURNS = _RETURNS + (
+_HEAD_RETURNS = RETURNS_DOC + (
     "\nGradients flow to ``hidden``, ``weight`` and ``bias`` (accumulated in fp32 and rounded once to their\n"
     "dtypes), computed in the forward pass and scaled by the upstream gradient in the backward (with\n"
     "``recompute_logits=True``: computed in the backward)."
@@ -149,7 +149,7 @@ def head_docstring(spec: KindSpec, extra: FrameworkArgs = FrameworkArgs(())) -> 
         lines += ["The teacher logits are ``teacher_hidden @ teacher_weight.T + teacher_bias``.", ""]
     lines.append("Args:")
     names = ["hidden", "weight", *head_targets(spec), "loss_mask", *head_biases(spec), *spec.option_names, "normalization", "denominator", "segment_ids", "impl"]
-    lines += [f"  {name}: {_HEAD_ARG_DOCS.get(name) or _ARG_DOCS[name]}" for name in names]
+    lines += [f"  {name}: {_HEAD_ARG_DOCS.get(name) or ARG_DOCS[name]}" for name in names]
     lines += [f"  {name}: {doc}" for name, _, doc in extra.args]
     lines += ["", "Returns:"] + ["  " + line for line in _HEAD_RETURNS.splitlines()]
     return "\n".join(lines) + "\n"
@@ -197,21 +197,21 @@ def _check_projection(hidden_name: str, weight_name: str, bias_name: str, hidden
     if weight.kind != FLOAT_KIND or len(weight.shape) != 2:
         raise ValueError(
             f"{weight_name} must be a floating-point array of shape [V, H] (the nn.Linear layout); "
-            f"got dtype {weight.dtype}, shape {_shape(weight.shape)}"
+            f"got dtype {weight.dtype}, shape {shape_text(weight.shape)}"
         )
     if weight.dtype != hidden.dtype:
         raise TypeError(f"{weight_name} must have the dtype of {hidden_name} ({hidden.dtype}); got {weight.dtype}")
     vocab, width = weight.shape
     if vocab == 0:
-        raise ValueError(f"{weight_name} must have a non-empty vocabulary axis (V > 0); got shape {_shape(weight.shape)}")
+        raise ValueError(f"{weight_name} must have a non-empty vocabulary axis (V > 0); got shape {shape_text(weight.shape)}")
     if width != hidden.shape[-1]:
         raise ValueError(
             f"{weight_name} [V, H] must have H = {hidden_name}.shape[-1] = {hidden.shape[-1]}; got {weight_name} "
-            f"{_shape(weight.shape)} for {hidden_name} {_shape(hidden.shape)} (pass nn.Linear's weight, not its transpose)"
+            f"{shape_text(weight.shape)} for {hidden_name} {shape_text(hidden.shape)} (pass nn.Linear's weight, not its transpose)"
         )
     if bias is not None:
         if bias.shape != (vocab,):
-            raise ValueError(f"{bias_name} must have shape [V] = [{vocab}]; got {_shape(bias.shape)}")
+            raise ValueError(f"{bias_name} must have shape [V] = [{vocab}]; got {shape_text(bias.shape)}")
         if bias.dtype != weight.dtype:
             raise TypeError(f"{bias_name} must have the dtype of {weight_name} ({weight.dtype}); got {bias.dtype}")
     return vocab
@@ -238,8 +238,8 @@ def check_head(
     t_vocab = _check_projection("teacher_hidden", "teacher_weight", "teacher_bias", t_hidden, t_weight, t_bias)
     if t_hidden.shape[:-1] != hidden.shape[:-1]:
         raise ValueError(
-            f"teacher_hidden must have the leading shape of hidden {_shape(hidden.shape[:-1])}; got "
-            f"{_shape(t_hidden.shape)}"
+            f"teacher_hidden must have the leading shape of hidden {shape_text(hidden.shape[:-1])}; got "
+            f"{shape_text(t_hidden.shape)}"
         )
     if t_vocab != vocab:
         raise ValueError(f"teacher_weight must have the vocabulary of weight (V = {vocab}); got V = {t_vocab}")
@@ -342,7 +342,7 @@ def compare_head_grad(
         bound = bound + GRAD_ULPS_16BIT * ulp(np.nan_to_num(reference), dtype)
     # An all-zero reference (D == 0) must be matched exactly.
     bound = np.where(bound > 0, bound, np.finfo(np.float64).tiny)
-    return _worst(what, np.asarray(actual), reference, bound)
+    return worst_comparison(what, np.asarray(actual), reference, bound)
 
 
 # --------------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ class Comparison:
         return self
 
 
-def _worst(what: str, actual: np.ndarray, reference: np.ndarray, bound: np.ndarray) -> Comparison:
+def worst_comparison(what: str, actual: np.ndarray, reference: np.ndarray, bound: np.ndarray) -> Comparison:
     actual = np.asarray(actual, dtype=np.float64)
     reference = np.asarray(reference, dtype=np.float64)
     if actual.shape != reference.shape:
@@ -103,7 +103,7 @@ def loss_bound(reference: Any) -> np.ndarray:
 
 def compare_loss(actual: Any, reference: Any, what: str = "loss") -> Comparison:
     """``|loss - ref| <= 4e-6 * max(1, |ref|)``; NaN must match NaN."""
-    return _worst(what, np.asarray(actual), np.asarray(reference), loss_bound(reference))
+    return worst_comparison(what, np.asarray(actual), np.asarray(reference), loss_bound(reference))
 
 
 def gradient_scale(reference_grad: np.ndarray, g0: float) -> float:
@@ -134,7 +134,7 @@ def grad_bound(reference_grad: np.ndarray, dtype: str, g0: float) -> np.ndarray:
 
 def compare_grad(actual: Any, reference: Any, dtype: str, g0: float, what: str = "grad") -> Comparison:
     """Gradient bound of SPEC section 6 for logits of ``dtype``."""
-    return _worst(what, np.asarray(actual), np.asarray(reference), grad_bound(reference, dtype, g0))
+    return worst_comparison(what, np.asarray(actual), np.asarray(reference), grad_bound(reference, dtype, g0))
 
 
 def g0_for(

@@ -5,6 +5,9 @@ sources, no import of the frameworks):
   only in the table's home (lossspec/kinds.py, lossspec/config.py), the statistics and oracle math
   (lossspec/stats.py, lossspec/oracle.py), the block math (jaxloss/_stats.py, torchloss/_stats.py),
   the kernels, and the benchmark worker's peer formulas;
+- no module of the library reads another module's private names (``from .api import _prepare``,
+  ``_xla._load``): what one module offers another has a public name (private *modules*, such as
+  ``jaxloss._xla``, are the packages' internals and may be imported);
 - tests never import another test module and never edit ``sys.path``: shared helpers live in
   ``parity_tests.support``.
 """
@@ -82,3 +85,53 @@ def test_tests_import_no_test_module_and_leave_sys_path_alone() -> None:
                     and isinstance(node.value.value, ast.Name) and node.value.value.id == "sys":
                 offending.append(f"{path.relative_to(ROOT)}:{node.lineno} edits sys.path")
     assert offending == [], "\n".join(offending)
+
+
+NAMEDTUPLE_API = {"_fields", "_replace", "_asdict", "_make", "_field_defaults"}
+
+
+def private_uses(path: Path, packages: tuple[str, ...] = ("lossspec", "jaxloss", "torchloss", "lossparity")) -> list[str]:
+    """``from <our module> import _name`` and ``<our module alias>._name`` in ``path``, where
+    ``_name`` is not itself a module of the package."""
+    tree = ast.parse(path.read_text())
+    ours: set[str] = set()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if not (node.level > 0 or module.split(".")[0] in packages):
+                continue
+            folder = path.parent if node.level > 0 else ROOT / module.replace(".", "/")
+            for alias in node.names:
+                if node.level > 0 and module:
+                    folder_of_name = path.parent / module.replace(".", "/")
+                    is_module = (folder_of_name / f"{alias.name}.py").exists()
+                else:
+                    is_module = (folder / f"{alias.name}.py").exists()
+                if alias.name.startswith("_") and not alias.name.startswith("__") and not is_module:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {alias.name}")
+                ours.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            ours |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in packages}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ours \
+                and node.attr.startswith("_") and not node.attr.startswith("__") and node.attr not in NAMEDTUPLE_API:
+            if not (path.parent / f"{node.attr}.py").exists():
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} reads {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_reads_another_modules_private_names() -> None:
+    offending = [hit for path in _sources(("lossspec", "jaxloss", "torchloss", "lossparity")) for hit in private_uses(path)]
+    assert offending == [], "give the name a public name in its module:\n" + "\n".join(offending)
+
+
+def test_the_scan_finds_a_private_import(tmp_path: Path, monkeypatch) -> None:
+    """The check itself, on the two forms the head used (``api._prepare``, ``from .x import _y``)."""
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    package = tmp_path / "jaxloss"
+    package.mkdir()
+    (package / "_xla.py").write_text("")
+    probe = package / "probe.py"
+    probe.write_text("from . import _xla, api\nfrom .api import _finish\napi._prepare(1)\n_xla.fused(2)\n")
+    assert private_uses(probe) == ["jaxloss/probe.py:2 imports _finish", "jaxloss/probe.py:3 reads api._prepare"]

@@ -14,7 +14,7 @@ from parity_tests.support.torch_cases import FUNCTIONS, IMPLS, device_for, input
 
 import lossspec
 import torchloss
-from torchloss import _cpu, _torch, api
+from torchloss import _cpu, _torch
 
 KINDS = lossspec.KINDS
 OPTIONS = {
@@ -229,7 +229,7 @@ def test_backward_hands_out_its_buffer(dtype: torch.dtype, upstream: float) -> N
 def test_function_classes() -> None:
     """One autograd Function per kind; its node names the kind."""
     x = torch.randn(3, 5, requires_grad=True)
-    for kind, cls in api._FUNCTIONS.items():
+    for kind, cls in torchloss._autodiff.FUNCTIONS.items():
         function = getattr(torchloss, kind)
         if kind == "entropy":  # no target
             loss = function(x)
@@ -432,7 +432,7 @@ def test_micro_batches_with_a_global_denominator(impl: str) -> None:
 
 
 def test_auto_is_the_torch_path_on_cpu() -> None:
-    assert api._backend("auto", torch.zeros(1)) is _torch
+    assert torchloss._prepare.resolve_backend("auto", torch.zeros(1)) is _torch
 
 
 def test_import_without_triton() -> None:

@@ -17,7 +17,6 @@ from parity_tests.support.torch_cases import FUNCTIONS, IMPLS, device_for, quiet
 
 import lossspec
 import torchloss
-from torchloss import api
 
 KINDS = lossspec.KINDS
 
@@ -194,7 +193,7 @@ def test_device_side_bad_values_give_nan(monkeypatch: pytest.MonkeyPatch, kind: 
     """The code path of CUDA tensors and compiled code, run on the CPU: no value checks on the
     host, and a bad label, a negative or non-finite weight or a bad denominator tensor turns the
     loss into NaN (labels are clamped before any gather, so nothing is read out of bounds)."""
-    monkeypatch.setattr(api, "_host_readable", lambda *tensors: False)
+    monkeypatch.setattr(torchloss._prepare, "host_readable", lambda *tensors: False)
     device = device_for(impl)  # impl="triton" on TRITON_DEVICE (a real CUDA call where CUDA is available)
     logits, target, mask = _inputs(kind)
     fn = FUNCTIONS[kind]
@@ -298,7 +297,7 @@ def _call(kind: str) -> Callable[..., Any]:
 def test_unchecked_bad_values_give_nan_gradient(monkeypatch: pytest.MonkeyPatch, kind: str, impl: str, normalization: str) -> None:
     """Where the values are not checked on the host (CUDA tensors, torch.compile), a bad label,
     weight or denominator makes the gradient NaN too, not only the loss (as JAX under jit)."""
-    monkeypatch.setattr(api, "_host_readable", lambda *tensors: False)
+    monkeypatch.setattr(torchloss._prepare, "host_readable", lambda *tensors: False)
     _nan_loss_and_gradient(_call(kind), kind, impl, normalization)
 
 

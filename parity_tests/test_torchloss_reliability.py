@@ -230,9 +230,8 @@ def test_large_unsigned_labels_are_out_of_range_not_ignored() -> None:
 def test_unchecked_path_gives_nan_for_bad_weights(monkeypatch: pytest.MonkeyPatch, weights: list[float]) -> None:
     """Where values cannot be read for free (CUDA tensors, compiled code), the same rules make
     the loss and the count NaN (the twin of lossspec.check_weights)."""
-    from torchloss import api
 
-    monkeypatch.setattr(api, "_host_readable", lambda *tensors: False)
+    monkeypatch.setattr(torchloss._prepare, "host_readable", lambda *tensors: False)
     x = torch.randn(3, 5)
     labels = torch.tensor([0, 1, 2])
     mask = torch.tensor(weights, dtype=torch.float32)

@@ -207,6 +207,6 @@ _masked_loss_op.register_autograd(_backward, setup_context=_setup_context)
 
 def masked_loss(logits: Tensor, target: Tensor, coef: Tensor, config: LossConfig, impl: str, need_grad: bool) -> Tensor:
     """The loss (0-d, or ``[N]`` for ``"none"``) through ``torchloss::masked_loss``: the
-    compiled twin of ``api._MaskedLossFunction.apply``."""
+    compiled twin of ``torchloss._autodiff.MaskedLossFunction.apply``."""
     loss, _ = _masked_loss_op(logits, target, coef, *config_args(config), impl, need_grad)
     return loss

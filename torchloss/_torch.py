@@ -140,7 +140,7 @@ def _mixture_pass(config: LossConfig, stats: Any, fin: Any, x: Tensor, t: Tensor
     return stats._replace(kl_qm=kl_qm, kl_pm=kl_pm), lossspec_stats.finalize_mixture(torch, config, fin, kl_qm, kl_pm)
 
 
-def _no_autocast(device: torch.device) -> Any:
+def no_autocast(device: torch.device) -> Any:
     if device.type in ("cpu", "cuda"):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
@@ -170,7 +170,7 @@ def _run_tiles(
     compact: list[Optional[Tensor]] = [None, None]  # fp32 logits and teacher
     # Raw computations in the compute dtype: no autograd (worker threads start with grad mode
     # on) and no autocast, whatever the calling thread has enabled.
-    with torch.no_grad(), _no_autocast(device):
+    with torch.no_grad(), no_autocast(device):
         for r0, r1, runs in tiles:
             if runs is None:
                 _run_tile(config, logits, target, coef, grad, table, r0, r1, block, scratch, grad_as_scratch)
@@ -178,7 +178,7 @@ def _run_tiles(
                 _run_compact_tile(config, logits, target, coef, grad, table, r0, r1, runs, scratch, compact, tile_rows)
 
 
-def _views(flat: list[Tensor], rows: int, width: int) -> list[Tensor]:
+def row_views(flat: list[Tensor], rows: int, width: int) -> list[Tensor]:
     return [f[: rows * width].view(rows, width) for f in flat]
 
 
@@ -188,13 +188,13 @@ class Scratch:
 
     def __init__(self, flat: list[Tensor]) -> None:
         self.flat = flat
-        self._views: dict[tuple[int, int], list[Tensor]] = {}
+        self.row_views: dict[tuple[int, int], list[Tensor]] = {}
 
     def views(self, rows: int, width: int) -> list[Tensor]:
         key = (rows, width)
-        if key not in self._views:
-            self._views[key] = _views(self.flat, rows, width)
-        return list(self._views[key])
+        if key not in self.row_views:
+            self.row_views[key] = row_views(self.flat, rows, width)
+        return list(self.row_views[key])
 
 
 def _run_tile(

@@ -16,8 +16,8 @@ Everything is computed in fp32 (fp64 for fp64 logits). The formulation is :mod:`
 statistics (``torchloss._stats.combine``), finalises them (``torchloss._stats.finalize``) and
 hands the result to :func:`shard_grad`.
 
-Kernels: one per job (``_fused_kernel``, ``_regrad_kernel``, ``_shard_stats_kernel``,
-``_shard_grad_kernel``), one program per row, vocabulary blocks of up to :data:`MAX_BLOCK_V`
+Kernels: one per job (``fused_kernel``, ``regrad_kernel``, ``shard_stats_kernel``,
+``shard_grad_kernel``), one program per row, vocabulary blocks of up to :data:`MAX_BLOCK_V`
 columns; see ``docs/triton_kernels.md``.
 
 On a machine without CUDA this module sets ``TRITON_INTERPRET=1`` (unless set already) before the
@@ -64,7 +64,7 @@ MAX_BLOCK_V: int = 1024 if INTERPRETED else 4096
 
 # Interpreted launches from two threads at once fail (the interpreter patches triton.language
 # globally for the duration of a launch); compiled launches need no lock.
-_INTERPRETER_LOCK = threading.Lock()
+INTERPRETER_LOCK = threading.Lock()
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -113,10 +113,10 @@ def constexprs(job: str, config: LossConfig, logits_dtype: torch.dtype, block_v:
 
 
 KERNELS: dict[str, Any] = {
-    "fused": K._fused_kernel,
-    "regrad": K._regrad_kernel,
-    "shard_stats": K._shard_stats_kernel,
-    "shard_grad": K._shard_grad_kernel,
+    "fused": K.fused_kernel,
+    "regrad": K.regrad_kernel,
+    "shard_stats": K.shard_stats_kernel,
+    "shard_grad": K.shard_grad_kernel,
 }
 
 
@@ -134,14 +134,14 @@ def _params(
     return torch.tensor([values[name] for name in K.PARAMS], dtype=dtype, device=device)
 
 
-def _params_for(config: LossConfig, acc: torch.dtype, device: torch.device) -> Tensor:
+def params_for(config: LossConfig, acc: torch.dtype, device: torch.device) -> Tensor:
     # A cap that is off is never read (its constexpr is False): 1.0 stands in.
     cap = 1.0 if config.logit_softcap is None else config.logit_softcap
     teacher_cap = 1.0 if config.teacher_logit_softcap is None else config.teacher_logit_softcap
     return _params(config.student_scale, config.teacher_scale, config.label_smoothing, config.z_loss, config.beta, cap, teacher_cap, acc, device)
 
 
-def _check_runnable(logits: Tensor) -> None:
+def check_runnable(logits: Tensor) -> None:
     if logits.device.type == "cpu" and not (INTERPRETED and _LANGUAGE_INTERPRETED):
         raise RuntimeError(
             "impl='triton' on CPU tensors needs the Triton interpreter, enabled before triton is first "
@@ -166,7 +166,7 @@ def _launch(job: str, config: LossConfig, logits: Tensor, args: tuple, *, write_
     guard = contextlib.ExitStack()
     if INTERPRETED:
         guard.enter_context(np.errstate(all="ignore"))
-        guard.enter_context(_INTERPRETER_LOCK)
+        guard.enter_context(INTERPRETER_LOCK)
     with guard:
         kernel[(rows,)](*args, **meta, num_warps=num_warps(block_v, job, meta["SOFTCAP"] or meta["TEACHER_SOFTCAP"]),
                         enable_fp_fusion=FP_FUSION)
@@ -194,8 +194,8 @@ def forward(
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token loss ``[N]`` (compute dtype; 0 where ``coef == 0``) and, with ``need_grad``, the
     gradient ``coef * c * dl/dz`` ``[N, V]`` in the logits' dtype (written into ``out`` when
-    given; ``out`` may be ``logits`` itself). One ``_fused_kernel`` launch."""
-    _check_runnable(logits)
+    given; ``out`` may be ``logits`` itself). One ``fused_kernel`` launch."""
+    check_runnable(logits)
     _unit_stride("logits", logits)
     rows, width = logits.shape
     acc = compute_dtype(logits.dtype)
@@ -209,7 +209,7 @@ def forward(
         return loss, grad
     teacher, labels = _teacher_and_labels(config, logits, target, coef)
     grad_arg = grad if grad is not None else logits  # a pointer of the logits' dtype, never written
-    args = (logits, teacher, labels, coef.to(acc), _params_for(config, acc, device), loss, grad_arg,
+    args = (logits, teacher, labels, coef.to(acc), params_for(config, acc, device), loss, grad_arg,
             width, logits.stride(0), teacher.stride(0), grad_arg.stride(0))
     _launch("fused", config, logits, args, write_grad=grad is not None)
     return loss, grad
@@ -217,10 +217,10 @@ def forward(
 
 def regrad_(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor) -> Tensor:
     """Rewrite ``grad`` as the gradient for the upstream gradient ``upstream`` (``[1]``, or ``[N]``
-    per token, compute dtype), rounded once from the compute dtype: ``_regrad_kernel`` reads
+    per token, compute dtype), rounded once from the compute dtype: ``regrad_kernel`` reads
     ``upstream`` on the device (no host synchronisation) and recomputes only the rows where it is
     not exactly 1 (and ``coef != 0``); the others keep the forward's values."""
-    _check_runnable(logits)
+    check_runnable(logits)
     rows, width = logits.shape
     if rows == 0 or width == 0:
         return grad
@@ -231,14 +231,14 @@ def regrad_(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, up
     if up.numel() not in (1, rows):
         raise ValueError(f"upstream must hold 1 or {rows} values; got {up.numel()}")
     teacher, labels = _teacher_and_labels(config, logits, target, coef)
-    args = (logits, teacher, labels, coef.to(acc), up, _params_for(config, acc, logits.device), grad,
+    args = (logits, teacher, labels, coef.to(acc), up, params_for(config, acc, logits.device), grad,
             width, logits.stride(0), teacher.stride(0), grad.stride(0), 0 if up.numel() == 1 else 1)
     _launch("regrad", config, logits, args)
     return grad
 
 
 def shard_stats(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, offset: int) -> Any:
-    """Vocab-parallel pass 1 (``_shard_stats_kernel``): this shard's per-row statistics, a
+    """Vocab-parallel pass 1 (``shard_stats_kernel``): this shard's per-row statistics, a
     ``torchloss._stats.Stats`` with the fields ``lossspec.stats_used(config)`` (the others
     ``None``), each a contiguous ``[N]`` tensor in the compute dtype, in lossspec's convention
     (raw maxima; ``m = -inf`` for a row that saw nothing).
@@ -247,7 +247,7 @@ def shard_stats(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor
     owns it, else 0; ``n = V_local`` with label smoothing. Rows with ``coef == 0`` hold the
     empty statistics (``torchloss._stats.empty_stats``); a row with NaN or ``+inf`` has
     ``s = NaN``. No collective: the caller combines the shards (``torchloss._stats.combine``)."""
-    _check_runnable(logits)
+    check_runnable(logits)
     _unit_stride("logits", logits)
     rows, width = logits.shape
     acc = compute_dtype(logits.dtype)
@@ -255,7 +255,7 @@ def shard_stats(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor
     buf = torch.empty((len(lossspec.ROW_STATS), rows), dtype=acc, device=device)
     if rows:
         teacher, labels = _teacher_and_labels(config, logits, target, coef)
-        args = (logits, teacher, labels, coef.to(acc), _params_for(config, acc, device), buf,
+        args = (logits, teacher, labels, coef.to(acc), params_for(config, acc, device), buf,
                 width, offset, logits.stride(0), teacher.stride(0), buf.stride(0))
         _launch("shard_stats", config, logits, args)
     return Stats(**{name: buf[lossspec.ROW_STAT_INDEX[name]] for name in lossspec.stats_used(config)})
@@ -268,11 +268,11 @@ _FINAL_DEFAULTS = {"q_coef": 1.0}
 def shard_grad(
     config: LossConfig, fin: Final, logits: Tensor, target: Tensor, coef: Tensor, offset: int, vocab: int, out: Tensor
 ) -> Tensor:
-    """Vocab-parallel pass 2 (``_shard_grad_kernel``): this shard's ``coef * c * dl/dz`` from the
+    """Vocab-parallel pass 2 (``shard_grad_kernel``): this shard's ``coef * c * dl/dz`` from the
     global statistics ``fin`` (a ``torchloss._stats.Final`` from ``finalize(config, stats,
     vocab)``), rounded once into ``out``. Labels are global ids; ``vocab`` is the global ``V``.
     Rows with ``coef == 0`` are zeros, bad rows (``fin.s`` or ``fin.st`` NaN) NaN."""
-    _check_runnable(logits)
+    check_runnable(logits)
     _unit_stride("logits", logits)
     _unit_stride("out", out)
     rows, width = logits.shape
@@ -288,7 +288,7 @@ def shard_grad(
         else:
             final[i].copy_(value)
     teacher, labels = _teacher_and_labels(config, logits, target, coef)
-    args = (logits, teacher, labels, coef.to(acc), _params_for(config, acc, device), final, out,
+    args = (logits, teacher, labels, coef.to(acc), params_for(config, acc, device), final, out,
             width, vocab, offset, logits.stride(0), teacher.stride(0), out.stride(0), final.stride(0))
     _launch("shard_grad", config, logits, args)
     return out

@@ -22,22 +22,22 @@ carries the probability mass, so the gradient ``q (D - e_d / s)`` never subtract
 Kernels (one program per row; ``row`` offsets are int64; the vocabulary is walked in blocks of
 ``BLOCK_V`` columns with a masked ragged tail)::
 
-    _fused_kernel        pass 1 (online statistics), finalize, pass 2 (gradient): the forward
-    _regrad_kernel       the same for rows whose upstream gradient (read on the device) is not
+    fused_kernel        pass 1 (online statistics), finalize, pass 2 (gradient): the forward
+    regrad_kernel       the same for rows whose upstream gradient (read on the device) is not
                          exactly 1, gradient only, with coef * upstream (16-bit backward)
-    _shard_stats_kernel  pass 1 of a vocabulary shard: lossspec statistics out (vocab-parallel)
-    _shard_grad_kernel   pass 2 of a shard from the global final statistics (vocab-parallel)
+    shard_stats_kernel  pass 1 of a vocabulary shard: lossspec statistics out (vocab-parallel)
+    shard_grad_kernel   pass 2 of a shard from the global final statistics (vocab-parallel)
 
-Helpers: :func:`_row_stats` (pass 1), :func:`_finalize` (loss and what pass 2 needs),
+Helpers: :func:`_row_stats` (pass 1), :func:`finalize` (loss and what pass 2 needs),
 :func:`_row_mixture` (jensen_shannon's second pass, per entry :func:`_mixture_log_ratios`),
-:func:`_row_grad` (the gradient pass), :func:`_zero_row`, :func:`_round_for_store`, :func:`_shift`.
+:func:`_row_grad` (the gradient pass), :func:`_zero_row`, :func:`_round_for_store`, :func:`shift`.
 
 Soft caps (``lossspec.stats``): with ``SOFTCAP`` / ``TEACHER_SOFTCAP`` (``constexpr``; the caps
 themselves are runtime scalars of the parameter tensor) every block of raw logits is replaced
 by ``cap * tanh(x / cap)`` in ``ACC`` as it is loaded (:func:`_load_logits`; ``+-inf``, NaN and
 the ragged tail's ``-inf`` kept), the fused kernels cap the label's logit ``x_y`` before
-:func:`_finalize` (the shard statistics hand it out raw: ``lossspec.stats.finalize`` caps it), and
-:func:`_row_grad` multiplies the gradient by the slope (``_softcap_slope``, from the raw logits) before the one
+:func:`finalize` (the shard statistics hand it out raw: ``lossspec.stats.finalize`` caps it), and
+:func:`_row_grad` multiplies the gradient by the slope (``softcap_slope``, from the raw logits) before the one
 rounding. Off, the branches are not compiled in: the code is that of a call without caps.
 
 Rows with ``coef == 0`` are skipped (loss 0, gradient 0, empty statistics). NaN or ``+inf`` in a
@@ -137,25 +137,25 @@ assert sorted(lossspec.KIND_IDS.values()) == sorted(globals()[n].value for n in 
 
 
 @triton.jit
-def _finite(m):
+def finite(m):
     """A maximum usable as a shift (``lossspec``'s ``finite_max``): ``-inf`` (nothing but ``-inf``
     seen) becomes 0, so ``x - m`` is ``-inf`` there instead of NaN."""
     return tl.where(m == float("-inf"), 0.0, m)
 
 
 @triton.jit
-def _shift(m_old, m_new, scale):
+def shift(m_old, m_new, scale):
     """``(r, delta)`` for moving statistics from the maximum ``m_old`` to ``m_new >= m_old``:
     ``delta = m_old - m_new``, ``r = exp(scale * delta)``; both 0 where ``m_old == -inf`` (nothing
     seen: the sums are 0, and ``-inf - -inf`` must not make them NaN)."""
     empty = m_old == float("-inf")
-    delta = tl.where(empty, 0.0, _finite(m_old) - _finite(m_new))
+    delta = tl.where(empty, 0.0, finite(m_old) - finite(m_new))
     r = tl.where(empty, 0.0, tl.exp(scale * delta))
     return r, delta
 
 
 @triton.jit
-def _is_bad(v):
+def is_bad(v):
     """1 where ``v`` is NaN or ``+inf`` (int32, reduces with ``max``)."""
     return tl.where((v != v) | (v == float("inf")), 1, 0)
 
@@ -184,15 +184,15 @@ def _tanh_of(u, e):
 
 
 @triton.jit
-def _softcap(v, cap):
+def softcap(v, cap):
     """``cap * tanh(v / cap)`` on finite entries; ``+-inf`` and NaN unchanged (``lossspec.stats.softcap``)."""
     return tl.where(v - v == 0, cap * _tanh(v / cap), v)
 
 
 @triton.jit
 def _softcap_with_slope(v, cap):
-    """``(cap * tanh(v / cap), slope)``: :func:`_softcap` (the same operations) and
-    :func:`_softcap_slope` of the raw ``v``, sharing ``u = v / cap`` and ``e = exp(-2 |u|)``."""
+    """``(cap * tanh(v / cap), slope)``: :func:`softcap` (the same operations) and
+    :func:`softcap_slope` of the raw ``v``, sharing ``u = v / cap`` and ``e = exp(-2 |u|)``."""
     u = v / cap
     e = tl.exp(-2.0 * tl.abs(u))
     capped = tl.where(v - v == 0, cap * _tanh_of(u, e), v)
@@ -200,7 +200,7 @@ def _softcap_with_slope(v, cap):
 
 
 @triton.jit
-def _softcap_slope(v, cap):
+def softcap_slope(v, cap):
     """``d/dv cap tanh(v / cap) = 4 e / (1 + e)^2``, ``e = exp(-2 |v / cap|)``, from the raw ``v``
     (``lossspec.stats.softcap_slope``: no cancellation near saturation; 0 at ``+-inf``). The
     division is the fast one (``div.full.f32``, within 2 ulps on a GPU; exact in the
@@ -215,12 +215,12 @@ def _load_logits(row_ptr, cols, inside, params_ptr, CAP_SLOT: tl.constexpr, SOFT
     ``params[CAP_SLOT]`` when ``SOFTCAP``."""
     v = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(ACC)
     if SOFTCAP:
-        v = _softcap(v, tl.load(params_ptr + CAP_SLOT))
+        v = softcap(v, tl.load(params_ptr + CAP_SLOT))
     return v
 
 
 @triton.jit
-def _load_params(params_ptr):
+def load_params(params_ptr):
     """``(c, ct, eps, lam)`` from the parameter tensor (compute dtype)."""
     c = tl.load(params_ptr + P_C)
     ct = tl.load(params_ptr + P_CT)
@@ -294,7 +294,7 @@ def _row_stats(
 
     Each block is folded in directly relative to the new maxima ``m' = max(m, max block)``,
     ``mt'`` and pivot ``tau'`` (the combine of lossspec with the block's own statistics already
-    rebased): with ``(r, dm) = _shift(m, m', c)`` and ``(rt, dmt) = _shift(mt, mt', ct)``::
+    rebased): with ``(r, dm) = shift(m, m', c)`` and ``(rt, dmt) = shift(mt, mt', ct)``::
 
         s         <- r s + sum e'                       e'  = exp(c (x - m'))
         sum_shift <- sum_shift + n dm + sum (x - m')    n   = columns seen before the block
@@ -328,11 +328,11 @@ def _row_stats(
         inside = cols < V
         # The ragged tail reads -inf: probability 0, never a maximum, never a pivot.
         x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, SOFTCAP, ACC)
-        bad = bad | tl.max(tl.where(inside, _is_bad(x), 0), axis=0)
+        bad = bad | tl.max(tl.where(inside, is_bad(x), 0), axis=0)
         block_m = tl.max(x, axis=0)
         m_new = tl.maximum(m, block_m)
-        r, dm = _shift(m, m_new, c)
-        u = x - _finite(m_new)  # -inf on -inf logits and on the tail
+        r, dm = shift(m, m_new, c)
+        u = x - finite(m_new)  # -inf on -inf logits and on the tail
         e = tl.exp(c * u)
         if KIND == CROSS_ENTROPY:
             if SMOOTHING:
@@ -341,10 +341,10 @@ def _row_stats(
             h = r * (h + s * dm) + tl.sum(tl.where(e > 0, e * u, 0.0), axis=0)
         else:
             t = _load_logits(t_row, cols, inside, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC)
-            bad = bad | tl.max(tl.where(inside, _is_bad(t), 0), axis=0)
+            bad = bad | tl.max(tl.where(inside, is_bad(t), 0), axis=0)
             mt_new = tl.maximum(mt, tl.max(t, axis=0))
-            rt, dmt = _shift(mt, mt_new, ct)
-            ut = t - _finite(mt_new)
+            rt, dmt = shift(mt, mt_new, ct)
+            ut = t - finite(mt_new)
             et = tl.exp(ct * ut)
             if KIND == SOFT_CROSS_ENTROPY or KIND == FORWARD_KL:
                 a = rt * (a + st * dm) + tl.sum(tl.where(et > 0, et * u, 0.0), axis=0)
@@ -372,7 +372,7 @@ def _row_stats(
 
 
 @triton.jit
-def _finalize(
+def finalize(
     m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, h, bad, V, c, ct, eps, lam,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
 ):
@@ -389,8 +389,8 @@ def _finalize(
     Returns ``(l, m, mt, q_coef, mean_d, mean_h)`` with ``q_coef = 1 + 2 lam (lse + c m)`` (1
     without z-loss), ``mean_d = e_d / s`` and ``mean_h = h / s``; ``l`` is NaN on a bad row.
     """
-    m = _finite(m)
-    mt = _finite(mt)
+    m = finite(m)
+    mt = finite(mt)
     lse = tl.log(s)
     q_coef = lse * 0.0 + 1.0
     mean_d = lse * 0.0
@@ -453,7 +453,7 @@ def _row_grad(
     ``[0, V)`` when another shard owns it), ``V_total`` the global vocabulary. A bad row
     (``bad != 0``) is NaN everywhere: a NaN loss never comes with a plausible gradient. With
     ``SOFTCAP`` ``x`` is the capped block and the gradient is multiplied by the slope
-    (:func:`_softcap_slope` of the raw block, 0 at ``+-inf``) before the rounding.
+    (:func:`softcap_slope` of the raw block, 0 at ``+-inf``) before the rounding.
     """
     offs = tl.arange(0, BLOCK_V)
     p_scale = scale / s
@@ -532,8 +532,8 @@ def _row_forward(
         y = tl.load(y_ptr + row).to(tl.int64)
         x_y = tl.load(x_row + y).to(ACC)
         if SOFTCAP:
-            x_y = _softcap(x_y, tl.load(params_ptr + P_CAP))
-    loss, m, mt, q_coef, mean_d, mean_h = _finalize(
+            x_y = softcap(x_y, tl.load(params_ptr + P_CAP))
+    loss, m, mt, q_coef, mean_d, mean_h = finalize(
         m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, h, bad, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS
     )
     kl_qm = s * 0.0
@@ -552,7 +552,7 @@ def _row_forward(
 
 
 @triton.jit
-def _fused_kernel(
+def fused_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr,
     V, stride_x, stride_t, stride_g,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
@@ -569,7 +569,7 @@ def _fused_kernel(
     g_row = grad_ptr + row * stride_g
     coef = tl.load(coef_ptr + row)
     if coef != 0:
-        c, ct, eps, lam = _load_params(params_ptr)
+        c, ct, eps, lam = load_params(params_ptr)
         loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y = _row_forward(
             x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
         )
@@ -584,7 +584,7 @@ def _fused_kernel(
 
 
 @triton.jit
-def _regrad_kernel(
+def regrad_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr,
     V, stride_x, stride_t, stride_g, stride_up,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
@@ -602,7 +602,7 @@ def _regrad_kernel(
         x_row = x_ptr + row * stride_x
         t_row = t_ptr + row * stride_t
         g_row = grad_ptr + row * stride_g
-        c, ct, eps, lam = _load_params(params_ptr)
+        c, ct, eps, lam = load_params(params_ptr)
         scale = (coef * up) * c  # one value live across pass 1, not two
         loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y = _row_forward(
             x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
@@ -612,7 +612,7 @@ def _regrad_kernel(
 
 
 @triton.jit
-def _shard_stats_kernel(
+def shard_stats_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, stats_ptr,
     V, offset, stride_x, stride_t, stride_stat,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
@@ -635,7 +635,7 @@ def _shard_stats_kernel(
     x_y = zero
     n = zero
     if coef != 0:
-        c, ct, eps, lam = _load_params(params_ptr)
+        c, ct, eps, lam = load_params(params_ptr)
         m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(
             x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
         )
@@ -667,7 +667,7 @@ def _shard_stats_kernel(
 
 
 @triton.jit
-def _shard_grad_kernel(
+def shard_grad_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, final_ptr, grad_ptr,
     V, V_total, offset, stride_x, stride_t, stride_g, stride_fin,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
@@ -684,7 +684,7 @@ def _shard_grad_kernel(
     g_row = grad_ptr + row * stride_g
     coef = tl.load(coef_ptr + row)
     if coef != 0:
-        c, ct, eps, lam = _load_params(params_ptr)
+        c, ct, eps, lam = load_params(params_ptr)
         fin = final_ptr + row
         m = tl.load(fin + FIN_M * stride_fin)
         s = tl.load(fin + FIN_S * stride_fin)

@@ -60,13 +60,13 @@ from ._triton_kernels import (  # noqa: E402
     FORWARD_KL,
     REVERSE_KL,
     SOFT_CROSS_ENTROPY,
-    _finalize,
-    _finite,
-    _is_bad,
-    _load_params,
-    _shift,
-    _softcap,
-    _softcap_slope,
+    finalize,
+    finite,
+    is_bad,
+    load_params,
+    shift,
+    softcap,
+    softcap_slope,
 )
 
 
@@ -91,7 +91,7 @@ def _tile_logits(
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
-        acc = _softcap(acc, cap)  # the unfused kernels' cap (lossspec.stats.softcap)
+        acc = softcap(acc, cap)  # the unfused kernels' cap (lossspec.stats.softcap)
     return acc
 
 
@@ -127,7 +127,7 @@ def _head_forward_kernel(
     then ``loss[row]`` (0 where ``coef == 0``) and ``fin[FIN_<name>, row]``."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    c, ct, eps, lam = _load_params(params_ptr)
+    c, ct, eps, lam = load_params(params_ptr)
     coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
     y = tl.zeros((BLOCK_N,), tl.int64)
     if KIND == CROSS_ENTROPY:
@@ -143,21 +143,21 @@ def _head_forward_kernel(
         z, t = _head_tiles(h_ptr, w_ptr, b_ptr, th_ptr, tw_ptr, tb_ptr, rows, cols, row_ok, col_ok, H, HT,
                            stride_h, stride_w, stride_th, stride_tw, cap, t_cap,
                            KIND, HAS_BIAS, HAS_T_BIAS, HAS_SOFTCAP, HAS_T_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H)
-        bad = bad | tl.max(tl.where(col_ok[None, :], _is_bad(z), 0), axis=1)
+        bad = bad | tl.max(tl.where(col_ok[None, :], is_bad(z), 0), axis=1)
         block_m = tl.max(z, axis=1)
         m_new = tl.maximum(m, block_m)
-        r, dm = _shift(m, m_new, c)
-        u = z - _finite(m_new)[:, None]
+        r, dm = shift(m, m_new, c)
+        u = z - finite(m_new)[:, None]
         e = tl.exp(c * u)
         if KIND == CROSS_ENTROPY:
             x_y = x_y + tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
             if SMOOTHING:
                 sum_shift = sum_shift + (v0 * 1.0) * dm + tl.sum(tl.where(col_ok[None, :], u, 0.0), axis=1)
         else:
-            bad = bad | tl.max(tl.where(col_ok[None, :], _is_bad(t), 0), axis=1)
+            bad = bad | tl.max(tl.where(col_ok[None, :], is_bad(t), 0), axis=1)
             mt_new = tl.maximum(mt, tl.max(t, axis=1))
-            rt, dmt = _shift(mt, mt_new, ct)
-            ut = t - _finite(mt_new)[:, None]
+            rt, dmt = shift(mt, mt_new, ct)
+            ut = t - finite(mt_new)[:, None]
             et = tl.exp(ct * ut)
             if KIND == SOFT_CROSS_ENTROPY or KIND == FORWARD_KL:
                 a = rt * (a + st * dm) + tl.sum(tl.where(et > 0, et * u, 0.0), axis=1)
@@ -178,7 +178,7 @@ def _head_forward_kernel(
         s = r * s + tl.sum(e, axis=1)
         m = m_new
     s = tl.where(bad != 0, float("nan"), s)
-    loss, m, mt, q_coef, mean_d, mean_h = _finalize(
+    loss, m, mt, q_coef, mean_d, mean_h = finalize(
         m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, zero, bad, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS
     )
     tl.store(loss_ptr + rows, tl.where(coef != 0, loss, 0.0), mask=row_ok)
@@ -209,7 +209,7 @@ def _head_grad_tile(
         soft CE, forward KL  q - p
         reverse KL           q (D - e_d / s),  D = c (x - m) - ct (t - tau)
 
-    times the cap's slope (``_softcap_slope`` of the raw tile) with a soft cap. Exactly 0 outside the arrays and where
+    times the cap's slope (``softcap_slope`` of the raw tile) with a soft cap. Exactly 0 outside the arrays and where
     ``coef == 0``; NaN on bad rows."""
     coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
     scale = coef * c
@@ -222,7 +222,7 @@ def _head_grad_tile(
                            KIND, HAS_BIAS, HAS_T_BIAS, False, HAS_T_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H)
     z = z_raw
     if HAS_SOFTCAP:
-        z = _softcap(z_raw, cap)  # capped here: the slope below needs the raw tile
+        z = softcap(z_raw, cap)  # capped here: the slope below needs the raw tile
     u = z - m[:, None]
     e = tl.exp(c * u)
     p_scale = scale / s
@@ -245,7 +245,7 @@ def _head_grad_tile(
         else:
             g = e * p_scale[:, None] - tl.exp(ct * (t - mt[:, None])) * (scale / st)[:, None]
     if HAS_SOFTCAP:
-        g = g * _softcap_slope(z_raw, cap)
+        g = g * softcap_slope(z_raw, cap)
     g = tl.where(bad[:, None], float("nan"), g)
     return tl.where((scale != 0)[:, None] & col_ok[None, :], g, 0.0)
 
@@ -261,7 +261,7 @@ def _head_dh_kernel(
     blocks in order."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    c, ct, eps, lam = _load_params(params_ptr)
+    c, ct, eps, lam = load_params(params_ptr)
     offs = tl.arange(0, BLOCK_V)
     ks = tl.arange(0, BLOCK_H)
     for v0 in range(0, V, BLOCK_V):
@@ -291,7 +291,7 @@ def _head_dw_kernel(
     G^T h[rows]`` (fp32, ``dW`` zero on entry) and ``db[cols] = sum G``, token blocks in order."""
     cols = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     col_ok = cols < V
-    c, ct, eps, lam = _load_params(params_ptr)
+    c, ct, eps, lam = load_params(params_ptr)
     offs = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_H)
     db = tl.zeros((BLOCK_V,), tl.float32)
@@ -384,7 +384,7 @@ def head_forward(
     ``db`` over vocabulary blocks. ``block_elements`` / ``blocked_rows`` (the torch path's
     memory plan) are not used: the tiles are ``BLOCKS``.
     """
-    _triton._check_runnable(hidden)
+    _triton.check_runnable(hidden)
     n, width = hidden.shape
     vocab = weight.shape[0]
     device = hidden.device
@@ -410,7 +410,7 @@ def head_forward(
     cap, t_cap = softcaps(config)
     meta = constexprs(config, bias is not None, tb is not None, BLOCKS)
     block_n, block_v, _, warps = BLOCKS
-    params = _triton._params_for(config, f32, device)
+    params = _triton.params_for(config, f32, device)
     head = (hidden, weight, bias if bias is not None else weight, th, tw, tb if tb is not None else tw, y, coef, params)
     sizes = (n, vocab, width, th.shape[1], hidden.stride(0), weight.stride(0), th.stride(0), tw.stride(0), fin.stride(0))
     caps = (1.0 if cap is None else float(cap), 1.0 if t_cap is None else float(t_cap))
@@ -421,7 +421,7 @@ def head_forward(
     else:
         # Masked lanes are evaluated by NumPy (-inf - -inf): values the kernels discard by design.
         guard.enter_context(np.errstate(all="ignore"))
-        guard.enter_context(_triton._INTERPRETER_LOCK)
+        guard.enter_context(_triton.INTERPRETER_LOCK)
     with guard:
         _head_forward_kernel[(triton.cdiv(n, block_n),)](*head, loss, fin, *sizes, *caps, **meta, **launch)
         if need_grad:

@@ -139,7 +139,7 @@ def matmul_f32(a: Tensor, b: Tensor, out: Optional[Tensor] = None, *, accumulate
     (m, k), (k_b, n) = a.shape, b.shape
     if k != k_b:
         raise ValueError(f"matmul_f32: shapes {tuple(a.shape)} and {tuple(b.shape)} do not chain")
-    _triton._check_runnable(a)
+    _triton.check_runnable(a)
     if out is None:
         out = (torch.zeros if accumulate else torch.empty)((m, n), dtype=torch.float32, device=a.device)
     if out.shape != (m, n) or out.dtype != torch.float32:
@@ -154,7 +154,7 @@ def matmul_f32(a: Tensor, b: Tensor, out: Optional[Tensor] = None, *, accumulate
     guard = contextlib.ExitStack()
     if _triton.INTERPRETED:
         guard.enter_context(np.errstate(all="ignore"))
-        guard.enter_context(_triton._INTERPRETER_LOCK)
+        guard.enter_context(_triton.INTERPRETER_LOCK)
     with guard:
         _matmul_kernel[grid](
             a, b, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),

@@ -53,7 +53,7 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import _stats, _torch, _vocab_parallel, api
+from . import _autodiff, _prepare, _stats, _torch, _vocab_parallel, api
 from ._stats import compute_dtype
 
 __all__ = [
@@ -357,7 +357,7 @@ def _chunk_blocked(
         z, t = window(v0, v1)
         if y is not None:
             x_y += _label_logit(z, y, offset + v0)
-        part, _ = _stats.block_stats(config, z, t, _torch._views(flat, n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
+        part, _ = _stats.block_stats(config, z, t, _torch.row_views(flat, n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
         stats = _stats.combine(config, stats, part)
     if y is not None:
         stats = stats._replace(x_y=x_y)
@@ -370,7 +370,7 @@ def _chunk_blocked(
     for v0 in range(0, vocab, block):
         v1 = min(vocab, v0 + block)
         z, t = window(v0, v1)
-        _stats.block_grad(config, fin, cc, z, t, y, offset + v0, vocab if shards is None else shards.vocab, z, _torch._views(flat, n, v1 - v0), None)
+        _stats.block_grad(config, fin, cc, z, t, y, offset + v0, vocab if shards is None else shards.vocab, z, _torch.row_views(flat, n, v1 - v0), None)
         _add_head_grads(z, hc, w, v0, dh, dw, db, first=False)
     return loss, fin
 
@@ -436,7 +436,7 @@ def head_forward(
     db = torch.zeros(vocab, dtype=acc, device=device) if (need_grad and bias is not None) else None
     z_buf: Optional[Tensor] = None
     t_buf: Optional[Tensor] = None
-    with torch.no_grad(), _torch._no_autocast(device):
+    with torch.no_grad(), _torch.no_autocast(device):
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             hc = rows_in(hidden[r0:r1])
@@ -563,7 +563,7 @@ def head_backward(
     dw_j = torch.empty((cols, width), dtype=acc, device=device)
     db_j = None if bias is None else torch.empty(cols, dtype=acc, device=device)
     flat = [torch.empty(rows * cols, dtype=acc, device=device) for _ in range(blocks)]
-    with torch.no_grad(), _torch._no_autocast(device):
+    with torch.no_grad(), _torch.no_autocast(device):
         hidden_rows = _ChunkRows(hidden, rows, acc, as_is)
         teacher_rows_in = None if teacher is None else _ChunkRows(teacher[0], rows, acc, as_is)
         for v0 in range(0, vocab, cols):
@@ -581,7 +581,7 @@ def head_backward(
                 db_j.zero_()
             for r0 in range(0, n, rows):
                 r1 = min(n, r0 + rows)
-                views = _torch._views(flat, r1 - r0, v1 - v0)
+                views = _torch.row_views(flat, r1 - r0, v1 - v0)
                 hc = hidden_rows(r0, r1)
                 z = _head_logits(hc, w_j, b_j, 0, v1 - v0, out=views[0])
                 t = None
@@ -685,7 +685,7 @@ class LinearHeadFunction(torch.autograd.Function):
         with torch.no_grad():
             grads = LinearHeadFunction._gradients(ctx, grad_loss)
         if create_graph:  # first order only: differentiating these raises (torchloss.api)
-            grads = api._first_order_only(grads, ctx.anchor)
+            grads = _autodiff.first_order_only(grads, ctx.anchor)
         return grads + (None,) * 10
 
     @staticmethod
@@ -711,7 +711,7 @@ class LinearHeadFunction(torch.autograd.Function):
             scale = None
         # Scaled in place unless the graph is kept for another backward (retain_graph=True),
         # then the one rounding of each gradient to its parameter's dtype.
-        keep = ctx.reduced and api._graph_is_kept()
+        keep = ctx.reduced and _autodiff.graph_is_kept()
         if ctx.reduced and not keep:
             ctx.grads = None
 
@@ -740,7 +740,7 @@ def _stand_in(lead: tuple[int, ...], vocab: int, like: Tensor) -> Tensor:
 
 
 def _optional(name: str, value: Any) -> Optional[Tensor]:
-    return None if value is None else api._require_tensor(name, value)
+    return None if value is None else _prepare.require_tensor(name, value)
 
 
 def _check_devices(hidden: Tensor, named: dict[str, Optional[Tensor]]) -> None:
@@ -766,16 +766,16 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     options = {name: args[name] for name in spec.option_names}
     config = lossspec.make_config(kind, normalization=args["normalization"], **options)
     ce = config.has_labels
-    hidden, weight = api._require_tensor("hidden", args["hidden"]), api._require_tensor("weight", args["weight"])
+    hidden, weight = _prepare.require_tensor("hidden", args["hidden"]), _prepare.require_tensor("weight", args["weight"])
     bias = _optional("bias", args["bias"])
     teacher = None
     if not ce:
         teacher = (
-            api._require_tensor("teacher_hidden", args["teacher_hidden"]),
-            api._require_tensor("teacher_weight", args["teacher_weight"]),
+            _prepare.require_tensor("teacher_hidden", args["teacher_hidden"]),
+            _prepare.require_tensor("teacher_weight", args["teacher_weight"]),
             _optional("teacher_bias", args["teacher_bias"]),
         )
-    meta = lambda a: None if a is None else api._meta(a)  # noqa: E731
+    meta = lambda a: None if a is None else _prepare.array_meta(a)  # noqa: E731
     spec_linear.check_head(kind, meta(hidden), meta(weight), meta(bias), None if ce else tuple(meta(a) for a in teacher))
     named = {"weight": weight, "bias": bias}
     if teacher is not None:
@@ -787,8 +787,8 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     # The unfused losses' validation and coefficients (segment_ids, the label range against the
     # global V of a vocab_parallel group); no sequence_parallel for the head (yet).
     vocab_parallel = args["vocab_parallel"]
-    call = api._validate(config, logits, target, args["loss_mask"], args["segment_ids"], args["denominator"], vocab_parallel, None, "torch", False)
-    prepared = api._prepare(call)
+    call = _prepare.validate(config, logits, target, args["loss_mask"], args["segment_ids"], args["denominator"], vocab_parallel, None, "torch", False)
+    prepared = _prepare.prepare(call)
     shards = None if vocab_parallel is None else Shards(vocab_parallel, call.backend.offset, call.vocab, _widest_shard(vocab, vocab_parallel, hidden.device))
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     rows = math.prod(lead)
@@ -799,9 +799,9 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     loss = LinearHeadFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad,
         spec_linear.HeadPlan(BLOCK_ELEMENTS, BLOCKED_ROWS, impl, recompute, RECOMPUTE_PLAN), shards,
-        api.second_order_anchor(hidden, weight, bias) if need_grad else None,
+        _autodiff.second_order_anchor(hidden, weight, bias) if need_grad else None,
     )
-    return api._finish(call, prepared, loss)
+    return _prepare.finish(call, prepared, loss)
 
 
 HEAD_FRAMEWORK_ARGS = spec_linear.head_framework_args(lossspec.FrameworkArgs(
