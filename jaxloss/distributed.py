@@ -14,7 +14,6 @@ hold the same tokens and would be counted twice.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Sequence
 
 import jax
@@ -229,15 +228,14 @@ def accumulate(
     """
     lossspec.check_normalization(normalization)
     causal_shift = lossspec.check_causal_shift(causal_shift)
-    check = lossspec.accumulation.check_mode(check)
     # Checked: the step's loss and count calls recorded (at trace time under jit) and read at the end.
-    with lossspec.accumulation.recording() if check != "off" else contextlib.nullcontext([]) as calls:
-        result = _accumulate(
+    return lossspec.accumulation.run_checked(
+        lambda: _accumulate(
             loss_fn, params, batch, num_microbatches, normalization, ignore_index, count_fn, data_axes,
             labels_key, mask_key, causal_shift, segment_ids_key, sequence_parallel,
-        )
-    lossspec.accumulation.report(lossspec.accumulation.problems(calls, normalization), check, "accumulate")
-    return result
+        ),
+        check, normalization, "accumulate",
+    )
 
 
 def _accumulate(

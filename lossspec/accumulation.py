@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .config import COUNTED_NORMALIZATIONS
 
@@ -121,14 +121,24 @@ def problems(calls: list[Call], normalization: Optional[str] = None) -> list[str
     return found
 
 
-def report(found: list[str], check: str, where: str) -> None:
+def report(found: list[str], check: str, where: str, stacklevel: int = 3) -> None:
     """Raise a ``ValueError`` (``check="raise"``) or warn (``"warn"``) naming every problem."""
     if not found or check == "off":
         return
     message = f"{where}: " + ("; and ".join(found) if len(found) > 1 else found[0])
     if check == "raise":
         raise ValueError(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+def run_checked(step: Callable[[], Any], check: Any, normalization: Optional[str], where: str) -> Any:
+    """``step()`` with its loss and count calls recorded and checked (:func:`problems`) unless
+    ``check == "off"``: the body of both frameworks' ``accumulate(check=...)``."""
+    check = check_mode(check)
+    with recording() if check != "off" else contextlib.nullcontext([]) as calls:
+        result = step()
+    report(problems(calls, normalization), check, where, stacklevel=4)  # the caller of accumulate
+    return result
 
 
 @contextlib.contextmanager
