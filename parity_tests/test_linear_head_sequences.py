@@ -19,13 +19,12 @@ import pytest
 import torch
 
 import jaxloss
-import jaxloss.linear as jax_linear
 import jaxloss.nnx  # noqa: F401  (the module forms)
 import lossspec
 import torchloss
-import torchloss.linear as torch_linear
 from lossspec import linear as spec_linear
 
+from parity_tests.support.head_cases import set_block_budget
 from parity_tests.support.head_problem import BATCH, KINDS, OPTIONS, make_problem, reference
 
 VOCAB = 29
@@ -38,10 +37,7 @@ PLANS = {"whole": (7 * VOCAB, 64), "blocked": (20, 5)}
 
 @pytest.fixture
 def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    block_elements, blocked_rows = PLANS[request.param]
-    for module in (jax_linear, torch_linear):
-        monkeypatch.setattr(module, "BLOCK_ELEMENTS", block_elements)
-        monkeypatch.setattr(module, "BLOCKED_ROWS", blocked_rows)
+    set_block_budget(monkeypatch, *PLANS[request.param])
     return request.param
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 from jax.sharding import Mesh, PartitionSpec as P
-from parity_tests.support.head_cases import PLANS, grad_output_for, make_inputs, reference, run_jax, run_torch
+from parity_tests.support.head_cases import PLANS, grad_output_for, make_inputs, reference, run_jax, run_torch, set_block_budget
 from parity_tests.support.torch_cases import TORCH_DTYPES, quiet
 
 import jaxloss
@@ -420,13 +420,7 @@ def _head_options(kind: str) -> dict[str, Any]:
 
 @pytest.fixture
 def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    import jaxloss.linear as jax_linear
-    import torchloss.linear as torch_linear
-
-    block_elements, blocked_rows = PLANS[request.param]
-    for module in (jax_linear, torch_linear):
-        monkeypatch.setattr(module, "BLOCK_ELEMENTS", block_elements)
-        monkeypatch.setattr(module, "BLOCKED_ROWS", blocked_rows)
+    set_block_budget(monkeypatch, *PLANS[request.param])
     return request.param
 
 

@@ -108,10 +108,12 @@ def run_jax(kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, opti
     return np.asarray(loss, np.float64), {name: np.asarray(g.astype(jnp.float32), np.float64) for name, g in grads.items()}
 
 
-def run_torch(kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, options: dict[str, Any], grad_output: np.ndarray) -> tuple:
-    """``(loss, {name: grad})`` from ``torchloss.linear_<kind>`` through ``backward``."""
+def run_torch(kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, options: dict[str, Any], grad_output: np.ndarray,
+              device: torch.device = torch.device("cpu")) -> tuple:
+    """``(loss, {name: grad})`` from ``torchloss.linear_<kind>`` through ``backward``, the tensors on
+    ``device`` (inputs made on the host, results back on it)."""
     tdt = getattr(torch, dtype)
-    as_t = lambda a: torch.tensor(np.asarray(a, np.float32)).to(tdt)  # noqa: E731  (exact)
+    as_t = lambda a: torch.tensor(np.asarray(a, np.float32)).to(tdt).to(device)  # noqa: E731  (exact)
     params = {"hidden": as_t(inputs["hidden"]), "weight": as_t(inputs["weight"])}
     if with_bias:
         params["bias"] = as_t(inputs["bias"])
@@ -119,15 +121,16 @@ def run_torch(kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, op
         p.requires_grad_(True)
     fn = getattr(torchloss, f"linear_{kind}")
     if kind == "cross_entropy":
-        target: tuple = (torch.tensor(inputs["labels"]),)
+        target: tuple = (torch.tensor(inputs["labels"]).to(device),)
         extra: dict[str, Any] = {}
     else:
         target = (as_t(inputs["teacher_hidden"]), as_t(inputs["teacher_weight"]))
         extra = {"teacher_bias": as_t(inputs["teacher_bias"])}
-    loss = fn(params["hidden"], params["weight"], *target, torch.tensor(inputs["loss_mask"]), bias=params.get("bias"), **extra, **options)
-    loss.backward(torch.tensor(grad_output))
+    loss = fn(params["hidden"], params["weight"], *target, torch.tensor(inputs["loss_mask"]).to(device), bias=params.get("bias"), **extra,
+              **options)
+    loss.backward(torch.tensor(grad_output).to(device))
     assert all(p.grad.dtype == tdt for p in params.values())
-    return loss.detach().double().numpy(), {name: p.grad.float().double().numpy() for name, p in params.items()}
+    return loss.detach().cpu().double().numpy(), {name: p.grad.cpu().float().double().numpy() for name, p in params.items()}
 
 
 RUNNERS = {"jax": run_jax, "torch": run_torch}
@@ -145,11 +148,15 @@ def cases(names: str, axes: list[list[Any]], slow: Any, indirect: tuple[str, ...
 @pytest.fixture
 def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Set both frameworks' block budget to ``PLANS[request.param]``."""
-    block_elements, blocked_rows = PLANS[request.param]
+    set_block_budget(monkeypatch, *PLANS[request.param])
+    return request.param
+
+
+def set_block_budget(monkeypatch: pytest.MonkeyPatch, block_elements: int, blocked_rows: int) -> None:
+    """Both frameworks' fused-head block budget (``lossspec.linear.head_plan``'s inputs) for one test."""
     for module in (jax_linear, torch_linear):
         monkeypatch.setattr(module, "BLOCK_ELEMENTS", block_elements)
         monkeypatch.setattr(module, "BLOCKED_ROWS", blocked_rows)
-    return request.param
 
 
 def check(
