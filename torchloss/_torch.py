@@ -66,7 +66,7 @@ def forward(
     device = logits.device
     grad = None
     if need_grad:
-        grad = out if out is not None else _cpu.empty_output((rows, vocab), logits.dtype, device)
+        grad = out if out is not None else torch.empty((rows, vocab), dtype=logits.dtype, device=device)
     if rows == 0:
         return torch.zeros(rows, dtype=acc, device=device), grad
     block = min(vocab, MAX_VOCAB_BLOCK)

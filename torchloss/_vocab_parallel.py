@@ -203,7 +203,7 @@ class VocabParallel:
         rows = x.shape[0]
         grad = None
         if need_grad:
-            grad = out if out is not None else _cpu.empty_output(tuple(x.shape), x.dtype, x.device)
+            grad = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if rows == 0:  # every rank holds the same (no) tokens: nothing to combine
             return torch.zeros(0, dtype=compute_dtype(x.dtype), device=x.device), grad
         with torch.no_grad():
