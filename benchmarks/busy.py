@@ -26,7 +26,6 @@ import datetime as _dt
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -38,41 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._registry import MASKED_FRACTION, MIN_REPS, parse_shape  # noqa: E402
 from benchmarks.run import RESULTS, describe_machine, machine_info  # noqa: E402
+from benchmarks.spinners import Spinners  # noqa: E402
 
 CONTENDERS = ("torchloss", "F.cross_entropy")
 SHAPES = "256x4096,4096x32768"
-# One spinner: a busy loop that ends itself at its deadline whatever happens to its parent.
-SPINNER = "import time\ndeadline = time.monotonic() + {seconds}\nwhile time.monotonic() < deadline:\n    pass\n"
-
-
-class Spinners:
-    """``count`` busy subprocesses while the ``with`` block runs; each is stopped on exit (and ends
-    itself after ``seconds`` in any case)."""
-
-    def __init__(self, count: int, seconds: float) -> None:
-        self.count, self.seconds = count, seconds
-        self.procs: list[subprocess.Popen] = []
-
-    def __enter__(self) -> "Spinners":
-        code = SPINNER.format(seconds=self.seconds)
-        try:
-            for _ in range(self.count):
-                self.procs.append(subprocess.Popen([sys.executable, "-c", code]))
-        except BaseException:
-            self.__exit__()
-            raise
-        if self.procs:
-            time.sleep(0.2)  # let them reach their loop
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for proc in self.procs:
-            proc.kill()
-        for proc in self.procs:
-            proc.wait()
-        self.procs = []
-
-
 def contenders(n: int, v: int, dtype: str, masked: float, seed: int = 0) -> dict[str, Callable[[], None]]:
     """Forward+backward closures over shared inputs (labels with ``masked`` of them ``-100``)."""
     import torch

@@ -191,7 +191,7 @@ def test_busy_summary_ratios_are_medians_over_medians() -> None:
 def test_busy_spinners_are_always_stopped() -> None:
     """The competing load is bounded: stopped when the block ends, even by an exception, and each
     spinner ends itself at its deadline anyway."""
-    from benchmarks.busy import Spinners
+    from benchmarks.spinners import Spinners
 
     with pytest.raises(RuntimeError):
         with Spinners(2, 60.0) as spinners:
@@ -216,3 +216,21 @@ def test_busy_benchmark_writes_its_row(tmp_path: Path) -> None:
         assert set(run["times_s"]) == {"quiet", "busy"}
         assert all(len(times) == 2 and min(times) > 0 for cond in run["times_s"].values() for times in cond.values())
     assert (tmp_path / "busy_smoke.md").read_text().count("| torchloss |") == 2
+
+
+def test_timings_page_keeps_the_idle_and_the_busy_tables_apart(tmp_path: Path) -> None:
+    """scripts/measure_times.py: an idle run rewrites the idle table and keeps the section beside a
+    competing load; a ``--busy`` run rewrites only that section."""
+    from scripts.measure_times import BUSY_SECTION, write_table
+
+    page = tmp_path / "timings.md"
+    row = {"fast": {"time": "1:00", "load": "0 -> 0", "result": "10 passed"}}
+    write_table(page, row, "aaaaaaa", "")
+    assert BUSY_SECTION not in page.read_text() and "| 1:00 |" in page.read_text()
+    write_table(page, {"fast": dict(row["fast"], time="3:00")}, "bbbbbbb", "", busy=2)
+    text = page.read_text()
+    idle, busy = text.split(BUSY_SECTION)
+    assert "| 1:00 |" in idle and "`aaaaaaa`" in idle and "| 3:00 |" in busy and "`bbbbbbb`" in busy and "--busy 2" in busy
+    write_table(page, {"fast": dict(row["fast"], time="2:00")}, "ccccccc", "")
+    idle, busy = page.read_text().split(BUSY_SECTION)
+    assert "| 2:00 |" in idle and "| 1:00 |" not in idle and "| 3:00 |" in busy and "`bbbbbbb`" in busy
