@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 
-from . import _pallas, _vocab_parallel, _xla
-from ._xla import KernelConfig
+from .backends import pallas as _pallas, vocab_parallel as _vocab_parallel, xla as _xla
+from .backends.xla import KernelConfig
 
 Array = jax.Array
 F32 = jnp.float32

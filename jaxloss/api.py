@@ -53,7 +53,7 @@ import numpy as np
 import lossspec
 from lossspec import LossConfig
 
-from . import _pallas, _vocab_parallel, _xla
+from .backends import pallas as _pallas, vocab_parallel as _vocab_parallel, xla as _xla
 from ._autodiff import Spec, VpSpec, loss_tokens, loss_tokens_vocab_parallel
 from ._prepare import (
     array_meta,
@@ -69,7 +69,7 @@ from ._prepare import (
     sequence_axes,
     to_device,
 )
-from ._xla import KernelConfig
+from .backends.xla import KernelConfig
 
 Array = jax.Array
 F32 = jnp.float32

@@ -27,7 +27,7 @@ import lossspec
 from flax import nnx as _nnx
 
 from . import api
-from .linear_nnx import LinearCrossEntropyLoss, LinearForwardKLLoss, LinearReverseKLLoss, LinearSoftCrossEntropyLoss  # fused-head modules
+from .modules import LinearCrossEntropyLoss, LinearForwardKLLoss, LinearReverseKLLoss, LinearSoftCrossEntropyLoss  # fused-head modules
 
 __all__ = [
     "CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "ReverseKLLoss", "EntropyLoss", "JensenShannonLoss",
@@ -46,7 +46,7 @@ class _Loss(_nnx.Module):
         settings = lossspec.kinds.module_settings(spec, api.FRAMEWORK_ARGS, options, type(self).__name__)
         lossspec.check_impl(settings["impl"], lossspec.JAX_IMPLS)
         if settings["vocab_parallel"] is not None:
-            from ._vocab_parallel import axis_names
+            from .backends.vocab_parallel import axis_names
 
             axis_names(settings["vocab_parallel"])  # a bad value fails here, not at the first call
         self.normalization = settings.pop("normalization")

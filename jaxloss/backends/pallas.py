@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from lossspec.stats import finalize_mixture
 
-from ._stats import (
+from .._block import (
     F32,
     Final,
     KernelConfig,
@@ -58,7 +58,7 @@ from ._stats import (
     varying_axes,
     varying_like,
 )
-from ._xla import no_derivatives
+from .xla import no_derivatives
 
 Array = jax.Array
 MODES = ("fused", "stats", "grad")

@@ -17,7 +17,7 @@ from flax import nnx as _nnx
 import lossspec
 from lossspec import linear as spec_linear
 
-from . import linear
+from . import head
 
 __all__ = ["LinearCrossEntropyLoss", "LinearSoftCrossEntropyLoss", "LinearForwardKLLoss", "LinearReverseKLLoss"]
 
@@ -37,9 +37,9 @@ class _LinearLoss(_nnx.Module):
 
     def __init__(self, **options: Any):
         self.settings = spec_linear.head_module_settings(
-            self.kind, options, type(self).__name__, linear.HEAD_FRAMEWORK_ARGS, lossspec.JAX_IMPLS, "xla")
+            self.kind, options, type(self).__name__, head.HEAD_FRAMEWORK_ARGS, lossspec.JAX_IMPLS, "xla")
         if self.settings["vocab_parallel"] is not None:
-            from ._vocab_parallel import axis_names
+            from .backends.vocab_parallel import axis_names
 
             axis_names(self.settings["vocab_parallel"])  # a bad value fails here, not at the first call
 
@@ -56,7 +56,7 @@ class _LinearLoss(_nnx.Module):
             if len(args_list) >= 2:
                 args_list[1], teacher_bias = _unpack_linear(args_list[1], teacher_bias)
             kwargs["teacher_bias"] = teacher_bias
-        return getattr(linear, spec_linear.LINEAR_NAMES[self.kind])(hidden, weight, *args_list, **kwargs)
+        return getattr(head, spec_linear.LINEAR_NAMES[self.kind])(hidden, weight, *args_list, **kwargs)
 
 
 def _module(kind: str) -> type:

@@ -19,7 +19,7 @@ from jax import lax
 
 from lossspec import stats as _shared
 
-from ._stats import F32, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, mixture_block, varying_like
+from .._block import F32, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, mixture_block, varying_like
 
 Array = jax.Array
 

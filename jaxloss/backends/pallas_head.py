@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._stats import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, softcap, softcap_slope
+from .._block import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, softcap, softcap_slope
 
 Array = jax.Array
 HIGHEST = lax.Precision.HIGHEST

@@ -53,8 +53,9 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import _autodiff, _pallas, _pallas_linear, _prepare, _vocab_parallel, _xla, api
-from ._stats import F32, Final, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
+from . import _autodiff, _prepare, api
+from .backends import pallas as _pallas, pallas_head as _pallas_linear, vocab_parallel as _vocab_parallel, xla as _xla
+from ._block import F32, Final, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
 
 Array = jax.Array
 HIGHEST = lax.Precision.HIGHEST

@@ -38,10 +38,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _pallas, _xla
+from . import pallas as _pallas, xla as _xla
 from lossspec.stats import finalize_mixture
 
-from ._stats import (
+from .._block import (
     F32,
     Final,
     KernelConfig,

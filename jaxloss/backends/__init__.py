@@ -1,0 +1,2 @@
+"""The backends of ``impl=``: the XLA path and the Pallas kernels (the loss and the fused head), and the
+vocab-parallel steps over them."""
