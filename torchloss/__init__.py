@@ -45,7 +45,7 @@ from .api import (  # noqa: E402
     soft_cross_entropy,
 )
 from .distributed import accumulate, global_denominator  # noqa: E402
-from .linear import linear_cross_entropy, linear_forward_kl, linear_reverse_kl, linear_soft_cross_entropy  # noqa: E402
+from .head import linear_cross_entropy, linear_forward_kl, linear_reverse_kl, linear_soft_cross_entropy  # noqa: E402
 
 __all__ = [
     "cross_entropy",

@@ -45,8 +45,8 @@ from torch import Tensor
 
 from lossspec import LossConfig
 
-from . import _torch
-from ._stats import compute_dtype
+from .backends import torch as _torch
+from ._block import compute_dtype
 
 __all__ = ["CONFIG_FIELDS", "masked_loss", "config_args"]
 
@@ -93,7 +93,7 @@ def _backend(impl: str) -> Any:
     if impl == "torch":
         return _torch
     if impl == "triton":
-        from . import _triton
+        from .backends import triton as _triton
 
         return _triton
     raise ValueError(f"torchloss ops take impl 'torch' or 'triton'; got {impl!r}")

@@ -20,8 +20,8 @@ from torch import Tensor
 import lossspec
 from lossspec import LossConfig
 
-from . import _torch, _vocab_parallel
-from ._stats import compute_dtype
+from .backends import torch as _torch, vocab_parallel as _vocab_parallel
+from ._block import compute_dtype
 
 Denominator = Union[int, float, Tensor, None]
 
@@ -87,7 +87,7 @@ def resolve_backend(impl: str, logits: Tensor) -> ModuleType:
     if impl == "torch":
         return _torch
     try:
-        from . import _triton
+        from .backends import triton as _triton
     except ImportError as err:  # pragma: no cover - depends on the installation
         raise ImportError("impl='triton' needs the triton package (pip install triton); impl='torch' works without it") from err
     return _triton

@@ -37,7 +37,8 @@ from torch import Tensor
 
 import lossspec
 
-from . import _ops, _prepare, _torch
+from . import _ops, _prepare
+from .backends import torch as _torch
 from ._autodiff import (  # noqa: F401  (the Function classes are public here)
     FUNCTIONS,
     CrossEntropyFunction,
@@ -116,7 +117,7 @@ def _impl_name(backend: Any) -> str:
     """The ``impl`` name of a single-device backend module (what the custom op takes)."""
     if backend is _torch:
         return "torch"
-    if getattr(backend, "__name__", "") == "torchloss._triton":
+    if getattr(backend, "__name__", "") == "torchloss.backends.triton":
         return "triton"
     raise NotImplementedError(f"torchloss: no custom op for the backend {backend!r} (vocab_parallel runs eagerly)")
 

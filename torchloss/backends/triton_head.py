@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _triton  # first: it decides TRITON_INTERPRET before triton is imported
+from . import triton as _triton  # first: it decides TRITON_INTERPRET before triton is imported
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -48,7 +48,7 @@ import triton.language as tl  # noqa: E402
 import lossspec  # noqa: E402
 from lossspec import LossConfig  # noqa: E402
 
-from ._triton_kernels import (  # noqa: E402
+from .triton_kernels import (  # noqa: E402
     CROSS_ENTROPY,
     FIN_M,
     FIN_MEAN_D,

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _triton  # first: it decides TRITON_INTERPRET before triton is imported
+from . import triton as _triton  # first: it decides TRITON_INTERPRET before triton is imported
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -53,8 +53,9 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import _autodiff, _prepare, _stats, _torch, _vocab_parallel, api
-from ._stats import compute_dtype
+from . import _autodiff, _block as _stats, _prepare, api
+from .backends import torch as _torch, vocab_parallel as _vocab_parallel
+from ._block import compute_dtype
 
 __all__ = [
     "linear_cross_entropy",
@@ -139,7 +140,7 @@ def _triton_matmuls(device: torch.device) -> bool:
     if device.type not in TRITON_MATMUL_DEVICES:
         return False
     try:
-        from . import _triton_matmul  # noqa: F401
+        from .backends import triton_matmul as _triton_matmul  # noqa: F401
     except ImportError:
         return False
     return True
@@ -168,7 +169,7 @@ def mm_f32(a: Tensor, b: Tensor, out: Optional[Tensor] = None, *, accumulate: bo
     Triton kernel (the split in registers); else cuBLAS with fp32 compute (``out_dtype``) on CUDA,
     exact fp32 upcasts elsewhere (the same numbers; the tests exercise this path on the CPU)."""
     if _triton_matmuls(a.device):
-        from . import _triton_matmul
+        from .backends import triton_matmul as _triton_matmul
 
         return _triton_matmul.matmul_f32(a, b, out, accumulate=accumulate)
     terms = split_bf16(a) if a.dtype == torch.float32 else [a]
@@ -610,7 +611,7 @@ def _head_forward(plan: spec_linear.HeadPlan) -> Any:
     ``"triton"`` runs the fused kernels of :mod:`torchloss._triton_linear` (fp32 / 16-bit inputs;
     no vocabulary shards), anything else :func:`head_forward`."""
     if plan.impl == "triton":
-        from . import _triton_linear
+        from .backends import triton_head as _triton_linear
 
         def kernels(*args: Any, shards: Any = None, **kwargs: Any) -> Any:
             assert shards is None  # refused by head_impl

@@ -32,8 +32,9 @@ from torch import Tensor
 
 from lossspec import LossConfig
 
-from . import _cpu, _stats
-from ._stats import compute_dtype
+from . import cpu_tiles as _cpu
+from .. import _block as _stats
+from .._block import compute_dtype
 
 # The Stats fields that are sums over the vocabulary (summed once rescaled to the global maxima).
 SUM_FIELDS = _stats.stats.SUM_STATS

@@ -31,8 +31,9 @@ from torch import Tensor
 from lossspec import LossConfig
 from lossspec import stats as lossspec_stats
 
-from . import _cpu, _stats
-from ._stats import compute_dtype
+from . import cpu_tiles as _cpu
+from .. import _block as _stats
+from .._block import compute_dtype
 
 __all__ = ["forward", "regrad_", "compute_dtype", "MAX_VOCAB_BLOCK"]
 

@@ -49,8 +49,8 @@ import triton.language as tl  # noqa: E402
 import lossspec  # noqa: E402
 from lossspec import LossConfig  # noqa: E402
 
-from . import _triton_kernels as K  # noqa: E402
-from ._stats import Final, Stats, compute_dtype  # noqa: E402
+from . import triton_kernels as K  # noqa: E402
+from .._block import Final, Stats, compute_dtype  # noqa: E402
 
 __all__ = ["forward", "regrad_", "shard_stats", "shard_grad", "INTERPRETED", "MAX_BLOCK_V"]
 
