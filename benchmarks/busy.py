@@ -1,6 +1,6 @@
 """The torch cross-entropy on a quiet and on a busy CPU: does it degrade more than PyTorch's own?
 
-On a shared or oversubscribed machine the torch path's CPU worker pool (``torchloss/_cpu.py``)
+On a shared or oversubscribed machine the torch path's CPU worker pool (``torchloss/backends/cpu_tiles.py``)
 must slow down no more than ``F.cross_entropy`` does. For each shape (``--shapes``: a small one,
 where per-op overhead and OpenMP barriers dominate, and a large one, where memory and page
 faults do) this times forward+backward of

@@ -2,13 +2,13 @@
 
 For each loss kind, times ``torchloss.<kind>(..., impl="triton")`` forward + backward at
 N x V (default 16384 x 131072, bf16 logits, 30% of the tokens masked) for each vocabulary block
-(``torchloss._triton.MAX_BLOCK_V``) and warp count, medians of CUDA-event timings, and checks
+(``torchloss.backends.triton.MAX_BLOCK_V``) and warp count, medians of CUDA-event timings, and checks
 that every configuration gives the default configuration's loss and gradient up to fp32
 reassociation (the summation order follows the block). Prints a table and writes JSON::
 
     python -m benchmarks.gpu_triton_sweep [--n 16384] [--v 131072] [--reps 20] [--kinds K1,K2] [--max-seconds S] [--json PATH]
 
-The defaults of ``torchloss._triton`` (``MAX_BLOCK_V``, ``num_warps``) are chosen from this
+The defaults of ``torchloss.backends.triton`` (``MAX_BLOCK_V``, ``num_warps``) are chosen from this
 sweep; the kernels' correctness at every block size is the test suite's business.
 """
 
@@ -26,7 +26,7 @@ import torch
 
 import lossspec
 import torchloss
-from torchloss import _triton
+from torchloss.backends import triton as _triton
 
 KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
 BLOCKS = (2048, 4096, 8192, 16384)

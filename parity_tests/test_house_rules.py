@@ -3,11 +3,11 @@ sources, no import of the frameworks):
 
 - kinds are chosen by the kind table's traits (``lossspec.KIND_SPECS``): a kind's name is compared
   only in the table's home (lossspec/kinds.py, lossspec/config.py), the statistics and oracle math
-  (lossspec/stats.py, lossspec/oracle.py), the block math (jaxloss/_stats.py, torchloss/_stats.py),
+  (lossspec/stats.py, lossspec/oracle.py), the block math (jaxloss/_block.py, torchloss/_block.py),
   the kernels, and the benchmark worker's peer formulas;
 - no module of the library reads another module's private names (``from .api import _prepare``,
   ``_xla._load``): what one module offers another has a public name (private *modules*, such as
-  ``jaxloss._xla``, are the packages' internals and may be imported);
+  ``jaxloss.backends.xla``, are the packages' internals and may be imported);
 - tests never import another test module and never edit ``sys.path``: shared helpers live in
   ``parity_tests.support``.
 """
@@ -24,9 +24,9 @@ LIBRARY = ("lossspec", "jaxloss", "torchloss", "lossparity", "benchmarks")
 NAMES_KINDS = {
     "lossspec/kinds.py", "lossspec/config.py",  # the kind table
     "lossspec/stats.py", "lossspec/oracle.py",  # the statistics / oracle math
-    "jaxloss/_stats.py", "torchloss/_stats.py",  # the block math
-    "jaxloss/_pallas.py", "jaxloss/_pallas_linear.py",  # kernels
-    "torchloss/_triton.py", "torchloss/_triton_kernels.py", "torchloss/_triton_linear.py",
+    "jaxloss/_block.py", "torchloss/_block.py",  # the block math
+    "jaxloss/backends/pallas.py", "jaxloss/backends/pallas_head.py",  # kernels
+    "torchloss/backends/triton.py", "torchloss/backends/triton_kernels.py", "torchloss/backends/triton_head.py",
     "benchmarks/_worker.py",  # the peers' own per-kind expressions
 }
 
@@ -101,13 +101,10 @@ def private_uses(path: Path, packages: tuple[str, ...] = ("lossspec", "jaxloss",
             module = node.module or ""
             if not (node.level > 0 or module.split(".")[0] in packages):
                 continue
-            folder = path.parent if node.level > 0 else ROOT / module.replace(".", "/")
+            base = path.parents[node.level - 1] if node.level > 0 else ROOT  # "from .." is the parent package
+            folder = base / module.replace(".", "/") if module else base
             for alias in node.names:
-                if node.level > 0 and module:
-                    folder_of_name = path.parent / module.replace(".", "/")
-                    is_module = (folder_of_name / f"{alias.name}.py").exists()
-                else:
-                    is_module = (folder / f"{alias.name}.py").exists()
+                is_module = (folder / f"{alias.name}.py").exists()
                 if alias.name.startswith("_") and not alias.name.startswith("__") and not is_module:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {alias.name}")
                 ours.add(alias.asname or alias.name)
@@ -135,3 +132,15 @@ def test_the_scan_finds_a_private_import(tmp_path: Path, monkeypatch) -> None:
     probe = package / "probe.py"
     probe.write_text("from . import _xla, api\nfrom .api import _finish\napi._prepare(1)\n_xla.fused(2)\n")
     assert private_uses(probe) == ["jaxloss/probe.py:2 imports _finish", "jaxloss/probe.py:3 reads api._prepare"]
+
+
+def test_the_scan_resolves_modules_of_the_parent_package(tmp_path: Path, monkeypatch) -> None:
+    """``from .. import _block`` in ``backends/`` imports a private module of the package (allowed);
+    ``from ..api import _finish`` a private name (found)."""
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    backends = tmp_path / "jaxloss" / "backends"
+    backends.mkdir(parents=True)
+    (tmp_path / "jaxloss" / "_block.py").write_text("")
+    probe = backends / "probe.py"
+    probe.write_text("from .. import _block\nfrom .._block import F32\nfrom ..api import _finish\n_block.combine(1)\n")
+    assert private_uses(probe) == ["jaxloss/backends/probe.py:3 imports _finish"]

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxloss
 import lossspec
-from jaxloss import _pallas, _xla
+from jaxloss.backends import pallas as _pallas, xla as _xla
 
 KINDS = lossspec.ENTROPY_JSD_KINDS
 DTYPES = ("float32", "bfloat16")

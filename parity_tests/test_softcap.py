@@ -32,9 +32,9 @@ from parity_tests.support.torch_cases import TORCH_DTYPES, quiet
 import jaxloss
 import lossspec
 import torchloss
-from jaxloss import _pallas, _xla
+from jaxloss.backends import pallas as _pallas, xla as _xla
 from lossspec import linear as spec_linear
-from torchloss import _torch
+from torchloss.backends import torch as _torch
 
 from parity_tests.support import ranks
 from parity_tests.support.torch_problem import TRITON_DEVICE, device_for
@@ -198,8 +198,8 @@ def test_bad_caps_same_error_everywhere(value: Any, error: type, message: str) -
         "jaxloss": lambda **o: jaxloss.forward_kl(jnp.asarray(x), jnp.asarray(x), **o),
         "torchloss": lambda **o: torchloss.forward_kl(torch.from_numpy(x), torch.from_numpy(x), **o),
         "torchloss.nn": lambda **o: torchloss.nn.ForwardKLLoss(**o),
-        "jaxloss.linear": lambda **o: jaxloss.linear_forward_kl(jnp.ones((2, 3)), jnp.ones((5, 3)), jnp.ones((2, 3)), jnp.ones((5, 3)), **o),
-        "torchloss.linear": lambda **o: torchloss.linear_forward_kl(torch.ones(2, 3), torch.ones(5, 3), torch.ones(2, 3), torch.ones(5, 3), **o),
+        "jaxloss.head": lambda **o: jaxloss.linear_forward_kl(jnp.ones((2, 3)), jnp.ones((5, 3)), jnp.ones((2, 3)), jnp.ones((5, 3)), **o),
+        "torchloss.head": lambda **o: torchloss.linear_forward_kl(torch.ones(2, 3), torch.ones(5, 3), torch.ones(2, 3), torch.ones(5, 3), **o),
     }
     for name, call in calls.items():
         for option in ("logit_softcap", "teacher_logit_softcap"):
@@ -309,7 +309,7 @@ def test_saturated_slope(impl: str, kind: str) -> None:
 @pytest.mark.parametrize("kind", ("cross_entropy", "reverse_kl", "entropy"))
 def test_saturated_slope_kernels(impl: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """:func:`test_saturated_slope` on the interpreted kernels, rows over several blocks."""
-    from torchloss import _triton
+    from torchloss.backends import triton as _triton
 
     monkeypatch.setattr(_pallas, "TUNING", _pallas.PallasTuning(block_rows=2, block_vocab=16))
     monkeypatch.setattr(_triton, "MAX_BLOCK_V", 16)
@@ -431,7 +431,7 @@ def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     indirect=("plan",),
 )
 def test_fused_head(framework: str, kind: str, dtype: str, plan: str) -> None:
-    import jaxloss.linear as jax_linear
+    import jaxloss.head as jax_linear
 
     assert jax_linear.BLOCK_ELEMENTS == PLANS[plan][0]  # the plan fixture set it
     inputs = make_inputs(kind, dtype, seed=5)
@@ -584,7 +584,7 @@ def test_pallas_matches_oracle(kind: str, monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_triton_matches_oracle(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchloss import _triton
+    from torchloss.backends import triton as _triton
 
     monkeypatch.setattr(_triton, "MAX_BLOCK_V", 32)  # several blocks and a ragged tail
     upstream = np.linspace(0.5, 2.0, 6).astype(np.float32)  # the 16-bit regrad kernel
@@ -621,8 +621,8 @@ def test_triton_tanh_is_accurate() -> None:
     import triton.language as tl
 
     global _kernels
-    from torchloss import _triton  # noqa: F401  (sets the interpreter up first)
-    from torchloss import _triton_kernels as _kernels  # a global: the jitted function reads it
+    from torchloss.backends import triton as _triton  # noqa: F401  (sets the interpreter up first)
+    from torchloss.backends import triton_kernels as _kernels  # a global: the jitted function reads it
 
     assert lossspec.stats.tanh_series(4) == (1.0, -1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0)
 

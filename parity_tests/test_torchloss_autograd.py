@@ -14,7 +14,7 @@ from parity_tests.support.torch_cases import FUNCTIONS, IMPLS, device_for, input
 
 import lossspec
 import torchloss
-from torchloss import _cpu, _torch
+from torchloss.backends import cpu_tiles as _cpu, torch as _torch
 
 KINDS = lossspec.KINDS
 OPTIONS = {

@@ -26,7 +26,7 @@ from parity_tests.support.torch_cases import TORCH_DTYPES, quiet
 
 import lossspec
 import torchloss
-from torchloss import _torch
+from torchloss.backends import torch as _torch
 
 from parity_tests.support import ranks
 from parity_tests.support.torch_problem import TRITON_DEVICE, device_for
@@ -200,7 +200,7 @@ def test_torch_compile(kind: str) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_triton_matches_oracle(kind: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchloss import _triton
+    from torchloss.backends import triton as _triton
 
     monkeypatch.setattr(_triton, "MAX_BLOCK_V", 32)  # several blocks and a ragged tail
     for scenario, norm in (("neg_inf", "valid_tokens"), ("huge", "none"), ("float_weights", "sum")):

@@ -18,7 +18,8 @@ import torch
 from parity_tests.support.torch_cases import DTYPES, IMPLS, FUNCTIONS, check, device_for, inputs, quiet, run
 
 import lossspec
-from torchloss import _cpu, _stats, _torch
+from torchloss import _block
+from torchloss.backends import cpu_tiles as _cpu, torch as _torch
 
 KINDS = lossspec.KINDS
 SCENARIOS = lossspec.SCENARIOS
@@ -259,7 +260,7 @@ def test_torch_path_vocab_blocks(monkeypatch: pytest.MonkeyPatch, kind: str, dty
 @pytest.mark.parametrize("kind", KINDS)
 def test_torch_path_row_tiles(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     # 3 rows of 100 a tile for every kind (kinds with 4 buffers take half tiles), ragged last tile
-    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 300 if _stats.buffers_needed(kind) < 4 else 600)
+    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 300 if _block.buffers_needed(kind) < 4 else 600)
     upstream = np.random.default_rng(3).uniform(-3, 3, size=(3, 5)).astype(np.float32)
     for dtype in DTYPES:
         case = _case(kind, "float_weights", dtype, vocab=100, lead_shape=(3, 5))
@@ -276,7 +277,7 @@ def test_torch_path_compact_tiles(monkeypatch: pytest.MonkeyPatch, kind: str) ->
     tiles: list = []
     plan = _cpu.compact_tiles
     monkeypatch.setattr(_cpu, "compact_tiles", lambda *args: tiles.append(plan(*args)) or tiles[-1])
-    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 400 if _stats.buffers_needed(kind) < 4 else 800)  # 4 valid rows of 100 a tile
+    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 400 if _block.buffers_needed(kind) < 4 else 800)  # 4 valid rows of 100 a tile
     for dtype in ("bfloat16", "float16"):
         for scenario in ("random", "heavy_mask", "float_weights", "all_masked"):
             case = _case(kind, scenario, dtype, vocab=100, lead_shape=(3, 7))
@@ -290,7 +291,7 @@ def test_torch_path_compact_tiles(monkeypatch: pytest.MonkeyPatch, kind: str) ->
 @pytest.mark.parametrize("kind", KINDS)
 def test_triton_vocab_blocks(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """Several loop iterations over vocabulary blocks of 64 with a ragged tail (online softmax)."""
-    from torchloss import _triton
+    from torchloss.backends import triton as _triton
 
     monkeypatch.setattr(_triton, "MAX_BLOCK_V", 64)
     options = BLOCK_OPTIONS[kind]

@@ -15,7 +15,7 @@ from parity_tests.support.torch_cases import FUNCTIONS, TORCH_DTYPES, inputs
 
 import lossspec
 import torchloss
-from torchloss import _cpu
+from torchloss.backends import cpu_tiles as _cpu
 
 KINDS = lossspec.KINDS
 
@@ -245,7 +245,7 @@ def test_first_max_is_numpy_max_and_argmax(width: int) -> None:
     """The blocked first-maximum of the reverse-KL pivot: the same values and first columns as
     ``np.max``/``np.argmax`` (first occurrence) on ties inside a block, across blocks, in the
     partial last block, on all -inf rows and on NaN rows."""
-    from torchloss._stats import FIRST_MAX_BLOCK, first_max
+    from torchloss._block import FIRST_MAX_BLOCK, first_max
 
     rng = np.random.default_rng(width)
     x = rng.standard_normal((9, width)).astype(np.float32)
