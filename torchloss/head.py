@@ -53,7 +53,7 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import _autodiff, _block as _stats, _prepare, api
+from . import _autodiff, _block as _stats, _prepare
 from .backends import torch as _torch, vocab_parallel as _vocab_parallel
 from ._block import compute_dtype
 
@@ -63,10 +63,6 @@ __all__ = [
     "linear_forward_kl",
     "linear_reverse_kl",
     "LinearHeadFunction",
-    "LinearCrossEntropyLoss",
-    "LinearSoftCrossEntropyLoss",
-    "LinearForwardKLLoss",
-    "LinearReverseKLLoss",
 ]
 
 #: the elements of one [R, B] block in the compute dtype; ``None``: lossspec.linear.head_plan's
@@ -830,55 +826,3 @@ linear_cross_entropy = _public("cross_entropy")
 linear_soft_cross_entropy = _public("soft_cross_entropy")
 linear_forward_kl = _public("forward_kl")
 linear_reverse_kl = _public("reverse_kl")
-
-
-# --------------------------------------------------------------------------------------------
-# Module forms (re-exported by torchloss.nn)
-# --------------------------------------------------------------------------------------------
-
-
-def _unpack_linear(weight: Any, bias: Optional[Tensor]) -> tuple[Any, Optional[Tensor]]:
-    """An ``nn.Linear`` head becomes its ``[V, H]`` weight and (unless given) its bias."""
-    if isinstance(weight, torch.nn.Linear):
-        return weight.weight, weight.bias if bias is None else bias
-    return weight, bias
-
-
-class _LinearLoss(torch.nn.Module):
-    """Shared body of the head modules: the kind's options stored and checked once."""
-
-    kind: str = ""
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__()
-        self.settings = spec_linear.head_module_settings(
-            self.kind, options, type(self).__name__, HEAD_FRAMEWORK_ARGS, lossspec.TORCH_IMPLS, "torch")
-
-    def forward(self, hidden: Tensor, weight: Any, *args: Any, loss_mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                teacher_bias: Optional[Tensor] = None, denominator: api.Denominator = None, segment_ids: Optional[Tensor] = None) -> Tensor:
-        """The loss of this module's kind; ``args``: the labels, or the teacher's hidden states
-        and weight, then optionally the mask (as for the function)."""
-        weight, bias = _unpack_linear(weight, bias)
-        args = list(args)
-        kwargs: dict[str, Any] = {"bias": bias, "denominator": denominator, "segment_ids": segment_ids, **self.settings}
-        if loss_mask is not None:
-            kwargs["loss_mask"] = loss_mask
-        if lossspec.KIND_SPECS[self.kind].has_teacher:
-            if len(args) >= 2:
-                args[1], teacher_bias = _unpack_linear(args[1], teacher_bias)
-            kwargs["teacher_bias"] = teacher_bias
-        return globals()[spec_linear.LINEAR_NAMES[self.kind]](hidden, weight, *args, **kwargs)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
-
-
-def _module(kind: str) -> type:
-    doc = spec_linear.head_module_docstring(kind, "torchloss", "torch.nn.Linear")
-    return type(spec_linear.head_module_name(kind), (_LinearLoss,), {"kind": kind, "__doc__": doc, "__module__": __name__})
-
-
-LinearCrossEntropyLoss = _module("cross_entropy")
-LinearSoftCrossEntropyLoss = _module("soft_cross_entropy")
-LinearForwardKLLoss = _module("forward_kl")
-LinearReverseKLLoss = _module("reverse_kl")
