@@ -1,8 +1,8 @@
-"""The losses' ``jax.custom_vjp``: the kernel (XLA or Pallas, ``jaxloss._xla`` / ``jaxloss._pallas``)
+"""The losses' ``jax.custom_vjp``: the kernel (XLA or Pallas, ``jaxloss.backends.xla`` / ``jaxloss.backends.pallas``)
 computes the per-token loss and, in the same pass, the gradient ``coef * c * dl/dz`` in the
 logits' dtype, the only residual; the backward scales it by the upstream gradient (16-bit logits:
 recomputed with ``coef * g`` and rounded once). Vocab-parallel: the same contract over
-``jaxloss._vocab_parallel``. The twin of ``torchloss._autodiff``."""
+``jaxloss.backends.vocab_parallel``. The twin of ``torchloss._autodiff``."""
 
 from __future__ import annotations
 

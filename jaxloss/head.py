@@ -2,12 +2,12 @@
 
 ``linear_<kind>(hidden [..., H], weight [V, H], <target>, loss_mask, *, bias, ...)`` equals
 ``<kind>(hidden @ weight.T + bias, ...)`` with the logits in fp32 (signatures, checks and the
-float64 reference: :mod:`lossspec.linear`; the twin is ``torchloss.linear``).
+float64 reference: :mod:`lossspec.linear`; the twin is ``torchloss.head``).
 
 How (``R``, ``B`` from :func:`lossspec.linear.head_plan`): the tokens are processed in chunks
 of ``R`` rows (``lax.fori_loop``). When a whole row fits the block budget (``B = V``, the
 common case) a chunk is one matmul ``z = h W^T + b`` ``[R, V]`` in fp32, the statistics and the
-logits' gradient ``G = coef * c * dl/dz`` of :mod:`jaxloss._stats` (the formulation of
+logits' gradient ``G = coef * c * dl/dz`` of :mod:`jaxloss._block` (the formulation of
 :mod:`lossspec.stats`), then ``dh = G W`` and ``dW += G^T h``, ``db += sum G``: three matmuls,
 no recompute. Otherwise the chunk runs over vocabulary blocks of ``B`` columns twice: an
 online softmax (``combine``) for the statistics, then the gradient of each block from the
@@ -34,7 +34,7 @@ one more matmul (two with a teacher). On the CPU XLA hoists the bits of the whol
 
 Vocab parallel (``vocab_parallel=<mesh axis>`` inside ``shard_map``; :class:`Shards`): the weight
 is this replica's ``[V_local, H]`` slice; each chunk's shard statistics are combined over the
-axis (``jaxloss._vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the
+axis (``jaxloss.backends.vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the
 local gradient, and ``dh`` is ``psum``'d once (docs/linear_head.md).
 """
 
@@ -150,7 +150,7 @@ class Shards(NamedTuple):
 def _whole_row(cfg: KernelConfig, local: Any, like: Array, shards: Optional[Shards], vocab: int) -> Any:
     """The :class:`Final` statistics of whole rows: a shard's statistics are combined over the
     vocabulary axes first (one ``pmax`` / ``psum`` round for the chunk's rows,
-    :func:`jaxloss._vocab_parallel.combine_shards`); the global ``V`` enters ``finalize``."""
+    :func:`jaxloss.backends.vocab_parallel.combine_shards`); the global ``V`` enters ``finalize``."""
     if shards is None:
         return finalize(cfg, local, vocab)
     return finalize(cfg, _vocab_parallel.combine_shards(cfg, local, like, shards.axes), shards.vocab)
@@ -602,7 +602,7 @@ def _run(spec: Spec, args: tuple, coef: Array, with_grad: bool) -> tuple:
     cfg, plan, shards = spec.config, spec.plan, spec.shards
     block_elements, blocked_rows = plan.block_elements, plan.blocked_rows
     hidden, weight, bias, labels, teacher = args
-    if plan.impl == "pallas":  # the one dispatch point: the fused Pallas kernels (jaxloss._pallas_linear)
+    if plan.impl == "pallas":  # the one dispatch point: the fused Pallas kernels (jaxloss.backends.pallas_head)
         return _pallas_linear.head_forward(
             cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, softcaps=spec.softcaps, tuning=spec.tuning
         )
@@ -660,7 +660,7 @@ def _head_fwd(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, 
     args = (hidden, weight, bias, labels, teacher)
     # The residuals hold the inputs themselves: JAX arrays are immutable, so the backward that
     # recomputes the head (recompute_logits, "none") reads exactly what the forward read (torch
-    # needs autograd's saved tensors and their version check for that: torchloss.linear).
+    # needs autograd's saved tensors and their version check for that: torchloss.head).
     if spec.plan.recompute_logits:  # the rows' statistics only; the backward computes the gradients
         loss, final = head_forward(
             spec.config, *args, coef, with_grad=False, block_elements=spec.plan.block_elements,

@@ -12,8 +12,8 @@ frameworks.
 the per-token coefficient); ``vocab_parallel`` (a framework argument) splits the head along
 ``V`` (Megatron's column-parallel head; docs/linear_head.md).
 
-This module is the framework-free part, written once for ``jaxloss.linear`` and
-``torchloss.linear``: the public signatures and docstrings (built on :data:`KIND_SPECS`), the
+This module is the framework-free part, written once for ``jaxloss.head`` and
+``torchloss.head``: the public signatures and docstrings (built on :data:`KIND_SPECS`), the
 shape and dtype checks with their messages, the float64 reference (the chain rule through
 :func:`lossspec.oracle`, which applies ``segment_ids`` as well), the gradient bound of the head
 and the memory plans (also of a vocabulary shard, :func:`head_plan_shard`, and of the
@@ -366,7 +366,7 @@ HEAD_LIVE_BLOCKS: dict[str, dict[str, int]] = {
 #: the same under ``vocab_parallel`` (a shard's [R, V_local] blocks): a shard's exponentials are
 #: relative to its own maxima, not the global ones, so the gradient cannot reuse them in place;
 #: torch keeps the logits (and the teacher's) intact beside its scratch blocks
-#: (``torchloss._stats.buffers_needed``), XLA recomputes the exponentials from the logits.
+#: (``torchloss._block.buffers_needed``), XLA recomputes the exponentials from the logits.
 HEAD_LIVE_BLOCKS_VOCAB_PARALLEL: dict[str, dict[str, int]] = {
     "torch": {"cross_entropy": 2, "soft_cross_entropy": 6, "forward_kl": 6, "reverse_kl": 5},
     "jax": {"cross_entropy": 2, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4},

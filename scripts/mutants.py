@@ -552,7 +552,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "bad_rows_not_filled_torch",
         "the torch path finalises its rows once at the end but forgets the bad rows' gradient fill there",
         "torchloss/backends/torch.py::forward",
-        "        _stats.fill_bad_rows(grad, fin, coef)",
+        "        _block.fill_bad_rows(grad, fin, coef)",
         "        pass",
         ("parity_tests/test_torchloss_reliability.py", "parity_tests/test_torchloss_oracle.py", "-m", "not slow"),
     ),

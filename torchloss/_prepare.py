@@ -1,4 +1,4 @@
-"""The prepare stage of every ``torchloss`` loss and of the fused head (``torchloss.linear``):
+"""The prepare stage of every ``torchloss`` loss and of the fused head (``torchloss.head``):
 validation (options, tensors, shapes, dtypes, devices, ``inplace``; value checks where they are
 free: CPU tensors outside tracing), then the shifted targets, segment ids and sequence-parallel
 window, ``valid`` and the weights, ``D``, the per-token coefficient

@@ -3,15 +3,15 @@
 ``linear_<kind>(hidden [..., H], weight [V, H], <target>, loss_mask, *, bias, ...)`` equals
 ``<kind>(hidden @ weight.T + bias, ...)`` with the logits in the compute dtype (fp32; fp64 for
 fp64 inputs). Signatures, checks and the float64 reference: :mod:`lossspec.linear`; the twin
-is ``jaxloss.linear``.
+is ``jaxloss.head``.
 
 How (``R``, ``B`` from :func:`lossspec.linear.head_plan`): the tokens are processed in chunks
 of ``R`` rows. When a whole row fits the block budget (``B = V``, the common case) a chunk is
 one matmul ``z = h W^T + b`` ``[R, V]``, the block math of the unfused torch path
-(:mod:`torchloss._stats`) writes the logits' gradient ``G = coef * c * dl/dz`` over ``z`` in
+(:mod:`torchloss._block`) writes the logits' gradient ``G = coef * c * dl/dz`` over ``z`` in
 place, then ``dh = G W``, ``dW += G^T h``, ``db += sum G``: three matmuls, no
 recompute. Otherwise the chunk runs over vocabulary blocks of ``B`` columns twice with the
-block math of :mod:`torchloss._stats` (``block_stats``, ``combine``, ``finalize``,
+block math of :mod:`torchloss._block` (``block_stats``, ``combine``, ``finalize``,
 ``block_grad``): an online softmax, then each block's gradient from its recomputed logits.
 16-bit inputs are upcast to fp32 (exact; the weight a slice at a time into one reused buffer,
 :class:`WeightRows`) so every product is accumulated in fp32; the fp32 gradients are rounded
@@ -19,7 +19,7 @@ once to the parameters' dtypes. (On CUDA, torch's ``allow_tf32`` switches apply 
 matmuls as to any other.) Opt-in (:data:`BF16_MATMUL_DEVICES`): bf16 inputs go to the matmuls
 as they are (fp32 results: :func:`mm_f32`) and the backward multiplies the fp32 ``G`` as three
 exact bf16 terms (:func:`split_bf16`): the same exact products, accumulated in fp32. On CUDA
-these matmuls are one Triton kernel (:mod:`torchloss._triton_matmul`, the split in registers):
+these matmuls are one Triton kernel (:mod:`torchloss.backends.triton_matmul`, the split in registers):
 through cuBLAS (``out_dtype``) the path was correct on an H200 but slower than fp32 with torch
 2.11; the kernel has not run on a GPU yet (docs/linear_head.md).
 
@@ -37,7 +37,7 @@ for a 16-bit weight, one more matmul (two with a teacher).
 
 Vocab parallel (``vocab_parallel=<ProcessGroup>``; :class:`Shards`): the weight is this rank's
 ``[V_local, H]`` slice; each chunk's shard statistics are combined over the group
-(``torchloss._vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the local
+(``torchloss.backends.vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the local
 gradient, and ``dh`` is all-reduced once (docs/linear_head.md).
 """
 
@@ -53,7 +53,7 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import _autodiff, _block as _stats, _prepare
+from . import _autodiff, _block, _prepare
 from .backends import torch as _torch, vocab_parallel as _vocab_parallel
 from ._block import compute_dtype
 
@@ -99,10 +99,10 @@ def _label_logit(z: Tensor, y: Tensor, first: int) -> Tensor:
 def _whole_row(config: LossConfig, local: Any, shards: Optional[Shards], vocab: int) -> Any:
     """The final statistics of whole rows: a shard's statistics are first combined over the
     group (one ``all_gather`` of the maxima, one ``all_reduce`` of the sums for the chunk's rows,
-    :func:`torchloss._vocab_parallel.combine_shards`); the global ``V`` enters ``finalize``."""
+    :func:`torchloss.backends.vocab_parallel.combine_shards`); the global ``V`` enters ``finalize``."""
     if shards is None:
-        return _stats.finalize(config, local, vocab)
-    return _stats.finalize(config, _vocab_parallel.combine_shards(config, local, shards.group), shards.vocab)
+        return _block.finalize(config, local, vocab)
+    return _block.finalize(config, _vocab_parallel.combine_shards(config, local, shards.group), shards.vocab)
 
 
 #: Devices whose head matmuls read bf16 operands as they are (fp32 results) with the backward's
@@ -112,7 +112,7 @@ def _whole_row(config: LossConfig, local: Any, shards: Optional[Shards], vocab: 
 #: that replaced it there (:data:`TRITON_MATMUL_DEVICES`) has not run on a GPU yet. Correct on
 #: that GPU (parity_tests/test_linear_head_bf16_matmuls.py); ``("cuda",)`` opts in.
 BF16_MATMUL_DEVICES: tuple[str, ...] = ()
-#: Devices whose bf16 matmuls run on the Triton kernel of :mod:`torchloss._triton_matmul`
+#: Devices whose bf16 matmuls run on the Triton kernel of :mod:`torchloss.backends.triton_matmul`
 #: (tensor cores, ``G`` split in registers); elsewhere ``torch.mm`` (CUDA without Triton:
 #: ``out_dtype``; the CPU: exact fp32 upcasts). The tests add ``"cpu"`` to run the kernel in the
 #: Triton interpreter.
@@ -292,7 +292,7 @@ def _add_head_grads(g: Tensor, h: Tensor, w: WeightRows, v0: int, dh: Tensor, dw
 
 def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional[Tensor], cc: Tensor, need_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
     """Rows whose whole vocabulary is one block: the block math of the unfused torch path
-    (:mod:`torchloss._stats`, as ``torchloss._torch``'s whole-row tiles) with the chunk's logits
+    (:mod:`torchloss._block`, as ``torchloss.backends.torch``'s whole-row tiles) with the chunk's logits
     ``z`` as scratch, the gradient written over them. Cross-entropy needs no other block;
     soft CE and forward KL also use ``t`` as scratch (two more blocks); reverse KL reads the
     teacher after the shift, so it takes two fresh blocks. Returns ``(loss [R], G or None,
@@ -300,13 +300,13 @@ def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
     rows, vocab = z.shape
     fresh = lambda: torch.empty_like(z)  # noqa: E731
     x_y = None if y is None else z.gather(1, y[:, None])[:, 0]
-    bufs = _stats.chunk_buffers(config.kind, z, t, fresh)
-    stats, cache = _stats.block_stats(config, z, t, bufs, x_y=x_y)
-    fin = _stats.finalize(config, stats, vocab)
+    bufs = _block.chunk_buffers(config.kind, z, t, fresh)
+    stats, cache = _block.block_stats(config, z, t, bufs, x_y=x_y)
+    fin = _block.finalize(config, stats, vocab)
     loss = torch.where(cc != 0, fin.l, 0.0)
     if not need_grad:
         return loss, None, fin
-    _stats.block_grad(config, fin, cc, z, t, y, 0, vocab, z, [], cache)
+    _block.block_grad(config, fin, cc, z, t, y, 0, vocab, z, [], cache)
     return loss, z, fin
 
 
@@ -315,14 +315,14 @@ def _chunk_shard(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
     (scratch blocks beside ``z`` and ``t``, which stay intact), combined over the group, then
     its gradient from the rows' final statistics written over ``z`` (the shard's exponentials
     are relative to its own maxima, so they are recomputed, not reused)."""
-    bufs = [torch.empty_like(z) for _ in range(_stats.buffers_needed(config.kind))]
+    bufs = [torch.empty_like(z) for _ in range(_block.buffers_needed(config.kind))]
     x_y = None if y is None else _label_logit(z, y, shards.offset)
-    stats, _ = _stats.block_stats(config, z, t, bufs, x_y=x_y)
+    stats, _ = _block.block_stats(config, z, t, bufs, x_y=x_y)
     fin = _whole_row(config, stats, shards, z.shape[1])
     loss = torch.where(cc != 0, fin.l, 0.0)
     if not need_grad:
         return loss, None, fin
-    _stats.block_grad(config, fin, cc, z, t, y, shards.offset, shards.vocab, z, bufs, None)
+    _block.block_grad(config, fin, cc, z, t, y, shards.offset, shards.vocab, z, bufs, None)
     return loss, z, fin
 
 
@@ -340,8 +340,8 @@ def _chunk_blocked(
     n, vocab = hc.shape[0], w.shape[0]
     offset = 0 if shards is None else shards.offset
     acc = compute_dtype(hc.dtype)
-    flat = [torch.empty(n * block, dtype=acc, device=hc.device) for _ in range(_stats.buffers_needed(config.kind))]
-    stats = _stats.empty_stats(config, n, acc, hc.device)
+    flat = [torch.empty(n * block, dtype=acc, device=hc.device) for _ in range(_block.buffers_needed(config.kind))]
+    stats = _block.empty_stats(config, n, acc, hc.device)
     x_y = None if y is None else torch.zeros(n, dtype=acc, device=hc.device)
 
     def window(v0: int, v1: int) -> tuple[Tensor, Optional[Tensor]]:
@@ -354,8 +354,8 @@ def _chunk_blocked(
         z, t = window(v0, v1)
         if y is not None:
             x_y += _label_logit(z, y, offset + v0)
-        part, _ = _stats.block_stats(config, z, t, _torch.row_views(flat, n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
-        stats = _stats.combine(config, stats, part)
+        part, _ = _block.block_stats(config, z, t, _torch.row_views(flat, n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
+        stats = _block.combine(config, stats, part)
     if y is not None:
         stats = stats._replace(x_y=x_y)
     fin = _whole_row(config, stats, shards, vocab)
@@ -367,7 +367,7 @@ def _chunk_blocked(
     for v0 in range(0, vocab, block):
         v1 = min(vocab, v0 + block)
         z, t = window(v0, v1)
-        _stats.block_grad(config, fin, cc, z, t, y, offset + v0, vocab if shards is None else shards.vocab, z, _torch.row_views(flat, n, v1 - v0), None)
+        _block.block_grad(config, fin, cc, z, t, y, offset + v0, vocab if shards is None else shards.vocab, z, _torch.row_views(flat, n, v1 - v0), None)
         _add_head_grads(z, hc, w, v0, dh, dw, db, first=False)
     return loss, fin
 
@@ -470,7 +470,7 @@ def head_forward(
 
             dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=shards.group)  # the stored gradient's
     if keep_final:
-        return loss, _stats.Final(**final)
+        return loss, _block.Final(**final)
     return loss, dh, dw, db
 
 
@@ -515,7 +515,7 @@ def head_backward(
 
     The vocabulary is the outer loop: for each slice of ``B`` columns the logits of all tokens
     are recomputed chunk by chunk (``[R, B]`` blocks, :func:`lossspec.linear.head_plan_recompute`),
-    ``G = coef * c * dl/dz`` follows from ``final`` (``_stats.block_grad``), ``dh += G W_slice``
+    ``G = coef * c * dl/dz`` follows from ``final`` (``_block.block_grad``), ``dh += G W_slice``
     and the slice's ``dW = G^T h`` is summed over all tokens in the compute dtype ``[B, H]``,
     then rounded once to the weight's dtype and written. No ``[V, H]`` buffer in the compute
     dtype exists for a 16-bit weight; one more matmul than :func:`head_forward` with
@@ -540,7 +540,7 @@ def head_backward(
     # The forward's live blocks' elements, shared by this pass's blocks (the logits, the
     # teacher's, block_grad's scratch: none for cross-entropy, whose gradient forms in place)
     # and [B, H] slices (the gradient, the widened weight rows, the teacher's).
-    scratch = _stats.grad_scratch_blocks(config.kind)
+    scratch = _block.grad_scratch_blocks(config.kind)
     blocks = 1 + (teacher is not None) + scratch
     live = spec_linear.head_live_blocks("torch", config.kind, shards is not None)
     operands = [hidden.dtype, weight.dtype] + ([] if teacher is None else [teacher[0].dtype, teacher[1].dtype])
@@ -587,9 +587,9 @@ def head_backward(
                     assert teacher_rows_in is not None
                     tc = teacher_rows_in(r0, r1)
                     t = _head_logits(tc, t_j[0], t_j[1], 0, v1 - v0, out=views[1])
-                fin = _stats.Final(**{name: None if value is None else value[r0:r1] for name, value in final._asdict().items()})
+                fin = _block.Final(**{name: None if value is None else value[r0:r1] for name, value in final._asdict().items()})
                 y = None if labels is None else labels[r0:r1]
-                _stats.block_grad(config, fin, coef[r0:r1], z, t, y, offset + v0, vocab_total, z, views[1 + (t is not None) :], None)
+                _block.block_grad(config, fin, coef[r0:r1], z, t, y, offset + v0, vocab_total, z, views[1 + (t is not None) :], None)
                 _add_head_grads(z, hc, w_j, 0, dh[r0:r1], dw_j[: v1 - v0], None if db_j is None else db_j[: v1 - v0], first=False)
             # The one rounding of the slice's gradients.
             dw[v0:v1] = dw_j[: v1 - v0]
@@ -604,7 +604,7 @@ def head_backward(
 
 def _head_forward(plan: spec_linear.HeadPlan) -> Any:
     """The one dispatch point: ``plan.impl`` is the resolved impl (:func:`lossspec.linear.head_impl`);
-    ``"triton"`` runs the fused kernels of :mod:`torchloss._triton_linear` (fp32 / 16-bit inputs;
+    ``"triton"`` runs the fused kernels of :mod:`torchloss.backends.triton_head` (fp32 / 16-bit inputs;
     no vocabulary shards), anything else :func:`head_forward`."""
     if plan.impl == "triton":
         from .backends import triton_head as _triton_linear
@@ -756,7 +756,7 @@ def _widest_shard(vocab_local: int, group: Any, device: torch.device) -> int:
     return int(widest.item())
 
 
-@torch.compiler.disable(reason="torchloss.linear runs eagerly (one graph break)")
+@torch.compiler.disable(reason="torchloss.head runs eagerly (one graph break)")
 def _linear_loss(kind: str, **args: Any) -> Tensor:
     """Body of the four ``linear_*`` functions (signatures: :mod:`lossspec.linear`)."""
     spec = lossspec.KIND_SPECS[kind]

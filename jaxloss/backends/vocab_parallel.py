@@ -176,7 +176,7 @@ def mixture_shard_sums(
     cfg: KernelConfig, fin: Final, x: Array, target: Array, tuning: Optional[_xla.XlaTuning] = None
 ) -> tuple[Array, Array]:
     """This shard's :data:`lossspec.MIXTURE_STATS` ``(kl_qm, kl_pm)`` ``[N]`` fp32 from the global
-    :class:`Final`, tiled like the XLA driver (:class:`jaxloss._xla.XlaTuning`): chunks of
+    :class:`Final`, tiled like the XLA driver (:class:`jaxloss.backends.xla.XlaTuning`): chunks of
     ``R = chunk_elements // B`` rows, each in column blocks of ``B = vocab_block`` columns when
     the shard is wider than ``max_single_block_vocab`` (else the whole width), so the fp32
     temporaries are one ``[R, B]`` block, whatever the shard's width. The sums are plain sums
