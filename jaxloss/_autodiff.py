@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 
-from .backends import pallas as _pallas, vocab_parallel as _vocab_parallel, xla as _xla
+from .backends import IMPLEMENTATIONS
+from .backends import vocab_parallel as _vocab_parallel, xla as _xla
 from .backends.xla import KernelConfig
 
 Array = jax.Array
@@ -31,7 +32,7 @@ VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE = (
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """What the loss's ``custom_vjp`` takes as static (hashable): the kernel's config, the
-    resolved impl and its tuning."""
+    resolved impl (a name of :data:`jaxloss.backends.IMPLEMENTATIONS`) and its tuning."""
 
     config: KernelConfig
     impl: str
@@ -47,9 +48,8 @@ class VpSpec(Spec):
 
 
 def _kernel(spec: Spec, x: Array, target: Array, coef: Array, with_grad: bool) -> tuple[Array, Optional[Array]]:
-    if spec.impl == "pallas":
-        return _pallas.fused(spec.config, x, target, coef, with_grad=with_grad, tuning=spec.tuning)
-    return _xla.fused(spec.config, x, target, coef, with_grad=with_grad, tuning=spec.tuning)
+    kernels = IMPLEMENTATIONS[spec.impl].kernels()
+    return kernels.fused(spec.config, x, target, coef, with_grad=with_grad, tuning=spec.tuning)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -53,7 +53,8 @@ import numpy as np
 import lossspec
 from lossspec import LossConfig
 
-from .backends import pallas as _pallas, vocab_parallel as _vocab_parallel, xla as _xla
+from . import backends
+from .backends import vocab_parallel as _vocab_parallel
 from ._autodiff import Spec, VpSpec, loss_tokens, loss_tokens_vocab_parallel
 from ._prepare import (
     array_meta,
@@ -227,11 +228,9 @@ def count_denominator(
 
 
 def resolve_impl(impl: str) -> str:
-    """``"auto"`` -> ``"pallas"`` on a GPU backend, else ``"xla"``; other values unchanged."""
-    lossspec.check_impl(impl, lossspec.JAX_IMPLS)
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return impl
+    """``"auto"`` -> ``"pallas"`` on a GPU backend, else ``"xla"``; other values unchanged
+    (the losses' rule of :func:`jaxloss.backends.resolve`)."""
+    return backends.resolve(impl).name
 
 
 def _loss(
@@ -245,7 +244,7 @@ def _loss(
     sequence_parallel: Any,
     impl: str,
 ) -> Array:
-    impl = resolve_impl(impl)
+    backend = backends.resolve(impl)  # the one resolution of this call's impl
     logits = as_array(logits)
     if target is None:
         # No target (entropy): an empty [..., 0] stand-in carries the leading shape through the
@@ -306,12 +305,12 @@ def _loss(
     )
     formula = config.kernel_config()  # jensen_shannon at beta = 0 / 1: the KL kinds, exactly
     kcfg = KernelConfig.of(formula)
-    tuning = _xla.TUNING if impl == "xla" else _pallas.TUNING
+    tuning = backend.kernels().TUNING
     try:
         if axes is None:
-            tokens = loss_tokens(Spec(kcfg, impl, tuning), to_device(logits), safe_target, coef)
+            tokens = loss_tokens(Spec(kcfg, backend.name, tuning), to_device(logits), safe_target, coef)
         else:
-            tokens = loss_tokens_vocab_parallel(VpSpec(kcfg, impl, tuning, axes, vocab), to_device(logits), safe_target, coef)
+            tokens = loss_tokens_vocab_parallel(VpSpec(kcfg, backend.name, tuning, axes, vocab), to_device(logits), safe_target, coef)
     except TypeError as err:
         if "forward-mode" not in str(err):
             raise

@@ -22,7 +22,7 @@ from flax import nnx as _nnx
 import lossspec
 from lossspec import linear as spec_linear
 
-from . import api, head
+from . import api, backends, head
 
 __all__ = [
     "CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "ReverseKLLoss", "EntropyLoss", "JensenShannonLoss",
@@ -47,7 +47,7 @@ class _Loss(_nnx.Module):
     def __init__(self, **options: Any):
         spec = lossspec.KIND_SPECS[self.kind]
         settings = lossspec.kinds.module_settings(spec, api.FRAMEWORK_ARGS, options, type(self).__name__)
-        lossspec.check_impl(settings["impl"], lossspec.JAX_IMPLS)
+        lossspec.check_impl(settings["impl"], backends.IMPLS)
         if settings["vocab_parallel"] is not None:
             from .backends.vocab_parallel import axis_names
 
@@ -128,7 +128,7 @@ class _LinearLoss(_nnx.Module):
 
     def __init__(self, **options: Any):
         self.settings = spec_linear.head_module_settings(
-            self.kind, options, type(self).__name__, head.HEAD_FRAMEWORK_ARGS, lossspec.JAX_IMPLS, "xla")
+            self.kind, options, type(self).__name__, head.HEAD_FRAMEWORK_ARGS, backends.IMPLS, backends.PLAIN)
         if self.settings["vocab_parallel"] is not None:
             from .backends.vocab_parallel import axis_names
 

@@ -8,6 +8,9 @@ sources, no import of the frameworks):
 - no module of the library reads another module's private names (``from .api import _prepare``,
   ``_xla._load``): what one module offers another has a public name (private *modules*, such as
   ``jaxloss.backends.xla``, are the packages' internals and may be imported);
+- ``impl=`` is resolved in one place per framework, the backend registries
+  (jaxloss/backends/__init__.py, torchloss/backends/__init__.py): no other module of the frameworks
+  compares a string with an impl name;
 - tests never import another test module and never edit ``sys.path``: shared helpers live in
   ``parity_tests.support``.
 """
@@ -63,6 +66,47 @@ def test_the_scan_finds_a_kind_comparison(tmp_path: Path, monkeypatch) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text('if cfg.kind == "jensen_shannon":\n    pass\nce = kind in ("cross_entropy", "entropy")\n')
     assert kind_comparisons(probe) == ["probe.py:1 jensen_shannon", "probe.py:3 cross_entropy, entropy"]
+
+
+IMPL_NAMES = set(lossspec.JAX_IMPLS) | set(lossspec.TORCH_IMPLS)
+REGISTRIES = {"jaxloss/backends/__init__.py", "torchloss/backends/__init__.py"}
+
+
+def _impl_names(node: ast.AST) -> list[str]:
+    values = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [v.value for v in values if isinstance(v, ast.Constant) and v.value in IMPL_NAMES]
+
+
+def _names_an_impl(node: ast.AST) -> bool:
+    """An operand that holds an impl: a name or attribute called ``*impl*`` or ``*backend*``
+    (``"triton" in sys.modules`` is about the package, not an impl)."""
+    ident = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return "impl" in ident or "backend" in ident
+
+
+def impl_comparisons(path: Path) -> list[str]:
+    """Comparisons of an impl (``impl``, ``spec.impl``, ``backend``) with impl names."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare) and any(_names_an_impl(o) for o in [node.left, *node.comparators]):
+            names = [name for operand in [node.left, *node.comparators] for name in _impl_names(operand)]
+            if names:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {', '.join(names)}")
+    return found
+
+
+def test_impl_is_compared_only_in_the_backend_registries() -> None:
+    offending = [hit for path in _sources(("jaxloss", "torchloss")) if str(path.relative_to(ROOT)) not in REGISTRIES
+                 for hit in impl_comparisons(path)]
+    assert offending == [], "resolve impl= with backends.resolve and read the Backend instead:\n" + "\n".join(offending)
+
+
+def test_the_scan_finds_an_impl_comparison(tmp_path: Path, monkeypatch) -> None:
+    """The check itself, on the forms the code used before the registries."""
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    probe = tmp_path / "probe.py"
+    probe.write_text('if spec.impl == "pallas":\n    pass\nkernel = None if impl in ("auto", "torch") else 1\nok = "triton" in sys.modules\n')
+    assert impl_comparisons(probe) == ["probe.py:1 pallas", "probe.py:3 auto, torch"]
 
 
 def test_tests_import_no_test_module_and_leave_sys_path_alone() -> None:

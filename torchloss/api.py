@@ -37,8 +37,7 @@ from torch import Tensor
 
 import lossspec
 
-from . import _ops, _prepare
-from .backends import torch as _torch
+from . import _ops, _prepare, backends
 from ._autodiff import (  # noqa: F401  (the Function classes are public here)
     FUNCTIONS,
     CrossEntropyFunction,
@@ -106,20 +105,12 @@ def _apply(call: Call, prepared: Prepared) -> Tensor:
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     if torch.compiler.is_compiling():
-        return _ops.masked_loss(x2d, prepared.target, prepared.coef, call.config, _impl_name(call.backend), call.need_grad)
+        # The custom op takes the impl's name (vocab-parallel calls never get here: _loss_call).
+        return _ops.masked_loss(x2d, prepared.target, prepared.coef, call.config, call.backend.name, call.need_grad)
     function = FUNCTIONS[call.config.kind]
     # The anchor ties a create_graph=True gradient to the logits (First order only, docs/DESIGN.md).
     anchor = second_order_anchor(x2d) if call.need_grad else None
-    return function.apply(x2d, prepared.target, prepared.coef, call.config, call.backend, call.need_grad, call.inplace, anchor)
-
-
-def _impl_name(backend: Any) -> str:
-    """The ``impl`` name of a single-device backend module (what the custom op takes)."""
-    if backend is _torch:
-        return "torch"
-    if getattr(backend, "__name__", "") == "torchloss.backends.triton":
-        return "triton"
-    raise NotImplementedError(f"torchloss: no custom op for the backend {backend!r} (vocab_parallel runs eagerly)")
+    return function.apply(x2d, prepared.target, prepared.coef, call.config, call.kernels, call.need_grad, call.inplace, anchor)
 
 
 def _masked_loss(kind: str, **args: Any) -> Tensor:
@@ -129,6 +120,7 @@ def _masked_loss(kind: str, **args: Any) -> Tensor:
     # jensen_shannon at beta = 0 / 1 is computed as forward / reverse KL, exactly (LossConfig.formula).
     config = lossspec.make_config(kind, normalization=args["normalization"], **options).kernel_config()
     target = args[spec.target] if spec.target is not None else None
+    backend = backends.resolve(args["impl"], args["logits"])  # the one resolution of this call's impl
     call = validate(
         config,
         args["logits"],
@@ -138,7 +130,7 @@ def _masked_loss(kind: str, **args: Any) -> Tensor:
         args["denominator"],
         args["vocab_parallel"],
         args["sequence_parallel"],
-        args["impl"],
+        backend,
         args["inplace"],
     )
     prepared = prepare(call)

@@ -53,7 +53,7 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import _autodiff, _block, _prepare
+from . import _autodiff, _block, _prepare, backends
 from .backends import torch as _torch, vocab_parallel as _vocab_parallel
 from ._block import compute_dtype
 
@@ -603,17 +603,17 @@ def head_backward(
 
 
 def _head_forward(plan: spec_linear.HeadPlan) -> Any:
-    """The one dispatch point: ``plan.impl`` is the resolved impl (:func:`lossspec.linear.head_impl`);
-    ``"triton"`` runs the fused kernels of :mod:`torchloss.backends.triton_head` (fp32 / 16-bit inputs;
-    no vocabulary shards), anything else :func:`head_forward`."""
-    if plan.impl == "triton":
-        from .backends import triton_head as _triton_linear
+    """The one dispatch point: ``plan.impl`` is the resolved impl (:func:`torchloss.backends.resolve`);
+    an impl with head kernels runs them (Triton: :mod:`torchloss.backends.triton_head`, fp32 /
+    16-bit inputs, no vocabulary shards), the framework path :func:`head_forward`."""
+    kernels = backends.IMPLEMENTATIONS[plan.impl].head_kernels()
+    if kernels is not None:
 
-        def kernels(*args: Any, shards: Any = None, **kwargs: Any) -> Any:
-            assert shards is None  # refused by head_impl
-            return _triton_linear.head_forward(*args, **kwargs)
+        def run(*args: Any, shards: Any = None, **kwargs: Any) -> Any:
+            assert shards is None  # refused by backends.resolve
+            return kernels.head_forward(*args, **kwargs)
 
-        return kernels
+        return run
     return head_forward
 
 
@@ -784,18 +784,18 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     # The unfused losses' validation and coefficients (segment_ids, the label range against the
     # global V of a vocab_parallel group); no sequence_parallel for the head (yet).
     vocab_parallel = args["vocab_parallel"]
-    call = _prepare.validate(config, logits, target, args["loss_mask"], args["segment_ids"], args["denominator"], vocab_parallel, None, "torch", False)
+    plain = backends.IMPLEMENTATIONS[backends.PLAIN]  # the stand-in logits' checks and coefficients; the head's impl is resolved below
+    call = _prepare.validate(config, logits, target, args["loss_mask"], args["segment_ids"], args["denominator"], vocab_parallel, None, plain, False)
     prepared = _prepare.prepare(call)
-    shards = None if vocab_parallel is None else Shards(vocab_parallel, call.backend.offset, call.vocab, _widest_shard(vocab, vocab_parallel, hidden.device))
+    shards = None if vocab_parallel is None else Shards(vocab_parallel, call.kernels.offset, call.vocab, _widest_shard(vocab, vocab_parallel, hidden.device))
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     rows = math.prod(lead)
     t_args = (None, None, None) if teacher is None else (teacher[0].reshape(rows, teacher[0].shape[-1]), teacher[1], teacher[2])
-    impl = spec_linear.head_impl(args["impl"], lossspec.TORCH_IMPLS, "torch", vocab_parallel is not None)
-    impl = "torch" if hidden.dtype == torch.float64 else impl  # the kernels compute in fp32
-    recompute = spec_linear.check_recompute_logits(args["recompute_logits"], impl, "torch")
+    backend = backends.resolve(args["impl"], hidden, head=True, vocab_parallel=vocab_parallel is not None)  # the one resolution
+    recompute = spec_linear.check_recompute_logits(args["recompute_logits"], backend.name, backends.PLAIN)
     loss = LinearHeadFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad,
-        spec_linear.HeadPlan(BLOCK_ELEMENTS, BLOCKED_ROWS, impl, recompute, RECOMPUTE_PLAN), shards,
+        spec_linear.HeadPlan(BLOCK_ELEMENTS, BLOCKED_ROWS, backend.name, recompute, RECOMPUTE_PLAN), shards,
         _autodiff.second_order_anchor(hidden, weight, bias) if need_grad else None,
     )
     return _prepare.finish(call, prepared, loss)

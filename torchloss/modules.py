@@ -22,7 +22,7 @@ from torch import Tensor
 import lossspec
 from lossspec import linear as spec_linear
 
-from . import api, head
+from . import api, backends, head
 
 __all__ = [
     "CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "ReverseKLLoss", "EntropyLoss", "JensenShannonLoss",
@@ -48,7 +48,7 @@ class _MaskedLoss(torch.nn.Module):
         spec = lossspec.KIND_SPECS[self.kind]
         # Validated now, like torch.nn losses do, with the functions' own errors.
         self.settings = lossspec.kinds.module_settings(spec, api.FRAMEWORK_ARGS, options, type(self).__name__)
-        lossspec.check_impl(self.settings["impl"], lossspec.TORCH_IMPLS)
+        lossspec.check_impl(self.settings["impl"], backends.IMPLS)
 
     def forward(
         self,
@@ -113,7 +113,7 @@ class _LinearLoss(torch.nn.Module):
     def __init__(self, **options: Any) -> None:
         super().__init__()
         self.settings = spec_linear.head_module_settings(
-            self.kind, options, type(self).__name__, head.HEAD_FRAMEWORK_ARGS, lossspec.TORCH_IMPLS, "torch")
+            self.kind, options, type(self).__name__, head.HEAD_FRAMEWORK_ARGS, backends.IMPLS, backends.PLAIN)
 
     def forward(self, hidden: Tensor, weight: Any, *args: Any, loss_mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                 teacher_bias: Optional[Tensor] = None, denominator: api.Denominator = None, segment_ids: Optional[Tensor] = None) -> Tensor:

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import pallas as _pallas, xla as _xla
+from . import IMPLEMENTATIONS, xla as _xla
 from lossspec.stats import finalize_mixture
 
 from .._block import (
@@ -95,9 +95,11 @@ def local_stats(cfg: KernelConfig, x: Array, target: Array, impl: str, tuning: A
     """Step 1: statistics ``[N]`` of this shard relative to its own maxima (no collective).
 
     ``target``: labels shifted into this shard's column ids (``labels - offset``; other shards'
-    labels fall outside ``[0, V_local)`` and hit nothing), or the teacher's slice."""
-    if impl == "pallas":
-        return _pallas.shard_stats(cfg, x, target, tuning=tuning)
+    labels fall outside ``[0, V_local)`` and hit nothing), or the teacher's slice. ``impl``'s
+    shard kernels where it has them (:data:`jaxloss.backends.IMPLEMENTATIONS`), else XLA here."""
+    kernels = IMPLEMENTATIONS[impl].shard_kernels()
+    if kernels is not None:
+        return kernels.shard_stats(cfg, x, target, tuning=tuning)
     vocab_local = x.shape[-1]
     x32 = x.astype(F32)
     if cfg.is_ce:
@@ -220,8 +222,9 @@ def shard_grad(
 ) -> Array:
     """Step 3: this shard's gradient from the global :class:`Final` (no collective).
     ``target`` as in :func:`local_stats` (labels already shifted)."""
-    if impl == "pallas":
-        return _pallas.shard_grad(cfg, fin, x, target, coef, vocab=vocab, tuning=tuning)
+    kernels = IMPLEMENTATIONS[impl].shard_kernels()
+    if kernels is not None:
+        return kernels.shard_grad(cfg, fin, x, target, coef, vocab=vocab, tuning=tuning)
     x32 = x.astype(F32)
     if cfg.is_ce:
         hit = lax.broadcasted_iota(jnp.int32, x.shape, 1) == target[:, None]

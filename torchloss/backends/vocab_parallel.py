@@ -186,7 +186,7 @@ class VocabParallel:
     ``regrad_``). The forward keeps the global :class:`_block.Final`, so the backward of 16-bit
     logits recomputes this rank's gradient slice without another collective.
 
-    ``kernel``: ``torchloss.backends.triton`` (its shard-stats / shard-grad jobs) or ``None`` for the
+    ``kernel``: the impl's shard kernels (``Backend.shard_kernels``: Triton's shard-stats / shard-grad jobs) or ``None`` for the
     torch path."""
 
     def __init__(self, group: Any, offset: int, vocab: int, kernel: Any = None) -> None:
