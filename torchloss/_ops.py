@@ -1,4 +1,4 @@
-"""The losses as ``torch.library`` custom ops: what compiled code (``torch.compile``) calls.
+"""The losses as ``torch.library`` custom ops for ``torch.compile`` (no jaxloss twin: ``jax.jit`` traces api.py itself).
 
 Eager calls go through the autograd Functions of :mod:`torchloss.api` (they hand the gradient
 buffer to autograd without a copy, and ``inplace=True`` writes it into the logits); code traced

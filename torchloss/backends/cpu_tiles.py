@@ -1,4 +1,4 @@
-"""CPU tiling and threading of the torch path: row tiles, compact tiles, one bounded worker pool.
+"""CPU tiling and threading of the torch path: row tiles, compact tiles, a worker pool (no jaxloss twin: XLA tiles itself).
 
 The torch path processes rows in tiles ``[R, V]`` sized to stay in a core's cache. On the CPU
 the tiles are shared by a few worker threads that each run *single-threaded* ATen ops: no

@@ -1,4 +1,6 @@
-"""The Triton kernels of ``impl="triton"``: four kernels, one per job, over shared ``@triton.jit`` helpers.
+"""The Triton kernels of ``impl="triton"``, one per job (no jaxloss twin: the Pallas kernels sit in pallas.py with their driver).
+
+Four kernels (listed below) over shared ``@triton.jit`` helpers.
 
 The formulation is :mod:`lossspec.stats` (the same in ``torchloss._block`` and ``jaxloss``): per
 row, in the compute dtype ``ACC`` (fp32; fp64 for fp64 logits), with ``c = logit_scale / T``,

@@ -1,4 +1,4 @@
-"""bf16 matrix products with fp32 results on tensor cores: the fused head's matmuls on CUDA.
+"""bf16 matmuls with fp32 results on tensor cores for the fused head on CUDA (no jaxloss twin: XLA's dot takes bf16 operands).
 
 The fused LM head (:mod:`torchloss.head`) multiplies bf16 ``hidden`` and ``weight`` with fp32
 results, and the backward's fp32 logits gradient ``G`` with the bf16 operands. torch has no fast
