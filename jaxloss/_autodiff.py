@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 
 
-from .backends import IMPLEMENTATIONS
-from .backends import vocab_parallel as _vocab_parallel, xla as _xla
+from .backends import IMPLEMENTATIONS, vocab_parallel as _vocab_parallel, xla as _xla
 from .backends.xla import KernelConfig
 
 Array = jax.Array
