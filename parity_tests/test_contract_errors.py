@@ -112,7 +112,7 @@ BAD_CALLS: list[tuple[str, str, Any, Any, Any, dict[str, Any]]] = [
 ]
 # The soft caps' errors, spelled out in SPEC section 1, for the student's and the teacher's cap.
 BAD_CAPS = (0.0, -2.0, float("inf"), float("nan"), "30", True, 1e-300, 1e300)
-BAD_CALLS += [(f"{option}-{value!r}", KD, X, T, None, {option: value})
+BAD_CALLS += [(f"{option}-{type(value).__name__}-{value}", KD, X, T, None, {option: value})
               for option in ("logit_softcap", "teacher_logit_softcap") for value in BAD_CAPS]
 
 
