@@ -60,7 +60,7 @@ def test_two_pass_step_equals_full_batch(backend: Backend, normalization: str) -
     micro-batches' gradients are the full batch's (causal shift, ``segment_ids``, float weights,
     every option of the kind)."""
     kind = ALL_KINDS[STEP_MODES.index(normalization) % len(ALL_KINDS)]
-    case, ids = packed_case(kind, float_weights=True, lead=backend.sized((BATCH, TIME), (4, TIME)))
+    case, ids = packed_case(kind, float_weights=True, lead=backend.sized((BATCH, TIME), (4, TIME // 2)))
     options = dict(sample_options(kind), causal_shift=True)
     labels = case.target if KIND_SPECS[kind].has_labels else None
     parts = _splits(case.logits.shape[0])
