@@ -4,6 +4,8 @@
     .venv/bin/python scripts/mutants.py --only local_count,z_loss_grad
 
     .venv/bin/python scripts/mutants.py --check          # only that every mutant still applies
+    .venv/bin/python scripts/mutants.py --list           # the mutants: name, where, the bug
+    .venv/bin/python scripts/mutants.py --only z_loss_grad --tests "parity_tests/test_contract_kinds.py -m 'not slow'"
 
 Each mutant names where it lives, ``path::function`` (a dotted qualname for a method, ``<module>``
 for module-level code), and one line of that function's body (compared without its leading
@@ -12,8 +14,10 @@ occur exactly once in that function: a mutant that no longer applies (the functi
 another file, was renamed, or the line changed) fails ``--check`` and the run, loudly, with what
 was looked for; the test suite runs ``--check`` (parity_tests/test_mutants_apply.py). A run
 applies each mutant, runs the tests named for it (pytest ``-x``, the first failure is enough), and
-restores the file. A mutant is *caught* when the tests fail. The full run is not part of CI (it
-runs the suites once per mutant); its last report is committed as ``docs/mutants.md``.
+restores the file. A mutant is *caught* when the tests fail. ``--tests`` runs other tests against
+the chosen mutants instead (e.g. whether a new suite catches them); such a run writes no report
+unless ``--report`` names one. The full run is not part of CI (it runs the suites once per
+mutant); its last report is committed as ``docs/mutants.md``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import shlex
 import signal
 import subprocess
 import sys
@@ -265,8 +270,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "torchloss.count_denominator(causal_shift=True) counts the unshifted labels (the 20/24 scaling)",
         "torchloss/api.py::count_denominator",
         "    labels, loss_mask = scored_targets(causal_shift, labels, loss_mask, full_lead, device)",
-        "    labels, loss_mask = _scored_targets(False, labels, loss_mask, full_lead, device)",
+        "    labels, loss_mask = scored_targets(False, labels, loss_mask, full_lead, device)",
         ("parity_tests/test_causal_shift.py", "-m", "not slow"),
+    ),
+    Mutant(
+        "sequence_mean_as_sum_torch",
+        "torchloss's sequence_mean leaves out the 1 / n_s (each token weighs as in sequence_sum)",
+        "torchloss/_prepare.py::_coefficients",
+        "        weight = torch.where(weight > 0, weight / torch.where(n > 0, n, 1.0), 0.0)",
+        "        weight = weight",
+        ("parity_tests/test_contract_sequences.py", "-m", "not slow"),
     ),
     Mutant(
         "hf_local_count",
@@ -902,7 +915,8 @@ def apply(mutant: Mutant, source: str, index: int) -> str:
     return "\n".join(lines[:index] + new_lines + lines[index + count:])
 
 
-def run(mutant: Mutant, timeout_s: int) -> dict:
+def run(mutant: Mutant, timeout_s: int, tests: tuple[str, ...] | None = None) -> dict:
+    """Apply ``mutant``, run its tests (or ``tests``), restore the file."""
     path = ROOT / mutant.path
     original, where = locate(mutant)
     if isinstance(where, str):
@@ -910,7 +924,7 @@ def run(mutant: Mutant, timeout_s: int) -> dict:
     path.write_text(apply(mutant, original, where))
     start = time.monotonic()
     try:
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "2", "-p", "no:cacheprovider", *mutant.tests]
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "2", "-p", "no:cacheprovider", *(tests or mutant.tests)]
         result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         failed = [line.split(" ", 1)[1].split(" - ")[0] for line in result.stdout.splitlines() if line.startswith("FAILED ")]
         if result.returncode in (4, 5):  # usage error / no test collected: nothing was checked
@@ -930,8 +944,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma list of mutant names")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per mutant")
-    parser.add_argument("--report", default=str(ROOT / "docs" / "mutants.md"))
+    parser.add_argument("--report", default=None, help="the report's path (default: docs/mutants.md; none with --tests)")
     parser.add_argument("--check", action="store_true", help="only check that every mutant applies (runs no test)")
+    parser.add_argument("--list", action="store_true", help="list the mutants (name, where, the bug) and exit")
+    parser.add_argument("--tests", default="", help="pytest arguments (one string, shell-split) run instead of each mutant's own tests")
     args = parser.parse_args()
     # A kill (SIGTERM) unwinds like Ctrl-C, so run()'s finally restores the mutated file.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -941,6 +957,12 @@ def main() -> None:
     if duplicated or unknown:
         sys.exit(f"mutant names duplicated: {duplicated}; unknown in --only: {unknown}")
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only.split(",")]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}  {m.where}  {m.what}")
+        return
+    tests = tuple(shlex.split(args.tests)) or None
+    report = args.report or (None if tests else str(ROOT / "docs" / "mutants.md"))
     if args.check:
         broken = [(m.name, where) for m in chosen for _, where in [locate(m)] if isinstance(where, str)]
         for name, reason in broken:
@@ -950,7 +972,7 @@ def main() -> None:
     rows = []
     for i, mutant in enumerate(chosen, 1):
         print(f"[{i}/{len(chosen)}] {mutant.name}: {mutant.what} ...", flush=True)
-        row = run(mutant, args.timeout)
+        row = run(mutant, args.timeout, tests)
         print(f"    {row['status']} in {row['seconds']:.0f} s {row['failed']}", flush=True)
         rows.append((mutant, row))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -959,18 +981,19 @@ def main() -> None:
         "# Mutation check",
         "",
         f"`scripts/mutants.py` applied {len(rows)} one-line bugs at commit `{commit}` (tree {'clean' if clean else 'with uncommitted changes'})"
-        f" on {time.strftime('%Y-%m-%d')}; each ran the tests listed for it.",
+        f" on {time.strftime('%Y-%m-%d')}; " + (f"each ran `{args.tests}`." if tests else "each ran the tests listed for it."),
         "",
         "| mutant | the bug | where | tests run | result | first failing test |",
         "|---|---|---|---|---|---|",
     ]
     for mutant, row in rows:
-        tests = " ".join(t for t in mutant.tests if t.endswith(".py")).replace("parity_tests/", "")
-        lines.append(f"| `{mutant.name}` | {mutant.what} | `{mutant.where}` | {tests} | {row['status']} | `{row['failed']}` |")
+        files = " ".join(t for t in (tests or mutant.tests) if t.endswith(".py")).replace("parity_tests/", "")
+        lines.append(f"| `{mutant.name}` | {mutant.what} | `{mutant.where}` | {files} | {row['status']} | `{row['failed']}` |")
     caught = sum(row["status"].startswith("caught") for _, row in rows)
     lines += ["", f"{caught} of {len(rows)} caught."]
-    Path(args.report).write_text("\n".join(lines) + "\n")
-    print(f"{caught} of {len(rows)} caught; report: {args.report}")
+    if report:
+        Path(report).write_text("\n".join(lines) + "\n")
+    print(f"{caught} of {len(rows)} caught" + (f"; report: {report}" if report else ""))
     if caught != len(rows):
         sys.exit(1)
 

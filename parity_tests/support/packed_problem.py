@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 import lossspec
-from lossspec import KINDS
+from lossspec import ALL_KINDS
 
 from parity_tests.support import tiny_lm_oracle
 
@@ -45,7 +45,7 @@ MASKED_ROW = 5
 def packed_case(kind: str, *, float_weights: bool = False, seed: int = 0, dtype: str = "float32", lead: tuple[int, int] = (BATCH, TIME)) -> tuple[lossspec.Case, np.ndarray]:
     """A case of ``lead`` (rows of PACKED_IDS) with its ids: ~80% of the tokens valid, the
     masked document and row of the module docstring, some ignored labels (cross-entropy)."""
-    rng = np.random.default_rng([seed, KINDS.index(kind)])
+    rng = np.random.default_rng([seed, ALL_KINDS.index(kind)])  # (the KINDS come first)
     case = lossspec.make_case(kind, "random", lead_shape=lead, vocab=VOCAB, dtype=dtype, seed=seed)
     mask = rng.random(lead) < 0.8
     if float_weights:
