@@ -9,7 +9,7 @@ used; XLA folds the transpose into the matmul). The modules hold no parameters.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Never, Optional
 
 import jax
 from flax import nnx as _nnx
@@ -17,7 +17,7 @@ from flax import nnx as _nnx
 import lossspec
 from lossspec import linear as spec_linear
 
-from . import linear
+from . import api, linear
 
 __all__ = ["LinearCrossEntropyLoss", "LinearSoftCrossEntropyLoss", "LinearForwardKLLoss", "LinearReverseKLLoss"]
 
@@ -35,9 +35,8 @@ class _LinearLoss(_nnx.Module):
 
     kind: str = ""
 
-    def __init__(self, **options: Any):
-        self.settings = spec_linear.head_module_settings(
-            self.kind, options, type(self).__name__, linear.HEAD_FRAMEWORK_ARGS, lossspec.JAX_IMPLS, "xla")
+    def __init__(self, settings: dict[str, Any], unexpected: dict[str, Any]):
+        self.settings = spec_linear.head_module_settings(self.kind, settings, unexpected, type(self).__name__, lossspec.JAX_IMPLS, "xla")
         if self.settings["vocab_parallel"] is not None:
             from ._vocab_parallel import axis_names
 
@@ -59,12 +58,177 @@ class _LinearLoss(_nnx.Module):
         return getattr(linear, spec_linear.LINEAR_NAMES[self.kind])(hidden, weight, *args_list, **kwargs)
 
 
-def _module(kind: str) -> type:
-    doc = spec_linear.head_module_docstring(kind, "jaxloss", "flax.nnx.Linear (kernel [H, V], transposed here)")
-    return type(spec_linear.head_module_name(kind), (_LinearLoss,), {"kind": kind, "__doc__": doc, "__module__": __name__})
+class LinearCrossEntropyLoss(_LinearLoss):
+    """Module form of :func:`jaxloss.linear_cross_entropy` (fused LM head + cross_entropy).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_cross_entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, labels, loss_mask=None, *, bias=None, denominator=None, segment_ids=None)``. ``weight`` may
+    be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in the ``[V, H]`` layout and its bias
+    (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "cross_entropy"
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.AxisNames] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                ignore_index=ignore_index,
+                label_smoothing=label_smoothing,
+                z_loss=z_loss,
+                logit_scale=logit_scale,
+                logit_softcap=logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
 
 
-LinearCrossEntropyLoss = _module("cross_entropy")
-LinearSoftCrossEntropyLoss = _module("soft_cross_entropy")
-LinearForwardKLLoss = _module("forward_kl")
-LinearReverseKLLoss = _module("reverse_kl")
+class LinearSoftCrossEntropyLoss(_LinearLoss):
+    """Module form of :func:`jaxloss.linear_soft_cross_entropy` (fused LM head + soft_cross_entropy).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_soft_cross_entropy` but the
+    arrays, ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
+    ``weight`` (and ``teacher_weight``) may be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in
+    the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "soft_cross_entropy"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.AxisNames] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
+
+
+class LinearForwardKLLoss(_LinearLoss):
+    """Module form of :func:`jaxloss.linear_forward_kl` (fused LM head + forward_kl).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_forward_kl` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
+    ``weight`` (and ``teacher_weight``) may be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in
+    the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "forward_kl"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.AxisNames] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
+
+
+class LinearReverseKLLoss(_LinearLoss):
+    """Module form of :func:`jaxloss.linear_reverse_kl` (fused LM head + reverse_kl).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_reverse_kl` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
+    ``weight`` (and ``teacher_weight``) may be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in
+    the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "reverse_kl"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.AxisNames] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )

@@ -1,5 +1,5 @@
-"""``nn.Module`` wrappers of the losses, mirroring ``jaxloss.nnx`` (both built from
-``lossspec``'s per-kind table).
+"""``nn.Module`` wrappers of the losses, mirroring ``jaxloss.nnx`` (both written out with the
+options of ``lossspec``'s per-kind table).
 
 Built like ``torch.nn.CrossEntropyLoss``: the options are fixed at construction (keyword only,
 validated there with the same errors as the functions), the inputs are given per call::
@@ -15,7 +15,7 @@ The modules hold no parameters or buffers.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Never, Optional
 
 import torch
 from torch import Tensor
@@ -36,11 +36,10 @@ class _MaskedLoss(torch.nn.Module):
 
     kind: str = ""
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, settings: dict[str, Any], unexpected: dict[str, Any]) -> None:
         super().__init__()
-        spec = lossspec.KIND_SPECS[self.kind]
         # Validated now, like torch.nn losses do, with the functions' own errors.
-        self.settings = lossspec.kinds.module_settings(spec, api.FRAMEWORK_ARGS, options, type(self).__name__)
+        self.settings = lossspec.kinds.module_settings(lossspec.KIND_SPECS[self.kind], settings, unexpected, type(self).__name__)
         lossspec.check_impl(self.settings["impl"], lossspec.TORCH_IMPLS)
 
     def forward(
@@ -73,14 +72,287 @@ class _TargetlessLoss(_MaskedLoss):
         return function(logits, loss_mask, denominator=denominator, **self.settings)
 
 
-def _module(kind: str) -> type:
-    base = _MaskedLoss if lossspec.KIND_SPECS[kind].target is not None else _TargetlessLoss
-    return lossspec.kinds.module_class(kind, base, api.FRAMEWORK_ARGS, "torchloss", __name__)
+class CrossEntropyLoss(_MaskedLoss):
+    """Module form of :func:`torchloss.cross_entropy`: masked cross-entropy with integer labels, label smoothing and
+    z-loss.
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.cross_entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, labels, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = lse - (1 - eps) z_y - (eps / V) sum_v z_v + lam lse^2
+        dl/dz = (1 + 2 lam lse) q - (1 - eps) onehot(y) - eps / V
+    """
+
+    kind = "cross_entropy"
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        sequence_parallel: Optional[api.ProcessGroup] = None,
+        impl: str = "auto",
+        inplace: bool = False,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                ignore_index=ignore_index,
+                label_smoothing=label_smoothing,
+                z_loss=z_loss,
+                logit_scale=logit_scale,
+                logit_softcap=logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                inplace=inplace,
+            ),
+            unexpected,
+        )
 
 
-CrossEntropyLoss = _module("cross_entropy")
-SoftCrossEntropyLoss = _module("soft_cross_entropy")
-ForwardKLLoss = _module("forward_kl")
-ReverseKLLoss = _module("reverse_kl")
-EntropyLoss = _module("entropy")
-JensenShannonLoss = _module("jensen_shannon")
+class SoftCrossEntropyLoss(_MaskedLoss):
+    """Module form of :func:`torchloss.soft_cross_entropy`: masked cross-entropy against the teacher's distribution p.
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.soft_cross_entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, teacher_logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = lse - sum_v p_v z_v
+        dl/dz = q - p
+    """
+
+    kind = "soft_cross_entropy"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        sequence_parallel: Optional[api.ProcessGroup] = None,
+        impl: str = "auto",
+        inplace: bool = False,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                inplace=inplace,
+            ),
+            unexpected,
+        )
+
+
+class ForwardKLLoss(_MaskedLoss):
+    """Module form of :func:`torchloss.forward_kl`: masked forward KL, KL(p || q), of the student q from the teacher p
+    (mean seeking).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.forward_kl` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, teacher_logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = sum_v p_v (log p_v - log q_v)
+        dl/dz = q - p
+    """
+
+    kind = "forward_kl"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        sequence_parallel: Optional[api.ProcessGroup] = None,
+        impl: str = "auto",
+        inplace: bool = False,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                inplace=inplace,
+            ),
+            unexpected,
+        )
+
+
+class ReverseKLLoss(_MaskedLoss):
+    """Module form of :func:`torchloss.reverse_kl`: masked reverse KL, KL(q || p), of the student q from the teacher p
+    (mode seeking).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.reverse_kl` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, teacher_logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = sum_v q_v (log q_v - log p_v)
+        dl/dz = q (log q - log p - l)   (0 where q == 0)
+    """
+
+    kind = "reverse_kl"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        sequence_parallel: Optional[api.ProcessGroup] = None,
+        impl: str = "auto",
+        inplace: bool = False,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                inplace=inplace,
+            ),
+            unexpected,
+        )
+
+
+class EntropyLoss(_TargetlessLoss):
+    """Module form of :func:`torchloss.entropy`: masked entropy of the student's distribution q (the entropy regulariser of
+    policy-gradient trainers).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, loss_mask=None, *, denominator=None)``. It holds no parameters.
+
+        l = -sum_v q_v log q_v
+        dl/dz = -q (log q + l)   (0 where q == 0)
+    """
+
+    kind = "entropy"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        sequence_parallel: Optional[api.ProcessGroup] = None,
+        impl: str = "auto",
+        inplace: bool = False,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                logit_softcap=logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                inplace=inplace,
+            ),
+            unexpected,
+        )
+
+
+class JensenShannonLoss(_MaskedLoss):
+    """Module form of :func:`torchloss.jensen_shannon`: masked generalised Jensen-Shannon divergence of the student q and
+    the teacher p (on-policy distillation).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.jensen_shannon` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, teacher_logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = beta KL(p || M) + (1 - beta) KL(q || M),  M = beta p + (1 - beta) q;
+        beta = 0: KL(p || q) (forward KL), beta = 1: KL(q || p) (reverse KL), computed as those kinds
+        dl/dz = (1 - beta) q (log q - log M - KL(q || M))   (0 where q == 0; the KL kinds' at beta = 0, 1)
+    """
+
+    kind = "jensen_shannon"
+
+    def __init__(
+        self,
+        *,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        sequence_parallel: Optional[api.ProcessGroup] = None,
+        impl: str = "auto",
+        inplace: bool = False,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                beta=beta,
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                inplace=inplace,
+            ),
+            unexpected,
+        )
