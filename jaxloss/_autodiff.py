@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 
+from lossspec import Tuning
+
 from . import _pallas, _vocab_parallel, _xla
 from ._xla import KernelConfig
 
@@ -31,11 +33,11 @@ VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE = (
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """What the loss's ``custom_vjp`` takes as static (hashable): the kernel's config, the
-    resolved impl and its tuning."""
+    resolved impl and the call's tuning (each kernel reads its fields)."""
 
     config: KernelConfig
     impl: str
-    tuning: Any
+    tuning: Tuning
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,7 +54,7 @@ import numpy as np
 import lossspec
 from lossspec import LossConfig
 
-from . import _pallas, _vocab_parallel, _xla
+from . import _vocab_parallel
 from ._autodiff import Spec, VpSpec, loss_tokens, loss_tokens_vocab_parallel
 from ._prepare import (
     array_meta,
@@ -118,6 +118,7 @@ def cross_entropy(
     vocab_parallel: Optional[AxisNames] = None,
     sequence_parallel: Optional[AxisNames] = None,
     impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
     **unexpected: Never,
 ) -> Array:
     """Masked cross-entropy with integer labels, label smoothing and z-loss.
@@ -175,6 +176,11 @@ def cross_entropy(
         (lossspec.sequences).
       impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives need
         ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
+        ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
+        are split into blocks, which may move the result by a rounding, never what is computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -193,7 +199,7 @@ def cross_entropy(
         logit_softcap=logit_softcap,
         causal_shift=causal_shift,
     )
-    return _loss(config, logits, labels, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl)
+    return _loss(config, logits, labels, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
 
 
 def soft_cross_entropy(
@@ -213,6 +219,7 @@ def soft_cross_entropy(
     vocab_parallel: Optional[AxisNames] = None,
     sequence_parallel: Optional[AxisNames] = None,
     impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
     **unexpected: Never,
 ) -> Array:
     """Masked cross-entropy against the teacher's distribution p.
@@ -272,6 +279,11 @@ def soft_cross_entropy(
         (lossspec.sequences).
       impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives need
         ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
+        ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
+        are split into blocks, which may move the result by a rounding, never what is computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -290,7 +302,7 @@ def soft_cross_entropy(
         teacher_logit_softcap=teacher_logit_softcap,
         causal_shift=causal_shift,
     )
-    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl)
+    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
 
 
 def forward_kl(
@@ -310,6 +322,7 @@ def forward_kl(
     vocab_parallel: Optional[AxisNames] = None,
     sequence_parallel: Optional[AxisNames] = None,
     impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
     **unexpected: Never,
 ) -> Array:
     """Masked forward KL, KL(p || q), of the student q from the teacher p (mean seeking).
@@ -369,6 +382,11 @@ def forward_kl(
         (lossspec.sequences).
       impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives need
         ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
+        ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
+        are split into blocks, which may move the result by a rounding, never what is computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -387,7 +405,7 @@ def forward_kl(
         teacher_logit_softcap=teacher_logit_softcap,
         causal_shift=causal_shift,
     )
-    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl)
+    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
 
 
 def reverse_kl(
@@ -407,6 +425,7 @@ def reverse_kl(
     vocab_parallel: Optional[AxisNames] = None,
     sequence_parallel: Optional[AxisNames] = None,
     impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
     **unexpected: Never,
 ) -> Array:
     """Masked reverse KL, KL(q || p), of the student q from the teacher p (mode seeking).
@@ -466,6 +485,11 @@ def reverse_kl(
         (lossspec.sequences).
       impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives need
         ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
+        ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
+        are split into blocks, which may move the result by a rounding, never what is computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -484,7 +508,7 @@ def reverse_kl(
         teacher_logit_softcap=teacher_logit_softcap,
         causal_shift=causal_shift,
     )
-    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl)
+    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
 
 
 def entropy(
@@ -501,6 +525,7 @@ def entropy(
     vocab_parallel: Optional[AxisNames] = None,
     sequence_parallel: Optional[AxisNames] = None,
     impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
     **unexpected: Never,
 ) -> Array:
     """Masked entropy of the student's distribution q (the entropy regulariser of policy-gradient trainers).
@@ -554,6 +579,11 @@ def entropy(
         (lossspec.sequences).
       impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives need
         ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
+        ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
+        are split into blocks, which may move the result by a rounding, never what is computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -570,7 +600,7 @@ def entropy(
         logit_softcap=logit_softcap,
         causal_shift=causal_shift,
     )
-    return _loss(config, logits, None, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl)
+    return _loss(config, logits, None, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
 
 
 def jensen_shannon(
@@ -591,6 +621,7 @@ def jensen_shannon(
     vocab_parallel: Optional[AxisNames] = None,
     sequence_parallel: Optional[AxisNames] = None,
     impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
     **unexpected: Never,
 ) -> Array:
     """Masked generalised Jensen-Shannon divergence of the student q and the teacher p (on-policy distillation).
@@ -653,6 +684,11 @@ def jensen_shannon(
         (lossspec.sequences).
       impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives need
         ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
+        ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
+        are split into blocks, which may move the result by a rounding, never what is computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -672,7 +708,7 @@ def jensen_shannon(
         teacher_logit_softcap=teacher_logit_softcap,
         causal_shift=causal_shift,
     )
-    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl)
+    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
 
 
 def count_denominator(
@@ -759,8 +795,10 @@ def _loss(
     vocab_parallel: Any,
     sequence_parallel: Any,
     impl: str,
+    tuning: Optional[lossspec.Tuning],
 ) -> Array:
     impl = resolve_impl(impl)
+    tuning = lossspec.check_tuning(tuning)
     logits = as_array(logits)
     if target is None:
         # No target (entropy): an empty [..., 0] stand-in carries the leading shape through the
@@ -821,7 +859,6 @@ def _loss(
     )
     formula = config.kernel_config()  # jensen_shannon at beta = 0 / 1: the KL kinds, exactly
     kcfg = KernelConfig.of(formula)
-    tuning = _xla.TUNING if impl == "xla" else _pallas.TUNING
     try:
         if axes is None:
             tokens = loss_tokens(Spec(kcfg, impl, tuning), to_device(logits), safe_target, coef)

@@ -117,6 +117,7 @@ class CrossEntropyLoss(_Loss):
         vocab_parallel: Optional[api.AxisNames] = None,
         sequence_parallel: Optional[api.AxisNames] = None,
         impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -131,6 +132,7 @@ class CrossEntropyLoss(_Loss):
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=sequence_parallel,
                 impl=impl,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -162,6 +164,7 @@ class SoftCrossEntropyLoss(_Loss):
         vocab_parallel: Optional[api.AxisNames] = None,
         sequence_parallel: Optional[api.AxisNames] = None,
         impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -176,6 +179,7 @@ class SoftCrossEntropyLoss(_Loss):
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=sequence_parallel,
                 impl=impl,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -208,6 +212,7 @@ class ForwardKLLoss(_Loss):
         vocab_parallel: Optional[api.AxisNames] = None,
         sequence_parallel: Optional[api.AxisNames] = None,
         impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -222,6 +227,7 @@ class ForwardKLLoss(_Loss):
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=sequence_parallel,
                 impl=impl,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -254,6 +260,7 @@ class ReverseKLLoss(_Loss):
         vocab_parallel: Optional[api.AxisNames] = None,
         sequence_parallel: Optional[api.AxisNames] = None,
         impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -268,6 +275,7 @@ class ReverseKLLoss(_Loss):
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=sequence_parallel,
                 impl=impl,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -298,6 +306,7 @@ class EntropyLoss(_TargetlessLoss):
         vocab_parallel: Optional[api.AxisNames] = None,
         sequence_parallel: Optional[api.AxisNames] = None,
         impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -310,6 +319,7 @@ class EntropyLoss(_TargetlessLoss):
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=sequence_parallel,
                 impl=impl,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -344,6 +354,7 @@ class JensenShannonLoss(_Loss):
         vocab_parallel: Optional[api.AxisNames] = None,
         sequence_parallel: Optional[api.AxisNames] = None,
         impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -359,6 +370,7 @@ class JensenShannonLoss(_Loss):
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=sequence_parallel,
                 impl=impl,
+                tuning=tuning,
             ),
             unexpected,
         )

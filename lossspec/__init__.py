@@ -4,6 +4,7 @@
 - :mod:`lossspec.checks`: shape/dtype checks over plain metadata, shared by JAX and torch;
 - :mod:`lossspec.stats`: the per-row statistics every backend computes (one formulation);
 - :mod:`lossspec.kinds`: the per-kind table the public functions' and modules' signatures follow;
+- :mod:`lossspec.tuning`: :class:`Tuning`, the block and tile sizes of a call (``tuning=``), read by every backend;
 - :mod:`lossspec.causal`: the causal-LM shift (``causal_shift=True``): the rule and its checks;
 - :mod:`lossspec.sequences`: ``segment_ids`` and the per-sequence normalisations (the rule, checks, reference);
 - :mod:`lossspec.microbatches`: how a batch splits into micro-batches (uneven sizes included);
@@ -80,6 +81,7 @@ from .microbatches import batch_rows, check_num_microbatches, check_shifted_micr
 from . import accumulation
 from .accumulation import check_accumulation
 from .kinds import KIND_SPECS, KindSpec
+from .tuning import DEFAULT_TUNING, Tuning, check_tuning
 from .stats import FINAL_STAT_INDEX, FINAL_STATS, KIND_IDS, MIXTURE_STATS, ROW_STAT_INDEX, ROW_STATS, stats_used
 from .generators import SCENARIOS, Case, Reference, all_cases, make_case
 from .oracle import count_denominator, oracle, oracle_vocab_parallel, per_token_oracle, token_weights

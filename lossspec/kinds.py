@@ -166,4 +166,8 @@ def module_settings(spec: KindSpec, settings: dict[str, Any], unexpected: dict[s
     from .config import make_config  # config builds its kind lists from this table
 
     make_config(spec.kind, normalization=settings["normalization"], **{name: settings[name] for name in spec.option_names})
+    if "tuning" in settings:
+        from .tuning import check_tuning
+
+        check_tuning(settings["tuning"])
     return dict(settings)

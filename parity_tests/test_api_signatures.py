@@ -20,7 +20,7 @@ from lossspec import linear as spec_linear
 
 P = inspect.Parameter
 # The framework arguments after segment_ids, in order (docs/spec.md, section 3).
-JAX_ARGS: tuple[tuple[str, Any], ...] = (("vocab_parallel", None), ("sequence_parallel", None), ("impl", "auto"))
+JAX_ARGS: tuple[tuple[str, Any], ...] = (("vocab_parallel", None), ("sequence_parallel", None), ("impl", "auto"), ("tuning", None))
 TORCH_ARGS: tuple[tuple[str, Any], ...] = JAX_ARGS + (("inplace", False),)
 TORCH_ONLY = ("inplace",)  # torchloss writes the gradient into the logits' buffer (docs/torchloss.md)
 HEAD_ARGS: tuple[tuple[str, Any], ...] = (("vocab_parallel", None),)  # both frameworks, after lossspec.linear.HEAD_ARGS

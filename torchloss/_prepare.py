@@ -153,6 +153,7 @@ class Call:
     host: bool  # values readable without a synchronisation
     need_grad: bool
     inplace: bool
+    tuning: lossspec.Tuning = lossspec.DEFAULT_TUNING  # the block and tile sizes (lossspec.tuning)
 
 
 def validate(
@@ -166,10 +167,12 @@ def validate(
     sequence_parallel: Any,
     impl: str,
     inplace: bool,
+    tuning: Optional[lossspec.Tuning] = None,
 ) -> Call:
     is_ce = config.has_labels
     target_name = "labels" if is_ce else "teacher_logits"
     lossspec.check_impl(impl, lossspec.TORCH_IMPLS)
+    tuning = lossspec.check_tuning(tuning)
     logits = require_tensor("logits", logits)
     if config.has_target:
         target = require_tensor(target_name, target)
@@ -216,7 +219,7 @@ def validate(
         lossspec.check_sequence_parallel_axis(tuple(logits.shape[:-1]))
     host = host_readable(logits, target, loss_mask, segment_ids, denominator if isinstance(denominator, Tensor) else None)
     return Call(
-        config, logits, target, loss_mask, segment_ids, denominator, sequence_parallel, backend, vocab, host, need_grad, inplace
+        config, logits, target, loss_mask, segment_ids, denominator, sequence_parallel, backend, vocab, host, need_grad, inplace, tuning
     )
 
 

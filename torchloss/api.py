@@ -110,11 +110,11 @@ def _apply(call: Call, prepared: Prepared) -> Tensor:
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     if torch.compiler.is_compiling():
-        return _ops.masked_loss(x2d, prepared.target, prepared.coef, call.config, _impl_name(call.backend), call.need_grad)
+        return _ops.masked_loss(x2d, prepared.target, prepared.coef, call.config, _impl_name(call.backend), call.need_grad, call.tuning)
     function = FUNCTIONS[call.config.kind]
     # The anchor ties a create_graph=True gradient to the logits (First order only, docs/DESIGN.md).
     anchor = second_order_anchor(x2d) if call.need_grad else None
-    return function.apply(x2d, prepared.target, prepared.coef, call.config, call.backend, call.need_grad, call.inplace, anchor)
+    return function.apply(x2d, prepared.target, prepared.coef, call.config, call.backend, call.need_grad, call.inplace, anchor, call.tuning)
 
 
 def _impl_name(backend: Any) -> str:
@@ -136,12 +136,13 @@ def _masked_loss(
     vocab_parallel: Any,
     sequence_parallel: Any,
     impl: str,
+    tuning: Optional[lossspec.Tuning],
     inplace: bool,
 ) -> Tensor:
     """Steps 1-4 of one call with the validated ``config`` (the body of the public functions)."""
     # jensen_shannon at beta = 0 / 1 is computed as forward / reverse KL, exactly (LossConfig.formula).
     call = validate(
-        config.kernel_config(), logits, target, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, inplace
+        config.kernel_config(), logits, target, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, inplace, tuning
     )
     prepared = prepare(call)
     return finish(call, prepared, _apply(call, prepared))
@@ -175,13 +176,14 @@ def _loss_call(
     vocab_parallel: Any,
     sequence_parallel: Any,
     impl: str,
+    tuning: Optional[lossspec.Tuning],
     inplace: bool,
 ) -> Tensor:
     """Body of the public functions. Eagerly and under ``torch.compile`` alike:
     :func:`_masked_loss` (traced by Dynamo: the checks become guards and on-device flags, the
     kernel call the custom op of :mod:`torchloss._ops`), except that under ``torch.compile``
     calls with ``vocab_parallel=``, ``sequence_parallel=`` or ``inplace=True`` run eagerly behind a graph break."""
-    args = (config, logits, target, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, inplace)
+    args = (config, logits, target, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning, inplace)
     collectives = vocab_parallel is not None or sequence_parallel is not None
     if torch.compiler.is_compiling() and (collectives or inplace is not False):
         return _eager_loss_call(*args)
@@ -205,6 +207,7 @@ def cross_entropy(
     vocab_parallel: Optional[ProcessGroup] = None,
     sequence_parallel: Optional[ProcessGroup] = None,
     impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
     inplace: bool = False,
     **unexpected: Never,
 ) -> Tensor:
@@ -262,6 +265,11 @@ def cross_entropy(
         this rank's share (sum it over the group for the whole rows' loss); the gradient is exact. Every rank of the
         group must make the call (lossspec.sequences).
       impl: ``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or ``"triton"``.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and tile sizes of the kernels.
+        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block`` and
+        ``num_warps`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
+        its fields are constants of the graph (a new value recompiles). It changes how rows are split into blocks,
+        which may move the result by a rounding, never what is computed.
       inplace: write the gradient into the logits' buffer (logits must be the non-leaf output of an operation,
         contiguous, and not used elsewhere in the graph; see docs/torchloss.md).
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
@@ -283,7 +291,7 @@ def cross_entropy(
         causal_shift=causal_shift,
     )
     return _loss_call(
-        config, logits, labels, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, inplace
+        config, logits, labels, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning, inplace
     )
 
 
@@ -304,6 +312,7 @@ def soft_cross_entropy(
     vocab_parallel: Optional[ProcessGroup] = None,
     sequence_parallel: Optional[ProcessGroup] = None,
     impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
     inplace: bool = False,
     **unexpected: Never,
 ) -> Tensor:
@@ -363,6 +372,11 @@ def soft_cross_entropy(
         this rank's share (sum it over the group for the whole rows' loss); the gradient is exact. Every rank of the
         group must make the call (lossspec.sequences).
       impl: ``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or ``"triton"``.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and tile sizes of the kernels.
+        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block`` and
+        ``num_warps`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
+        its fields are constants of the graph (a new value recompiles). It changes how rows are split into blocks,
+        which may move the result by a rounding, never what is computed.
       inplace: write the gradient into the logits' buffer (logits must be the non-leaf output of an operation,
         contiguous, and not used elsewhere in the graph; see docs/torchloss.md).
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
@@ -384,7 +398,7 @@ def soft_cross_entropy(
         causal_shift=causal_shift,
     )
     return _loss_call(
-        config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, inplace
+        config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning, inplace
     )
 
 
@@ -405,6 +419,7 @@ def forward_kl(
     vocab_parallel: Optional[ProcessGroup] = None,
     sequence_parallel: Optional[ProcessGroup] = None,
     impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
     inplace: bool = False,
     **unexpected: Never,
 ) -> Tensor:
@@ -464,6 +479,11 @@ def forward_kl(
         this rank's share (sum it over the group for the whole rows' loss); the gradient is exact. Every rank of the
         group must make the call (lossspec.sequences).
       impl: ``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or ``"triton"``.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and tile sizes of the kernels.
+        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block`` and
+        ``num_warps`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
+        its fields are constants of the graph (a new value recompiles). It changes how rows are split into blocks,
+        which may move the result by a rounding, never what is computed.
       inplace: write the gradient into the logits' buffer (logits must be the non-leaf output of an operation,
         contiguous, and not used elsewhere in the graph; see docs/torchloss.md).
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
@@ -485,7 +505,7 @@ def forward_kl(
         causal_shift=causal_shift,
     )
     return _loss_call(
-        config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, inplace
+        config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning, inplace
     )
 
 
@@ -506,6 +526,7 @@ def reverse_kl(
     vocab_parallel: Optional[ProcessGroup] = None,
     sequence_parallel: Optional[ProcessGroup] = None,
     impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
     inplace: bool = False,
     **unexpected: Never,
 ) -> Tensor:
@@ -565,6 +586,11 @@ def reverse_kl(
         this rank's share (sum it over the group for the whole rows' loss); the gradient is exact. Every rank of the
         group must make the call (lossspec.sequences).
       impl: ``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or ``"triton"``.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and tile sizes of the kernels.
+        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block`` and
+        ``num_warps`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
+        its fields are constants of the graph (a new value recompiles). It changes how rows are split into blocks,
+        which may move the result by a rounding, never what is computed.
       inplace: write the gradient into the logits' buffer (logits must be the non-leaf output of an operation,
         contiguous, and not used elsewhere in the graph; see docs/torchloss.md).
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
@@ -586,7 +612,7 @@ def reverse_kl(
         causal_shift=causal_shift,
     )
     return _loss_call(
-        config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, inplace
+        config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning, inplace
     )
 
 
@@ -604,6 +630,7 @@ def entropy(
     vocab_parallel: Optional[ProcessGroup] = None,
     sequence_parallel: Optional[ProcessGroup] = None,
     impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
     inplace: bool = False,
     **unexpected: Never,
 ) -> Tensor:
@@ -657,6 +684,11 @@ def entropy(
         this rank's share (sum it over the group for the whole rows' loss); the gradient is exact. Every rank of the
         group must make the call (lossspec.sequences).
       impl: ``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or ``"triton"``.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and tile sizes of the kernels.
+        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block`` and
+        ``num_warps`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
+        its fields are constants of the graph (a new value recompiles). It changes how rows are split into blocks,
+        which may move the result by a rounding, never what is computed.
       inplace: write the gradient into the logits' buffer (logits must be the non-leaf output of an operation,
         contiguous, and not used elsewhere in the graph; see docs/torchloss.md).
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
@@ -676,7 +708,7 @@ def entropy(
         causal_shift=causal_shift,
     )
     return _loss_call(
-        config, logits, None, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, inplace
+        config, logits, None, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning, inplace
     )
 
 
@@ -698,6 +730,7 @@ def jensen_shannon(
     vocab_parallel: Optional[ProcessGroup] = None,
     sequence_parallel: Optional[ProcessGroup] = None,
     impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
     inplace: bool = False,
     **unexpected: Never,
 ) -> Tensor:
@@ -760,6 +793,11 @@ def jensen_shannon(
         this rank's share (sum it over the group for the whole rows' loss); the gradient is exact. Every rank of the
         group must make the call (lossspec.sequences).
       impl: ``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or ``"triton"``.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and tile sizes of the kernels.
+        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block`` and
+        ``num_warps`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
+        its fields are constants of the graph (a new value recompiles). It changes how rows are split into blocks,
+        which may move the result by a rounding, never what is computed.
       inplace: write the gradient into the logits' buffer (logits must be the non-leaf output of an operation,
         contiguous, and not used elsewhere in the graph; see docs/torchloss.md).
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
@@ -782,7 +820,7 @@ def jensen_shannon(
         causal_shift=causal_shift,
     )
     return _loss_call(
-        config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, inplace
+        config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning, inplace
     )
 
 

@@ -58,7 +58,7 @@ class _MaskedLoss(torch.nn.Module):
         return function(logits, target, loss_mask, denominator=denominator, segment_ids=segment_ids, **self.settings)
 
     def extra_repr(self) -> str:
-        shown = {k: v for k, v in self.settings.items() if k not in ("vocab_parallel", "sequence_parallel", "inplace") or v}
+        shown = {k: v for k, v in self.settings.items() if k not in ("vocab_parallel", "sequence_parallel", "inplace", "tuning") or v}
         return ", ".join(f"{k}={v!r}" for k, v in shown.items())
 
 
@@ -99,6 +99,7 @@ class CrossEntropyLoss(_MaskedLoss):
         vocab_parallel: Optional[api.ProcessGroup] = None,
         sequence_parallel: Optional[api.ProcessGroup] = None,
         impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
         inplace: bool = False,
         **unexpected: Never,
     ) -> None:
@@ -114,6 +115,7 @@ class CrossEntropyLoss(_MaskedLoss):
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=sequence_parallel,
                 impl=impl,
+                tuning=tuning,
                 inplace=inplace,
             ),
             unexpected,
@@ -146,6 +148,7 @@ class SoftCrossEntropyLoss(_MaskedLoss):
         vocab_parallel: Optional[api.ProcessGroup] = None,
         sequence_parallel: Optional[api.ProcessGroup] = None,
         impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
         inplace: bool = False,
         **unexpected: Never,
     ) -> None:
@@ -161,6 +164,7 @@ class SoftCrossEntropyLoss(_MaskedLoss):
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=sequence_parallel,
                 impl=impl,
+                tuning=tuning,
                 inplace=inplace,
             ),
             unexpected,
@@ -194,6 +198,7 @@ class ForwardKLLoss(_MaskedLoss):
         vocab_parallel: Optional[api.ProcessGroup] = None,
         sequence_parallel: Optional[api.ProcessGroup] = None,
         impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
         inplace: bool = False,
         **unexpected: Never,
     ) -> None:
@@ -209,6 +214,7 @@ class ForwardKLLoss(_MaskedLoss):
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=sequence_parallel,
                 impl=impl,
+                tuning=tuning,
                 inplace=inplace,
             ),
             unexpected,
@@ -242,6 +248,7 @@ class ReverseKLLoss(_MaskedLoss):
         vocab_parallel: Optional[api.ProcessGroup] = None,
         sequence_parallel: Optional[api.ProcessGroup] = None,
         impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
         inplace: bool = False,
         **unexpected: Never,
     ) -> None:
@@ -257,6 +264,7 @@ class ReverseKLLoss(_MaskedLoss):
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=sequence_parallel,
                 impl=impl,
+                tuning=tuning,
                 inplace=inplace,
             ),
             unexpected,
@@ -288,6 +296,7 @@ class EntropyLoss(_TargetlessLoss):
         vocab_parallel: Optional[api.ProcessGroup] = None,
         sequence_parallel: Optional[api.ProcessGroup] = None,
         impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
         inplace: bool = False,
         **unexpected: Never,
     ) -> None:
@@ -301,6 +310,7 @@ class EntropyLoss(_TargetlessLoss):
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=sequence_parallel,
                 impl=impl,
+                tuning=tuning,
                 inplace=inplace,
             ),
             unexpected,
@@ -336,6 +346,7 @@ class JensenShannonLoss(_MaskedLoss):
         vocab_parallel: Optional[api.ProcessGroup] = None,
         sequence_parallel: Optional[api.ProcessGroup] = None,
         impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
         inplace: bool = False,
         **unexpected: Never,
     ) -> None:
@@ -352,6 +363,7 @@ class JensenShannonLoss(_MaskedLoss):
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=sequence_parallel,
                 impl=impl,
+                tuning=tuning,
                 inplace=inplace,
             ),
             unexpected,
