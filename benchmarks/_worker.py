@@ -281,7 +281,7 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
         program, args = jax.value_and_grad(loss), (x, target, mask)
     elif spec.backend in ("head-jaxloss-fused", "head-jaxloss-fused-bf16mm", "head-jaxloss-fused-recompute", "head-jaxloss"):
         import jaxloss
-        import jaxloss.linear as jax_linear
+        import jaxloss.head as jax_linear
 
         h, w = shared["h"], shared["w"]
         if spec.backend == "head-jaxloss-fused":
@@ -466,7 +466,7 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
                 return torchloss.linear_cross_entropy(h, w, labels, mask)
         elif spec.backend == "head-torchloss-fused-bf16mm":
             import torchloss
-            import torchloss.linear as torch_linear
+            import torchloss.head as torch_linear
 
             def forward() -> Any:
                 # The head's gradients are formed in its forward: the switch covers them.

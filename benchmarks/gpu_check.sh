@@ -94,7 +94,7 @@ for name in ("numpy", "jax", "jaxlib", "jax-cuda12-plugin", "optax", "torch", "t
 print("python            ", platform.python_version())
 import torch
 print("torch CUDA        ", torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))
-import torchloss.linear as head
+import torchloss.head as head
 print("torch bf16 mm->fp32", head._cuda_mm_out_dtype(torch.device("cuda")), "(the fused head's tensor-core matmuls)")
 import jax
 print("jax devices       ", jax.devices())

@@ -8,7 +8,7 @@ reassociation (the summation order follows the block). Prints a table and writes
 
     python -m benchmarks.gpu_triton_sweep [--n 16384] [--v 131072] [--reps 20] [--kinds K1,K2] [--max-seconds S] [--json PATH]
 
-The defaults of ``torchloss._triton`` (``DEFAULTS.vocab_block``, ``num_warps``) are chosen from this
+The defaults of ``torchloss.backends.triton`` (``DEFAULTS.vocab_block``, ``num_warps``) are chosen from this
 sweep; the kernels' correctness at every block size is the test suite's business.
 """
 
@@ -26,7 +26,7 @@ import torch
 
 import lossspec
 import torchloss
-from torchloss import _triton
+from torchloss.backends import triton as _triton
 
 KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
 BLOCKS = (2048, 4096, 8192, 16384)

@@ -18,7 +18,7 @@ from .api import (
     reverse_kl,
     soft_cross_entropy,
 )
-from .linear import linear_cross_entropy, linear_forward_kl, linear_reverse_kl, linear_soft_cross_entropy
+from .head import linear_cross_entropy, linear_forward_kl, linear_reverse_kl, linear_soft_cross_entropy
 
 __all__ = [
     "cross_entropy",

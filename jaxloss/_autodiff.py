@@ -1,8 +1,8 @@
-"""The losses' ``jax.custom_vjp``: the kernel (XLA or Pallas, ``jaxloss._xla`` / ``jaxloss._pallas``)
+"""The losses' ``jax.custom_vjp``: the kernel (XLA or Pallas, ``jaxloss.backends.xla`` / ``jaxloss.backends.pallas``)
 computes the per-token loss and, in the same pass, the gradient ``coef * c * dl/dz`` in the
 logits' dtype, the only residual; the backward scales it by the upstream gradient (16-bit logits:
 recomputed with ``coef * g`` and rounded once). Vocab-parallel: the same contract over
-``jaxloss._vocab_parallel``. The twin of ``torchloss._autodiff``."""
+``jaxloss.backends.vocab_parallel``. The twin of ``torchloss._autodiff``."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from lossspec import Tuning
 
-from . import _pallas, _vocab_parallel, _xla
-from ._xla import KernelConfig
+from .backends import IMPLEMENTATIONS, vocab_parallel as _vocab_parallel, xla as _xla
+from .backends.xla import KernelConfig
 
 Array = jax.Array
 F32 = jnp.float32
@@ -33,7 +33,8 @@ VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE = (
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """What the loss's ``custom_vjp`` takes as static (hashable): the kernel's config, the
-    resolved impl and the call's tuning (each kernel reads its fields)."""
+    resolved impl (a name of :data:`jaxloss.backends.IMPLEMENTATIONS`) and the call's tuning (each kernel
+    reads its fields)."""
 
     config: KernelConfig
     impl: str
@@ -49,9 +50,8 @@ class VpSpec(Spec):
 
 
 def _kernel(spec: Spec, x: Array, target: Array, coef: Array, with_grad: bool) -> tuple[Array, Optional[Array]]:
-    if spec.impl == "pallas":
-        return _pallas.fused(spec.config, x, target, coef, with_grad=with_grad, tuning=spec.tuning)
-    return _xla.fused(spec.config, x, target, coef, with_grad=with_grad, tuning=spec.tuning)
+    kernels = IMPLEMENTATIONS[spec.impl].kernels()
+    return kernels.fused(spec.config, x, target, coef, with_grad=with_grad, tuning=spec.tuning)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

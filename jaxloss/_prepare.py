@@ -1,4 +1,4 @@
-"""The prepare stage of every ``jaxloss`` loss and of the fused head (``jaxloss.linear``): argument
+"""The prepare stage of every ``jaxloss`` loss and of the fused head (``jaxloss.head``): argument
 handling on the host (arrays, metadata, concrete values, the denominator, labels held in NumPy),
 then, jitted, the shifted targets, segment ids and sequence-parallel window, ``valid`` and the fp32
 weights, ``D``, the per-token coefficient ``coef = where(D > 0, weight / D, 0)``, the safe labels

@@ -54,7 +54,8 @@ import numpy as np
 import lossspec
 from lossspec import LossConfig
 
-from . import _vocab_parallel
+from . import backends
+from .backends import vocab_parallel as _vocab_parallel
 from ._autodiff import Spec, VpSpec, loss_tokens, loss_tokens_vocab_parallel
 from ._prepare import (
     array_meta,
@@ -70,7 +71,7 @@ from ._prepare import (
     sequence_axes,
     to_device,
 )
-from ._xla import KernelConfig
+from .backends.xla import KernelConfig
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
@@ -778,11 +779,9 @@ def count_denominator(
 
 
 def resolve_impl(impl: str) -> str:
-    """``"auto"`` -> ``"pallas"`` on a GPU backend, else ``"xla"``; other values unchanged."""
-    lossspec.check_impl(impl, lossspec.JAX_IMPLS)
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return impl
+    """``"auto"`` -> ``"pallas"`` on a GPU backend, else ``"xla"``; other values unchanged
+    (the losses' rule of :func:`jaxloss.backends.resolve`)."""
+    return backends.resolve(impl).name
 
 
 def _loss(
@@ -797,7 +796,7 @@ def _loss(
     impl: str,
     tuning: Optional[lossspec.Tuning],
 ) -> Array:
-    impl = resolve_impl(impl)
+    backend = backends.resolve(impl)  # the one resolution of this call's impl
     tuning = lossspec.check_tuning(tuning)
     logits = as_array(logits)
     if target is None:
@@ -861,9 +860,9 @@ def _loss(
     kcfg = KernelConfig.of(formula)
     try:
         if axes is None:
-            tokens = loss_tokens(Spec(kcfg, impl, tuning), to_device(logits), safe_target, coef)
+            tokens = loss_tokens(Spec(kcfg, backend.name, tuning), to_device(logits), safe_target, coef)
         else:
-            tokens = loss_tokens_vocab_parallel(VpSpec(kcfg, impl, tuning, axes, vocab), to_device(logits), safe_target, coef)
+            tokens = loss_tokens_vocab_parallel(VpSpec(kcfg, backend.name, tuning, axes, vocab), to_device(logits), safe_target, coef)
     except TypeError as err:
         if "forward-mode" not in str(err):
             raise

@@ -23,7 +23,7 @@ import numpy as np
 import lossspec
 from lossspec.accumulation import check_accumulation  # noqa: F401 - the hand-written loop's check, re-exported
 
-from ._stats import varying_axes
+from ._block import varying_axes
 from .api import count_denominator
 
 AxisNames = str | Sequence[str] | None

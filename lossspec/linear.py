@@ -12,8 +12,8 @@ frameworks.
 the per-token coefficient); ``vocab_parallel`` (a framework argument) splits the head along
 ``V`` (Megatron's column-parallel head; docs/linear_head.md).
 
-This module is the framework-free part, written once for ``jaxloss.linear`` and
-``torchloss.linear``: the signatures the written-out ``linear_<kind>`` follow (:func:`head_parameters`, from :data:`KIND_SPECS`), the
+This module is the framework-free part, written once for ``jaxloss.head`` and
+``torchloss.head``: the signatures the written-out ``linear_<kind>`` follow (:func:`head_parameters`, from :data:`KIND_SPECS`), the
 shape and dtype checks with their messages, the float64 reference (the chain rule through
 :func:`lossspec.oracle`, which applies ``segment_ids`` as well), the gradient bound of the head
 and the memory plans (also of a vocabulary shard, :func:`head_plan_shard`, and of the
@@ -80,7 +80,7 @@ def head_biases(spec: KindSpec) -> tuple[str, ...]:
 
 def head_parameters(spec: KindSpec, extra: tuple[tuple[str, Any], ...] = ()) -> list[inspect.Parameter]:
     """The signature :data:`KIND_SPECS` implies for ``linear_<kind>`` (what the written-out heads of
-    ``jaxloss.linear`` and ``torchloss.linear`` are checked against, annotations aside):
+    ``jaxloss.head`` and ``torchloss.head`` are checked against, annotations aside):
     ``hidden, weight, <targets>, loss_mask=None, *, <biases>=None, <options>, normalization,
     denominator, segment_ids, impl`` (the options, defaults and order of the unfused
     ``spec.kind``), :data:`HEAD_ARGS`, then the framework's own ``extra`` ``(name, default)``
@@ -283,7 +283,7 @@ HEAD_LIVE_BLOCKS: dict[str, dict[str, int]] = {
 #: the same under ``vocab_parallel`` (a shard's [R, V_local] blocks): a shard's exponentials are
 #: relative to its own maxima, not the global ones, so the gradient cannot reuse them in place;
 #: torch keeps the logits (and the teacher's) intact beside its scratch blocks
-#: (``torchloss._stats.buffers_needed``), XLA recomputes the exponentials from the logits.
+#: (``torchloss._block.buffers_needed``), XLA recomputes the exponentials from the logits.
 HEAD_LIVE_BLOCKS_VOCAB_PARALLEL: dict[str, dict[str, int]] = {
     "torch": {"cross_entropy": 2, "soft_cross_entropy": 6, "forward_kl": 6, "reverse_kl": 5},
     "jax": {"cross_entropy": 2, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4},

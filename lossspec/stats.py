@@ -5,7 +5,7 @@ computes a row's loss and gradient from the statistics listed here, in fp32, in 
 statistics of a vocabulary block (or shard) relative to its own maxima, an associative
 combine of two blocks (online softmax; the same algebra merges vocabulary shards), finalize
 to the per-token loss, then the gradient of each block from the final statistics. The
-records (``Stats`` and ``Final`` in ``jaxloss._stats`` and ``torchloss._stats``) and the
+records (``Stats`` and ``Final`` in ``jaxloss._block`` and ``torchloss._block``) and the
 Triton kernels' buffer layouts are derived from :data:`ROW_STATS` and :data:`FINAL_STATS`.
 
 Notation (SPEC section 1): ``c = logit_scale / T``, ``ct = teacher_logit_scale / T``,
@@ -413,5 +413,5 @@ def finalize_mixture(xp: Any, config: LossConfig, fin: Any, kl_qm: Any, kl_pm: A
 
 def bind(xp: Any) -> tuple[Any, ...]:
     """``(finite_max, rescale, rescale_e_d, combine, finalize, finalize_gradient, bad_rows)`` on
-    the namespace ``xp``: what a backend's ``_stats`` module exports."""
+    the namespace ``xp``: what a framework's ``_block`` module exports."""
     return tuple(functools.partial(f, xp) for f in (finite_max, rescale, rescale_e_d, combine, finalize, finalize_gradient, bad_rows))

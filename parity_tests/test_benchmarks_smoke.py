@@ -179,9 +179,9 @@ def test_fused_head_rows_judge_against_their_own_frameworks_matmuls() -> None:
 def test_busy_summary_ratios_are_medians_over_medians() -> None:
     from benchmarks.busy import summary
 
-    record = {"times_s": {"quiet": {"torchloss": [0.1, 0.3, 0.2], "F.cross_entropy": [0.4, 0.5, 0.6]},
-                          "busy": {"torchloss": [0.9, 0.6, 0.8], "F.cross_entropy": [1.0, 2.0, 1.5]}}}
-    rows = summary(record)
+    times = {"quiet": {"torchloss": [0.1, 0.3, 0.2], "F.cross_entropy": [0.4, 0.5, 0.6]},
+             "busy": {"torchloss": [0.9, 0.6, 0.8], "F.cross_entropy": [1.0, 2.0, 1.5]}}
+    rows = summary(times)
     assert math.isclose(rows["torchloss"]["quiet_ms"], 200.0) and math.isclose(rows["torchloss"]["busy_ms"], 800.0)
     assert math.isclose(rows["torchloss"]["busy_over_quiet"], 4.0)
     assert math.isclose(rows["F.cross_entropy"]["busy_over_quiet"], 3.0)
@@ -191,7 +191,7 @@ def test_busy_summary_ratios_are_medians_over_medians() -> None:
 def test_busy_spinners_are_always_stopped() -> None:
     """The competing load is bounded: stopped when the block ends, even by an exception, and each
     spinner ends itself at its deadline anyway."""
-    from benchmarks.busy import Spinners
+    from benchmarks.spinners import Spinners
 
     with pytest.raises(RuntimeError):
         with Spinners(2, 60.0) as spinners:
@@ -206,11 +206,31 @@ def test_busy_spinners_are_always_stopped() -> None:
 
 @needs_frameworks
 def test_busy_benchmark_writes_its_row(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "benchmarks.busy", "--shape", "64x2048", "--reps", "1", "--busy", "1",
+    cmd = [sys.executable, "-m", "benchmarks.busy", "--shapes", "64x2048,32x1024", "--calls", "2", "--reps", "1", "--busy", "1",
            "--busy-seconds", "60", "--out-dir", str(tmp_path), "--name", "busy_smoke"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads((tmp_path / "busy_smoke.json").read_text())
-    assert set(record["times_s"]) == {"quiet", "busy"}
-    assert all(len(times) == 1 and times[0] > 0 for cond in record["times_s"].values() for times in cond.values())
-    assert "| torchloss |" in (tmp_path / "busy_smoke.md").read_text()
+    assert [run["shape"] for run in record["runs"]] == [[64, 2048], [32, 1024]]
+    for run in record["runs"]:
+        assert set(run["times_s"]) == {"quiet", "busy"}
+        assert all(len(times) == 2 and min(times) > 0 for cond in run["times_s"].values() for times in cond.values())
+    assert (tmp_path / "busy_smoke.md").read_text().count("| torchloss |") == 2
+
+
+def test_timings_page_keeps_the_idle_and_the_busy_tables_apart(tmp_path: Path) -> None:
+    """scripts/measure_times.py: an idle run rewrites the idle table and keeps the section beside a
+    competing load; a ``--busy`` run rewrites only that section."""
+    from scripts.measure_times import BUSY_SECTION, write_table
+
+    page = tmp_path / "timings.md"
+    row = {"fast": {"time": "1:00", "load": "0 -> 0", "result": "10 passed"}}
+    write_table(page, row, "aaaaaaa", "")
+    assert BUSY_SECTION not in page.read_text() and "| 1:00 |" in page.read_text()
+    write_table(page, {"fast": dict(row["fast"], time="3:00")}, "bbbbbbb", "", busy=2)
+    text = page.read_text()
+    idle, busy = text.split(BUSY_SECTION)
+    assert "| 1:00 |" in idle and "`aaaaaaa`" in idle and "| 3:00 |" in busy and "`bbbbbbb`" in busy and "--busy 2" in busy
+    write_table(page, {"fast": dict(row["fast"], time="2:00")}, "ccccccc", "")
+    idle, busy = page.read_text().split(BUSY_SECTION)
+    assert "| 2:00 |" in idle and "| 1:00 |" not in idle and "| 3:00 |" in busy and "`bbbbbbb`" in busy

@@ -215,7 +215,7 @@ def test_jax_vocab_parallel_matches_oracle() -> None:
 def test_torch_kernel_reads_the_callers_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch path's kernel gets a view of the caller's logits buffer (same data_ptr, same
     shape [B*T, V]): nothing was sliced, padded or copied on the vocabulary side."""
-    from torchloss import _torch
+    from torchloss.backends import torch as _torch
 
     seen: list[tuple[int, tuple[int, ...]]] = []
     forward = _torch.forward

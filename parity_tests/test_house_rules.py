@@ -3,11 +3,14 @@ sources, no import of the frameworks):
 
 - kinds are chosen by the kind table's traits (``lossspec.KIND_SPECS``): a kind's name is compared
   only in the table's home (lossspec/kinds.py, lossspec/config.py), the statistics and oracle math
-  (lossspec/stats.py, lossspec/oracle.py), the block math (jaxloss/_stats.py, torchloss/_stats.py),
+  (lossspec/stats.py, lossspec/oracle.py), the block math (jaxloss/_block.py, torchloss/_block.py),
   the kernels, and the benchmark worker's peer formulas;
 - no module of the library reads another module's private names (``from .api import _prepare``,
   ``_xla._load``): what one module offers another has a public name (private *modules*, such as
-  ``jaxloss._xla``, are the packages' internals and may be imported);
+  ``jaxloss.backends.xla``, are the packages' internals and may be imported);
+- ``impl=`` is resolved in one place per framework, the backend registries
+  (jaxloss/backends/__init__.py, torchloss/backends/__init__.py): no other module of the frameworks
+  compares a string with an impl name;
 - tests never import another test module and never edit ``sys.path``: shared helpers live in
   ``parity_tests.support``.
 """
@@ -24,9 +27,9 @@ LIBRARY = ("lossspec", "jaxloss", "torchloss", "lossparity", "benchmarks")
 NAMES_KINDS = {
     "lossspec/kinds.py", "lossspec/config.py",  # the kind table
     "lossspec/stats.py", "lossspec/oracle.py",  # the statistics / oracle math
-    "jaxloss/_stats.py", "torchloss/_stats.py",  # the block math
-    "jaxloss/_pallas.py", "jaxloss/_pallas_linear.py",  # kernels
-    "torchloss/_triton.py", "torchloss/_triton_kernels.py", "torchloss/_triton_linear.py",
+    "jaxloss/_block.py", "torchloss/_block.py",  # the block math
+    "jaxloss/backends/pallas.py", "jaxloss/backends/pallas_head.py",  # kernels
+    "torchloss/backends/triton.py", "torchloss/backends/triton_kernels.py", "torchloss/backends/triton_head.py",
     "benchmarks/_worker.py",  # the peers' own per-kind expressions
 }
 
@@ -65,6 +68,47 @@ def test_the_scan_finds_a_kind_comparison(tmp_path: Path, monkeypatch) -> None:
     assert kind_comparisons(probe) == ["probe.py:1 jensen_shannon", "probe.py:3 cross_entropy, entropy"]
 
 
+IMPL_NAMES = set(lossspec.JAX_IMPLS) | set(lossspec.TORCH_IMPLS)
+REGISTRIES = {"jaxloss/backends/__init__.py", "torchloss/backends/__init__.py"}
+
+
+def _impl_names(node: ast.AST) -> list[str]:
+    values = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [v.value for v in values if isinstance(v, ast.Constant) and v.value in IMPL_NAMES]
+
+
+def _names_an_impl(node: ast.AST) -> bool:
+    """An operand that holds an impl: a name or attribute called ``*impl*`` or ``*backend*``
+    (``"triton" in sys.modules`` is about the package, not an impl)."""
+    ident = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return "impl" in ident or "backend" in ident
+
+
+def impl_comparisons(path: Path) -> list[str]:
+    """Comparisons of an impl (``impl``, ``spec.impl``, ``backend``) with impl names."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare) and any(_names_an_impl(o) for o in [node.left, *node.comparators]):
+            names = [name for operand in [node.left, *node.comparators] for name in _impl_names(operand)]
+            if names:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {', '.join(names)}")
+    return found
+
+
+def test_impl_is_compared_only_in_the_backend_registries() -> None:
+    offending = [hit for path in _sources(("jaxloss", "torchloss")) if str(path.relative_to(ROOT)) not in REGISTRIES
+                 for hit in impl_comparisons(path)]
+    assert offending == [], "resolve impl= with backends.resolve and read the Backend instead:\n" + "\n".join(offending)
+
+
+def test_the_scan_finds_an_impl_comparison(tmp_path: Path, monkeypatch) -> None:
+    """The check itself, on the forms the code used before the registries."""
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    probe = tmp_path / "probe.py"
+    probe.write_text('if spec.impl == "pallas":\n    pass\nkernel = None if impl in ("auto", "torch") else 1\nok = "triton" in sys.modules\n')
+    assert impl_comparisons(probe) == ["probe.py:1 pallas", "probe.py:3 auto, torch"]
+
+
 def test_tests_import_no_test_module_and_leave_sys_path_alone() -> None:
     tests = ROOT / "parity_tests"
     modules = {p.stem for p in tests.glob("test_*.py")} | {p.stem for p in tests.glob("_*.py")}
@@ -101,13 +145,10 @@ def private_uses(path: Path, packages: tuple[str, ...] = ("lossspec", "jaxloss",
             module = node.module or ""
             if not (node.level > 0 or module.split(".")[0] in packages):
                 continue
-            folder = path.parent if node.level > 0 else ROOT / module.replace(".", "/")
+            base = path.parents[node.level - 1] if node.level > 0 else ROOT  # "from .." is the parent package
+            folder = base / module.replace(".", "/") if module else base
             for alias in node.names:
-                if node.level > 0 and module:
-                    folder_of_name = path.parent / module.replace(".", "/")
-                    is_module = (folder_of_name / f"{alias.name}.py").exists()
-                else:
-                    is_module = (folder / f"{alias.name}.py").exists()
+                is_module = (folder / f"{alias.name}.py").exists()
                 if alias.name.startswith("_") and not alias.name.startswith("__") and not is_module:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {alias.name}")
                 ours.add(alias.asname or alias.name)
@@ -137,18 +178,30 @@ def test_the_scan_finds_a_private_import(tmp_path: Path, monkeypatch) -> None:
     assert private_uses(probe) == ["jaxloss/probe.py:2 imports _finish", "jaxloss/probe.py:3 reads api._prepare"]
 
 
+def test_the_scan_resolves_modules_of_the_parent_package(tmp_path: Path, monkeypatch) -> None:
+    """``from .. import _block`` in ``backends/`` imports a private module of the package (allowed);
+    ``from ..api import _finish`` a private name (found)."""
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    backends = tmp_path / "jaxloss" / "backends"
+    backends.mkdir(parents=True)
+    (tmp_path / "jaxloss" / "_block.py").write_text("")
+    probe = backends / "probe.py"
+    probe.write_text("from .. import _block\nfrom .._block import F32\nfrom ..api import _finish\n_block.combine(1)\n")
+    assert private_uses(probe) == ["jaxloss/backends/probe.py:3 imports _finish"]
+
+
 # --------------------------------------------------------------------------------------------
 # No module-global knobs: tests, benchmarks and scripts pass tuning= instead of setting them
 # --------------------------------------------------------------------------------------------
 
 OUR_PACKAGES = ("jaxloss", "torchloss", "lossspec")
 KNOB_SCANNED = ("parity_tests", "benchmarks", "scripts")
-# The fused head's knobs that tests still set (module attributes of jaxloss.linear,
-# torchloss.linear, lossspec.linear): they move to a head tuning dataclass, as the losses' did.
+# The fused head's knobs that tests still set (module attributes of jaxloss.head,
+# torchloss.head, lossspec.linear): they move to a head tuning dataclass, as the losses' did.
 HEAD_KNOBS_ALLOWED = {
-    "BLOCK_ELEMENTS", "BLOCKED_ROWS", "RECOMPUTE_PLAN",  # the head's memory plan (both linear.py)
-    "BF16_BACKWARD_PLATFORMS",  # jaxloss.linear
-    "BF16_MATMUL_DEVICES", "TRITON_MATMUL_DEVICES",  # torchloss.linear
+    "BLOCK_ELEMENTS", "BLOCKED_ROWS", "RECOMPUTE_PLAN",  # the head's memory plan (both head.py)
+    "BF16_BACKWARD_PLATFORMS",  # jaxloss.head
+    "BF16_MATMUL_DEVICES", "TRITON_MATMUL_DEVICES",  # torchloss.head
     "HEAD_SPLIT_TERMS",  # lossspec.linear
 }
 
@@ -162,7 +215,7 @@ def knob_settings(path: Path, allowed: frozenset[str] = frozenset()) -> list[str
     ``X.NAME = ...`` (also in a tuple target), or a call given ``(X, "NAME", ...)`` other than
     ``getattr`` / ``hasattr`` (``setattr``, ``monkeypatch.setattr``, a helper that sets it), or
     ``monkeypatch.setattr("jaxloss.x.NAME", ...)``; ``X`` is a name bound to one of those modules
-    by an import, an attribute of one (``torchloss._cpu``), or a loop variable over such names."""
+    by an import, an attribute of one (``torchloss.backends``), or a loop variable over such names."""
     tree = ast.parse(path.read_text())
     ours: set[str] = set()
     for node in ast.walk(tree):

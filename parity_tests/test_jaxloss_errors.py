@@ -171,8 +171,8 @@ def test_errors_come_before_any_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a kernel ran on bad input")
 
-    monkeypatch.setattr(jaxloss._xla, "fused", boom)
-    monkeypatch.setattr(jaxloss._pallas, "fused", boom)
+    monkeypatch.setattr(jaxloss.backends.xla, "fused", boom)
+    monkeypatch.setattr(jaxloss.backends.pallas, "fused", boom)
     for _, kind, logits, target, mask, options in BAD_CALLS:
         for impl in ("xla", "pallas"):
             with pytest.raises((TypeError, ValueError)):

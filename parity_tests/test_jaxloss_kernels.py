@@ -14,7 +14,7 @@ from jax import export
 
 import jaxloss
 import lossspec
-from jaxloss import _pallas, _xla
+from jaxloss.backends import pallas as _pallas, xla as _xla
 from lossspec import KINDS, assert_close_to_oracle, compare_loss, make_case
 
 FNS = {

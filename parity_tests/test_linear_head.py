@@ -304,8 +304,8 @@ def test_head_modules_take_impl(monkeypatch: Any) -> None:
     """``impl=`` at construction reaches the function (the kernels' entry points replaced by a
     sentinel); an impl the framework lacks, ``recompute_logits=True`` with a kernel and a kernel
     with ``vocab_parallel`` fail at construction with the functions' errors."""
-    from jaxloss import _pallas_linear
-    from torchloss import _triton_linear
+    from jaxloss.backends import pallas_head as _pallas_linear
+    from torchloss.backends import triton_head as _triton_linear
 
     def called(*args: Any, **kwargs: Any) -> None:
         raise _KernelCalled

@@ -3,14 +3,14 @@
 Opted in (off by default, docs/linear_head.md), both frameworks' head paths read bf16 hidden
 states and weights as they are (fp32 results) and split the fp32 logits gradient ``G`` into
 exact bf16 terms for the backward (``split_bf16``); otherwise they widen to fp32. These tests force the branch on the
-CPU (``torchloss.linear.BF16_MATMUL_DEVICES``, ``jaxloss.linear.BF16_BACKWARD_PLATFORMS``; torch's
+CPU (``torchloss.head.BF16_MATMUL_DEVICES``, ``jaxloss.head.BF16_BACKWARD_PLATFORMS``; torch's
 ``mm_f32`` computes the same numbers there from exact upcasts); on a machine with a GPU the same
 tests run there (torch tensors on CUDA, JAX's default device), the tensor-core matmuls
 themselves. They check the *fp32* results of
 ``head_forward`` (before the gradients are rounded to bf16) against the oracle's float64 head
 gradients with the fp32 bound: a split that rounds ``G`` (one or two terms) fails it.
 
-On CUDA torch's bf16 matmuls are one Triton kernel (``torchloss._triton_matmul``: tensor cores,
+On CUDA torch's bf16 matmuls are one Triton kernel (``torchloss.backends.triton_matmul``: tensor cores,
 ``G`` split in registers); the tests run it in the Triton interpreter on the CPU too, alone (its
 products against exact ones) and inside the head (``TRITON_MATMUL_DEVICES``).
 """
@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 import torch
 
-import jaxloss.linear as jax_linear
+import jaxloss.head as jax_linear
 import lossspec
-import torchloss.linear as torch_linear
-from jaxloss._stats import KernelConfig
+import torchloss.head as torch_linear
+from jaxloss._block import KernelConfig
 from lossspec import linear as spec_linear
 
 from parity_tests.support.head_cases import H, HT, PLANS, V, options_for, make_inputs
@@ -143,7 +143,7 @@ def _matmul_inputs(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, tor
 def test_triton_matmul_multiplies_fp32_exactly_as_three_bf16_terms(monkeypatch: pytest.MonkeyPatch, terms: int) -> None:
     # G [M, K] fp32 times a signed power-of-two permutation: every output is one product, exact
     # in fp32, so the kernel must return it bit for bit; a split into fewer terms rounds G.
-    from torchloss import _triton_matmul
+    from torchloss.backends import triton_matmul as _triton_matmul
 
     monkeypatch.setattr(spec_linear, "HEAD_SPLIT_TERMS", terms)
     monkeypatch.setitem(_triton_matmul.GPU_BLOCKS, terms, _triton_matmul.GPU_BLOCKS[3])
@@ -165,7 +165,7 @@ def test_triton_matmul_multiplies_fp32_exactly_as_three_bf16_terms(monkeypatch: 
 def test_triton_matmul_bf16_products_are_accumulated_in_fp32(shape: tuple[int, int, int]) -> None:
     # Dense bf16 operands (every tile, ragged tails): within fp32 summation error of the exact
     # product, |C - AB| <= K 2^-24 |A| |B| elementwise (a bf16 rounding of anything is ~2^-9).
-    from torchloss import _triton_matmul
+    from torchloss.backends import triton_matmul as _triton_matmul
 
     m, k, n = shape
     rng = np.random.default_rng(k)

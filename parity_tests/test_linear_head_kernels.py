@@ -1,5 +1,5 @@
-"""The fused LM head's kernels (``impl="pallas"``: :mod:`jaxloss._pallas_linear`, ``impl="triton"``:
-:mod:`torchloss._triton_linear`) against the float64 head oracle.
+"""The fused LM head's kernels (``impl="pallas"``: :mod:`jaxloss.backends.pallas_head`, ``impl="triton"``:
+:mod:`torchloss.backends.triton_head`) against the float64 head oracle.
 
 Shapes are small (on CPU machines the kernels run interpreted: Pallas interpret mode, the Triton
 interpreter) but chosen so that with the interpreter's 16 x 16 x 16 tiles every axis takes several
@@ -25,10 +25,10 @@ from jax import export
 
 import jaxloss
 import lossspec
-from jaxloss import _pallas_linear
-from jaxloss._stats import KernelConfig
+from jaxloss.backends import pallas_head as _pallas_linear
+from jaxloss._block import KernelConfig
 from lossspec import linear as spec_linear
-from torchloss import _triton_linear
+from torchloss.backends import triton_head as _triton_linear
 
 from parity_tests.support.torch_problem import TRITON_DEVICE
 from parity_tests.support.head_cases import options_for

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import jaxloss
-import jaxloss.linear as jax_linear
+import jaxloss.head as jax_linear
 import torchloss
-import torchloss.linear as torch_linear
+import torchloss.head as torch_linear
 from lossspec import linear as spec_linear
 
 from parity_tests.support.head_cases import HT, KINDS, NORMS, RUNNERS, options_for, peak_extra, cases, check, make_inputs, plan  # noqa: F401  (plan: the fixture)
@@ -178,7 +178,7 @@ def test_jax_recompute_temporary_memory_has_no_fp32_weight_gradient() -> None:
     bf16 logits buffer (the backward's fp32 ``dh`` and widened rows inside it) and per-token
     vectors; the default path's fp32 weight-gradient accumulator (2 MiB) does not fit that (the
     check can fail), nor did the copy of the whole bf16 weight's bits that XLA hoisted out of
-    the backward's loop before ``jaxloss.linear._bf16_bits`` kept it inside (2.58 MiB), nor
+    the backward's loop before ``jaxloss.head._bf16_bits`` kept it inside (2.58 MiB), nor
     the fp32 ``dh`` outside the plan's budget (1.42 MiB; the allowance is 1.13 MiB)."""
     rng = np.random.default_rng(6)
     hidden = jnp.asarray(rng.standard_normal((MEM_N, MEM_H)), jnp.bfloat16)

@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxloss
-import jaxloss.linear as jax_linear
+import jaxloss.head as jax_linear
 import jaxloss.nnx  # noqa: F401  (the module forms)
 import lossspec
 from lossspec import linear as spec_linear

@@ -196,8 +196,8 @@ def test_bad_caps_same_error_everywhere(value: Any, error: type, message: str) -
         "jaxloss": lambda **o: jaxloss.forward_kl(jnp.asarray(x), jnp.asarray(x), **o),
         "torchloss": lambda **o: torchloss.forward_kl(torch.from_numpy(x), torch.from_numpy(x), **o),
         "torchloss.nn": lambda **o: torchloss.nn.ForwardKLLoss(**o),
-        "jaxloss.linear": lambda **o: jaxloss.linear_forward_kl(jnp.ones((2, 3)), jnp.ones((5, 3)), jnp.ones((2, 3)), jnp.ones((5, 3)), **o),
-        "torchloss.linear": lambda **o: torchloss.linear_forward_kl(torch.ones(2, 3), torch.ones(5, 3), torch.ones(2, 3), torch.ones(5, 3), **o),
+        "jaxloss.head": lambda **o: jaxloss.linear_forward_kl(jnp.ones((2, 3)), jnp.ones((5, 3)), jnp.ones((2, 3)), jnp.ones((5, 3)), **o),
+        "torchloss.head": lambda **o: torchloss.linear_forward_kl(torch.ones(2, 3), torch.ones(5, 3), torch.ones(2, 3), torch.ones(5, 3), **o),
     }
     for name, call in calls.items():
         for option in ("logit_softcap", "teacher_logit_softcap"):
@@ -428,7 +428,7 @@ def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     indirect=("plan",),
 )
 def test_fused_head(framework: str, kind: str, dtype: str, plan: str) -> None:
-    import jaxloss.linear as jax_linear
+    import jaxloss.head as jax_linear
 
     assert jax_linear.BLOCK_ELEMENTS == PLANS[plan][0]  # the plan fixture set it
     inputs = make_inputs(kind, dtype, seed=5)
@@ -617,8 +617,8 @@ def test_triton_tanh_is_accurate() -> None:
     import triton.language as tl
 
     global _kernels
-    from torchloss import _triton  # noqa: F401  (sets the interpreter up first)
-    from torchloss import _triton_kernels as _kernels  # a global: the jitted function reads it
+    from torchloss.backends import triton as _triton  # noqa: F401  (sets the interpreter up first)
+    from torchloss.backends import triton_kernels as _kernels  # a global: the jitted function reads it
 
     assert lossspec.stats.tanh_series(4) == (1.0, -1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0)
 

@@ -14,7 +14,7 @@ from parity_tests.support.torch_cases import FUNCTIONS, IMPLS, device_for, input
 
 import lossspec
 import torchloss
-from torchloss import _cpu, _torch
+from torchloss.backends import cpu_tiles as _cpu, torch as _torch
 
 KINDS = lossspec.KINDS
 OPTIONS = {
@@ -430,7 +430,7 @@ def test_micro_batches_with_a_global_denominator(impl: str) -> None:
 
 
 def test_auto_is_the_torch_path_on_cpu() -> None:
-    assert torchloss._prepare.resolve_backend("auto", torch.zeros(1)) is _torch
+    assert torchloss.backends.resolve("auto", torch.zeros(1)).kernels() is _torch
 
 
 def test_import_without_triton() -> None:

@@ -18,7 +18,8 @@ import torch
 from parity_tests.support.torch_cases import DTYPES, IMPLS, FUNCTIONS, check, device_for, inputs, quiet, run
 
 import lossspec
-from torchloss import _cpu, _stats
+from torchloss import _block
+from torchloss.backends import cpu_tiles as _cpu
 
 KINDS = lossspec.KINDS
 SCENARIOS = lossspec.SCENARIOS
@@ -258,7 +259,7 @@ def test_torch_path_vocab_blocks(kind: str, dtype: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_torch_path_row_tiles(kind: str) -> None:
     # 3 rows of 100 a tile for every kind (kinds with 4 buffers take half tiles), ragged last tile
-    tuning = lossspec.Tuning(cpu_tile_elements=300 if _stats.buffers_needed(kind) < 4 else 600)
+    tuning = lossspec.Tuning(cpu_tile_elements=300 if _block.buffers_needed(kind) < 4 else 600)
     upstream = np.random.default_rng(3).uniform(-3, 3, size=(3, 5)).astype(np.float32)
     for dtype in DTYPES:
         case = _case(kind, "float_weights", dtype, vocab=100, lead_shape=(3, 5))
@@ -275,7 +276,7 @@ def test_torch_path_compact_tiles(monkeypatch: pytest.MonkeyPatch, kind: str) ->
     tiles: list = []
     plan = _cpu.compact_tiles
     monkeypatch.setattr(_cpu, "compact_tiles", lambda *args: tiles.append(plan(*args)) or tiles[-1])
-    tuning = lossspec.Tuning(cpu_tile_elements=400 if _stats.buffers_needed(kind) < 4 else 800)  # 4 valid rows of 100 a tile
+    tuning = lossspec.Tuning(cpu_tile_elements=400 if _block.buffers_needed(kind) < 4 else 800)  # 4 valid rows of 100 a tile
     for dtype in ("bfloat16", "float16"):
         for scenario in ("random", "heavy_mask", "float_weights", "all_masked"):
             case = _case(kind, scenario, dtype, vocab=100, lead_shape=(3, 7))

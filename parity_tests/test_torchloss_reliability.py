@@ -5,8 +5,8 @@ float-mask rule."""
 
 from __future__ import annotations
 
-import os
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ from parity_tests.support.torch_cases import FUNCTIONS, TORCH_DTYPES, inputs
 
 import lossspec
 import torchloss
-from torchloss import _cpu
+from torchloss.backends import cpu_tiles as _cpu
 
 KINDS = lossspec.KINDS
 
@@ -243,7 +243,7 @@ def test_first_max_is_numpy_max_and_argmax(width: int) -> None:
     """The blocked first-maximum of the reverse-KL pivot: the same values and first columns as
     ``np.max``/``np.argmax`` (first occurrence) on ties inside a block, across blocks, in the
     partial last block, on all -inf rows and on NaN rows."""
-    from torchloss._stats import FIRST_MAX_BLOCK, first_max
+    from torchloss._block import FIRST_MAX_BLOCK, first_max
 
     rng = np.random.default_rng(width)
     x = rng.standard_normal((9, width)).astype(np.float32)
@@ -261,37 +261,28 @@ def test_first_max_is_numpy_max_and_argmax(width: int) -> None:
     np.testing.assert_array_equal(column.numpy(), np.argmax(x, axis=1))
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The ``VmFlags`` of this process's mapping that holds ``address`` (``/proc/self/smaps``)."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(part, 16) for part in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+@pytest.mark.skipif(_cpu.omp_set_num_threads() is None, reason="needs torch's OpenMP runtime (the CPU worker pool)")
+@pytest.mark.parametrize("tiles", (1, 3))
+def test_cpu_tiles_run_on_single_threaded_workers(tiles: int) -> None:
+    """Every CPU tile, a lone one too, runs on a pool worker whose ATen ops are single-threaded
+    while the caller runs torch with several threads: on the calling thread each of a tile's
+    small ops would be an OpenMP parallel region whose barrier waits for a descheduled thread on
+    a busy CPU. A caller that runs torch single-threaded keeps its tiles on its own thread."""
+    before = torch.get_num_threads()
+    seen: list[tuple[str, int]] = []
 
+    def run(part: Any) -> None:
+        for _ in part:
+            seen.append((threading.current_thread().name, torch.get_num_threads()))
 
-THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-@pytest.mark.skipif(not os.path.exists(THP_SETTING), reason="needs Linux with transparent huge pages")
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-@pytest.mark.parametrize("kind", ("cross_entropy", "reverse_kl"))
-def test_a_large_fresh_gradient_is_advised_huge_pages(kind: str, dtype: torch.dtype) -> None:
-    """The gradient buffer of a large CPU call (>= 16 MiB) carries ``MADV_HUGEPAGE`` (VmFlags
-    ``hg``) on its range, given before its first touch: 2 MiB pages make the kernel's zeroing
-    of a fresh gradient ~3.6x cheaper. The caller's logits are left alone."""
-    rows, vocab = 512, 16384  # 32 MiB fp32, 16 MiB bf16
-    x = (torch.randn(rows, vocab) * 2).to(dtype).requires_grad_(True)
-    target = torch.randint(0, vocab, (rows,)) if kind == "cross_entropy" else torch.randn(rows, vocab).to(dtype)
-    FUNCTIONS[kind](x, target, None, impl="torch").backward()
-    grad = x.grad
-    middle = grad.data_ptr() + grad.numel() * grad.element_size() // 2
-    flags = _vm_flags(middle)
-    assert "hg" in flags
-    assert "sh" not in flags  # private: a shared anonymous mapping is shmem, where THP is off by default
-    assert "hg" not in _vm_flags(x.data_ptr() + x.numel() * x.element_size() // 2)  # only ours
+    try:
+        torch.set_num_threads(2)
+        _cpu.map_tiles(run, list(range(tiles)), torch.device("cpu"))
+        assert len(seen) == tiles
+        assert all(name.startswith("torchloss") and threads == 1 for name, threads in seen), seen
+        seen.clear()
+        torch.set_num_threads(1)
+        _cpu.map_tiles(run, list(range(tiles)), torch.device("cpu"))
+        assert seen == [(threading.current_thread().name, 1)] * tiles
+    finally:
+        torch.set_num_threads(before)

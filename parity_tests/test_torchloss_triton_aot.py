@@ -1,5 +1,5 @@
 """GPU readiness without a GPU: every Triton kernel of torchloss (the unfused losses' and the
-fused head's, ``torchloss._triton_linear``, and its bf16 matmul, ``torchloss._triton_matmul``) compiles ahead of time for sm_80 and sm_90 (Triton's
+fused head's, ``torchloss.backends.triton_head``, and its bf16 matmul, ``torchloss.backends.triton_matmul``) compiles ahead of time for sm_80 and sm_90 (Triton's
 bundled ptxas), fp32 and bf16 inputs, every kind, at the GPU block sizes and ``num_warps``, without
 register spills; ``docs/triton_kernels.md`` holds the current table.
 

@@ -1,4 +1,4 @@
-"""torchloss' Triton kernels (``torchloss._triton``) against the float64 oracle: compiled, on CUDA
+"""torchloss' Triton kernels (``torchloss.backends.triton``) against the float64 oracle: compiled, on CUDA
 tensors, where CUDA is available; else through the Triton interpreter on CPU tensors
 (``torch_problem.TRITON_DEVICE``). Inputs are made on the host either way.
 
@@ -19,8 +19,9 @@ import torch
 
 import lossspec
 import torchloss
-from torchloss import _stats, _triton
-from torchloss import _triton_kernels as K
+from torchloss import _block
+from torchloss.backends import triton as _triton
+from torchloss.backends import triton_kernels as K
 
 from parity_tests.support.torch_problem import TRITON_DEVICE as DEVICE
 
@@ -200,16 +201,16 @@ def test_reverse_kl_pivot_on_ties(block: int, scale: float) -> None:
 
 
 def test_reverse_kl_pivot_matches_lossspec_combine() -> None:
-    """The kernel's online pivot equals ``torchloss._stats.combine`` folded over blocks."""
+    """The kernel's online pivot equals ``torchloss._block.combine`` folded over blocks."""
     x_np, t_np = _tie_case(3.0, seed=7)
     config = lossspec.make_config("reverse_kl")
     x, t = torch.tensor(x_np).to(DEVICE), torch.tensor(t_np).to(DEVICE)
     coef = torch.ones(x.shape[0], device=DEVICE)
     whole = _triton.shard_stats(config, x, t, coef, 0, SMALL_BLOCKS)
-    acc = _stats.empty_stats(config, x.shape[0], torch.float32, x.device)
+    acc = _block.empty_stats(config, x.shape[0], torch.float32, x.device)
     for v0 in range(0, x.shape[1], 32):
         part = _triton.shard_stats(config, x[:, v0:v0 + 32].contiguous(), t[:, v0:v0 + 32].contiguous(), coef, v0, SMALL_BLOCKS)
-        acc = _stats.combine(config, acc, part)
+        acc = _block.combine(config, acc, part)
     torch.testing.assert_close(acc.tau, whole.tau, rtol=0, atol=0)
     torch.testing.assert_close(acc.m, whole.m, rtol=0, atol=0)
     torch.testing.assert_close(acc.e_d, whole.e_d, rtol=1e-5, atol=1e-6)
@@ -291,7 +292,7 @@ def test_nan_and_inf_rows(kind: str, dtype: str) -> None:
     stats = _triton.shard_stats(config, x, target, coef, 0, SMALL_BLOCKS)
     assert torch.isnan(stats.s[bad]).all() and not torch.isnan(stats.s[good]).any()
     assert stats.s[6] == 0 and stats.m[6] == float("-inf")  # masked: empty statistics
-    fin = _stats.finalize(config, stats, x.shape[1])
+    fin = _block.finalize(config, stats, x.shape[1])
     out = torch.empty_like(x)
     _triton.shard_grad(config, fin, x, target, coef, 0, x.shape[1], out, SMALL_BLOCKS)
     for r in bad:
@@ -404,7 +405,7 @@ def test_shard_stats_fields_follow_lossspec() -> None:
         stats = _triton.shard_stats(config, x, target, coef, 0, SMALL_BLOCKS)
         used = lossspec.stats_used(config)
         assert tuple(f for f in stats._fields if getattr(stats, f) is not None) == used
-        empty = _stats.empty_stats(config, 8, torch.float32, x.device)
+        empty = _block.empty_stats(config, 8, torch.float32, x.device)
         dead = coef == 0
         assert dead.any()
         for name in used:

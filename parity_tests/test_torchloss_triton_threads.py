@@ -1,7 +1,7 @@
 """Concurrent ``impl="triton"`` calls from several threads (Triton interpreter).
 
 The interpreter patches ``triton.language`` for the duration of a launch, so two interpreted
-launches at once used to fail (about 8 of 40 calls, with InterpreterError). ``torchloss._triton``
+launches at once used to fail (about 8 of 40 calls, with InterpreterError). ``torchloss.backends.triton``
 serialises interpreted launches with a module-level lock; without it this test fails.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 import lossspec
 import torchloss
-from torchloss import _triton
+from torchloss.backends import triton as _triton
 
 THREADS = 4
 CALLS = 10

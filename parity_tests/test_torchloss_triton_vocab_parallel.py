@@ -1,6 +1,6 @@
 """Vocab-parallel Triton passes emulated in one process: split V into uneven shards,
 ``shard_stats`` each, combine them as the collectives would (max of the maxima and the pivot,
-rescale to them, sum), ``torchloss._stats.finalize``, ``shard_grad`` each shard, concatenate,
+rescale to them, sum), ``torchloss._block.finalize``, ``shard_grad`` each shard, concatenate,
 and compare with the float64 oracle. Small shapes, 32-column blocks; compiled kernels on CUDA
 tensors where CUDA is available, else the Triton interpreter on CPU tensors
 (``torch_problem.TRITON_DEVICE``).
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import lossspec
-from torchloss import _stats, _triton
+from torchloss import _block
+from torchloss.backends import triton as _triton
 
 from parity_tests.support.torch_problem import TRITON_DEVICE as DEVICE
 
@@ -53,12 +54,12 @@ def _shard(config: lossspec.LossConfig, x: torch.Tensor, target: torch.Tensor, a
     return xs, ts
 
 
-def combine_like_collectives(config: lossspec.LossConfig, parts: list) -> _stats.Stats:
+def combine_like_collectives(config: lossspec.LossConfig, parts: list) -> _block.Stats:
     """What the all-reduces compute: max of the maxima, the pivot of the shards holding the
     student's maximum (the first such shard on ties), each shard rescaled to them, then one sum."""
     m = torch.stack([p.m for p in parts]).amax(0)
     mt = None if parts[0].mt is None else torch.stack([p.mt for p in parts]).amax(0)
-    rescaled = [_stats.rescale(config, p, m, mt) for p in parts]
+    rescaled = [_block.rescale(config, p, m, mt) for p in parts]
     out = functools.reduce(lossspec.stats.add, rescaled)
     if parts[0].tau is not None:
         # The pivot over the shards (pivot() returns tau; the running maximum goes alongside).
@@ -67,7 +68,7 @@ def combine_like_collectives(config: lossspec.LossConfig, parts: list) -> _stats
         for p in parts[1:]:
             tau = lossspec.stats.pivot(torch, run_m, tau, p.m, p.tau)
             run_m = torch.maximum(run_m, p.m)
-        e_d = functools.reduce(torch.add, [_stats.rescale_e_d(config, p, m, tau) for p in parts])
+        e_d = functools.reduce(torch.add, [_block.rescale_e_d(config, p, m, tau) for p in parts])
         out = out._replace(tau=tau, e_d=e_d)
     return out
 
@@ -78,10 +79,10 @@ def run_vocab_parallel(config, x, target, coef, cuts, *, fold: bool = False, gra
         xs, ts = _shard(config, x, target, a, b)
         parts.append(_triton.shard_stats(config, xs, ts, coef, a, SMALL_BLOCKS))
     if fold:
-        stats = functools.reduce(lambda p, q: _stats.combine(config, p, q), parts)
+        stats = functools.reduce(lambda p, q: _block.combine(config, p, q), parts)
     else:
         stats = combine_like_collectives(config, parts)
-    fin = _stats.finalize(config, stats, x.shape[1])
+    fin = _block.finalize(config, stats, x.shape[1])
     grads = []
     for a, b in zip(cuts[:-1], cuts[1:]):
         xs, ts = _shard(config, x, target, a, b)
@@ -113,7 +114,7 @@ def test_vocab_parallel_matches_oracle(kind: str, scenario: str, dtype: str, spl
 
 @pytest.mark.parametrize("kind", lossspec.KINDS)
 def test_fold_combine_equals_collectives(kind: str) -> None:
-    """Folding ``torchloss._stats.combine`` over the shards is the same algebra as the
+    """Folding ``torchloss._block.combine`` over the shards is the same algebra as the
     collectives' max / rescale / sum: the same loss and gradient, to rounding."""
     case = lossspec.make_case(kind, "random", lead_shape=(8,), vocab=VOCAB, dtype="float32", seed=2)
     config = lossspec.make_config(kind, **OPTIONS[kind])

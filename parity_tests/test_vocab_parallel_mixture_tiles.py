@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import lossspec
-from jaxloss import _stats as jax_stats
-from jaxloss import _vocab_parallel as jax_vp
-from torchloss import _stats as torch_stats
-from torchloss import _vocab_parallel as torch_vp
+from jaxloss import _block as jax_stats
+from jaxloss.backends import vocab_parallel as jax_vp
+from torchloss import _block as torch_stats
+from torchloss.backends import vocab_parallel as torch_vp
 
 ROWS, VOCAB = 7, 45
 # (softcap, dtype): the fast lane keeps the float32 case with caps; the others are slow.

@@ -2,6 +2,7 @@
 
     python3 scripts/measure_times.py                  # everything: about 30-60 min on 2 idle cores
     python3 scripts/measure_times.py --skip-full      # all but the whole test suite
+    python3 scripts/measure_times.py --busy 2 --steps main,fast   # beside 2 spinning processes
 
 It clones the repository's committed HEAD (uncommitted changes are not measured) into a temporary
 folder and times there, one after the other:
@@ -17,6 +18,11 @@ each step's outcome (pytest's summary line). ``--venv PATH`` reuses a set-up vir
 of timing the set-up (setup.sh still runs and reinstalls into it if its stamp differs: never
 point it at a virtualenv others use); ``--steps`` and ``--pytest-k`` are for checking this script
 on a small part (the table then says what was left out).
+
+``--busy N`` times the steps beside N spinning processes that this script starts and stops
+(``benchmarks/spinners.py``; each also ends itself after ``--busy-seconds``), a bounded stand-in
+for a shared machine, and writes its table into the page's "Beside a competing load" section,
+leaving the idle table as it was (and an idle run leaves that section as it was).
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks.spinners (standard library only: no virtualenv needed)
+
+from benchmarks.spinners import Spinners  # noqa: E402
+
+BUSY_SECTION = "## Beside a competing load"
 STEPS = {  # name -> (what the README calls it, command run in the clone)
     "setup": ("set-up from scratch (`bash scripts/setup.sh`, fresh `.venv`)", "bash scripts/setup.sh"),
     "main": ("the main job (`bash scripts/main.sh`: lossparity, then the two demos)", "bash scripts/main.sh"),
@@ -90,20 +101,12 @@ def run_step(name: str, command: str, clone: Path, log: Path) -> dict[str, str]:
     return row
 
 
-def write_table(path: Path, rows: dict[str, dict[str, str]], commit: str, note: str) -> None:
-    """docs/timings.md: the machine, the date, the commit and a row per step (in the README's order)."""
+def table_lines(rows: dict[str, dict[str, str]], commit: str, note: str) -> list[str]:
+    """The machine, the date, the commit and a row per step (in the README's order)."""
     cores = os.cpu_count()
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        "# How long things take",
-        "",
-        "The one place that states the project's times; every other page links here. Written by",
-        "`python3 scripts/measure_times.py` (a fresh clone in a temporary folder, each step timed in turn);",
-        "rerun it to refresh the table. Wall-clock times on the machine below: other people's work on a",
-        "shared machine lengthens them (the load averages say how busy it was), and the set-up's downloads",
-        "depend on the network and on pip's cache.",
-        "",
         f"Machine: {cpu_model()}, {affinity} cores available ({cores} online), {platform.system()} "
         f"{platform.release()}, Python {platform.python_version()} (running this script).",
         f"Measured {now}, commit `{commit}`.",
@@ -116,7 +119,37 @@ def write_table(path: Path, rows: dict[str, dict[str, str]], commit: str, note: 
         lines.append(f"| {label} | {r['time']} | {r['load']} | {r['result']} |" if r else f"| {label} | not measured in this run | | |")
     if note:
         lines += ["", note]
-    path.write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def write_table(path: Path, rows: dict[str, dict[str, str]], commit: str, note: str, busy: int = 0) -> None:
+    """docs/timings.md: the idle table, then the section beside a competing load; a run replaces its
+    own part and keeps the other."""
+    old = path.read_text() if path.exists() else ""
+    idle_part, _, busy_part = old.partition(BUSY_SECTION)
+    idle_lines = idle_part.rstrip("\n").split("\n")
+    if busy:
+        busy_lines = [
+            f"Each step beside {busy} spinning processes (`--busy {busy}`: busy loops that this script starts",
+            "before the step and stops after it), on top of whatever else the machine ran.",
+            "",
+        ] + table_lines(rows, commit, note)
+    else:
+        idle_lines = [
+            "# How long things take",
+            "",
+            "The one place that states the project's times; every other page links here. Written by",
+            "`python3 scripts/measure_times.py` (a fresh clone in a temporary folder, each step timed in turn);",
+            "rerun it to refresh the table. Wall-clock times on the machine below: other people's work on a",
+            "shared machine lengthens them (the load averages say how busy it was), and the set-up's downloads",
+            "depend on the network and on pip's cache.",
+            "",
+        ] + table_lines(rows, commit, note)
+        busy_lines = busy_part.strip("\n").split("\n") if busy_part.strip() else []
+    text = "\n".join(idle_lines) + "\n"
+    if busy_lines:
+        text += "\n" + BUSY_SECTION + "\n\n" + "\n".join(busy_lines) + "\n"
+    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pytest-k", default=None, help="only the fast-lane tests matching this -k expression (a check of this script)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "timings.md"), help="the table to write (default docs/timings.md)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary clone and the logs")
+    parser.add_argument("--busy", type=int, default=0, help="spinning processes beside every step (default 0: idle)")
+    parser.add_argument("--busy-seconds", type=float, default=7200.0, help="hard limit of each spinner's life (default 7200)")
     args = parser.parse_args(argv)
+    if args.busy < 0:
+        parser.error("--busy must be at least 0")
     steps = [s for s in args.steps.split(",") if s]
     unknown = [s for s in steps if s not in STEPS]
     if unknown:
@@ -154,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         command = STEPS[name][1]
         if name == "fast" and args.pytest_k:
             command += f" -k {shlex.quote(args.pytest_k)}"
-        rows[name] = run_step(name, command, clone, tmp / f"{name}.log")
+        with Spinners(args.busy, args.busy_seconds):
+            rows[name] = run_step(name, command, clone, tmp / f"{name}.log")
         if name == "setup":  # what the set-up installed: the size of the fresh .venv
             size = subprocess.run(["du", "-sh", str(clone / ".venv")], capture_output=True, text=True).stdout.split()
             if size:
@@ -164,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("The set-up was not timed: an existing virtualenv was reused.")
     if args.pytest_k:
         notes.append(f"The fast lane ran only the tests matching `-k {args.pytest_k}` (a check of the script, not a figure).")
-    write_table(Path(args.out), rows, commit, " ".join(notes))
+    write_table(Path(args.out), rows, commit, " ".join(notes), args.busy)
     print(f"[measure] wrote {args.out}" + (f"; clone and logs in {tmp}" if args.keep else ""), flush=True)
     if not args.keep:
         subprocess.run(["rm", "-rf", str(tmp)], check=False)

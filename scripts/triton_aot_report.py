@@ -5,9 +5,9 @@ Usage::
 
     python scripts/triton_aot_report.py [--arch 80 90] [--jobs N] [--json PATH]
 
-Each kernel is compiled exactly as ``torchloss._triton`` would launch it on a GPU: the
-constexprs of :func:`torchloss._triton.constexprs` at the GPU block size (4096 columns, the
-default ``vocab_block`` of ``torchloss._triton.DEFAULTS`` on a GPU) and :func:`torchloss._triton.num_warps`, for fp32 and bf16
+Each kernel is compiled exactly as ``torchloss.backends.triton`` would launch it on a GPU: the
+constexprs of :func:`torchloss.backends.triton.constexprs` at the GPU block size (4096 columns, the
+default ``vocab_block`` of ``torchloss.backends.triton.DEFAULTS`` on a GPU) and :func:`torchloss.backends.triton.num_warps`, for fp32 and bf16
 logits and every kind (cross-entropy plain and with label smoothing + z-loss; three kinds with
 the soft caps compiled in). Compilation runs
 with ``TRITON_INTERPRET=0`` in worker processes; ``ptxas -v`` on the generated PTX gives the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-GPU_BLOCK_V = 4096  # torchloss._triton's default vocab_block when compiled for a GPU (its DEFAULTS)
+GPU_BLOCK_V = 4096  # the default vocab_block of torchloss.backends.triton (DEFAULTS) when compiled for a GPU
 JOBS = ("fused", "regrad", "shard_stats", "shard_grad")
 DTYPES = ("float32", "bfloat16")
 # (label, kind, options): every kind; cross-entropy also with its optional terms compiled in.
@@ -48,11 +48,11 @@ VARIANTS = (
     ("jensen_shannon+softcaps", "jensen_shannon", {"beta": 0.5, "logit_softcap": 30.0, "teacher_logit_softcap": 50.0}),
 )
 ARCHS = (80, 90)
-# The fused LM head's kernels (torchloss._triton_linear) at their GPU tiles, with a bias (and a
+# The fused LM head's kernels (torchloss.backends.triton_head) at their GPU tiles, with a bias (and a
 # teacher bias): the four kinds of the head.
 HEAD_JOBS = ("head_forward", "head_dh", "head_dw")
 HEAD_VARIANTS = tuple(v for v in VARIANTS if v[1] in ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl"))
-# The bf16 matmul kernel (torchloss._triton_matmul) in the three layouts the fused head launches
+# The bf16 matmul kernel (torchloss.backends.triton_matmul) in the three layouts the fused head launches
 # it with (bf16 operands): variant -> (A's dtype, unit-stride arguments, ACCUMULATE).
 #   logits  z = h W^T        A = h [R, H] bf16, B = W^T (a view: unit stride along K)
 #   grad_h  dh (+)= G W      A = G [R, B] fp32 (split), B = W rows [B, H]
@@ -99,7 +99,7 @@ def _signature(job: str, kind: str, dtype: str) -> tuple[dict[str, str], dict]:
     """Argument types and alignment attributes of ``job``'s kernel, as a launch on a GPU
     specialises them: pointer element types by role, 16-byte aligned pointers, 32-bit integers
     divisible by 16."""
-    from torchloss import _triton
+    from torchloss.backends import triton as _triton
 
     kernel = _triton.KERNELS[job]
     logits = "*" + _TL_NAMES[dtype]
@@ -130,7 +130,7 @@ def _signature(job: str, kind: str, dtype: str) -> tuple[dict[str, str], dict]:
 def _head_signature(job: str, kind: str, dtype: str) -> tuple[dict[str, str], dict]:
     """As :func:`_signature` for the head kernels: the hidden states, weights and biases in the
     inputs' dtype, labels int64, the soft caps fp32 scalars, everything else fp32 buffers."""
-    from torchloss import _triton_linear
+    from torchloss.backends import triton_head as _triton_linear
 
     inputs = "*" + _TL_NAMES[dtype]
     pointer_types = {name: inputs for name in ("h_ptr", "w_ptr", "b_ptr", "th_ptr", "tw_ptr", "tb_ptr")}
@@ -153,13 +153,13 @@ def _head_signature(job: str, kind: str, dtype: str) -> tuple[dict[str, str], di
 
 
 def _compile_head(job: str, kind: str, options: dict, dtype: str, arch: int) -> tuple[Any, int]:
-    """``(compiled, num_warps)`` of a head kernel as ``torchloss._triton_linear`` launches it on a GPU."""
+    """``(compiled, num_warps)`` of a head kernel as ``torchloss.backends.triton_head`` launches it on a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     import lossspec
-    from torchloss import _triton, _triton_linear
+    from torchloss.backends import triton as _triton, triton_head as _triton_linear
 
     config = lossspec.make_config(kind, **options)
     constants = _triton_linear.constexprs(config, True, kind != "cross_entropy", _triton_linear.GPU_BLOCKS)
@@ -172,7 +172,7 @@ def _compile_head(job: str, kind: str, options: dict, dtype: str, arch: int) -> 
 
 
 def _compile_matmul(variant: str, arch: int) -> tuple[Any, int]:
-    """``(compiled, num_warps)`` of the matmul kernel as ``torchloss._triton_matmul`` launches it on
+    """``(compiled, num_warps)`` of the matmul kernel as ``torchloss.backends.triton_matmul`` launches it on
     a GPU for ``variant`` (:data:`MATMUL_VARIANTS`): unit strides specialised to the constant 1,
     the other integers divisible by 16 (H, V and chunk sizes of real heads)."""
     import triton
@@ -180,7 +180,7 @@ def _compile_matmul(variant: str, arch: int) -> tuple[Any, int]:
     from triton.compiler import ASTSource
 
     from lossspec import linear as spec_linear
-    from torchloss import _triton, _triton_matmul
+    from torchloss.backends import triton as _triton, triton_matmul as _triton_matmul
 
     a_dtype, unit, accumulate = MATMUL_VARIANTS[variant]
     split = 1 if a_dtype == "bfloat16" else spec_linear.HEAD_SPLIT_TERMS
@@ -215,7 +215,7 @@ def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
     from triton.compiler import ASTSource
 
     import lossspec
-    from torchloss import _triton
+    from torchloss.backends import triton as _triton
 
     assert not _triton.INTERPRETED, "the AOT report must run with TRITON_INTERPRET=0"
     label, kind, options = next((v for v in VARIANTS if v[0] == variant), (variant, "", {}))

@@ -16,10 +16,10 @@ import sys as _sys
 def _default_to_the_triton_interpreter() -> None:
     """On a machine without CUDA, run Triton kernels through the interpreter (impl="triton" on
     CPU tensors). TRITON_INTERPRET must be set before triton is first imported, and importing
-    ``torch.compiler``/``torch._dynamo`` (below) imports triton, hence here and not in _triton.py
+    ``torch.compiler``/``torch._dynamo`` (below) imports triton, hence here and not in backends/triton.py
     alone. A value already in the environment is kept."""
     if "triton" in _sys.modules:
-        return  # too late to choose; torchloss._triton reports a mismatch when it is used
+        return  # too late to choose; torchloss.backends.triton reports a mismatch when it is used
     import torch
 
     if not torch.cuda.is_available():
@@ -45,7 +45,7 @@ from .api import (  # noqa: E402
     soft_cross_entropy,
 )
 from .distributed import accumulate, global_denominator  # noqa: E402
-from .linear import linear_cross_entropy, linear_forward_kl, linear_reverse_kl, linear_soft_cross_entropy  # noqa: E402
+from .head import linear_cross_entropy, linear_forward_kl, linear_reverse_kl, linear_soft_cross_entropy  # noqa: E402
 
 __all__ = [
     "cross_entropy",

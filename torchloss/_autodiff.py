@@ -14,7 +14,7 @@ from torch import Tensor
 
 from lossspec import LossConfig, Tuning
 
-from . import _cpu
+from .backends import cpu_tiles as _cpu
 
 
 

@@ -1,10 +1,10 @@
-"""The losses as ``torch.library`` custom ops: what compiled code (``torch.compile``) calls.
+"""The losses as ``torch.library`` custom ops for ``torch.compile`` (no jaxloss twin: ``jax.jit`` traces api.py itself).
 
 Eager calls go through the autograd Functions of :mod:`torchloss.api` (they hand the gradient
 buffer to autograd without a copy, and ``inplace=True`` writes it into the logits); code traced
 by Dynamo calls these ops instead, which the compiler sees as two opaque nodes with known output
 shapes, so a compiled model keeps the loss in its graph (``fullgraph=True`` works). Both run
-the same backend functions (``_torch.forward`` / ``_triton.forward`` and their ``regrad_``):
+the same backend functions (the ``forward`` and ``regrad_`` of the impl's kernels, ``torchloss.backends``):
 the numbers are the eager numbers.
 
 Ops (``config`` is the :class:`lossspec.LossConfig` flattened into ``kind, normalization,
@@ -47,8 +47,8 @@ from torch import Tensor
 
 from lossspec import LossConfig, Tuning
 
-from . import _torch
-from ._stats import compute_dtype
+from .backends import IMPLEMENTATIONS
+from ._block import compute_dtype
 
 __all__ = ["CONFIG_FIELDS", "masked_loss", "config_args"]
 
@@ -104,15 +104,11 @@ def _cached_config(*values: Any) -> LossConfig:
 
 
 def _backend(impl: str) -> Any:
-    """The backend module of ``impl`` (``"torch"`` or ``"triton"``; ``"auto"`` is resolved by
-    the caller, so that eager and compiled calls pick the same one)."""
-    if impl == "torch":
-        return _torch
-    if impl == "triton":
-        from . import _triton
-
-        return _triton
-    raise ValueError(f"torchloss ops take impl 'torch' or 'triton'; got {impl!r}")
+    """The loss kernels of ``impl``, a resolved name of :data:`torchloss.backends.IMPLEMENTATIONS`
+    (``"auto"`` is resolved by the caller, so that eager and compiled calls pick the same one)."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"torchloss ops take impl {' or '.join(map(repr, sorted(IMPLEMENTATIONS)))}; got {impl!r}")
+    return IMPLEMENTATIONS[impl].kernels()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The prepare stage of every ``torchloss`` loss and of the fused head (``torchloss.linear``):
+"""The prepare stage of every ``torchloss`` loss and of the fused head (``torchloss.head``):
 validation (options, tensors, shapes, dtypes, devices, ``inplace``; value checks where they are
 free: CPU tensors outside tracing), then the shifted targets, segment ids and sequence-parallel
 window, ``valid`` and the weights, ``D``, the per-token coefficient
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from types import ModuleType
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -20,8 +19,8 @@ from torch import Tensor
 import lossspec
 from lossspec import LossConfig
 
-from . import _torch, _vocab_parallel
-from ._stats import compute_dtype
+from .backends import Backend, vocab_parallel as _vocab_parallel
+from ._block import compute_dtype
 
 Denominator = Union[int, float, Tensor, None]
 
@@ -81,18 +80,6 @@ def check_device(name: str, tensor: Optional[Tensor], device: torch.device) -> N
         raise ValueError(f"{name} must be on the device of logits ({device}); got {tensor.device}")
 
 
-def resolve_backend(impl: str, logits: Tensor) -> ModuleType:
-    if impl == "auto":
-        impl = "triton" if logits.is_cuda else "torch"
-    if impl == "torch":
-        return _torch
-    try:
-        from . import _triton
-    except ImportError as err:  # pragma: no cover - depends on the installation
-        raise ImportError("impl='triton' needs the triton package (pip install triton); impl='torch' works without it") from err
-    return _triton
-
-
 def check_process_group(group: Any, name: str = "vocab_parallel") -> None:
     import torch.distributed as dist
 
@@ -148,7 +135,8 @@ class Call:
     segment_ids: Optional[Tensor]
     denominator: Denominator
     sequence_parallel: Any  # a ProcessGroup splitting the time axis, or None
-    backend: Any
+    backend: Backend  # the resolved impl
+    kernels: Any  # what the autograd Functions call (forward, regrad_): the backend's module, or a VocabParallel over it
     vocab: int  # the global vocabulary (labels are global ids)
     host: bool  # values readable without a synchronisation
     need_grad: bool
@@ -165,13 +153,13 @@ def validate(
     denominator: Denominator,
     vocab_parallel: Any,
     sequence_parallel: Any,
-    impl: str,
+    backend: Backend,
     inplace: bool,
     tuning: Optional[lossspec.Tuning] = None,
 ) -> Call:
+    """The checks of one call (its ``impl`` resolved by the caller: :func:`torchloss.backends.resolve`)."""
     is_ce = config.has_labels
     target_name = "labels" if is_ce else "teacher_logits"
-    lossspec.check_impl(impl, lossspec.TORCH_IMPLS)
     tuning = lossspec.check_tuning(tuning)
     logits = require_tensor("logits", logits)
     if config.has_target:
@@ -208,18 +196,18 @@ def validate(
     need_grad = torch.is_grad_enabled() and logits.requires_grad
     if inplace:
         _check_inplace(logits, need_grad)
-    backend: Any = resolve_backend(impl, logits)
+    kernels: Any = backend.kernels()  # imported here: an ImportError (no triton) after the checks above
     vocab = int(logits.shape[-1])
     if vocab_parallel is not None:
         check_process_group(vocab_parallel)
         offset, vocab = _vocab_parallel.shard_offset(vocab, vocab_parallel, device)
-        backend = _vocab_parallel.VocabParallel(vocab_parallel, offset, vocab, kernel=None if backend is _torch else backend)
+        kernels = _vocab_parallel.VocabParallel(vocab_parallel, offset, vocab, kernel=backend.shard_kernels())
     if sequence_parallel is not None:
         check_process_group(sequence_parallel, "sequence_parallel")
         lossspec.check_sequence_parallel_axis(tuple(logits.shape[:-1]))
     host = host_readable(logits, target, loss_mask, segment_ids, denominator if isinstance(denominator, Tensor) else None)
     return Call(
-        config, logits, target, loss_mask, segment_ids, denominator, sequence_parallel, backend, vocab, host, need_grad, inplace, tuning
+        config, logits, target, loss_mask, segment_ids, denominator, sequence_parallel, backend, kernels, vocab, host, need_grad, inplace, tuning
     )
 
 

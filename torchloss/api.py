@@ -39,7 +39,7 @@ from torch import Tensor
 import lossspec
 from lossspec import LossConfig
 
-from . import _ops, _prepare, _torch
+from . import _ops, _prepare, backends
 from ._autodiff import (  # noqa: F401  (the Function classes are public here)
     FUNCTIONS,
     CrossEntropyFunction,
@@ -110,20 +110,12 @@ def _apply(call: Call, prepared: Prepared) -> Tensor:
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     if torch.compiler.is_compiling():
-        return _ops.masked_loss(x2d, prepared.target, prepared.coef, call.config, _impl_name(call.backend), call.need_grad, call.tuning)
+        # The custom op takes the impl's name (vocab-parallel calls never get here: _loss_call).
+        return _ops.masked_loss(x2d, prepared.target, prepared.coef, call.config, call.backend.name, call.need_grad, call.tuning)
     function = FUNCTIONS[call.config.kind]
     # The anchor ties a create_graph=True gradient to the logits (First order only, docs/DESIGN.md).
     anchor = second_order_anchor(x2d) if call.need_grad else None
-    return function.apply(x2d, prepared.target, prepared.coef, call.config, call.backend, call.need_grad, call.inplace, anchor, call.tuning)
-
-
-def _impl_name(backend: Any) -> str:
-    """The ``impl`` name of a single-device backend module (what the custom op takes)."""
-    if backend is _torch:
-        return "torch"
-    if getattr(backend, "__name__", "") == "torchloss._triton":
-        return "triton"
-    raise NotImplementedError(f"torchloss: no custom op for the backend {backend!r} (vocab_parallel runs eagerly)")
+    return function.apply(x2d, prepared.target, prepared.coef, call.config, call.kernels, call.need_grad, call.inplace, anchor, call.tuning)
 
 
 def _masked_loss(
@@ -141,8 +133,9 @@ def _masked_loss(
 ) -> Tensor:
     """Steps 1-4 of one call with the validated ``config`` (the body of the public functions)."""
     # jensen_shannon at beta = 0 / 1 is computed as forward / reverse KL, exactly (LossConfig.formula).
+    backend = backends.resolve(impl, logits)  # the one resolution of this call's impl
     call = validate(
-        config.kernel_config(), logits, target, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, inplace, tuning
+        config.kernel_config(), logits, target, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, backend, inplace, tuning
     )
     prepared = prepare(call)
     return finish(call, prepared, _apply(call, prepared))

@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` integration: a drop-in for its causal-LM loss on ``torchloss``.
+"""Hugging Face ``transformers``' causal-LM loss on ``torchloss`` (no jaxloss twin: JAX's adapter is a recipe, docs/jaxloss.md).
 
 One line makes a ``transformers`` causal LM (or any model whose ``loss_type`` maps to
 ``ForCausalLMLoss``, e.g. ``...ForConditionalGeneration``) compute its loss with

@@ -1,4 +1,4 @@
-"""The tiny LM in Flax NNX with a tied, fused head (``jaxloss.linear_nnx`` modules), trained with
+"""The tiny LM in Flax NNX with a tied, fused head (``jaxloss.nnx`` modules), trained with
 ``jaxloss.distributed.accumulate``."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-import jaxloss.linear_nnx as headnn
+import jaxloss.nnx as headnn
 from jaxloss.distributed import accumulate
 
 from .weights import LN_EPS

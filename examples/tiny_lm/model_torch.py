@@ -1,4 +1,4 @@
-"""The tiny LM in torch with a tied, fused head (``torchloss.linear`` modules), trained with
+"""The tiny LM in torch with a tied, fused head (``torchloss.nn`` modules), trained with
 ``torchloss.distributed.accumulate``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import torchloss.linear as headnn
+import torchloss.nn as headnn
 from torchloss.distributed import accumulate
 
 from .weights import LN_EPS

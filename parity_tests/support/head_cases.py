@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import jaxloss
-import jaxloss.linear as jax_linear
+import jaxloss.head as jax_linear
 import lossspec
 import torchloss
-import torchloss.linear as torch_linear
+import torchloss.head as torch_linear
 from lossspec import linear as spec_linear
 
 KINDS = tuple(lossspec.KINDS)  # the fused head's kinds (entropy / jensen_shannon heads: planned)

@@ -21,7 +21,7 @@ from parity_tests.support.head_problem import BATCH, KINDS, OPTIONS, TIME, make_
 from parity_tests.support.ranks import finish, init_gloo
 
 import torchloss
-import torchloss.linear as torch_linear
+import torchloss.head as torch_linear
 
 WORLD = 2
 VOCAB = 23

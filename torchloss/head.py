@@ -3,15 +3,15 @@
 ``linear_<kind>(hidden [..., H], weight [V, H], <target>, loss_mask, *, bias, ...)`` equals
 ``<kind>(hidden @ weight.T + bias, ...)`` with the logits in the compute dtype (fp32; fp64 for
 fp64 inputs). Signatures, checks and the float64 reference: :mod:`lossspec.linear`; the twin
-is ``jaxloss.linear``.
+is ``jaxloss.head``.
 
 How (``R``, ``B`` from :func:`lossspec.linear.head_plan`): the tokens are processed in chunks
 of ``R`` rows. When a whole row fits the block budget (``B = V``, the common case) a chunk is
 one matmul ``z = h W^T + b`` ``[R, V]``, the block math of the unfused torch path
-(:mod:`torchloss._stats`) writes the logits' gradient ``G = coef * c * dl/dz`` over ``z`` in
+(:mod:`torchloss._block`) writes the logits' gradient ``G = coef * c * dl/dz`` over ``z`` in
 place, then ``dh = G W``, ``dW += G^T h``, ``db += sum G``: three matmuls, no
 recompute. Otherwise the chunk runs over vocabulary blocks of ``B`` columns twice with the
-block math of :mod:`torchloss._stats` (``block_stats``, ``combine``, ``finalize``,
+block math of :mod:`torchloss._block` (``block_stats``, ``combine``, ``finalize``,
 ``block_grad``): an online softmax, then each block's gradient from its recomputed logits.
 16-bit inputs are upcast to fp32 (exact; the weight a slice at a time into one reused buffer,
 :class:`WeightRows`) so every product is accumulated in fp32; the fp32 gradients are rounded
@@ -19,7 +19,7 @@ once to the parameters' dtypes. (On CUDA, torch's ``allow_tf32`` switches apply 
 matmuls as to any other.) Opt-in (:data:`BF16_MATMUL_DEVICES`): bf16 inputs go to the matmuls
 as they are (fp32 results: :func:`mm_f32`) and the backward multiplies the fp32 ``G`` as three
 exact bf16 terms (:func:`split_bf16`): the same exact products, accumulated in fp32. On CUDA
-these matmuls are one Triton kernel (:mod:`torchloss._triton_matmul`, the split in registers):
+these matmuls are one Triton kernel (:mod:`torchloss.backends.triton_matmul`, the split in registers):
 through cuBLAS (``out_dtype``) the path was correct on an H200 but slower than fp32 with torch
 2.11; the kernel has not run on a GPU yet (docs/linear_head.md).
 
@@ -37,7 +37,7 @@ for a 16-bit weight, one more matmul (two with a teacher).
 
 Vocab parallel (``vocab_parallel=<ProcessGroup>``; :class:`Shards`): the weight is this rank's
 ``[V_local, H]`` slice; each chunk's shard statistics are combined over the group
-(``torchloss._vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the local
+(``torchloss.backends.vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the local
 gradient, and ``dh`` is all-reduced once (docs/linear_head.md).
 """
 
@@ -53,8 +53,9 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import _autodiff, _prepare, _stats, _torch, _vocab_parallel, api
-from ._stats import compute_dtype
+from . import _autodiff, _block, _prepare, backends
+from .backends import torch as _torch, vocab_parallel as _vocab_parallel
+from ._block import compute_dtype
 
 __all__ = [
     "linear_cross_entropy",
@@ -62,10 +63,6 @@ __all__ = [
     "linear_forward_kl",
     "linear_reverse_kl",
     "LinearHeadFunction",
-    "LinearCrossEntropyLoss",
-    "LinearSoftCrossEntropyLoss",
-    "LinearForwardKLLoss",
-    "LinearReverseKLLoss",
 ]
 
 #: the elements of one [R, B] block in the compute dtype; ``None``: lossspec.linear.head_plan's
@@ -102,10 +99,10 @@ def _label_logit(z: Tensor, y: Tensor, first: int) -> Tensor:
 def _whole_row(config: LossConfig, local: Any, shards: Optional[Shards], vocab: int) -> Any:
     """The final statistics of whole rows: a shard's statistics are first combined over the
     group (one ``all_gather`` of the maxima, one ``all_reduce`` of the sums for the chunk's rows,
-    :func:`torchloss._vocab_parallel.combine_shards`); the global ``V`` enters ``finalize``."""
+    :func:`torchloss.backends.vocab_parallel.combine_shards`); the global ``V`` enters ``finalize``."""
     if shards is None:
-        return _stats.finalize(config, local, vocab)
-    return _stats.finalize(config, _vocab_parallel.combine_shards(config, local, shards.group), shards.vocab)
+        return _block.finalize(config, local, vocab)
+    return _block.finalize(config, _vocab_parallel.combine_shards(config, local, shards.group), shards.vocab)
 
 
 #: Devices whose head matmuls read bf16 operands as they are (fp32 results) with the backward's
@@ -115,7 +112,7 @@ def _whole_row(config: LossConfig, local: Any, shards: Optional[Shards], vocab: 
 #: that replaced it there (:data:`TRITON_MATMUL_DEVICES`) has not run on a GPU yet. Correct on
 #: that GPU (parity_tests/test_linear_head_bf16_matmuls.py); ``("cuda",)`` opts in.
 BF16_MATMUL_DEVICES: tuple[str, ...] = ()
-#: Devices whose bf16 matmuls run on the Triton kernel of :mod:`torchloss._triton_matmul`
+#: Devices whose bf16 matmuls run on the Triton kernel of :mod:`torchloss.backends.triton_matmul`
 #: (tensor cores, ``G`` split in registers); elsewhere ``torch.mm`` (CUDA without Triton:
 #: ``out_dtype``; the CPU: exact fp32 upcasts). The tests add ``"cpu"`` to run the kernel in the
 #: Triton interpreter.
@@ -139,7 +136,7 @@ def _triton_matmuls(device: torch.device) -> bool:
     if device.type not in TRITON_MATMUL_DEVICES:
         return False
     try:
-        from . import _triton_matmul  # noqa: F401
+        from .backends import triton_matmul as _triton_matmul  # noqa: F401
     except ImportError:
         return False
     return True
@@ -168,7 +165,7 @@ def mm_f32(a: Tensor, b: Tensor, out: Optional[Tensor] = None, *, accumulate: bo
     Triton kernel (the split in registers); else cuBLAS with fp32 compute (``out_dtype``) on CUDA,
     exact fp32 upcasts elsewhere (the same numbers; the tests exercise this path on the CPU)."""
     if _triton_matmuls(a.device):
-        from . import _triton_matmul
+        from .backends import triton_matmul as _triton_matmul
 
         return _triton_matmul.matmul_f32(a, b, out, accumulate=accumulate)
     terms = split_bf16(a) if a.dtype == torch.float32 else [a]
@@ -295,7 +292,7 @@ def _add_head_grads(g: Tensor, h: Tensor, w: WeightRows, v0: int, dh: Tensor, dw
 
 def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional[Tensor], cc: Tensor, need_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
     """Rows whose whole vocabulary is one block: the block math of the unfused torch path
-    (:mod:`torchloss._stats`, as ``torchloss._torch``'s whole-row tiles) with the chunk's logits
+    (:mod:`torchloss._block`, as ``torchloss.backends.torch``'s whole-row tiles) with the chunk's logits
     ``z`` as scratch, the gradient written over them. Cross-entropy needs no other block;
     soft CE and forward KL also use ``t`` as scratch (two more blocks); reverse KL reads the
     teacher after the shift, so it takes two fresh blocks. Returns ``(loss [R], G or None,
@@ -303,13 +300,13 @@ def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
     rows, vocab = z.shape
     fresh = lambda: torch.empty_like(z)  # noqa: E731
     x_y = None if y is None else z.gather(1, y[:, None])[:, 0]
-    bufs = _stats.chunk_buffers(config.kind, z, t, fresh)
-    stats, cache = _stats.block_stats(config, z, t, bufs, x_y=x_y)
-    fin = _stats.finalize(config, stats, vocab)
+    bufs = _block.chunk_buffers(config.kind, z, t, fresh)
+    stats, cache = _block.block_stats(config, z, t, bufs, x_y=x_y)
+    fin = _block.finalize(config, stats, vocab)
     loss = torch.where(cc != 0, fin.l, 0.0)
     if not need_grad:
         return loss, None, fin
-    _stats.block_grad(config, fin, cc, z, t, y, 0, vocab, z, [], cache)
+    _block.block_grad(config, fin, cc, z, t, y, 0, vocab, z, [], cache)
     return loss, z, fin
 
 
@@ -318,14 +315,14 @@ def _chunk_shard(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
     (scratch blocks beside ``z`` and ``t``, which stay intact), combined over the group, then
     its gradient from the rows' final statistics written over ``z`` (the shard's exponentials
     are relative to its own maxima, so they are recomputed, not reused)."""
-    bufs = [torch.empty_like(z) for _ in range(_stats.buffers_needed(config.kind))]
+    bufs = [torch.empty_like(z) for _ in range(_block.buffers_needed(config.kind))]
     x_y = None if y is None else _label_logit(z, y, shards.offset)
-    stats, _ = _stats.block_stats(config, z, t, bufs, x_y=x_y)
+    stats, _ = _block.block_stats(config, z, t, bufs, x_y=x_y)
     fin = _whole_row(config, stats, shards, z.shape[1])
     loss = torch.where(cc != 0, fin.l, 0.0)
     if not need_grad:
         return loss, None, fin
-    _stats.block_grad(config, fin, cc, z, t, y, shards.offset, shards.vocab, z, bufs, None)
+    _block.block_grad(config, fin, cc, z, t, y, shards.offset, shards.vocab, z, bufs, None)
     return loss, z, fin
 
 
@@ -343,8 +340,8 @@ def _chunk_blocked(
     n, vocab = hc.shape[0], w.shape[0]
     offset = 0 if shards is None else shards.offset
     acc = compute_dtype(hc.dtype)
-    flat = [torch.empty(n * block, dtype=acc, device=hc.device) for _ in range(_stats.buffers_needed(config.kind))]
-    stats = _stats.empty_stats(config, n, acc, hc.device)
+    flat = [torch.empty(n * block, dtype=acc, device=hc.device) for _ in range(_block.buffers_needed(config.kind))]
+    stats = _block.empty_stats(config, n, acc, hc.device)
     x_y = None if y is None else torch.zeros(n, dtype=acc, device=hc.device)
 
     def window(v0: int, v1: int) -> tuple[Tensor, Optional[Tensor]]:
@@ -357,8 +354,8 @@ def _chunk_blocked(
         z, t = window(v0, v1)
         if y is not None:
             x_y += _label_logit(z, y, offset + v0)
-        part, _ = _stats.block_stats(config, z, t, _torch.row_views(flat, n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
-        stats = _stats.combine(config, stats, part)
+        part, _ = _block.block_stats(config, z, t, _torch.row_views(flat, n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
+        stats = _block.combine(config, stats, part)
     if y is not None:
         stats = stats._replace(x_y=x_y)
     fin = _whole_row(config, stats, shards, vocab)
@@ -370,7 +367,7 @@ def _chunk_blocked(
     for v0 in range(0, vocab, block):
         v1 = min(vocab, v0 + block)
         z, t = window(v0, v1)
-        _stats.block_grad(config, fin, cc, z, t, y, offset + v0, vocab if shards is None else shards.vocab, z, _torch.row_views(flat, n, v1 - v0), None)
+        _block.block_grad(config, fin, cc, z, t, y, offset + v0, vocab if shards is None else shards.vocab, z, _torch.row_views(flat, n, v1 - v0), None)
         _add_head_grads(z, hc, w, v0, dh, dw, db, first=False)
     return loss, fin
 
@@ -473,7 +470,7 @@ def head_forward(
 
             dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=shards.group)  # the stored gradient's
     if keep_final:
-        return loss, _stats.Final(**final)
+        return loss, _block.Final(**final)
     return loss, dh, dw, db
 
 
@@ -518,7 +515,7 @@ def head_backward(
 
     The vocabulary is the outer loop: for each slice of ``B`` columns the logits of all tokens
     are recomputed chunk by chunk (``[R, B]`` blocks, :func:`lossspec.linear.head_plan_recompute`),
-    ``G = coef * c * dl/dz`` follows from ``final`` (``_stats.block_grad``), ``dh += G W_slice``
+    ``G = coef * c * dl/dz`` follows from ``final`` (``_block.block_grad``), ``dh += G W_slice``
     and the slice's ``dW = G^T h`` is summed over all tokens in the compute dtype ``[B, H]``,
     then rounded once to the weight's dtype and written. No ``[V, H]`` buffer in the compute
     dtype exists for a 16-bit weight; one more matmul than :func:`head_forward` with
@@ -543,7 +540,7 @@ def head_backward(
     # The forward's live blocks' elements, shared by this pass's blocks (the logits, the
     # teacher's, block_grad's scratch: none for cross-entropy, whose gradient forms in place)
     # and [B, H] slices (the gradient, the widened weight rows, the teacher's).
-    scratch = _stats.grad_scratch_blocks(config.kind)
+    scratch = _block.grad_scratch_blocks(config.kind)
     blocks = 1 + (teacher is not None) + scratch
     live = spec_linear.head_live_blocks("torch", config.kind, shards is not None)
     operands = [hidden.dtype, weight.dtype] + ([] if teacher is None else [teacher[0].dtype, teacher[1].dtype])
@@ -590,9 +587,9 @@ def head_backward(
                     assert teacher_rows_in is not None
                     tc = teacher_rows_in(r0, r1)
                     t = _head_logits(tc, t_j[0], t_j[1], 0, v1 - v0, out=views[1])
-                fin = _stats.Final(**{name: None if value is None else value[r0:r1] for name, value in final._asdict().items()})
+                fin = _block.Final(**{name: None if value is None else value[r0:r1] for name, value in final._asdict().items()})
                 y = None if labels is None else labels[r0:r1]
-                _stats.block_grad(config, fin, coef[r0:r1], z, t, y, offset + v0, vocab_total, z, views[1 + (t is not None) :], None)
+                _block.block_grad(config, fin, coef[r0:r1], z, t, y, offset + v0, vocab_total, z, views[1 + (t is not None) :], None)
                 _add_head_grads(z, hc, w_j, 0, dh[r0:r1], dw_j[: v1 - v0], None if db_j is None else db_j[: v1 - v0], first=False)
             # The one rounding of the slice's gradients.
             dw[v0:v1] = dw_j[: v1 - v0]
@@ -606,17 +603,17 @@ def head_backward(
 
 
 def _head_forward(plan: spec_linear.HeadPlan) -> Any:
-    """The one dispatch point: ``plan.impl`` is the resolved impl (:func:`lossspec.linear.head_impl`);
-    ``"triton"`` runs the fused kernels of :mod:`torchloss._triton_linear` (fp32 / 16-bit inputs;
-    no vocabulary shards), anything else :func:`head_forward`."""
-    if plan.impl == "triton":
-        from . import _triton_linear
+    """The one dispatch point: ``plan.impl`` is the resolved impl (:func:`torchloss.backends.resolve`);
+    an impl with head kernels runs them (Triton: :mod:`torchloss.backends.triton_head`, fp32 /
+    16-bit inputs, no vocabulary shards), the framework path :func:`head_forward`."""
+    kernels = backends.IMPLEMENTATIONS[plan.impl].head_kernels()
+    if kernels is not None:
 
-        def kernels(*args: Any, shards: Any = None, **kwargs: Any) -> Any:
-            assert shards is None  # refused by head_impl
-            return _triton_linear.head_forward(*args, **kwargs)
+        def run(*args: Any, shards: Any = None, **kwargs: Any) -> Any:
+            assert shards is None  # refused by backends.resolve
+            return kernels.head_forward(*args, **kwargs)
 
-        return kernels
+        return run
     return head_forward
 
 
@@ -759,7 +756,7 @@ def _widest_shard(vocab_local: int, group: Any, device: torch.device) -> int:
     return int(widest.item())
 
 
-@torch.compiler.disable(reason="torchloss.linear runs eagerly (one graph break)")
+@torch.compiler.disable(reason="torchloss.head runs eagerly (one graph break)")
 def _linear_loss(kind: str, **args: Any) -> Tensor:
     """Body of the four ``linear_*`` functions (signatures: :mod:`lossspec.linear`)."""
     spec = lossspec.KIND_SPECS[kind]
@@ -787,18 +784,18 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     # The unfused losses' validation and coefficients (segment_ids, the label range against the
     # global V of a vocab_parallel group); no sequence_parallel for the head (yet).
     vocab_parallel = args["vocab_parallel"]
-    call = _prepare.validate(config, logits, target, args["loss_mask"], args["segment_ids"], args["denominator"], vocab_parallel, None, "torch", False)
+    plain = backends.IMPLEMENTATIONS[backends.PLAIN]  # the stand-in logits' checks and coefficients; the head's impl is resolved below
+    call = _prepare.validate(config, logits, target, args["loss_mask"], args["segment_ids"], args["denominator"], vocab_parallel, None, plain, False)
     prepared = _prepare.prepare(call)
-    shards = None if vocab_parallel is None else Shards(vocab_parallel, call.backend.offset, call.vocab, _widest_shard(vocab, vocab_parallel, hidden.device))
+    shards = None if vocab_parallel is None else Shards(vocab_parallel, call.kernels.offset, call.vocab, _widest_shard(vocab, vocab_parallel, hidden.device))
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     rows = math.prod(lead)
     t_args = (None, None, None) if teacher is None else (teacher[0].reshape(rows, teacher[0].shape[-1]), teacher[1], teacher[2])
-    impl = spec_linear.head_impl(args["impl"], lossspec.TORCH_IMPLS, "torch", vocab_parallel is not None)
-    impl = "torch" if hidden.dtype == torch.float64 else impl  # the kernels compute in fp32
-    recompute = spec_linear.check_recompute_logits(args["recompute_logits"], impl, "torch")
+    backend = backends.resolve(args["impl"], hidden, head=True, vocab_parallel=vocab_parallel is not None)  # the one resolution
+    recompute = spec_linear.check_recompute_logits(args["recompute_logits"], backend.name, backends.PLAIN)
     loss = LinearHeadFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad,
-        spec_linear.HeadPlan(BLOCK_ELEMENTS, BLOCKED_ROWS, impl, recompute, RECOMPUTE_PLAN), shards,
+        spec_linear.HeadPlan(BLOCK_ELEMENTS, BLOCKED_ROWS, backend.name, recompute, RECOMPUTE_PLAN), shards,
         _autodiff.second_order_anchor(hidden, weight, bias) if need_grad else None,
     )
     return _prepare.finish(call, prepared, loss)
@@ -818,11 +815,11 @@ def linear_cross_entropy(
     logit_softcap: Optional[float] = None,
     causal_shift: bool = False,
     normalization: str = "valid_tokens",
-    denominator: Denominator = None,
+    denominator: _prepare.Denominator = None,
     segment_ids: Optional[Tensor] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
-    vocab_parallel: Optional[api.ProcessGroup] = None,
+    vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
     **unexpected: Never,
 ) -> Tensor:
     """Fused LM head + cross_entropy: ``cross_entropy(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -924,11 +921,11 @@ def linear_soft_cross_entropy(
     teacher_logit_softcap: Optional[float] = None,
     causal_shift: bool = False,
     normalization: str = "valid_tokens",
-    denominator: Denominator = None,
+    denominator: _prepare.Denominator = None,
     segment_ids: Optional[Tensor] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
-    vocab_parallel: Optional[api.ProcessGroup] = None,
+    vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
     **unexpected: Never,
 ) -> Tensor:
     """Fused LM head + soft_cross_entropy: ``soft_cross_entropy(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -1036,11 +1033,11 @@ def linear_forward_kl(
     teacher_logit_softcap: Optional[float] = None,
     causal_shift: bool = False,
     normalization: str = "valid_tokens",
-    denominator: Denominator = None,
+    denominator: _prepare.Denominator = None,
     segment_ids: Optional[Tensor] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
-    vocab_parallel: Optional[api.ProcessGroup] = None,
+    vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
     **unexpected: Never,
 ) -> Tensor:
     """Fused LM head + forward_kl: ``forward_kl(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -1148,11 +1145,11 @@ def linear_reverse_kl(
     teacher_logit_softcap: Optional[float] = None,
     causal_shift: bool = False,
     normalization: str = "valid_tokens",
-    denominator: Denominator = None,
+    denominator: _prepare.Denominator = None,
     segment_ids: Optional[Tensor] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
-    vocab_parallel: Optional[api.ProcessGroup] = None,
+    vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
     **unexpected: Never,
 ) -> Tensor:
     """Fused LM head + reverse_kl: ``reverse_kl(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -1242,219 +1239,3 @@ def linear_reverse_kl(
         denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
         vocab_parallel=vocab_parallel,
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Module forms (re-exported by torchloss.nn)
-# --------------------------------------------------------------------------------------------
-
-
-def _unpack_linear(weight: Any, bias: Optional[Tensor]) -> tuple[Any, Optional[Tensor]]:
-    """An ``nn.Linear`` head becomes its ``[V, H]`` weight and (unless given) its bias."""
-    if isinstance(weight, torch.nn.Linear):
-        return weight.weight, weight.bias if bias is None else bias
-    return weight, bias
-
-
-class _LinearLoss(torch.nn.Module):
-    """Shared body of the head modules: the kind's options stored and checked once."""
-
-    kind: str = ""
-
-    def __init__(self, settings: dict[str, Any], unexpected: dict[str, Any]) -> None:
-        super().__init__()
-        self.settings = spec_linear.head_module_settings(self.kind, settings, unexpected, type(self).__name__, lossspec.TORCH_IMPLS, "torch")
-
-    def forward(self, hidden: Tensor, weight: Any, *args: Any, loss_mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                teacher_bias: Optional[Tensor] = None, denominator: api.Denominator = None, segment_ids: Optional[Tensor] = None) -> Tensor:
-        """The loss of this module's kind; ``args``: the labels, or the teacher's hidden states
-        and weight, then optionally the mask (as for the function)."""
-        weight, bias = _unpack_linear(weight, bias)
-        args = list(args)
-        kwargs: dict[str, Any] = {"bias": bias, "denominator": denominator, "segment_ids": segment_ids, **self.settings}
-        if loss_mask is not None:
-            kwargs["loss_mask"] = loss_mask
-        if lossspec.KIND_SPECS[self.kind].has_teacher:
-            if len(args) >= 2:
-                args[1], teacher_bias = _unpack_linear(args[1], teacher_bias)
-            kwargs["teacher_bias"] = teacher_bias
-        return globals()[spec_linear.LINEAR_NAMES[self.kind]](hidden, weight, *args, **kwargs)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
-
-
-class LinearCrossEntropyLoss(_LinearLoss):
-    """Module form of :func:`torchloss.linear_cross_entropy` (fused LM head + cross_entropy).
-
-    The options are fixed at construction (keyword only: those of :func:`torchloss.linear_cross_entropy` but the arrays,
-    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
-    ``module(hidden, weight, labels, loss_mask=None, *, bias=None, denominator=None, segment_ids=None)``. ``weight`` may
-    be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It
-    holds no parameters.
-    """
-
-    kind = "cross_entropy"
-
-    def __init__(
-        self,
-        *,
-        ignore_index: int = -100,
-        label_smoothing: float = 0.0,
-        z_loss: float = 0.0,
-        logit_scale: float = 1.0,
-        logit_softcap: Optional[float] = None,
-        causal_shift: bool = False,
-        normalization: str = "valid_tokens",
-        impl: str = "auto",
-        recompute_logits: bool = False,
-        vocab_parallel: Optional[api.ProcessGroup] = None,
-        **unexpected: Never,
-    ) -> None:
-        super().__init__(
-            dict(
-                ignore_index=ignore_index,
-                label_smoothing=label_smoothing,
-                z_loss=z_loss,
-                logit_scale=logit_scale,
-                logit_softcap=logit_softcap,
-                causal_shift=causal_shift,
-                normalization=normalization,
-                impl=impl,
-                recompute_logits=recompute_logits,
-                vocab_parallel=vocab_parallel,
-            ),
-            unexpected,
-        )
-
-
-class LinearSoftCrossEntropyLoss(_LinearLoss):
-    """Module form of :func:`torchloss.linear_soft_cross_entropy` (fused LM head + soft_cross_entropy).
-
-    The options are fixed at construction (keyword only: those of :func:`torchloss.linear_soft_cross_entropy` but the
-    arrays, ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
-    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
-    ``weight`` (and ``teacher_weight``) may be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias
-    (unless ``bias=`` is given) are used. It holds no parameters.
-    """
-
-    kind = "soft_cross_entropy"
-
-    def __init__(
-        self,
-        *,
-        temperature: float = 1.0,
-        logit_scale: float = 1.0,
-        teacher_logit_scale: float = 1.0,
-        logit_softcap: Optional[float] = None,
-        teacher_logit_softcap: Optional[float] = None,
-        causal_shift: bool = False,
-        normalization: str = "valid_tokens",
-        impl: str = "auto",
-        recompute_logits: bool = False,
-        vocab_parallel: Optional[api.ProcessGroup] = None,
-        **unexpected: Never,
-    ) -> None:
-        super().__init__(
-            dict(
-                temperature=temperature,
-                logit_scale=logit_scale,
-                teacher_logit_scale=teacher_logit_scale,
-                logit_softcap=logit_softcap,
-                teacher_logit_softcap=teacher_logit_softcap,
-                causal_shift=causal_shift,
-                normalization=normalization,
-                impl=impl,
-                recompute_logits=recompute_logits,
-                vocab_parallel=vocab_parallel,
-            ),
-            unexpected,
-        )
-
-
-class LinearForwardKLLoss(_LinearLoss):
-    """Module form of :func:`torchloss.linear_forward_kl` (fused LM head + forward_kl).
-
-    The options are fixed at construction (keyword only: those of :func:`torchloss.linear_forward_kl` but the arrays,
-    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
-    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
-    ``weight`` (and ``teacher_weight``) may be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias
-    (unless ``bias=`` is given) are used. It holds no parameters.
-    """
-
-    kind = "forward_kl"
-
-    def __init__(
-        self,
-        *,
-        temperature: float = 1.0,
-        logit_scale: float = 1.0,
-        teacher_logit_scale: float = 1.0,
-        logit_softcap: Optional[float] = None,
-        teacher_logit_softcap: Optional[float] = None,
-        causal_shift: bool = False,
-        normalization: str = "valid_tokens",
-        impl: str = "auto",
-        recompute_logits: bool = False,
-        vocab_parallel: Optional[api.ProcessGroup] = None,
-        **unexpected: Never,
-    ) -> None:
-        super().__init__(
-            dict(
-                temperature=temperature,
-                logit_scale=logit_scale,
-                teacher_logit_scale=teacher_logit_scale,
-                logit_softcap=logit_softcap,
-                teacher_logit_softcap=teacher_logit_softcap,
-                causal_shift=causal_shift,
-                normalization=normalization,
-                impl=impl,
-                recompute_logits=recompute_logits,
-                vocab_parallel=vocab_parallel,
-            ),
-            unexpected,
-        )
-
-
-class LinearReverseKLLoss(_LinearLoss):
-    """Module form of :func:`torchloss.linear_reverse_kl` (fused LM head + reverse_kl).
-
-    The options are fixed at construction (keyword only: those of :func:`torchloss.linear_reverse_kl` but the arrays,
-    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
-    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
-    ``weight`` (and ``teacher_weight``) may be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias
-    (unless ``bias=`` is given) are used. It holds no parameters.
-    """
-
-    kind = "reverse_kl"
-
-    def __init__(
-        self,
-        *,
-        temperature: float = 1.0,
-        logit_scale: float = 1.0,
-        teacher_logit_scale: float = 1.0,
-        logit_softcap: Optional[float] = None,
-        teacher_logit_softcap: Optional[float] = None,
-        causal_shift: bool = False,
-        normalization: str = "valid_tokens",
-        impl: str = "auto",
-        recompute_logits: bool = False,
-        vocab_parallel: Optional[api.ProcessGroup] = None,
-        **unexpected: Never,
-    ) -> None:
-        super().__init__(
-            dict(
-                temperature=temperature,
-                logit_scale=logit_scale,
-                teacher_logit_scale=teacher_logit_scale,
-                logit_softcap=logit_softcap,
-                teacher_logit_softcap=teacher_logit_softcap,
-                causal_shift=causal_shift,
-                normalization=normalization,
-                impl=impl,
-                recompute_logits=recompute_logits,
-                vocab_parallel=vocab_parallel,
-            ),
-            unexpected,
-        )

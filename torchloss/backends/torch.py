@@ -1,6 +1,6 @@
-"""The torch path (``impl="torch"``): the chunked driver over the block math of ``_stats``.
+"""The torch path (``impl="torch"``): the chunked driver over the block math of ``torchloss._block``.
 
-Interface (identical to :mod:`torchloss._triton`)::
+Interface (identical to :mod:`torchloss.backends.triton`)::
 
     per_token_loss [N] (compute dtype), grad [N, V] (logits dtype) or None
         = forward(config, logits [N, V], target, coef [N], need_grad=..., out=None)
@@ -15,7 +15,7 @@ vocabulary fits one block (``V <= vocab_block``, the common case) the exponentia
 statistics pass stay in the tile's scratch buffer (for fp32 logits: in the gradient tile itself)
 and the gradient is finished there: the logits are read once from memory. Larger vocabularies
 take two passes (the gradient recomputes the exponentials from the final statistics), as a
-vocab-parallel shard does. On the CPU the tiles go to the worker pool of :mod:`torchloss._cpu`.
+vocab-parallel shard does. On the CPU the tiles go to the worker pool of :mod:`torchloss.backends.cpu_tiles`.
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ from torch import Tensor
 from lossspec import LossConfig, Tuning
 from lossspec import stats as lossspec_stats
 
-from . import _cpu, _stats
-from ._stats import compute_dtype
+from . import cpu_tiles as _cpu
+from .. import _block
+from .._block import compute_dtype
 
 __all__ = ["forward", "regrad_", "compute_dtype", "DEFAULTS"]
 
 # The default of lossspec.Tuning.vocab_block here, the largest vocabulary block; longer rows are
 # processed block by block (two passes). Whole rows are faster (one pass, the exponentials kept),
-# so the block is large: 2**21 fp32 is 8 MiB. (The CPU tile: torchloss._cpu.DEFAULTS.)
+# so the block is large: 2**21 fp32 is 8 MiB. (The CPU tile: torchloss.backends.cpu_tiles.DEFAULTS.)
 DEFAULTS = Tuning(vocab_block=1 << 21)
 
 
@@ -63,24 +64,24 @@ def forward(
       out: where to write the gradient (``logits`` itself for ``inplace=True``); allocated
         when ``None``.
       tuning: the :class:`lossspec.Tuning` fields ``vocab_block`` (:data:`DEFAULTS`) and
-        ``cpu_tile_elements`` (``torchloss._cpu.DEFAULTS``); ``None``: the defaults.
+        ``cpu_tile_elements`` (``torchloss.backends.cpu_tiles.DEFAULTS``); ``None``: the defaults.
     """
     rows, vocab = logits.shape
     acc = compute_dtype(logits.dtype)
     device = logits.device
     grad = None
     if need_grad:
-        grad = out if out is not None else _cpu.empty_output((rows, vocab), logits.dtype, device)
+        grad = out if out is not None else torch.empty((rows, vocab), dtype=logits.dtype, device=device)
     if rows == 0:
         return torch.zeros(rows, dtype=acc, device=device), grad
     block = min(vocab, (tuning or DEFAULTS).vocab_block or DEFAULTS.vocab_block)  # type: ignore[type-var]
-    tile_rows = max(1, min(rows, _cpu.tile_elements(device, _stats.buffers_needed(config.kind), tuning) // block))
+    tile_rows = max(1, min(rows, _cpu.tile_elements(device, _block.buffers_needed(config.kind), tuning) // block))
     tiles = _cpu.row_tiles(rows, tile_rows)
     if device.type == "cpu" and block == vocab and logits.dtype != acc:
         # Compact tiles hold fp32 copies of the valid rows (and teacher rows) besides the scratch
         # buffers, unless block_stats takes them as scratch: their tile size counts them.
-        copies = 0 if _stats.shifts_inputs(config.kind) else 1 + config.is_distill
-        compact_rows = max(1, min(rows, _cpu.tile_elements(device, _stats.buffers_needed(config.kind) + copies, tuning) // block))
+        copies = 0 if _block.shifts_inputs(config.kind) else 1 + config.is_distill
+        compact_rows = max(1, min(rows, _cpu.tile_elements(device, _block.buffers_needed(config.kind) + copies, tuning) // block))
         compact = _cpu.compact_tiles(coef, compact_rows)
         if compact is not None:
             tiles, tile_rows = compact, compact_rows
@@ -88,9 +89,9 @@ def forward(
     run = functools.partial(_run_tiles, config, logits, target, coef, grad, table, block, tile_rows)
     _cpu.map_tiles(run, tiles, device)
     # The loss and the bad rows' gradients once over all rows (the tiles wrote their statistics).
-    fin = _stats.finalize(config, table.stats(), vocab)
+    fin = _block.finalize(config, table.stats(), vocab)
     if grad is not None:
-        _stats.fill_bad_rows(grad, fin, coef)
+        _block.fill_bad_rows(grad, fin, coef)
     return torch.where(coef != 0, fin.l, 0.0), grad
 
 
@@ -125,7 +126,7 @@ class RowStats:
             self.table.index_copy_(1, rows, torch.stack(values))
 
     def stats(self) -> Any:
-        return _stats.Stats(**dict(zip(self.names, self.table)))
+        return _block.Stats(**dict(zip(self.names, self.table)))
 
 
 def regrad_(
@@ -139,10 +140,10 @@ def regrad_(
     return grad
 
 
-def _mixture_pass(config: LossConfig, stats: Any, fin: Any, x: Tensor, t: Tensor, cache: Optional[_stats.Cache]) -> tuple[Any, Any]:
+def _mixture_pass(config: LossConfig, stats: Any, fin: Any, x: Tensor, t: Tensor, cache: Optional[_block.Cache]) -> tuple[Any, Any]:
     """``jensen_shannon``'s second pass over whole rows (the cached block): the statistics with
     :data:`lossspec.stats.MIXTURE_STATS` and the final statistics its gradient reads."""
-    kl_qm, kl_pm = _stats.mixture_sums(config, fin, x, t, cache)
+    kl_qm, kl_pm = _block.mixture_sums(config, fin, x, t, cache)
     return stats._replace(kl_qm=kl_qm, kl_pm=kl_pm), lossspec_stats.finalize_mixture(torch, config, fin, kl_qm, kl_pm)
 
 
@@ -171,7 +172,7 @@ def _run_tiles(
     # For fp32 logits the gradient tile itself is the first scratch buffer (no copy at the end),
     # except where pass 1 of a multi-block row would overwrite logits still to be read.
     grad_as_scratch = grad is not None and grad.dtype == acc and (whole_row or grad is not logits)
-    n_bufs = _stats.buffers_needed(config.kind) + (0 if whole_row else 1)
+    n_bufs = _block.buffers_needed(config.kind) + (0 if whole_row else 1)
     scratch = Scratch([torch.empty(tile_rows * block, dtype=acc, device=device) for _ in range(n_bufs)])
     compact: list[Optional[Tensor]] = [None, None]  # fp32 logits and teacher
     # Raw computations in the compute dtype: no autograd (worker threads start with grad mode
@@ -231,29 +232,29 @@ def _run_tile(
         if grad_as_scratch:
             assert grad is not None
             bufs.insert(0, grad[r0:r1])
-        stats, cache = _stats.block_stats(config, x, t, bufs, x_y=x_y)
-        fin = _stats.finalize_gradient(config, stats)
+        stats, cache = _block.block_stats(config, x, t, bufs, x_y=x_y)
+        fin = _block.finalize_gradient(config, stats)
         if config.mixture_pass:  # its second pass, on the cached block
             stats, fin = _mixture_pass(config, stats, fin, x, t, cache)
         table.put(slice(r0, r1), stats)
         if grad is not None:
-            _stats.block_grad(config, fin, cf, x, t, y, 0, vocab, grad[r0:r1], [], cache, fill_rows=False)
+            _block.block_grad(config, fin, cf, x, t, y, 0, vocab, grad[r0:r1], [], cache, fill_rows=False)
         return
-    stats = _stats.empty_stats(config, n, acc, x.device)
+    stats = _block.empty_stats(config, n, acc, x.device)
     if is_ce:
         stats = stats._replace(x_y=x_y)
     for v0 in range(0, vocab, block):
         v1 = min(vocab, v0 + block)
         tb = None if t is None else t[:, v0:v1]
-        part, _ = _stats.block_stats(config, x[:, v0:v1], tb, scratch.views(n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
-        stats = _stats.combine(config, stats, part)
-    fin = _stats.finalize(config, stats, vocab)
+        part, _ = _block.block_stats(config, x[:, v0:v1], tb, scratch.views(n, v1 - v0), x_y=None if y is None else torch.zeros_like(x_y))
+        stats = _block.combine(config, stats, part)
+    fin = _block.finalize(config, stats, vocab)
     if config.mixture_pass:
         # The second pass (lossspec.stats): log M needs the global lse's of pass 1.
         kl_qm = kl_pm = torch.zeros_like(fin.s)
         for v0 in range(0, vocab, block):
             v1 = min(vocab, v0 + block)
-            part_qm, part_pm = _stats.mixture_sums(config, fin, x[:, v0:v1], t[:, v0:v1], None)
+            part_qm, part_pm = _block.mixture_sums(config, fin, x[:, v0:v1], t[:, v0:v1], None)
             kl_qm, kl_pm = kl_qm + part_qm, kl_pm + part_pm
         stats = stats._replace(kl_qm=kl_qm, kl_pm=kl_pm)
         fin = lossspec_stats.finalize_mixture(torch, config, fin, kl_qm, kl_pm)
@@ -265,7 +266,7 @@ def _run_tile(
         out = grad[r0:r1, v0:v1]
         tb = None if t is None else t[:, v0:v1]
         bufs = scratch.views(n, v1 - v0)
-        _stats.block_grad(config, fin, cf, x[:, v0:v1], tb, y, v0, vocab, out, bufs, None, fill_rows=False)
+        _block.block_grad(config, fin, cf, x[:, v0:v1], tb, y, v0, vocab, out, bufs, None, fill_rows=False)
 
 
 def _run_compact_tile(
@@ -314,10 +315,10 @@ def _run_compact_tile(
     y = target[index] if is_ce else None
     x_y = x.gather(1, y[:, None])[:, 0] if y is not None else None
     bufs = scratch.views(n, vocab)
-    if _stats.shifts_inputs(config.kind):  # the fp32 copies are scratch: one buffer less in cache
+    if _block.shifts_inputs(config.kind):  # the fp32 copies are scratch: one buffer less in cache
         bufs = [x, t] + bufs[2:]
-    stats, cache = _stats.block_stats(config, x, t, bufs, x_y=x_y)
-    fin = _stats.finalize_gradient(config, stats)
+    stats, cache = _block.block_stats(config, x, t, bufs, x_y=x_y)
+    fin = _block.finalize_gradient(config, stats)
     if config.mixture_pass:
         stats, fin = _mixture_pass(config, stats, fin, x, t, cache)
     table.put(index, stats)
@@ -325,7 +326,7 @@ def _run_compact_tile(
         return
     # The gradient is formed in the fp32 tile (x is free by then) and copied back per run.
     g = x
-    _stats.block_grad(config, fin, cf, x, t, y, 0, vocab, g, [], cache, fill_rows=False)
+    _block.block_grad(config, fin, cf, x, t, y, 0, vocab, g, [], cache, fill_rows=False)
     j = 0
     for a, b in runs:
         grad[a:b].copy_(g[j : j + b - a])  # the one rounding to the logits' dtype

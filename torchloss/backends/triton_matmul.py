@@ -1,6 +1,6 @@
-"""bf16 matrix products with fp32 results on tensor cores: the fused head's matmuls on CUDA.
+"""bf16 matmuls with fp32 results on tensor cores for the fused head on CUDA (no jaxloss twin: XLA's dot takes bf16 operands).
 
-The fused LM head (:mod:`torchloss.linear`) multiplies bf16 ``hidden`` and ``weight`` with fp32
+The fused LM head (:mod:`torchloss.head`) multiplies bf16 ``hidden`` and ``weight`` with fp32
 results, and the backward's fp32 logits gradient ``G`` with the bf16 operands. torch has no fast
 primitive for either (``torch.mm(..., out_dtype=torch.float32)`` ran at ~20 TFLOP/s on an H200 with
 torch 2.11, no faster than fp32 GEMMs; docs/linear_head.md), so this module has one Triton kernel::
@@ -11,7 +11,7 @@ torch 2.11, no faster than fp32 GEMMs; docs/linear_head.md), so this module has 
 Every product of two bf16 numbers is exact in fp32 (16 significant bits), and the tiles'
 products are accumulated in fp32 by ``tl.dot``: the numbers of an fp32 matmul of the exact
 upcasts, up to the order of the fp32 sums. An fp32 ``A`` (the logits gradient) is split on the fly
-as :func:`torchloss.linear.split_bf16` does in memory: ``SPLIT - 1`` times the remainder's top 8
+as :func:`torchloss.head.split_bf16` does in memory: ``SPLIT - 1`` times the remainder's top 8
 significant bits (its low 16 bits masked off, exact in bf16), then the rest; three terms carry
 the whole 24-bit significand, so the products stay exact and the cost is three tensor-core dots.
 
@@ -21,7 +21,7 @@ order in one program, so two runs give the same bits (no split-K, no atomics, no
 timing-picked tile size would change the summation order from run to run). Offsets are int64.
 Any strides: transposed operands (``G^T``, ``W^T``) are views.
 
-On CPU tensors the kernel runs in the Triton interpreter (``torchloss._triton`` decides that),
+On CPU tensors the kernel runs in the Triton interpreter (``torchloss.backends.triton`` decides that),
 which the tests use at small tiles (:data:`INTERPRETER_BLOCKS`).
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _triton  # first: it decides TRITON_INTERPRET before triton is imported
+from . import triton as _triton  # first: it decides TRITON_INTERPRET before triton is imported
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

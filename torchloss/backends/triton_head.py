@@ -3,7 +3,7 @@
 The logits ``z = h W^T + b`` are never stored: every kernel computes its ``[BLOCK_N, BLOCK_V]``
 tiles of them in fp32 (``tl.dot`` over ``BLOCK_H`` slices of the hidden axis, ``ieee``
 precision: no TF32) and uses them at once, as Cut Cross-Entropy does. The formulation is
-:mod:`lossspec.stats` (the unfused kernels' :mod:`torchloss._triton_kernels`, here on 2-D tiles
+:mod:`lossspec.stats` (the unfused kernels' :mod:`torchloss.backends.triton_kernels`, here on 2-D tiles
 with one statistic per row of the tile)::
 
     _head_forward_kernel  grid: token blocks. For each vocabulary block: the tile z (and the
@@ -19,7 +19,7 @@ with one statistic per row of the tile)::
 
 No atomics: each output element is written by one program, its terms added in loop order, so
 two runs give the same bits. Offsets are int64 (``rows * stride``). The scalars (``c``, ``ct``,
-``eps``, ``lam``) come from :mod:`torchloss._triton`'s parameter tensor and the coefficients
+``eps``, ``lam``) come from :mod:`torchloss.backends.triton`'s parameter tensor and the coefficients
 ``coef`` (normalisation, denominator, upstream gradient) are a runtime ``[N]`` tensor: nothing
 recompiles per batch. ``HAS_SOFTCAP`` / ``HAS_T_SOFTCAP`` (constexpr) with the runtime caps
 ``cap`` / ``t_cap``: ``z -> cap tanh(z / cap)`` before the statistics (the gradient gains
@@ -28,7 +28,7 @@ the slope ``4 e / (1 + e)^2``, ``e = exp(-2 |z / cap|)``, from the raw ``z``).
 Rows with ``coef == 0`` get loss 0 and a zero gradient; NaN / ``+inf`` in a row makes its ``s``
 (or ``st``) NaN, its loss NaN and (``coef != 0``) its gradient row NaN, as in the unfused kernels.
 
-Driver: :func:`head_forward` (the interface of ``torchloss.linear.head_forward``).
+Driver: :func:`head_forward` (the interface of ``torchloss.head.head_forward``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _triton  # first: it decides TRITON_INTERPRET before triton is imported
+from . import triton as _triton  # first: it decides TRITON_INTERPRET before triton is imported
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -48,7 +48,7 @@ import triton.language as tl  # noqa: E402
 import lossspec  # noqa: E402
 from lossspec import LossConfig  # noqa: E402
 
-from ._triton_kernels import (  # noqa: E402
+from .triton_kernels import (  # noqa: E402
     CROSS_ENTROPY,
     FIN_M,
     FIN_MEAN_D,
@@ -376,7 +376,7 @@ def head_forward(
     block_elements: Optional[int] = None,
     blocked_rows: int = 0,
 ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """``torchloss.linear.head_forward`` on the Triton kernels (fp32, fp16, bf16 inputs).
+    """``torchloss.head.head_forward`` on the Triton kernels (fp32, fp16, bf16 inputs).
 
     Returns ``(l [N], dh [N, H], dW [V, H], db [V] | None)`` in fp32: the per-token loss (0 where
     ``coef == 0``) and, with ``need_grad``, the gradients of ``sum_i coef_i l_i``. Three

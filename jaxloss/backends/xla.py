@@ -1,10 +1,10 @@
-"""The XLA path (``impl="xla"``): the chunked driver over the block math of ``_stats``.
+"""The XLA path (``impl="xla"``): the chunked driver over the block math of ``jaxloss._block``.
 
 The driver (:func:`fused`) walks the rows in chunks of ``R`` rows (``lax.fori_loop``) so that
 the fp32 temporaries of one chunk stay in cache and no fp32 copy of the whole ``[N, V]`` array
 is ever made; a chunk of a large vocabulary is processed in vocabulary blocks (online
 statistics, then a second loop that writes the gradient). The per-row statistics, their
-combination and the gradient of a block are :mod:`jaxloss._stats` (the formulation of
+combination and the gradient of a block are :mod:`jaxloss._block` (the formulation of
 :mod:`lossspec.stats`).
 """
 
@@ -19,7 +19,7 @@ from jax import lax
 from lossspec import Tuning
 from lossspec import stats as _shared
 
-from ._stats import F32, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, mixture_block, varying_like
+from .._block import F32, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, mixture_block, varying_like
 
 Array = jax.Array
 

@@ -3,14 +3,14 @@ ranks of a group in contiguous shards in rank order (sizes may differ).
 
 Each rank holds ``x [N, V_local]`` (and the teacher's matching slice; labels are global ids).
 One call is three steps, every collective explicit (never autograd through one), the twin of
-``jaxloss._vocab_parallel``::
+``jaxloss.backends.vocab_parallel``::
 
-    1. local statistics of the shard       _stats.block_stats per row tile / the Triton
+    1. local statistics of the shard       _block.block_stats per row tile / the Triton
                                            kernel's shard-stats job
     2. combine over the group              all_gather of the maxima (and reverse KL's pivots:
                                            the first shard holding the maximum supplies it),
                                            rescale to them, one all_reduce(SUM) of the sums
-    3. finalize, then this shard's grad    the same Final on every rank; _stats.block_grad /
+    3. finalize, then this shard's grad    the same Final on every rank; _block.block_grad /
                                            the Triton kernel's shard-grad job
 
 ``jensen_shannon`` adds a step between 2 and 3 (:func:`mixture_shards`): its mixture sums need
@@ -32,11 +32,12 @@ from torch import Tensor
 
 from lossspec import LossConfig, Tuning
 
-from . import _cpu, _stats
-from ._stats import compute_dtype
+from . import cpu_tiles as _cpu
+from .. import _block
+from .._block import compute_dtype
 
 # The Stats fields that are sums over the vocabulary (summed once rescaled to the global maxima).
-SUM_FIELDS = _stats.stats.SUM_STATS
+SUM_FIELDS = _block.stats.SUM_STATS
 
 
 def shard_offset(vocab_local: int, group: Any, device: torch.device) -> tuple[int, int]:
@@ -59,7 +60,7 @@ def _tile_rows(rows: int, width: int, device: torch.device, tuning: Optional[Tun
 
 def local_stats(config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, offset: int, tuning: Optional[Tuning] = None) -> Any:
     """Step 1 on this rank's shard (global ids ``[offset, offset + V_local)``), no collective:
-    :class:`_stats.Stats` ``[N]`` relative to the shard's maxima; ``x_y`` is the label's raw
+    :class:`_block.Stats` ``[N]`` relative to the shard's maxima; ``x_y`` is the label's raw
     logit where this shard owns the label, else 0."""
     rows, width = x.shape
     acc = compute_dtype(x.dtype)
@@ -68,7 +69,7 @@ def local_stats(config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, off
     parts: dict[int, Any] = {}
 
     def run(tiles: Iterable[_cpu.Tile]) -> None:
-        bufs_flat = [torch.empty(tile_rows * width, dtype=acc, device=x.device) for _ in range(_stats.buffers_needed(config.kind))]
+        bufs_flat = [torch.empty(tile_rows * width, dtype=acc, device=x.device) for _ in range(_block.buffers_needed(config.kind))]
         with torch.no_grad():
             for r0, r1, _ in tiles:
                 n = r1 - r0
@@ -80,12 +81,12 @@ def local_stats(config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, off
                     x_y = torch.where(owned, picked, 0.0)
                 bufs = [f[: n * width].view(n, width) for f in bufs_flat]
                 tb = target[r0:r1] if config.is_distill else None
-                parts[r0], _ = _stats.block_stats(config, x[r0:r1], tb, bufs, x_y=x_y)
+                parts[r0], _ = _block.block_stats(config, x[r0:r1], tb, bufs, x_y=x_y)
 
     tiles = _cpu.row_tiles(rows, tile_rows)
     _cpu.map_tiles(run, tiles, x.device)
     ordered = [parts[r0] for r0, _, _ in tiles]
-    return _stats.Stats(**{name: torch.cat([getattr(p, name) for p in ordered]) for name in ordered[0]._fields if getattr(ordered[0], name) is not None})
+    return _block.Stats(**{name: torch.cat([getattr(p, name) for p in ordered]) for name in ordered[0]._fields if getattr(ordered[0], name) is not None})
 
 
 def combine_shards(config: LossConfig, local: Any, group: Any) -> Any:
@@ -106,12 +107,12 @@ def combine_shards(config: LossConfig, local: Any, group: Any) -> Any:
     every = torch.stack(gathered)  # [P, fields, N], shards in rank order
     m = every[:, 0].amax(dim=0)
     mt = every[:, 1].amax(dim=0) if local.mt is not None else None
-    glob = _stats.rescale(config, local, m, mt)
+    glob = _block.rescale(config, local, m, mt)
     if local.tau is not None:
         # The pivot of the first shard (in rank order) holding the maximum (lossspec.stats).
         holder = torch.argmax((every[:, 0] == m).to(torch.uint8), dim=0)
         tau = every[:, -1].gather(0, holder[None])[0]
-        glob = glob._replace(tau=tau, e_d=_stats.rescale_e_d(config, local, m, tau))
+        glob = glob._replace(tau=tau, e_d=_block.rescale_e_d(config, local, m, tau))
     names = [name for name in SUM_FIELDS if getattr(glob, name) is not None]
     sums = torch.stack([getattr(glob, name) for name in names])
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
@@ -120,7 +121,7 @@ def combine_shards(config: LossConfig, local: Any, group: Any) -> Any:
 
 def mixture_shard_sums(config: LossConfig, fin: Any, x: Tensor, target: Tensor, tuning: Optional[Tuning] = None) -> Tensor:
     """This shard's :data:`lossspec.MIXTURE_STATS` ``[2, N]`` (``kl_qm``, ``kl_pm``) from the global
-    :class:`_stats.Final`, no collective, tiled: row tiles of column blocks of at most
+    :class:`_block.Final`, no collective, tiled: row tiles of column blocks of at most
     ``_cpu.tile_elements`` entries (``tuning.cpu_tile_elements`` on the CPU) (the sums are plain sums, relative to the global ``lse``'s,
     so blocks simply add), so the fp32 temporaries never grow with the shard's width."""
     rows, width = x.shape
@@ -131,10 +132,10 @@ def mixture_shard_sums(config: LossConfig, fin: Any, x: Tensor, target: Tensor, 
     def run(tiles: Iterable[_cpu.Tile]) -> None:
         with torch.no_grad():
             for r0, r1, _ in tiles:
-                part = _stats.Final(*(None if v is None else v[r0:r1] for v in fin))
+                part = _block.Final(*(None if v is None else v[r0:r1] for v in fin))
                 for v0 in range(0, width, block):
                     v1 = min(width, v0 + block)
-                    kl_qm, kl_pm = _stats.mixture_sums(config, part, x[r0:r1, v0:v1], target[r0:r1, v0:v1], None)
+                    kl_qm, kl_pm = _block.mixture_sums(config, part, x[r0:r1, v0:v1], target[r0:r1, v0:v1], None)
                     sums[0, r0:r1] += kl_qm
                     sums[1, r0:r1] += kl_pm
 
@@ -151,14 +152,14 @@ def mixture_shards(config: LossConfig, fin: Any, x: Tensor, target: Tensor, grou
 
     sums = mixture_shard_sums(config, fin, x, target, tuning)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    return _stats.stats.finalize_mixture(torch, config, fin, sums[0], sums[1])
+    return _block.stats.finalize_mixture(torch, config, fin, sums[0], sums[1])
 
 
 def shard_grad(
     config: LossConfig, fin: Any, x: Tensor, target: Tensor, coef: Tensor, offset: int, vocab: int, out: Tensor,
     tuning: Optional[Tuning] = None,
 ) -> Tensor:
-    """Step 3: this shard's ``coef * c * dl/dz`` from the global :class:`_stats.Final` (no
+    """Step 3: this shard's ``coef * c * dl/dz`` from the global :class:`_block.Final` (no
     collective), written into ``out`` and rounded once to its dtype. Labels are global ids."""
     rows, width = x.shape
     acc = compute_dtype(x.dtype)
@@ -166,15 +167,15 @@ def shard_grad(
     tile_rows = _tile_rows(rows, width, x.device, tuning)
 
     def run(tiles: Iterable[_cpu.Tile]) -> None:
-        bufs_flat = [torch.empty(tile_rows * width, dtype=acc, device=x.device) for _ in range(_stats.buffers_needed(config.kind) + 1)]
+        bufs_flat = [torch.empty(tile_rows * width, dtype=acc, device=x.device) for _ in range(_block.buffers_needed(config.kind) + 1)]
         with torch.no_grad():
             for r0, r1, _ in tiles:
                 n = r1 - r0
-                part = _stats.Final(*(None if v is None else v[r0:r1] for v in fin))
+                part = _block.Final(*(None if v is None else v[r0:r1] for v in fin))
                 bufs = [f[: n * width].view(n, width) for f in bufs_flat]
                 tb = target[r0:r1] if config.is_distill else None
                 y = target[r0:r1] if is_ce else None
-                _stats.block_grad(config, part, coef[r0:r1], x[r0:r1], tb, y, offset, vocab, out[r0:r1], bufs, None)
+                _block.block_grad(config, part, coef[r0:r1], x[r0:r1], tb, y, offset, vocab, out[r0:r1], bufs, None)
 
     if rows and width:
         _cpu.map_tiles(run, _cpu.row_tiles(rows, tile_rows), x.device)
@@ -182,11 +183,11 @@ def shard_grad(
 
 
 class VocabParallel:
-    """The backend of one vocab-parallel call (the interface of ``_torch``: ``forward`` and
-    ``regrad_``). The forward keeps the global :class:`_stats.Final`, so the backward of 16-bit
+    """The backend of one vocab-parallel call (the interface of ``torchloss.backends.torch``: ``forward`` and
+    ``regrad_``). The forward keeps the global :class:`_block.Final`, so the backward of 16-bit
     logits recomputes this rank's gradient slice without another collective.
 
-    ``kernel``: ``torchloss._triton`` (its shard-stats / shard-grad jobs) or ``None`` for the
+    ``kernel``: the impl's shard kernels (``Backend.shard_kernels``: Triton's shard-stats / shard-grad jobs) or ``None`` for the
     torch path."""
 
     def __init__(self, group: Any, offset: int, vocab: int, kernel: Any = None) -> None:
@@ -205,7 +206,7 @@ class VocabParallel:
         rows = x.shape[0]
         grad = None
         if need_grad:
-            grad = out if out is not None else _cpu.empty_output(tuple(x.shape), x.dtype, x.device)
+            grad = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if rows == 0:  # every rank holds the same (no) tokens: nothing to combine
             return torch.zeros(0, dtype=compute_dtype(x.dtype), device=x.device), grad
         with torch.no_grad():
@@ -213,7 +214,7 @@ class VocabParallel:
                 local = local_stats(config, x, target, coef, self.offset, tuning)
             else:
                 local = self.kernel.shard_stats(config, x, target, coef, self.offset, tuning)
-            fin = _stats.finalize(config, combine_shards(config, local, self.group), self.vocab)
+            fin = _block.finalize(config, combine_shards(config, local, self.group), self.vocab)
             if config.mixture_pass:
                 fin = mixture_shards(config, fin, x, target, self.group, tuning)
             self.fin = fin

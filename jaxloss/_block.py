@@ -1,13 +1,13 @@
 """The block math of the JAX paths: block statistics, combine, finalize, block gradient.
 
 The formulation, its names and the pivot's tie rule are :mod:`lossspec.stats` (the same in
-``torchloss._stats``): statistics of a vocabulary block ``[R, B]`` relative to its own maxima
+``torchloss._block``): statistics of a vocabulary block ``[R, B]`` relative to its own maxima
 (:func:`block_stats`), the associative :func:`combine` of two blocks (online softmax; the same
-algebra merges vocabulary shards in :mod:`jaxloss._vocab_parallel`), :func:`finalize` to the
+algebra merges vocabulary shards in :mod:`jaxloss.backends.vocab_parallel`), :func:`finalize` to the
 per-token loss, and :func:`grad_block` from the final statistics. The algebra between blocks
 is written once in ``lossspec.stats`` for any array namespace and used here on ``jax.numpy``;
 :class:`Stats` and :class:`Final` are lossspec's records. Both the XLA driver
-(:mod:`jaxloss._xla`) and the Pallas kernels (:mod:`jaxloss._pallas`) call these functions on
+(:mod:`jaxloss.backends.xla`) and the Pallas kernels (:mod:`jaxloss.backends.pallas`) call these functions on
 fp32 blocks.
 """
 

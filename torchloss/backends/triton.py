@@ -1,4 +1,4 @@
-"""The Triton path (``impl="triton"``): Python drivers of the kernels in :mod:`torchloss._triton_kernels`.
+"""The Triton path (``impl="triton"``): Python drivers of the kernels in :mod:`torchloss.backends.triton_kernels`.
 
 Interface (the torch driver, ``torchloss.api`` and the vocab-parallel code, calls these)::
 
@@ -12,8 +12,8 @@ Interface (the torch driver, ``torchloss.api`` and the vocab-parallel code, call
 functions) or the teacher logits (same shape as ``logits``). ``grad = coef * c * dl/dz``, rounded
 once to the logits' dtype; the loss is 0 where ``coef == 0`` (not multiplied by ``coef``).
 Everything is computed in fp32 (fp64 for fp64 logits). The formulation is :mod:`lossspec.stats`;
-``Stats`` / ``Final`` are ``torchloss._stats``' records: the caller combines the shards'
-statistics (``torchloss._stats.combine``), finalises them (``torchloss._stats.finalize``) and
+``Stats`` / ``Final`` are ``torchloss._block``' records: the caller combines the shards'
+statistics (``torchloss._block.combine``), finalises them (``torchloss._block.finalize``) and
 hands the result to :func:`shard_grad`.
 
 Kernels: one per job (``fused_kernel``, ``regrad_kernel``, ``shard_stats_kernel``,
@@ -50,8 +50,8 @@ import lossspec  # noqa: E402
 from lossspec import LossConfig, Tuning  # noqa: E402
 from lossspec.tuning import check_power_of_two  # noqa: E402
 
-from . import _triton_kernels as K  # noqa: E402
-from ._stats import Final, Stats, compute_dtype  # noqa: E402
+from . import triton_kernels as K  # noqa: E402
+from .._block import Final, Stats, compute_dtype  # noqa: E402
 
 __all__ = ["forward", "regrad_", "shard_stats", "shard_grad", "INTERPRETED", "DEFAULTS"]
 
@@ -248,14 +248,14 @@ def regrad_(
 
 def shard_stats(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, offset: int, tuning: Optional[Tuning] = None) -> Any:
     """Vocab-parallel pass 1 (``shard_stats_kernel``): this shard's per-row statistics, a
-    ``torchloss._stats.Stats`` with the fields ``lossspec.stats_used(config)`` (the others
+    ``torchloss._block.Stats`` with the fields ``lossspec.stats_used(config)`` (the others
     ``None``), each a contiguous ``[N]`` tensor in the compute dtype, in lossspec's convention
     (raw maxima; ``m = -inf`` for a row that saw nothing).
 
     ``x_y`` is the label's raw logit where this shard (global ids ``[offset, offset + V_local)``)
     owns it, else 0; ``n = V_local`` with label smoothing. Rows with ``coef == 0`` hold the
-    empty statistics (``torchloss._stats.empty_stats``); a row with NaN or ``+inf`` has
-    ``s = NaN``. No collective: the caller combines the shards (``torchloss._stats.combine``)."""
+    empty statistics (``torchloss._block.empty_stats``); a row with NaN or ``+inf`` has
+    ``s = NaN``. No collective: the caller combines the shards (``torchloss._block.combine``)."""
     check_runnable(logits)
     _unit_stride("logits", logits)
     rows, width = logits.shape
@@ -279,7 +279,7 @@ def shard_grad(
     tuning: Optional[Tuning] = None,
 ) -> Tensor:
     """Vocab-parallel pass 2 (``shard_grad_kernel``): this shard's ``coef * c * dl/dz`` from the
-    global statistics ``fin`` (a ``torchloss._stats.Final`` from ``finalize(config, stats,
+    global statistics ``fin`` (a ``torchloss._block.Final`` from ``finalize(config, stats,
     vocab)``), rounded once into ``out``. Labels are global ids; ``vocab`` is the global ``V``.
     Rows with ``coef == 0`` are zeros, bad rows (``fin.s`` or ``fin.st`` NaN) NaN."""
     check_runnable(logits)

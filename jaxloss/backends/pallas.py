@@ -10,8 +10,8 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
   ``N`` are masked on every load and store. The kernel sees whole arrays and addresses a
   ``[block_rows, vocab_block]`` tile with row and column index vectors.
 * Pass 1 loops over vocabulary blocks of ``vocab_block`` columns and folds their statistics
-  with the online-softmax algebra of :mod:`jaxloss._stats` (:func:`~jaxloss._stats.block_stats`,
-  :func:`~jaxloss._stats.combine`); pass 2 loops again and writes ``coef * c * dl/dz``, fp32
+  with the online-softmax algebra of :mod:`jaxloss._block` (:func:`~jaxloss._block.block_stats`,
+  :func:`~jaxloss._block.combine`); pass 2 loops again and writes ``coef * c * dl/dz``, fp32
   inside and cast once on store. Ragged vocabulary tails are masked loads/stores.
   ``jensen_shannon`` loops once more in between (its mixture sums need the global ``lse``'s,
   :mod:`lossspec.stats`); ``entropy`` reads no target (an empty ``[N, 0]`` stand-in).
@@ -45,7 +45,7 @@ from lossspec import DEFAULT_TUNING, Tuning
 from lossspec.stats import finalize_mixture
 from lossspec.tuning import check_power_of_two
 
-from ._stats import (
+from .._block import (
     F32,
     Final,
     KernelConfig,
@@ -59,7 +59,7 @@ from ._stats import (
     varying_axes,
     varying_like,
 )
-from ._xla import no_derivatives
+from .xla import no_derivatives
 
 Array = jax.Array
 MODES = ("fused", "stats", "grad")
@@ -282,7 +282,7 @@ def fused(
     mode: str = "fused",
 ) -> tuple[Array, Optional[Array]]:
     """Per-token loss ``[N]`` fp32 (0 where ``coef == 0``, not multiplied by ``coef``) and the
-    gradient ``coef * c * dl/dz`` ``[N, V]`` in the logits' dtype (see :func:`jaxloss._xla.fused`).
+    gradient ``coef * c * dl/dz`` ``[N, V]`` in the logits' dtype (see :func:`jaxloss.backends.xla.fused`).
 
     The kernel always writes the gradient; ``with_grad=False`` only drops it. (The "stats" and
     "grad" modes are :func:`shard_stats` and :func:`shard_grad`.)
@@ -307,7 +307,7 @@ def stats_fields(cfg: KernelConfig) -> tuple[str, ...]:
 def shard_stats(cfg: KernelConfig, x: Array, target: Array, *, tuning: Optional[Tuning] = None) -> Stats:
     """Mode "stats": pass 1 only, the per-row :class:`Stats` ``[N]`` of ``x`` ``[N, V_local]``
     relative to its own maxima (a vocab-parallel shard; ``target``: shifted labels or the
-    teacher's slice). No collective; :mod:`jaxloss._vocab_parallel` combines the shards."""
+    teacher's slice). No collective; :mod:`jaxloss.backends.vocab_parallel` combines the shards."""
     n, width = x.shape
     fields = stats_fields(cfg)
     outs = _call(cfg, "stats", (x, _target_operand(cfg, target)), tuple(((n,), F32) for _ in fields), n_cols=width, vocab=width,

@@ -1,9 +1,9 @@
 """The block math of the torch path: block statistics, combine, finalize, block gradient.
 
 The formulation, its names and the pivot's tie rule are :mod:`lossspec.stats` (the same in
-``jaxloss._stats``): statistics of a vocabulary block relative to its own maxima, an
+``jaxloss._block``): statistics of a vocabulary block relative to its own maxima, an
 associative :func:`combine` (online softmax; the same algebra merges vocabulary shards in
-``torchloss._vocab_parallel``), :func:`finalize` to the per-token loss, and :func:`block_grad`
+``torchloss.backends.vocab_parallel``), :func:`finalize` to the per-token loss, and :func:`block_grad`
 from the final statistics. :class:`Stats` and :class:`Final` are lossspec's records, derived from
 ``lossspec.ROW_STATS`` / ``lossspec.FINAL_STATS``; the algebra between blocks (rescale,
 combine, finalize) is written once there for every array namespace and used here on tensors.
@@ -83,7 +83,7 @@ def _row_max(x: Tensor, acc: torch.dtype) -> Tensor:
 def shift_column(m: Tensor) -> Tensor:
     """``finite_max(m)`` (lossspec.stats) as a column ``[R, 1]``: ``-inf`` -> 0, NaN and
     ``+inf`` kept. One ``nan_to_num`` instead of lossspec's ``where(m == -inf, 0, m)``: the
-    per-tile row ops are dispatch-bound on the CPU (:class:`torchloss._torch.RowStats`)."""
+    per-tile row ops are dispatch-bound on the CPU (:class:`torchloss.backends.torch.RowStats`)."""
     return torch.nan_to_num(m, nan=float("nan"), posinf=float("inf"), neginf=0.0).unsqueeze(1)
 
 

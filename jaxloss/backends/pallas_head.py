@@ -3,10 +3,10 @@
 The logits ``z = h W^T + b`` are never stored: every kernel computes its ``[block_rows,
 block_vocab]`` tiles of them in fp32 (dots over ``block_hidden`` slices of the hidden axis,
 ``Precision.HIGHEST``, fp32 accumulation) and uses them at once, as Cut Cross-Entropy does. The
-block math is :mod:`jaxloss._stats` (:func:`~jaxloss._stats.block_stats`,
-:func:`~jaxloss._stats.combine`, :func:`~jaxloss._stats.finalize`,
-:func:`~jaxloss._stats.grad_block`: the formulation of :mod:`lossspec.stats`), the same calls as
-the unfused kernels of :mod:`jaxloss._pallas`::
+block math is :mod:`jaxloss._block` (:func:`~jaxloss._block.block_stats`,
+:func:`~jaxloss._block.combine`, :func:`~jaxloss._block.finalize`,
+:func:`~jaxloss._block.grad_block`: the formulation of :mod:`lossspec.stats`), the same calls as
+the unfused kernels of :mod:`jaxloss.backends.pallas`::
 
     forward  grid: token blocks. For each vocabulary block: the tile z (and the teacher's tile
              t = h_t W_t^T + b_t) folded into the rows' statistics (online softmax); finalize:
@@ -18,12 +18,12 @@ the unfused kernels of :mod:`jaxloss._pallas`::
 
 No atomics: each output element is written by one program, its terms added in loop order, so
 two runs give the same bits. The kernels index with (row, column) vectors and masks (as
-:mod:`jaxloss._pallas`): the Triton lowering turns them into 64-bit pointer offsets when an
+:mod:`jaxloss.backends.pallas`): the Triton lowering turns them into 64-bit pointer offsets when an
 operand exceeds 2**32 bytes. The coefficients ``coef`` (normalisation, denominator, upstream
 gradient) and the soft caps are runtime operands; ``has_softcap`` is static.
 
 GPU lowering: Pallas' Triton backend; elsewhere interpret mode (the tests), decided per
-platform when lowering (``lax.platform_dependent``), as in :mod:`jaxloss._pallas`.
+platform when lowering (``lax.platform_dependent``), as in :mod:`jaxloss.backends.pallas`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._stats import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, softcap, softcap_slope
+from .._block import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, softcap, softcap_slope
 
 Array = jax.Array
 HIGHEST = lax.Precision.HIGHEST
@@ -150,7 +150,7 @@ def _tiles(cfg: KernelConfig, shape: HeadShape, ops: dict[str, Any], rows: tuple
 
 def _grad_tile(cfg: KernelConfig, shape: HeadShape, ops: dict[str, Any], fin: Final, coef: Array, y: Optional[Array], rows: tuple,
                cols: tuple, block_hidden: int) -> Array:
-    """``G = coef * c * dl/dz_raw`` ``[R, B]`` fp32 (:func:`~jaxloss._stats.grad_block`, times
+    """``G = coef * c * dl/dz_raw`` ``[R, B]`` fp32 (:func:`~jaxloss._block.grad_block`, times
     the cap's slope from the raw ``z`` with a soft cap); exactly 0 outside the arrays."""
     z_raw, t = _tiles(cfg, shape, ops, rows, cols, block_hidden, cap_student=False)
     z = softcap(z_raw, _cap(ops, rows, 0)) if shape.has_softcap else z_raw
@@ -289,7 +289,7 @@ def head_forward(
     softcaps: tuple[Optional[float], Optional[float]] = (None, None),
     tuning: Optional[HeadTuning] = None,
 ) -> tuple[Array, Optional[Array], Optional[Array], Optional[Array]]:
-    """``jaxloss.linear.head_forward`` on the Pallas kernels: ``(l [N], dh [N, H], dW [V, H],
+    """``jaxloss.head.head_forward`` on the Pallas kernels: ``(l [N], dh [N, H], dW [V, H],
     db [V] | None)``, fp32 (the loss 0 where ``coef == 0``; with ``with_grad`` the gradients of
     ``sum_i coef_i l_i``). ``softcaps``: ``(logit_softcap, teacher_logit_softcap)``."""
     tuning = tuning or TUNING

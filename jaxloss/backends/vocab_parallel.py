@@ -41,9 +41,8 @@ from jax import lax
 from lossspec import Tuning
 from lossspec.stats import finalize_mixture
 
-from . import _pallas, _xla
-
-from ._stats import (
+from . import IMPLEMENTATIONS, xla as _xla
+from .._block import (
     F32,
     Final,
     KernelConfig,
@@ -97,9 +96,11 @@ def local_stats(cfg: KernelConfig, x: Array, target: Array, impl: str, tuning: O
     """Step 1: statistics ``[N]`` of this shard relative to its own maxima (no collective).
 
     ``target``: labels shifted into this shard's column ids (``labels - offset``; other shards'
-    labels fall outside ``[0, V_local)`` and hit nothing), or the teacher's slice."""
-    if impl == "pallas":
-        return _pallas.shard_stats(cfg, x, target, tuning=tuning)
+    labels fall outside ``[0, V_local)`` and hit nothing), or the teacher's slice. ``impl``'s
+    shard kernels where it has them (:data:`jaxloss.backends.IMPLEMENTATIONS`), else XLA here."""
+    kernels = IMPLEMENTATIONS[impl].shard_kernels()
+    if kernels is not None:
+        return kernels.shard_stats(cfg, x, target, tuning=tuning)
     vocab_local = x.shape[-1]
     x32 = x.astype(F32)
     if cfg.is_ce:
@@ -179,7 +180,7 @@ def mixture_shard_sums(
     cfg: KernelConfig, fin: Final, x: Array, target: Array, tuning: Optional[Tuning] = None
 ) -> tuple[Array, Array]:
     """This shard's :data:`lossspec.MIXTURE_STATS` ``(kl_qm, kl_pm)`` ``[N]`` fp32 from the global
-    :class:`Final`, tiled like the XLA driver (:func:`jaxloss._xla.blocking`, whatever the impl): chunks of
+    :class:`Final`, tiled like the XLA driver (:func:`jaxloss.backends.xla.blocking`, whatever the impl): chunks of
     ``R = chunk_elements // B`` rows, each in column blocks of ``B = vocab_block`` columns when
     the shard is wider than ``single_block_vocab`` (else the whole width), so the fp32
     temporaries are one ``[R, B]`` block, whatever the shard's width. The sums are plain sums
@@ -221,8 +222,9 @@ def shard_grad(
 ) -> Array:
     """Step 3: this shard's gradient from the global :class:`Final` (no collective).
     ``target`` as in :func:`local_stats` (labels already shifted)."""
-    if impl == "pallas":
-        return _pallas.shard_grad(cfg, fin, x, target, coef, vocab=vocab, tuning=tuning)
+    kernels = IMPLEMENTATIONS[impl].shard_kernels()
+    if kernels is not None:
+        return kernels.shard_grad(cfg, fin, x, target, coef, vocab=vocab, tuning=tuning)
     x32 = x.astype(F32)
     if cfg.is_ce:
         hit = lax.broadcasted_iota(jnp.int32, x.shape, 1) == target[:, None]

@@ -1,6 +1,8 @@
-"""The Triton kernels of ``impl="triton"``: four kernels, one per job, over shared ``@triton.jit`` helpers.
+"""The Triton kernels of ``impl="triton"``, one per job (no jaxloss twin: the Pallas kernels sit in pallas.py with their driver).
 
-The formulation is :mod:`lossspec.stats` (the same in ``torchloss._stats`` and ``jaxloss``): per
+Four kernels (listed below) over shared ``@triton.jit`` helpers.
+
+The formulation is :mod:`lossspec.stats` (the same in ``torchloss._block`` and ``jaxloss``): per
 row, in the compute dtype ``ACC`` (fp32; fp64 for fp64 logits), with ``c = logit_scale / T``,
 ``ct = teacher_logit_scale / T``, ``m = max x``, ``mt = max t``, ``e = exp(c (x - m))``,
 ``et = exp(ct (t - mt))`` (subtract the maximum, *then* scale: huge logits lose nothing)::
@@ -49,9 +51,9 @@ ids (:data:`lossspec.KIND_IDS`), the row index of each statistic in the shard-st
 (:data:`lossspec.ROW_STAT_INDEX`) and in the final-statistics buffer
 (:data:`lossspec.FINAL_STAT_INDEX`), and the slots of the scalar parameters (:data:`PARAMS`).
 Both buffers are statistic-major, ``[len(ROW_STATS), N]`` and ``[len(FINAL_STATS), N]``, so
-every statistic is a contiguous ``[N]`` tensor (what collectives and ``torchloss._stats`` use).
+every statistic is a contiguous ``[N]`` tensor (what collectives and ``torchloss._block`` use).
 
-Import this module only after ``TRITON_INTERPRET`` is decided (``torchloss._triton`` does it).
+Import this module only after ``TRITON_INTERPRET`` is decided (``torchloss.backends.triton`` does it).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ ROW_TAU = tl.constexpr(_ROW["tau"])
 ROW_E_D = tl.constexpr(_ROW["e_d"])
 ROW_H = tl.constexpr(_ROW["h"])
 # jensen_shannon's second-pass sums: the fused kernels keep them in registers; vocab-parallel
-# computes them outside the kernels (torchloss._vocab_parallel.mixture_shards).
+# computes them outside the kernels (torchloss.backends.vocab_parallel.mixture_shards).
 ROW_KL_QM = tl.constexpr(_ROW["kl_qm"])
 ROW_KL_PM = tl.constexpr(_ROW["kl_pm"])
 
@@ -674,7 +676,7 @@ def shard_grad_kernel(
     GRAD_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
     """Vocab-parallel pass 2: ``grad[row, :] = coef * c * dl/dz`` of this shard from the global
-    final statistics ``final[FIN_<name>, row]`` (``torchloss._stats.finalize``; ``m``/``mt``
+    final statistics ``final[FIN_<name>, row]`` (``torchloss._block.finalize``; ``m``/``mt``
     finite). Labels are global ids, shifted by ``offset`` here; ``eps / V_total`` uses the
     global vocabulary. A row is bad where the global ``s`` (or ``st``) is NaN; rows with
     ``coef == 0`` are zeros."""

@@ -1,4 +1,4 @@
-"""CPU tiling and threading of the torch path: row tiles, compact tiles, one bounded worker pool.
+"""CPU tiling and threading of the torch path: row tiles, compact tiles, a worker pool (no jaxloss twin: XLA tiles itself).
 
 The torch path processes rows in tiles ``[R, V]`` sized to stay in a core's cache. On the CPU
 the tiles are shared by a few worker threads that each run *single-threaded* ATen ops: no
@@ -14,19 +14,20 @@ uses ``min(torch.get_num_threads(), tiles, pool size)`` of its threads.
 
 On a busy machine the pool keeps its size: bounding the workers by the cores that other
 processes leave free (one worker at a load of 15-20 on 2 cores) measured 2-5x slower than two
-workers, interleaved in one process (each worker then gets its own share of the cores); see
-``benchmarks/busy.py`` for the torch path against ``F.cross_entropy`` quiet and busy.
+workers, interleaved in one process (each worker then gets its own share of the cores). A lone
+tile goes to a worker too (:func:`worker_count`). The fresh gradient is a plain ``torch.empty``:
+a huge-page hint on it (``madvise(MADV_HUGEPAGE)``, tried until 2026-12-06) saved ~84 ms of page
+faults per 512 MiB on an idle EPYC, but on a shared Xeon VM its 256 faults took more system
+time than the 131072 4 KiB faults they replaced (330-371 against ~200 ms per call; 0.07-1.07 s
+at a load of 8-15) and the step longer quiet and busy. See ``benchmarks/busy.py`` for the torch path against ``F.cross_entropy``
+quiet and busy.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import functools
-import math
-import mmap
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, Optional, TypeVar
@@ -51,11 +52,6 @@ COMPACT_MIN_MASKED: float = 0.125
 # The pool never has more threads than this (the cores of the machine).
 MAX_WORKERS: int = max(1, os.cpu_count() or 1)
 
-# Transparent huge pages (x86-64 and aarch64 with 4 KiB base pages): a fresh gradient buffer from
-# this size on gets the MADV_HUGEPAGE hint (empty_output).
-HUGE_PAGE_BYTES: int = 2 << 20
-HUGE_PAGE_MIN_BYTES: int = 16 << 20
-
 # A tile: rows [r0, r1) and, for a compact tile, the runs [a, b) of rows with coef != 0 inside
 # it with their row indices, and the indices of its masked rows.
 Tile = tuple[int, int, "tuple[list[tuple[int, int]], Tensor, Tensor] | None"]
@@ -76,8 +72,8 @@ def tile_elements(device: torch.device, buffers: int = 1, tuning: Optional[Tunin
     Two workers' buffers must share a 32 MiB L3: a pass-by-pass kernel over four 4 MiB buffers
     per worker ran 1.5x slower on two threads at 2**20 than at 2**19 (2-core EPYC). Jensen-Shannon
     keeps 4 buffers (2**19); soft CE and forward KL take 3 since they finish the teacher before
-    the student (``_stats``) and, with every other kind, keep 2**20: fewer tiles, and each tile's
-    per-row ops run under the GIL (``_torch.RowStats``).
+    the student (``torchloss._block``) and, with every other kind, keep 2**20: fewer tiles, and each tile's
+    per-row ops run under the GIL (``torchloss.backends.torch.RowStats``).
     """
     if device.type != "cpu":
         return DEVICE_TILE_ELEMENTS
@@ -143,9 +139,10 @@ class _Tiles(Generic[T]):
 
 
 def map_tiles(run: Callable[[Iterable[T]], None], tiles: Sequence[T], device: torch.device) -> None:
-    """``run(tiles)`` on this thread, or on the CPU worker threads sharing one tile queue."""
+    """``run(tiles)`` on the CPU worker threads sharing one tile queue, or on this thread (off the
+    CPU, or where the caller runs torch single-threaded anyway)."""
     workers = worker_count(device, len(tiles))
-    if workers <= 1:
+    if workers == 0:
         run(tiles)
         return
     queue = _Tiles(tiles)
@@ -155,11 +152,18 @@ def map_tiles(run: Callable[[Iterable[T]], None], tiles: Sequence[T], device: to
 
 
 def worker_count(device: torch.device, n_tiles: int) -> int:
-    """CPU tensors with several tiles go to the worker threads, as many as the caller's
-    ``torch.get_num_threads()`` allows; 1 (this thread) elsewhere."""
-    if device.type != "cpu" or n_tiles < 2 or _omp_set_num_threads() is None:
-        return 1
-    return max(1, min(torch.get_num_threads(), n_tiles, MAX_WORKERS))
+    """How many worker threads run the tiles: as many as the caller's ``torch.get_num_threads()``,
+    the tiles and the pool allow on the CPU; 0 (the calling thread) off the CPU, without tiles,
+    where the OpenMP runtime is not found, or where the caller runs torch single-threaded.
+
+    A single tile goes to one worker too: on the calling thread its ~45 small ATen ops would each
+    be an OpenMP parallel region, and on a busy CPU each region's barrier waits for a descheduled
+    OpenMP thread (256 x 4096 cross-entropy beside 2 spinners on 2 cores: 7 ms there against 3 ms
+    single-threaded; quiet, both 3 ms)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or n_tiles < 1 or threads <= 1 or omp_set_num_threads() is None:
+        return 0
+    return max(1, min(threads, n_tiles, MAX_WORKERS))
 
 
 _POOL: Optional[tuple[int, concurrent.futures.ThreadPoolExecutor]] = None
@@ -167,7 +171,7 @@ _POOL_LOCK = threading.Lock()
 _OMP: list = []  # [the runtime's omp_set_num_threads or None], resolved once
 
 
-def _omp_set_num_threads() -> Optional[Callable[[int], None]]:
+def omp_set_num_threads() -> Optional[Callable[[int], None]]:
     """``omp_set_num_threads`` of the OpenMP runtime torch loaded, or ``None``."""
     if not _OMP:
         found = None
@@ -191,7 +195,7 @@ def _single_threaded_worker() -> None:
     global thread count once per thread (lazily, on first use): trigger that first, then lower
     this thread's OpenMP count, which nothing else reads."""
     torch.get_num_threads()
-    setter = _omp_set_num_threads()
+    setter = omp_set_num_threads()
     if setter is not None:
         setter(1)
 
@@ -207,62 +211,6 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
             )
             _POOL = (os.getpid(), pool)
         return _POOL[1]
-
-
-def empty_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``torch.empty(shape)`` for a buffer written once in full (a gradient): on the CPU a large
-    one has its pages advised as transparent huge pages (``madvise(MADV_HUGEPAGE)`` on this
-    buffer's range only) before anything touches them.
-
-    Every fresh gradient is zeroed by the kernel page by page on first touch: 4 KiB pages cost
-    ~116 ms of faults for 4096 x 32768 fp32 (512 MiB), about half of a cross-entropy step; 2 MiB
-    pages ~32 ms (medians of 15, 2-core EPYC). It is a hint about this buffer's own mapping,
-    nothing process-wide: the buffer is an anonymous ``mmap`` of its own, unmapped with the
-    tensor, so the hint never outlives it (advising memory of torch's allocator would leave the
-    hint on ranges that the allocator later hands to other tensors). Where the kernel has THP
-    off (or the platform has no ``madvise``) it is a plain ``torch.empty``.
-
-    Not a win everywhere: on a shared 2-core Xeon VM at a load of 8-15 (2026-12-06) the 256
-    hinted faults of that buffer cost 0.07-1.07 s of system time per call (no compaction stalls),
-    4 KiB pages 0.17-0.26 s, and the cross-entropy took 1.7 s with the hint against 0.8 s without
-    (``benchmarks/results/cpu_busy.md``, interleaved; ``python -m benchmarks.busy``).
-    """
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES or _madvise() is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    # Private (mmap.mmap(-1, n) alone is MAP_SHARED: shmem, which THP leaves out by default).
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # unmapped with the tensor
-    out = torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)
-    advise_huge_pages(out)
-    return out
-
-
-def advise_huge_pages(buffer: Tensor) -> bool:
-    """``madvise(MADV_HUGEPAGE)`` over the 2 MiB-aligned interior of ``buffer``'s memory;
-    whether the hint was given (a hint: failure changes nothing but speed)."""
-    madvise = _madvise()
-    start = buffer.data_ptr()
-    end = start + buffer.numel() * buffer.element_size()
-    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    last = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if madvise is None or last <= first:
-        return False
-    return madvise(first, last - first, mmap.MADV_HUGEPAGE) == 0
-
-
-@functools.cache
-def _madvise() -> Optional[Callable[[int, int, int], int]]:
-    """libc's ``madvise`` on Linux (where ``mmap.MADV_HUGEPAGE`` exists), else ``None``; resolved once."""
-    if not (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")):
-        return None
-    try:
-        found = ctypes.CDLL(None).madvise
-    except (OSError, AttributeError):
-        return None
-    found.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    found.restype = ctypes.c_int
-    return found
 
 
 def scale_rows_(grad: Tensor, factor: Tensor, tuning: Optional[Tuning] = None) -> Tensor:

@@ -2,12 +2,12 @@
 
 ``linear_<kind>(hidden [..., H], weight [V, H], <target>, loss_mask, *, bias, ...)`` equals
 ``<kind>(hidden @ weight.T + bias, ...)`` with the logits in fp32 (signatures, checks and the
-float64 reference: :mod:`lossspec.linear`; the twin is ``torchloss.linear``).
+float64 reference: :mod:`lossspec.linear`; the twin is ``torchloss.head``).
 
 How (``R``, ``B`` from :func:`lossspec.linear.head_plan`): the tokens are processed in chunks
 of ``R`` rows (``lax.fori_loop``). When a whole row fits the block budget (``B = V``, the
 common case) a chunk is one matmul ``z = h W^T + b`` ``[R, V]`` in fp32, the statistics and the
-logits' gradient ``G = coef * c * dl/dz`` of :mod:`jaxloss._stats` (the formulation of
+logits' gradient ``G = coef * c * dl/dz`` of :mod:`jaxloss._block` (the formulation of
 :mod:`lossspec.stats`), then ``dh = G W`` and ``dW += G^T h``, ``db += sum G``: three matmuls,
 no recompute. Otherwise the chunk runs over vocabulary blocks of ``B`` columns twice: an
 online softmax (``combine``) for the statistics, then the gradient of each block from the
@@ -34,7 +34,7 @@ one more matmul (two with a teacher). On the CPU XLA hoists the bits of the whol
 
 Vocab parallel (``vocab_parallel=<mesh axis>`` inside ``shard_map``; :class:`Shards`): the weight
 is this replica's ``[V_local, H]`` slice; each chunk's shard statistics are combined over the
-axis (``jaxloss._vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the
+axis (``jaxloss.backends.vocab_parallel.combine_shards``: ``[R]`` vectors, never logits) before the
 local gradient, and ``dh`` is ``psum``'d once (docs/linear_head.md).
 """
 
@@ -53,8 +53,9 @@ import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
 
-from . import _autodiff, _pallas, _pallas_linear, _prepare, _vocab_parallel, _xla, api
-from ._stats import F32, Final, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
+from . import _autodiff, _prepare, api, backends
+from .backends import vocab_parallel as _vocab_parallel, xla as _xla
+from ._block import F32, Final, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
 
 Array = jax.Array
 HIGHEST = lax.Precision.HIGHEST
@@ -149,7 +150,7 @@ class Shards(NamedTuple):
 def _whole_row(cfg: KernelConfig, local: Any, like: Array, shards: Optional[Shards], vocab: int) -> Any:
     """The :class:`Final` statistics of whole rows: a shard's statistics are combined over the
     vocabulary axes first (one ``pmax`` / ``psum`` round for the chunk's rows,
-    :func:`jaxloss._vocab_parallel.combine_shards`); the global ``V`` enters ``finalize``."""
+    :func:`jaxloss.backends.vocab_parallel.combine_shards`); the global ``V`` enters ``finalize``."""
     if shards is None:
         return finalize(cfg, local, vocab)
     return finalize(cfg, _vocab_parallel.combine_shards(cfg, local, like, shards.axes), shards.vocab)
@@ -580,8 +581,9 @@ def head_backward(
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """What the head's ``custom_vjp`` takes as static (hashable): the kernel's config, whether
-    the loss is reduced (not ``"none"``), the plan (:class:`lossspec.linear.HeadPlan`), the Pallas
-    kernels' soft caps and tuning, the inputs' dtypes and the vocabulary shards."""
+    the loss is reduced (not ``"none"``), the plan (:class:`lossspec.linear.HeadPlan`, its impl
+    resolved), the head kernels' soft caps and tuning (``None`` on the framework path), the inputs'
+    dtypes and the vocabulary shards."""
 
     config: KernelConfig
     reduced: bool
@@ -601,8 +603,9 @@ def _run(spec: Spec, args: tuple, coef: Array, with_grad: bool) -> tuple:
     cfg, plan, shards = spec.config, spec.plan, spec.shards
     block_elements, blocked_rows = plan.block_elements, plan.blocked_rows
     hidden, weight, bias, labels, teacher = args
-    if plan.impl == "pallas":  # the one dispatch point: the fused Pallas kernels (jaxloss._pallas_linear)
-        return _pallas_linear.head_forward(
+    kernels = backends.IMPLEMENTATIONS[plan.impl].head_kernels()
+    if kernels is not None:  # the one dispatch point: the impl's fused kernels (Pallas: backends/pallas_head.py)
+        return kernels.head_forward(
             cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, softcaps=spec.softcaps, tuning=spec.tuning
         )
     return head_forward(
@@ -642,9 +645,9 @@ def _first_order_inputs(spec: Spec, hidden: Array, weight: Array, bias: Any) -> 
     ``NotImplementedError`` that says so. Only a higher-order derivative differentiates the
     custom_vjp's forward (and so these inputs); first order never does. ``impl="xla"`` with
     float32 / float64 inputs keeps its (correct) second derivatives, as the unfused losses."""
-    impl, dtypes, shards = spec.plan.impl, spec.dtypes, spec.shards
-    if impl == "pallas":
-        message = _pallas.HIGHER_ORDER_MESSAGE
+    backend, dtypes, shards = backends.IMPLEMENTATIONS[spec.plan.impl], spec.dtypes, spec.shards
+    if not backend.higher_order:
+        message = backend.kernels().HIGHER_ORDER_MESSAGE
     elif shards is not None:
         message = _autodiff.VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE
     elif any(dtype is not None and jnp.dtype(dtype).itemsize == 2 for dtype in dtypes):
@@ -659,7 +662,7 @@ def _head_fwd(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, 
     args = (hidden, weight, bias, labels, teacher)
     # The residuals hold the inputs themselves: JAX arrays are immutable, so the backward that
     # recomputes the head (recompute_logits, "none") reads exactly what the forward read (torch
-    # needs autograd's saved tensors and their version check for that: torchloss.linear).
+    # needs autograd's saved tensors and their version check for that: torchloss.head).
     if spec.plan.recompute_logits:  # the rows' statistics only; the backward computes the gradients
         loss, final = head_forward(
             spec.config, *args, coef, with_grad=False, block_elements=spec.plan.block_elements,
@@ -810,11 +813,12 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     )
     kcfg = KernelConfig.of(config)
     dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    impl = spec_linear.head_impl(args["impl"], lossspec.JAX_IMPLS, "xla", shards is not None)
-    recompute = spec_linear.check_recompute_logits(args["recompute_logits"], impl, "xla")
+    backend = backends.resolve(args["impl"], head=True, vocab_parallel=shards is not None)  # the one resolution of this call's impl
+    recompute = spec_linear.check_recompute_logits(args["recompute_logits"], backend.name, backends.PLAIN)
     softcaps = (getattr(config, "logit_softcap", None), getattr(config, "teacher_logit_softcap", None))
-    head_spec = Spec(kcfg, config.normalization != "none", spec_linear.HeadPlan(BLOCK_ELEMENTS, BLOCKED_ROWS, impl, recompute, RECOMPUTE_PLAN),
-                     softcaps, _pallas_linear.TUNING, dtypes, shards)
+    kernels = backend.head_kernels()
+    plan = spec_linear.HeadPlan(BLOCK_ELEMENTS, BLOCKED_ROWS, backend.name, recompute, RECOMPUTE_PLAN)
+    head_spec = Spec(kcfg, config.normalization != "none", plan, softcaps, None if kernels is None else kernels.TUNING, dtypes, shards)
     device = lambda a: None if a is None else _prepare.to_device(a)  # noqa: E731
     teacher_arrays = None if teacher is None else tuple(device(a) for a in teacher)
     try:
