@@ -2,13 +2,13 @@
 
 For each loss kind, times ``torchloss.<kind>(..., impl="triton")`` forward + backward at
 N x V (default 16384 x 131072, bf16 logits, 30% of the tokens masked) for each vocabulary block
-(``torchloss.backends.triton.MAX_BLOCK_V``) and warp count, medians of CUDA-event timings, and checks
+(``tuning=lossspec.Tuning(vocab_block=..., num_warps=...)``) and warp count, medians of CUDA-event timings, and checks
 that every configuration gives the default configuration's loss and gradient up to fp32
 reassociation (the summation order follows the block). Prints a table and writes JSON::
 
     python -m benchmarks.gpu_triton_sweep [--n 16384] [--v 131072] [--reps 20] [--kinds K1,K2] [--max-seconds S] [--json PATH]
 
-The defaults of ``torchloss.backends.triton`` (``MAX_BLOCK_V``, ``num_warps``) are chosen from this
+The defaults of ``torchloss.backends.triton`` (``DEFAULTS.vocab_block``, ``num_warps``) are chosen from this
 sweep; the kernels' correctness at every block size is the test suite's business.
 """
 
@@ -113,18 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     teacher = (torch.randn((n, v), generator=gen, device=device) * 2).to(torch.bfloat16)
     labels = torch.randint(0, v, (n,), generator=gen, device=device)
     mask = torch.rand((n,), generator=gen, device=device) >= 0.3
-    default_block, default_warps = _triton.MAX_BLOCK_V, _triton.num_warps
+    default_block, default_warps = _triton.DEFAULTS.vocab_block, _triton.num_warps
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    print(f"Triton sweep: N={n} V={v} bf16, 30% masked, {args.reps} reps; default MAX_BLOCK_V={default_block}, "
+    print(f"Triton sweep: N={n} V={v} bf16, 30% masked, {args.reps} reps; default vocab_block={default_block}, "
           f"num_warps(block)={default_warps(min(default_block, v))}", flush=True)
     for kind in args.kinds.split(","):
         fn = getattr(torchloss, kind)
         target = labels if lossspec.KIND_SPECS[kind].has_labels else teacher
 
-        def step() -> torch.Tensor:
+        def step(tuning: lossspec.Tuning) -> torch.Tensor:
             logits.grad = None
-            loss = fn(logits, target, mask, impl="triton")
+            loss = fn(logits, target, mask, impl="triton", tuning=tuning)
             loss.backward()
             return loss
 
@@ -134,14 +134,13 @@ def main(argv: list[str] | None = None) -> int:
                 if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
                     rows.append({"kind": kind, "block_v": block, "num_warps": warps, "error": "skipped: time budget"})
                     continue
-                _triton.MAX_BLOCK_V = block
-                _triton.num_warps = lambda block_v, w=warps: w
+                tuning = lossspec.Tuning(vocab_block=block, num_warps=warps)  # every job's launches
                 try:
-                    loss = step().detach().double().item()
+                    loss = step(tuning).detach().double().item()
                     grad = logits.grad.detach().float()
                     if reference is None:
                         reference = (loss, grad.clone())
-                    times = _time(step, args.reps, cuda)
+                    times = _time(lambda: step(tuning), args.reps, cuda)
                     row = {"kind": kind, "block_v": block, "num_warps": warps, "median_ms": statistics.median(times),
                            "min_ms": min(times), "max_ms": max(times), "loss": loss,
                            "loss_rel_diff": abs(loss - reference[0]) / max(abs(reference[0]), 1e-30),
@@ -149,8 +148,6 @@ def main(argv: list[str] | None = None) -> int:
                            "grad_max_abs": float(reference[1].abs().max())}
                 except Exception as exc:  # a launch shape the compiler refuses (registers, shared memory)
                     row = {"kind": kind, "block_v": block, "num_warps": warps, "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
-                finally:
-                    _triton.MAX_BLOCK_V, _triton.num_warps = default_block, default_warps
                 rows.append(row)
                 if "error" in row:
                     print(f"{kind:18} block {block:6} warps {warps:3}: {row['error']}", flush=True)

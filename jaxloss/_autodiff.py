@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 
+from lossspec import Tuning
+
 from .backends import IMPLEMENTATIONS, vocab_parallel as _vocab_parallel, xla as _xla
 from .backends.xla import KernelConfig
 
@@ -31,11 +33,12 @@ VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE = (
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """What the loss's ``custom_vjp`` takes as static (hashable): the kernel's config, the
-    resolved impl (a name of :data:`jaxloss.backends.IMPLEMENTATIONS`) and its tuning."""
+    resolved impl (a name of :data:`jaxloss.backends.IMPLEMENTATIONS`) and the call's tuning (each kernel
+    reads its fields)."""
 
     config: KernelConfig
     impl: str
-    tuning: Any
+    tuning: Tuning
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,7 +44,8 @@ Rules shared with ``torchloss`` (the ``lossspec`` docstrings hold the exact cond
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Never, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,9 @@ from ._prepare import (
 from .backends.xla import KernelConfig
 
 Array = jax.Array
+ArrayLike = jax.typing.ArrayLike
+#: a mesh axis name, or a sequence of them (``vocab_parallel=``, ``sequence_parallel=``)
+AxisNames = Union[str, Sequence[str]]
 F32 = jnp.float32
 FORWARD_MODE_MESSAGE = (
     "jaxloss: forward-mode differentiation of the loss (jax.jvp, jax.jacfwd, jax.linearize) is not supported: "
@@ -98,67 +102,614 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 
-def _masked_loss(kind: str, **args: Any) -> Array:
-    """Body of the public functions (their signatures: ``lossspec.KIND_SPECS``)."""
-    spec = lossspec.KIND_SPECS[kind]
-    options = {name: args[name] for name in spec.option_names}
-    config = lossspec.make_config(kind, normalization=args["normalization"], **options)
-    target = args[spec.target] if spec.target is not None else None
-    return _loss(
-        config,
-        args["logits"],
-        target,
-        args["loss_mask"],
-        args["segment_ids"],
-        args["denominator"],
-        args["vocab_parallel"],
-        args["sequence_parallel"],
-        args["impl"],
+def cross_entropy(
+    logits: ArrayLike,
+    labels: ArrayLike,
+    loss_mask: Optional[ArrayLike] = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: Optional[ArrayLike] = None,
+    segment_ids: Optional[ArrayLike] = None,
+    vocab_parallel: Optional[AxisNames] = None,
+    sequence_parallel: Optional[AxisNames] = None,
+    impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
+    **unexpected: Never,
+) -> Array:
+    """Masked cross-entropy with integer labels, label smoothing and z-loss.
+
+    Per token, with ``z = logit_scale * x``, ``lse = log sum_v exp(z_v)``, ``q = softmax(z)``,
+    ``eps = label_smoothing``, ``lam = z_loss``::
+
+        l = lse - (1 - eps) z_y - (eps / V) sum_v z_v + lam lse^2
+        dl/dz = (1 + 2 lam lse) q - (1 - eps) onehot(y) - eps / V
+
+    Args:
+      logits: ``[..., V]`` floating point (computed in fp32; fp64 in fp64 where the framework can).
+      labels: ``[...]`` integers; labels of masked tokens are never read as indices (any value is legal there).
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      ignore_index: label value of ignored tokens: an ``int`` in the int64 range, compared exactly (a label equals it
+        only if the labels' dtype can hold it).
+      label_smoothing: ``eps`` in ``[0, 1]``.
+      z_loss: ``lam >= 0``.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the vocabulary is split, inside
+        ``shard_map`` / ``pmap``: ``logits`` is this replica's contiguous slice ``[..., V_local]`` (shards in axis-index
+        order, ``V = V_local * P``), labels are global ids. The loss is the same on every replica and the gradient is
+        the replica's slice; the statistics are combined with explicit collectives.
+      sequence_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the time axis (the last
+        leading axis) is split, inside ``shard_map`` / ``pmap`` (context parallelism): each replica holds its contiguous
+        time slice (in axis-index order, equal lengths) of the logits, labels, mask and ``segment_ids``. The
+        ``[..., T]`` labels, mask and ids are all-gathered (never the logits), so ``n_s``, ``D`` / ``S`` and the causal
+        shift are those of the whole rows. The loss is this replica's share (``psum`` it over the axis for the whole
+        rows' loss; ``accumulate`` does with ``data_axes`` holding the axis); the gradient is exact
+        (lossspec.sequences).
+      impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives need
+        ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
+        ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
+        are split into blocks, which may move the result by a rounding, never what is computed.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+    """
+    lossspec.begin_call("cross_entropy", unexpected, normalization, causal_shift, denominator)
+    config = lossspec.make_config(
+        "cross_entropy",
+        normalization=normalization,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        logit_scale=logit_scale,
+        logit_softcap=logit_softcap,
+        causal_shift=causal_shift,
     )
+    return _loss(config, logits, labels, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
 
 
-FRAMEWORK_ARGS = lossspec.FrameworkArgs(
-    (
-        (
-            "vocab_parallel",
-            None,
-            "``None``, or the mesh axis name (or a tuple of names) over which the vocabulary is split, "
-            "inside ``shard_map`` / ``pmap``: ``logits`` is this replica's contiguous slice ``[..., V_local]`` "
-            "(shards in axis-index order, ``V = V_local * P``), labels are global ids. The loss is the same on "
-            "every replica and the gradient is the replica's slice; the statistics are combined with explicit "
-            "collectives.",
-        ),
-        (
-            "sequence_parallel",
-            None,
-            "``None``, or the mesh axis name (or a tuple of names) over which the time axis (the last leading axis) is "
-            "split, inside ``shard_map`` / ``pmap`` (context parallelism): each replica holds its contiguous time slice "
-            "(in axis-index order, equal lengths) of the logits, labels, mask and ``segment_ids``. The ``[..., T]`` "
-            "labels, mask and ids are all-gathered (never the logits), so ``n_s``, ``D`` / ``S`` and the causal shift "
-            "are those of the whole rows. The loss is this replica's share (``psum`` it over the axis for the whole "
-            "rows' loss; ``accumulate`` does with ``data_axes`` holding the axis); the gradient is exact "
-            "(lossspec.sequences).",
-        ),
-        (
-            "impl",
-            "auto",
-            '``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives '
-            'need ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).',
-        ),
+def soft_cross_entropy(
+    logits: ArrayLike,
+    teacher_logits: ArrayLike,
+    loss_mask: Optional[ArrayLike] = None,
+    *,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    teacher_logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: Optional[ArrayLike] = None,
+    segment_ids: Optional[ArrayLike] = None,
+    vocab_parallel: Optional[AxisNames] = None,
+    sequence_parallel: Optional[AxisNames] = None,
+    impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
+    **unexpected: Never,
+) -> Array:
+    """Masked cross-entropy against the teacher's distribution p.
+
+    Per token, with ``z = logit_scale * x / T``, ``q = softmax(z)`` (student),
+    ``p = softmax(teacher_logit_scale * t / T)`` (teacher, no gradient), ``T = temperature``,
+    ``lse = log sum_v exp(z_v)`` (no ``T**2`` factor: multiply the loss by ``T**2`` for
+    Hinton's scaling)::
+
+        l = lse - sum_v p_v z_v
+        dl/dz = q - p
+
+    Args:
+      logits: ``[..., V]`` floating point (computed in fp32; fp64 in fp64 where the framework can).
+      teacher_logits: ``[..., V]`` floating point, the shape of ``logits``; gets no gradient.
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      temperature: ``T > 0``, divides student and teacher alike.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      teacher_logit_scale: ``> 0``, multiplies the teacher's logits.
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      teacher_logit_softcap: ``None`` (default: off) or a cap ``> 0``: the same soft cap on the teacher's raw logits,
+        before ``teacher_logit_scale`` and the temperature.
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the vocabulary is split, inside
+        ``shard_map`` / ``pmap``: ``logits`` is this replica's contiguous slice ``[..., V_local]`` (shards in axis-index
+        order, ``V = V_local * P``), labels are global ids. The loss is the same on every replica and the gradient is
+        the replica's slice; the statistics are combined with explicit collectives.
+      sequence_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the time axis (the last
+        leading axis) is split, inside ``shard_map`` / ``pmap`` (context parallelism): each replica holds its contiguous
+        time slice (in axis-index order, equal lengths) of the logits, labels, mask and ``segment_ids``. The
+        ``[..., T]`` labels, mask and ids are all-gathered (never the logits), so ``n_s``, ``D`` / ``S`` and the causal
+        shift are those of the whole rows. The loss is this replica's share (``psum`` it over the axis for the whole
+        rows' loss; ``accumulate`` does with ``data_axes`` holding the axis); the gradient is exact
+        (lossspec.sequences).
+      impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives need
+        ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
+        ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
+        are split into blocks, which may move the result by a rounding, never what is computed.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+    """
+    lossspec.begin_call("soft_cross_entropy", unexpected, normalization, causal_shift, denominator)
+    config = lossspec.make_config(
+        "soft_cross_entropy",
+        normalization=normalization,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        logit_softcap=logit_softcap,
+        teacher_logit_softcap=teacher_logit_softcap,
+        causal_shift=causal_shift,
     )
-)
+    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
 
 
-def _public(kind: str) -> Any:
-    return lossspec.public_function(lossspec.KIND_SPECS[kind], FRAMEWORK_ARGS, _masked_loss, __name__)
+def forward_kl(
+    logits: ArrayLike,
+    teacher_logits: ArrayLike,
+    loss_mask: Optional[ArrayLike] = None,
+    *,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    teacher_logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: Optional[ArrayLike] = None,
+    segment_ids: Optional[ArrayLike] = None,
+    vocab_parallel: Optional[AxisNames] = None,
+    sequence_parallel: Optional[AxisNames] = None,
+    impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
+    **unexpected: Never,
+) -> Array:
+    """Masked forward KL, KL(p || q), of the student q from the teacher p (mean seeking).
+
+    Per token, with ``z = logit_scale * x / T``, ``q = softmax(z)`` (student),
+    ``p = softmax(teacher_logit_scale * t / T)`` (teacher, no gradient), ``T = temperature``,
+    ``lse = log sum_v exp(z_v)`` (no ``T**2`` factor: multiply the loss by ``T**2`` for
+    Hinton's scaling)::
+
+        l = sum_v p_v (log p_v - log q_v)
+        dl/dz = q - p
+
+    Args:
+      logits: ``[..., V]`` floating point (computed in fp32; fp64 in fp64 where the framework can).
+      teacher_logits: ``[..., V]`` floating point, the shape of ``logits``; gets no gradient.
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      temperature: ``T > 0``, divides student and teacher alike.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      teacher_logit_scale: ``> 0``, multiplies the teacher's logits.
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      teacher_logit_softcap: ``None`` (default: off) or a cap ``> 0``: the same soft cap on the teacher's raw logits,
+        before ``teacher_logit_scale`` and the temperature.
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the vocabulary is split, inside
+        ``shard_map`` / ``pmap``: ``logits`` is this replica's contiguous slice ``[..., V_local]`` (shards in axis-index
+        order, ``V = V_local * P``), labels are global ids. The loss is the same on every replica and the gradient is
+        the replica's slice; the statistics are combined with explicit collectives.
+      sequence_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the time axis (the last
+        leading axis) is split, inside ``shard_map`` / ``pmap`` (context parallelism): each replica holds its contiguous
+        time slice (in axis-index order, equal lengths) of the logits, labels, mask and ``segment_ids``. The
+        ``[..., T]`` labels, mask and ids are all-gathered (never the logits), so ``n_s``, ``D`` / ``S`` and the causal
+        shift are those of the whole rows. The loss is this replica's share (``psum`` it over the axis for the whole
+        rows' loss; ``accumulate`` does with ``data_axes`` holding the axis); the gradient is exact
+        (lossspec.sequences).
+      impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives need
+        ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
+        ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
+        are split into blocks, which may move the result by a rounding, never what is computed.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+    """
+    lossspec.begin_call("forward_kl", unexpected, normalization, causal_shift, denominator)
+    config = lossspec.make_config(
+        "forward_kl",
+        normalization=normalization,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        logit_softcap=logit_softcap,
+        teacher_logit_softcap=teacher_logit_softcap,
+        causal_shift=causal_shift,
+    )
+    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
 
 
-cross_entropy = _public("cross_entropy")
-soft_cross_entropy = _public("soft_cross_entropy")
-forward_kl = _public("forward_kl")
-reverse_kl = _public("reverse_kl")
-entropy = _public("entropy")
-jensen_shannon = _public("jensen_shannon")
+def reverse_kl(
+    logits: ArrayLike,
+    teacher_logits: ArrayLike,
+    loss_mask: Optional[ArrayLike] = None,
+    *,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    teacher_logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: Optional[ArrayLike] = None,
+    segment_ids: Optional[ArrayLike] = None,
+    vocab_parallel: Optional[AxisNames] = None,
+    sequence_parallel: Optional[AxisNames] = None,
+    impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
+    **unexpected: Never,
+) -> Array:
+    """Masked reverse KL, KL(q || p), of the student q from the teacher p (mode seeking).
+
+    Per token, with ``z = logit_scale * x / T``, ``q = softmax(z)`` (student),
+    ``p = softmax(teacher_logit_scale * t / T)`` (teacher, no gradient), ``T = temperature``,
+    ``lse = log sum_v exp(z_v)`` (no ``T**2`` factor: multiply the loss by ``T**2`` for
+    Hinton's scaling)::
+
+        l = sum_v q_v (log q_v - log p_v)
+        dl/dz = q (log q - log p - l)   (0 where q == 0)
+
+    Args:
+      logits: ``[..., V]`` floating point (computed in fp32; fp64 in fp64 where the framework can).
+      teacher_logits: ``[..., V]`` floating point, the shape of ``logits``; gets no gradient.
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      temperature: ``T > 0``, divides student and teacher alike.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      teacher_logit_scale: ``> 0``, multiplies the teacher's logits.
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      teacher_logit_softcap: ``None`` (default: off) or a cap ``> 0``: the same soft cap on the teacher's raw logits,
+        before ``teacher_logit_scale`` and the temperature.
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the vocabulary is split, inside
+        ``shard_map`` / ``pmap``: ``logits`` is this replica's contiguous slice ``[..., V_local]`` (shards in axis-index
+        order, ``V = V_local * P``), labels are global ids. The loss is the same on every replica and the gradient is
+        the replica's slice; the statistics are combined with explicit collectives.
+      sequence_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the time axis (the last
+        leading axis) is split, inside ``shard_map`` / ``pmap`` (context parallelism): each replica holds its contiguous
+        time slice (in axis-index order, equal lengths) of the logits, labels, mask and ``segment_ids``. The
+        ``[..., T]`` labels, mask and ids are all-gathered (never the logits), so ``n_s``, ``D`` / ``S`` and the causal
+        shift are those of the whole rows. The loss is this replica's share (``psum`` it over the axis for the whole
+        rows' loss; ``accumulate`` does with ``data_axes`` holding the axis); the gradient is exact
+        (lossspec.sequences).
+      impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives need
+        ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
+        ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
+        are split into blocks, which may move the result by a rounding, never what is computed.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+    """
+    lossspec.begin_call("reverse_kl", unexpected, normalization, causal_shift, denominator)
+    config = lossspec.make_config(
+        "reverse_kl",
+        normalization=normalization,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        logit_softcap=logit_softcap,
+        teacher_logit_softcap=teacher_logit_softcap,
+        causal_shift=causal_shift,
+    )
+    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
+
+
+def entropy(
+    logits: ArrayLike,
+    loss_mask: Optional[ArrayLike] = None,
+    *,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: Optional[ArrayLike] = None,
+    segment_ids: Optional[ArrayLike] = None,
+    vocab_parallel: Optional[AxisNames] = None,
+    sequence_parallel: Optional[AxisNames] = None,
+    impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
+    **unexpected: Never,
+) -> Array:
+    """Masked entropy of the student's distribution q (the entropy regulariser of policy-gradient trainers).
+
+    Per token, with ``z = logit_scale * x / T``, ``q = softmax(z)`` (the student's distribution),
+    ``T = temperature``::
+
+        l = -sum_v q_v log q_v
+        dl/dz = -q (log q + l)   (0 where q == 0)
+
+    Args:
+      logits: ``[..., V]`` floating point (computed in fp32; fp64 in fp64 where the framework can).
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      temperature: ``T > 0``, divides student and teacher alike.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the vocabulary is split, inside
+        ``shard_map`` / ``pmap``: ``logits`` is this replica's contiguous slice ``[..., V_local]`` (shards in axis-index
+        order, ``V = V_local * P``), labels are global ids. The loss is the same on every replica and the gradient is
+        the replica's slice; the statistics are combined with explicit collectives.
+      sequence_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the time axis (the last
+        leading axis) is split, inside ``shard_map`` / ``pmap`` (context parallelism): each replica holds its contiguous
+        time slice (in axis-index order, equal lengths) of the logits, labels, mask and ``segment_ids``. The
+        ``[..., T]`` labels, mask and ids are all-gathered (never the logits), so ``n_s``, ``D`` / ``S`` and the causal
+        shift are those of the whole rows. The loss is this replica's share (``psum`` it over the axis for the whole
+        rows' loss; ``accumulate`` does with ``data_axes`` holding the axis); the gradient is exact
+        (lossspec.sequences).
+      impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives need
+        ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
+        ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
+        are split into blocks, which may move the result by a rounding, never what is computed.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+    """
+    lossspec.begin_call("entropy", unexpected, normalization, causal_shift, denominator)
+    config = lossspec.make_config(
+        "entropy",
+        normalization=normalization,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        logit_softcap=logit_softcap,
+        causal_shift=causal_shift,
+    )
+    return _loss(config, logits, None, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
+
+
+def jensen_shannon(
+    logits: ArrayLike,
+    teacher_logits: ArrayLike,
+    loss_mask: Optional[ArrayLike] = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    teacher_logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: Optional[ArrayLike] = None,
+    segment_ids: Optional[ArrayLike] = None,
+    vocab_parallel: Optional[AxisNames] = None,
+    sequence_parallel: Optional[AxisNames] = None,
+    impl: str = "auto",
+    tuning: Optional[lossspec.Tuning] = None,
+    **unexpected: Never,
+) -> Array:
+    """Masked generalised Jensen-Shannon divergence of the student q and the teacher p (on-policy distillation).
+
+    Per token, with ``z = logit_scale * x / T``, ``q = softmax(z)`` (student),
+    ``p = softmax(teacher_logit_scale * t / T)`` (teacher, no gradient), ``T = temperature``,
+    ``lse = log sum_v exp(z_v)`` (no ``T**2`` factor: multiply the loss by ``T**2`` for
+    Hinton's scaling)::
+
+        l = beta KL(p || M) + (1 - beta) KL(q || M),  M = beta p + (1 - beta) q;
+        beta = 0: KL(p || q) (forward KL), beta = 1: KL(q || p) (reverse KL), computed as those kinds
+        dl/dz = (1 - beta) q (log q - log M - KL(q || M))   (0 where q == 0; the KL kinds' at beta = 0, 1)
+
+    Args:
+      logits: ``[..., V]`` floating point (computed in fp32; fp64 in fp64 where the framework can).
+      teacher_logits: ``[..., V]`` floating point, the shape of ``logits``; gets no gradient.
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      beta: ``beta`` in ``[0, 1]``, the teacher's share of the mixture ``M = beta p + (1 - beta) q`` (TRL's GKD and
+        Liger-Kernel's JSD): 0.5 the symmetric JSD, 0 forward KL ``KL(p || q)``, 1 reverse KL ``KL(q || p)``.
+      temperature: ``T > 0``, divides student and teacher alike.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      teacher_logit_scale: ``> 0``, multiplies the teacher's logits.
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      teacher_logit_softcap: ``None`` (default: off) or a cap ``> 0``: the same soft cap on the teacher's raw logits,
+        before ``teacher_logit_scale`` and the temperature.
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the vocabulary is split, inside
+        ``shard_map`` / ``pmap``: ``logits`` is this replica's contiguous slice ``[..., V_local]`` (shards in axis-index
+        order, ``V = V_local * P``), labels are global ids. The loss is the same on every replica and the gradient is
+        the replica's slice; the statistics are combined with explicit collectives.
+      sequence_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the time axis (the last
+        leading axis) is split, inside ``shard_map`` / ``pmap`` (context parallelism): each replica holds its contiguous
+        time slice (in axis-index order, equal lengths) of the logits, labels, mask and ``segment_ids``. The
+        ``[..., T]`` labels, mask and ids are all-gathered (never the logits), so ``n_s``, ``D`` / ``S`` and the causal
+        shift are those of the whole rows. The loss is this replica's share (``psum`` it over the axis for the whole
+        rows' loss; ``accumulate`` does with ``data_axes`` holding the axis); the gradient is exact
+        (lossspec.sequences).
+      impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``. Higher-order derivatives need
+        ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
+      tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
+        ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
+        are split into blocks, which may move the result by a rounding, never what is computed.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+    """
+    lossspec.begin_call("jensen_shannon", unexpected, normalization, causal_shift, denominator)
+    config = lossspec.make_config(
+        "jensen_shannon",
+        normalization=normalization,
+        beta=beta,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        logit_softcap=logit_softcap,
+        teacher_logit_softcap=teacher_logit_softcap,
+        causal_shift=causal_shift,
+    )
+    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
 
 
 def count_denominator(
@@ -243,8 +794,10 @@ def _loss(
     vocab_parallel: Any,
     sequence_parallel: Any,
     impl: str,
+    tuning: Optional[lossspec.Tuning],
 ) -> Array:
     backend = backends.resolve(impl)  # the one resolution of this call's impl
+    tuning = lossspec.check_tuning(tuning)
     logits = as_array(logits)
     if target is None:
         # No target (entropy): an empty [..., 0] stand-in carries the leading shape through the
@@ -305,7 +858,6 @@ def _loss(
     )
     formula = config.kernel_config()  # jensen_shannon at beta = 0 / 1: the KL kinds, exactly
     kcfg = KernelConfig.of(formula)
-    tuning = backend.kernels().TUNING
     try:
         if axes is None:
             tokens = loss_tokens(Spec(kcfg, backend.name, tuning), to_device(logits), safe_target, coef)

@@ -1,9 +1,9 @@
 """All Flax NNX modules of ``jaxloss`` (public path: :mod:`jaxloss.nnx`, which re-exports them).
 
-The losses' modules (``CrossEntropyLoss``, ...; their signatures and docstrings from
+The losses' modules (``CrossEntropyLoss``, ...; written out with the options of
 ``lossspec.KIND_SPECS``) are configured once and called with the arrays:
 ``module(logits, target, loss_mask=None, *, denominator=None, segment_ids=None)`` (``EntropyLoss``:
-no target). The fused head's modules: ``LinearCrossEntropyLoss(**options)(hidden, head, labels,
+no target). The fused head's modules: ``LinearCrossEntropyLoss(...options)(hidden, head, labels,
 loss_mask=None, *, bias=None, denominator=None, segment_ids=None)`` (``impl=``,
 ``recompute_logits=`` and ``vocab_parallel=`` among the options), and the distillation kinds with
 ``teacher_hidden, teacher_head``; ``head`` is a ``[V, H]`` weight or an ``nnx.Linear`` (kernel
@@ -14,7 +14,7 @@ parameters or state. The classes name :mod:`jaxloss.nnx` as their module (reprs,
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Never, Optional
 
 import jax
 from flax import nnx as _nnx
@@ -44,9 +44,8 @@ class _Loss(_nnx.Module):
 
     kind: str = ""
 
-    def __init__(self, **options: Any):
-        spec = lossspec.KIND_SPECS[self.kind]
-        settings = lossspec.kinds.module_settings(spec, api.FRAMEWORK_ARGS, options, type(self).__name__)
+    def __init__(self, settings: dict[str, Any], unexpected: dict[str, Any]):
+        settings = lossspec.kinds.module_settings(lossspec.KIND_SPECS[self.kind], settings, unexpected, type(self).__name__)
         lossspec.check_impl(settings["impl"], backends.IMPLS)
         if settings["vocab_parallel"] is not None:
             from .backends.vocab_parallel import axis_names
@@ -95,17 +94,294 @@ class _TargetlessLoss(_Loss):
         )
 
 
-def _module(kind: str) -> type:
-    base = _Loss if lossspec.KIND_SPECS[kind].target is not None else _TargetlessLoss
-    return lossspec.kinds.module_class(kind, base, api.FRAMEWORK_ARGS, "jaxloss", PUBLIC_MODULE)
+class CrossEntropyLoss(_Loss):
+    """Module form of :func:`jaxloss.cross_entropy`: masked cross-entropy with integer labels, label smoothing and z-loss.
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.cross_entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, labels, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = lse - (1 - eps) z_y - (eps / V) sum_v z_v + lam lse^2
+        dl/dz = (1 + 2 lam lse) q - (1 - eps) onehot(y) - eps / V
+    """
+
+    kind = "cross_entropy"
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.AxisNames] = None,
+        sequence_parallel: Optional[api.AxisNames] = None,
+        impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                ignore_index=ignore_index,
+                label_smoothing=label_smoothing,
+                z_loss=z_loss,
+                logit_scale=logit_scale,
+                logit_softcap=logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                tuning=tuning,
+            ),
+            unexpected,
+        )
 
 
-CrossEntropyLoss = _module("cross_entropy")
-SoftCrossEntropyLoss = _module("soft_cross_entropy")
-ForwardKLLoss = _module("forward_kl")
-ReverseKLLoss = _module("reverse_kl")
-EntropyLoss = _module("entropy")
-JensenShannonLoss = _module("jensen_shannon")
+class SoftCrossEntropyLoss(_Loss):
+    """Module form of :func:`jaxloss.soft_cross_entropy`: masked cross-entropy against the teacher's distribution p.
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.soft_cross_entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, teacher_logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = lse - sum_v p_v z_v
+        dl/dz = q - p
+    """
+
+    kind = "soft_cross_entropy"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.AxisNames] = None,
+        sequence_parallel: Optional[api.AxisNames] = None,
+        impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                tuning=tuning,
+            ),
+            unexpected,
+        )
+
+
+class ForwardKLLoss(_Loss):
+    """Module form of :func:`jaxloss.forward_kl`: masked forward KL, KL(p || q), of the student q from the teacher p (mean
+    seeking).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.forward_kl` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, teacher_logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = sum_v p_v (log p_v - log q_v)
+        dl/dz = q - p
+    """
+
+    kind = "forward_kl"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.AxisNames] = None,
+        sequence_parallel: Optional[api.AxisNames] = None,
+        impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                tuning=tuning,
+            ),
+            unexpected,
+        )
+
+
+class ReverseKLLoss(_Loss):
+    """Module form of :func:`jaxloss.reverse_kl`: masked reverse KL, KL(q || p), of the student q from the teacher p (mode
+    seeking).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.reverse_kl` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, teacher_logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = sum_v q_v (log q_v - log p_v)
+        dl/dz = q (log q - log p - l)   (0 where q == 0)
+    """
+
+    kind = "reverse_kl"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.AxisNames] = None,
+        sequence_parallel: Optional[api.AxisNames] = None,
+        impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                tuning=tuning,
+            ),
+            unexpected,
+        )
+
+
+class EntropyLoss(_TargetlessLoss):
+    """Module form of :func:`jaxloss.entropy`: masked entropy of the student's distribution q (the entropy regulariser of
+    policy-gradient trainers).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, loss_mask=None, *, denominator=None)``. It holds no parameters.
+
+        l = -sum_v q_v log q_v
+        dl/dz = -q (log q + l)   (0 where q == 0)
+    """
+
+    kind = "entropy"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.AxisNames] = None,
+        sequence_parallel: Optional[api.AxisNames] = None,
+        impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                logit_softcap=logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                tuning=tuning,
+            ),
+            unexpected,
+        )
+
+
+class JensenShannonLoss(_Loss):
+    """Module form of :func:`jaxloss.jensen_shannon`: masked generalised Jensen-Shannon divergence of the student q and the
+    teacher p (on-policy distillation).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.jensen_shannon` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, teacher_logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = beta KL(p || M) + (1 - beta) KL(q || M),  M = beta p + (1 - beta) q;
+        beta = 0: KL(p || q) (forward KL), beta = 1: KL(q || p) (reverse KL), computed as those kinds
+        dl/dz = (1 - beta) q (log q - log M - KL(q || M))   (0 where q == 0; the KL kinds' at beta = 0, 1)
+    """
+
+    kind = "jensen_shannon"
+
+    def __init__(
+        self,
+        *,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.AxisNames] = None,
+        sequence_parallel: Optional[api.AxisNames] = None,
+        impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                beta=beta,
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                tuning=tuning,
+            ),
+            unexpected,
+        )
+
+
+# The classes name the public module as theirs (reprs, pickles): the path users import.
+for _cls in (CrossEntropyLoss, SoftCrossEntropyLoss, ForwardKLLoss, ReverseKLLoss, EntropyLoss, JensenShannonLoss):
+    _cls.__module__ = PUBLIC_MODULE
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,9 +402,8 @@ class _LinearLoss(_nnx.Module):
 
     kind: str = ""
 
-    def __init__(self, **options: Any):
-        self.settings = spec_linear.head_module_settings(
-            self.kind, options, type(self).__name__, head.HEAD_FRAMEWORK_ARGS, backends.IMPLS, backends.PLAIN)
+    def __init__(self, settings: dict[str, Any], unexpected: dict[str, Any]):
+        self.settings = spec_linear.head_module_settings(self.kind, settings, unexpected, type(self).__name__, backends.IMPLS, backends.PLAIN)
         if self.settings["vocab_parallel"] is not None:
             from .backends.vocab_parallel import axis_names
 
@@ -150,12 +425,182 @@ class _LinearLoss(_nnx.Module):
         return getattr(head, spec_linear.LINEAR_NAMES[self.kind])(hidden, weight, *args_list, **kwargs)
 
 
-def _module(kind: str) -> type:
-    doc = spec_linear.head_module_docstring(kind, "jaxloss", "flax.nnx.Linear (kernel [H, V], transposed here)")
-    return type(spec_linear.head_module_name(kind), (_LinearLoss,), {"kind": kind, "__doc__": doc, "__module__": PUBLIC_MODULE})
+class LinearCrossEntropyLoss(_LinearLoss):
+    """Module form of :func:`jaxloss.linear_cross_entropy` (fused LM head + cross_entropy).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_cross_entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, labels, loss_mask=None, *, bias=None, denominator=None, segment_ids=None)``. ``weight`` may
+    be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in the ``[V, H]`` layout and its bias
+    (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "cross_entropy"
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.AxisNames] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                ignore_index=ignore_index,
+                label_smoothing=label_smoothing,
+                z_loss=z_loss,
+                logit_scale=logit_scale,
+                logit_softcap=logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
 
 
-LinearCrossEntropyLoss = _module("cross_entropy")
-LinearSoftCrossEntropyLoss = _module("soft_cross_entropy")
-LinearForwardKLLoss = _module("forward_kl")
-LinearReverseKLLoss = _module("reverse_kl")
+class LinearSoftCrossEntropyLoss(_LinearLoss):
+    """Module form of :func:`jaxloss.linear_soft_cross_entropy` (fused LM head + soft_cross_entropy).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_soft_cross_entropy` but the
+    arrays, ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
+    ``weight`` (and ``teacher_weight``) may be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in
+    the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "soft_cross_entropy"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.AxisNames] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
+
+
+class LinearForwardKLLoss(_LinearLoss):
+    """Module form of :func:`jaxloss.linear_forward_kl` (fused LM head + forward_kl).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_forward_kl` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
+    ``weight`` (and ``teacher_weight``) may be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in
+    the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "forward_kl"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.AxisNames] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
+
+
+class LinearReverseKLLoss(_LinearLoss):
+    """Module form of :func:`jaxloss.linear_reverse_kl` (fused LM head + reverse_kl).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_reverse_kl` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
+    ``weight`` (and ``teacher_weight``) may be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in
+    the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "reverse_kl"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.AxisNames] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
+
+
+for _cls in (LinearCrossEntropyLoss, LinearSoftCrossEntropyLoss, LinearForwardKLLoss, LinearReverseKLLoss):
+    _cls.__module__ = PUBLIC_MODULE
+del _cls

@@ -3,7 +3,8 @@
 - :mod:`lossspec.config`: loss kinds, normalisations and the validated :class:`LossConfig`;
 - :mod:`lossspec.checks`: shape/dtype checks over plain metadata, shared by JAX and torch;
 - :mod:`lossspec.stats`: the per-row statistics every backend computes (one formulation);
-- :mod:`lossspec.kinds`: the per-kind table the public functions and modules are built from;
+- :mod:`lossspec.kinds`: the per-kind table the public functions' and modules' signatures follow;
+- :mod:`lossspec.tuning`: :class:`Tuning`, the block and tile sizes of a call (``tuning=``), read by every backend;
 - :mod:`lossspec.causal`: the causal-LM shift (``causal_shift=True``): the rule and its checks;
 - :mod:`lossspec.sequences`: ``segment_ids`` and the per-sequence normalisations (the rule, checks, reference);
 - :mod:`lossspec.microbatches`: how a batch splits into micro-batches (uneven sizes included);
@@ -25,6 +26,7 @@ from .checks import (
     FP32_TINY,
     REDUCTION_TO_NORMALIZATION,
     ArrayMeta,
+    begin_call,
     broadcast_mask,
     class_axis_hint,
     count_shape,
@@ -78,7 +80,8 @@ from .config import (
 from .microbatches import batch_rows, check_num_microbatches, check_shifted_microbatch, microbatch_sizes
 from . import accumulation
 from .accumulation import check_accumulation
-from .kinds import KIND_SPECS, FrameworkArgs, KindSpec, public_function
+from .kinds import KIND_SPECS, KindSpec
+from .tuning import DEFAULT_TUNING, Tuning, check_tuning
 from .stats import FINAL_STAT_INDEX, FINAL_STATS, KIND_IDS, MIXTURE_STATS, ROW_STAT_INDEX, ROW_STATS, stats_used
 from .generators import SCENARIOS, Case, Reference, all_cases, make_case
 from .oracle import count_denominator, oracle, oracle_vocab_parallel, per_token_oracle, token_weights

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from . import accumulation
 from .causal import check_causal_shift, check_count_time_axis, check_loss_time_axis
 from .config import LossConfig
 from .sequences import check_segment_ids, check_sequence_time_axis
@@ -395,3 +396,14 @@ def foreign_keyword_hint(names: Any, values: dict[str, Any] | None = None) -> st
     for name in sorted(set(names) & set(RENAMED_OPTIONS)):
         hints.append(f"write {RENAMED_OPTIONS[name]}= instead of {name}=")
     return "; ".join(hints)
+
+
+def begin_call(name: str, unexpected: dict[str, Any], normalization: Any, causal_shift: Any, denominator: Any) -> None:
+    """The first step of every public loss and fused head ``name`` (both frameworks): a keyword
+    the function does not take (``unexpected``, its ``**unexpected``) is a ``TypeError`` naming the
+    argument to write instead (:func:`foreign_keyword_hint`); else the call is recorded for
+    ``accumulate(check=...)`` (:func:`lossspec.accumulation.record`)."""
+    if unexpected:
+        hint = foreign_keyword_hint(unexpected, unexpected)
+        raise TypeError(f"{name}(): got an unexpected keyword argument {next(iter(unexpected))!r}" + (f"; {hint}" if hint else ""))
+    accumulation.record(name, normalization, causal_shift, denominator)

@@ -13,7 +13,7 @@ the per-token coefficient); ``vocab_parallel`` (a framework argument) splits the
 ``V`` (Megatron's column-parallel head; docs/linear_head.md).
 
 This module is the framework-free part, written once for ``jaxloss.head`` and
-``torchloss.head``: the public signatures and docstrings (built on :data:`KIND_SPECS`), the
+``torchloss.head``: the signatures the written-out ``linear_<kind>`` follow (:func:`head_parameters`, from :data:`KIND_SPECS`), the
 shape and dtype checks with their messages, the float64 reference (the chain rule through
 :func:`lossspec.oracle`, which applies ``segment_ids`` as well), the gradient bound of the head
 and the memory plans (also of a vocabulary shard, :func:`head_plan_shard`, and of the
@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
-from . import accumulation
-from .checks import FLOAT_KIND, LOGIT_DTYPES, ArrayMeta, shape_text, foreign_keyword_hint, meta
+from .checks import FLOAT_KIND, LOGIT_DTYPES, ArrayMeta, shape_text, meta
 from .config import KINDS, check_impl
-from .kinds import ARG_DOCS, RETURNS_DOC, KIND_SPECS, FrameworkArgs, KindSpec
+from .kinds import KIND_SPECS, KindSpec
 from .oracle import oracle
 from .tolerances import GRAD_RTOL, GRAD_ULPS_16BIT, SIXTEEN_BIT, Comparison, worst_comparison, gradient_scale, ulp
 
@@ -41,55 +40,9 @@ _P = inspect.Parameter
 # The fused head covers the four original kinds; entropy / jensen_shannon heads are planned.
 LINEAR_NAMES: dict[str, str] = {kind: f"linear_{kind}" for kind in KINDS}
 
-_HEAD_ARG_DOCS: dict[str, str] = {
-    "hidden": (
-        "``[..., H]`` floating point (float32, bfloat16, float16; float64 in torch): the hidden states. "
-        "The logits ``hidden @ weight.T + bias`` are computed in fp32 (16-bit inputs: products exact, fp32 "
-        "accumulation) chunk by chunk, never as one ``[N, V]`` buffer."
-    ),
-    "weight": "``[V, H]``, the dtype of ``hidden`` (the layout of ``nn.Linear.weight`` and of a tied embedding).",
-    "labels": "``[...]`` integers, the leading shape of ``hidden``; masked tokens' labels are never read as indices.",
-    "teacher_hidden": "``[..., Ht]`` floating point, the leading shape of ``hidden``; gets no gradient.",
-    "teacher_weight": "``[V, Ht]``, the dtype of ``teacher_hidden``; gets no gradient.",
-    "bias": "``None`` or ``[V]``, the dtype of ``weight``.",
-    "teacher_bias": "``None`` or ``[V]``, the dtype of ``teacher_weight``; gets no gradient.",
-    "impl": (
-        '``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the '
-        'XLA / torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` '
-        "(torchloss). The kernels never form a ``[R, V]`` block of the logits: they compute tiles of "
-        "``hidden @ weight.T`` and fold them into the online softmax (forward) and into the gradients "
-        '(backward, recomputed). torch float64 inputs take the torch path whatever ``impl`` says.'
-    ),
-}
-
-_HEAD_RETURNS = RETURNS_DOC + (
-    "\nGradients flow to ``hidden``, ``weight`` and ``bias`` (accumulated in fp32 and rounded once to their\n"
-    "dtypes), computed in the forward pass and scaled by the upstream gradient in the backward (with\n"
-    "``recompute_logits=True``: computed in the backward)."
-)
-
-
 #: the head's arguments shared by both frameworks after ``impl`` (each framework appends its own,
-#: ``vocab_parallel``: :func:`head_framework_args`)
-HEAD_ARGS = FrameworkArgs(
-    (
-        (
-            "recompute_logits",
-            False,
-            "``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and ``bias`` "
-            "(three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the "
-            "forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice "
-            "at a time over all tokens and writes each slice of the weight gradient in the weight's dtype, so no "
-            "fp32 ``[V, H]`` accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more "
-            "matmul (two with a teacher). Same bounds either way; the XLA / torch path only.",
-        ),
-    )
-)
-
-
-def head_framework_args(own: FrameworkArgs) -> FrameworkArgs:
-    """:data:`HEAD_ARGS` followed by a framework's own head arguments ``own``."""
-    return FrameworkArgs(HEAD_ARGS.args + own.args)
+#: ``vocab_parallel``), as ``(name, default)``
+HEAD_ARGS: tuple[tuple[str, Any], ...] = (("recompute_logits", False),)
 
 
 def check_recompute_logits(recompute_logits: Any, impl: str, plain: str) -> bool:
@@ -125,10 +78,13 @@ def head_biases(spec: KindSpec) -> tuple[str, ...]:
     return ("bias",) if spec.target == "labels" else ("bias", "teacher_bias")
 
 
-def head_parameters(spec: KindSpec, extra: FrameworkArgs = FrameworkArgs(())) -> list[inspect.Parameter]:
-    """``hidden, weight, <targets>, loss_mask=None, *, <biases>=None, <options>, normalization,
+def head_parameters(spec: KindSpec, extra: tuple[tuple[str, Any], ...] = ()) -> list[inspect.Parameter]:
+    """The signature :data:`KIND_SPECS` implies for ``linear_<kind>`` (what the written-out heads of
+    ``jaxloss.head`` and ``torchloss.head`` are checked against, annotations aside):
+    ``hidden, weight, <targets>, loss_mask=None, *, <biases>=None, <options>, normalization,
     denominator, segment_ids, impl`` (the options, defaults and order of the unfused
-    ``spec.kind``), then the framework's own (``extra``: ``vocab_parallel``)."""
+    ``spec.kind``), :data:`HEAD_ARGS`, then the framework's own ``extra`` ``(name, default)``
+    (``vocab_parallel``)."""
     params = [_P("hidden", _P.POSITIONAL_OR_KEYWORD), _P("weight", _P.POSITIONAL_OR_KEYWORD)]
     params += [_P(name, _P.POSITIONAL_OR_KEYWORD) for name in head_targets(spec)]
     params.append(_P("loss_mask", _P.POSITIONAL_OR_KEYWORD, default=None))
@@ -137,47 +93,8 @@ def head_parameters(spec: KindSpec, extra: FrameworkArgs = FrameworkArgs(())) ->
     params += [_P("normalization", _P.KEYWORD_ONLY, default="valid_tokens"), _P("denominator", _P.KEYWORD_ONLY, default=None)]
     params += [_P("segment_ids", _P.KEYWORD_ONLY, default=None)]
     params.append(_P("impl", _P.KEYWORD_ONLY, default="auto"))
-    params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default, _ in extra.args]
+    params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default in HEAD_ARGS + tuple(extra)]
     return params
-
-
-def head_docstring(spec: KindSpec, extra: FrameworkArgs = FrameworkArgs(())) -> str:
-    """The docstring of ``linear_<kind>`` (the same in both frameworks)."""
-    title = f"Fused LM head + {spec.kind}: ``{spec.kind}(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits."
-    lines = [title, "", spec.title, "", f"    {spec.loss}", f"    {spec.grad}", ""]
-    if spec.target != "labels":
-        lines += ["The teacher logits are ``teacher_hidden @ teacher_weight.T + teacher_bias``.", ""]
-    lines.append("Args:")
-    names = ["hidden", "weight", *head_targets(spec), "loss_mask", *head_biases(spec), *spec.option_names, "normalization", "denominator", "segment_ids", "impl"]
-    lines += [f"  {name}: {_HEAD_ARG_DOCS.get(name) or ARG_DOCS[name]}" for name in names]
-    lines += [f"  {name}: {doc}" for name, _, doc in extra.args]
-    lines += ["", "Returns:"] + ["  " + line for line in _HEAD_RETURNS.splitlines()]
-    return "\n".join(lines) + "\n"
-
-
-def head_public_function(kind: str, impl: Callable[..., Any], module: str, extra: FrameworkArgs = FrameworkArgs(())) -> Callable[..., Any]:
-    """``linear_<kind>`` with :func:`head_parameters`' signature (plus the framework's ``extra``
-    arguments), calling ``impl(kind, **bound)``."""
-    spec = KIND_SPECS[kind]
-    name = LINEAR_NAMES[kind]
-    signature = inspect.Signature(head_parameters(spec, extra))
-
-    def loss(*args: Any, **kwargs: Any) -> Any:
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError as err:
-            hint = foreign_keyword_hint(set(kwargs) - set(signature.parameters), kwargs)
-            raise TypeError(f"{name}(): {err}" + (f"; {hint}" if hint else "")) from None
-        bound.apply_defaults()
-        arguments = bound.arguments
-        accumulation.record(name, arguments["normalization"], arguments["causal_shift"], arguments["denominator"])
-        return impl(kind, **arguments)
-
-    loss.__name__ = loss.__qualname__ = name
-    loss.__module__ = module
-    loss.__doc__ = head_docstring(spec, extra)
-    loss.__signature__ = signature  # type: ignore[attr-defined]
-    return loss
 
 
 # --------------------------------------------------------------------------------------------
@@ -502,31 +419,16 @@ def head_module_name(kind: str) -> str:
     return "Linear" + KIND_SPECS[kind].module
 
 
-def head_module_settings(kind: str, options: dict[str, Any], owner: str, extra: FrameworkArgs, impls: tuple[str, ...], plain: str) -> dict[str, Any]:
-    """A head module's settings: ``options`` over the defaults of ``kind``'s options,
-    ``normalization``, ``impl="auto"`` and the framework's ``extra`` arguments
-    (``recompute_logits``, ``vocab_parallel``), validated with the functions' own errors:
-    ``impl`` against the framework's ``impls`` (:func:`head_impl`, ``plain`` its XLA / torch
-    path) and ``recompute_logits`` against the resolved path (:func:`check_recompute_logits`)."""
+def head_module_settings(kind: str, settings: dict[str, Any], unexpected: dict[str, Any], owner: str, impls: tuple[str, ...], plain: str) -> dict[str, Any]:
+    """A head module's ``settings`` (its constructor's keyword arguments: ``kind``'s options,
+    ``normalization``, ``impl``, ``recompute_logits``, ``vocab_parallel``), validated with the
+    functions' own errors (:func:`lossspec.kinds.module_settings`; ``unexpected`` keywords are a
+    ``TypeError`` naming ``owner``): ``impl`` against the framework's ``impls``
+    (:func:`head_impl`, ``plain`` its XLA / torch path) and ``recompute_logits`` against the
+    resolved path (:func:`check_recompute_logits`)."""
     from .kinds import module_settings
 
-    with_impl = FrameworkArgs((("impl", "auto", ""),) + extra.args)
-    settings = module_settings(KIND_SPECS[kind], with_impl, options, owner)
+    settings = module_settings(KIND_SPECS[kind], settings, unexpected, owner)
     resolved = head_impl(settings["impl"], impls, plain, settings.get("vocab_parallel") is not None)
     check_recompute_logits(settings["recompute_logits"], resolved, plain)
     return settings
-
-
-def head_module_docstring(kind: str, framework: str, linear_class: str) -> str:
-    """The docstring of ``kind``'s head module in ``framework``."""
-    spec = KIND_SPECS[kind]
-    targets = ", ".join(head_targets(spec))
-    biases = ", ".join(f"{name}=None" for name in head_biases(spec))
-    options = ", ".join(f"{name}={default!r}" for name, default in spec.options)
-    return (
-        f"Module form of :func:`{framework}.{LINEAR_NAMES[kind]}` (fused LM head + {spec.kind}).\n\n"
-        f"Constructed with the keyword options ``{options}, normalization='valid_tokens'``, ``impl='auto'``,\n"
-        f"``recompute_logits=False`` and ``vocab_parallel=None`` (validated at construction); called as ``module(hidden, weight, {targets}, loss_mask=None,\n"
-        f"*, {biases}, denominator=None, segment_ids=None)``. ``weight`` (and ``teacher_weight``) may be a ``{linear_class}``: its weight\n"
-        "in the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.\n"
-    )

@@ -19,7 +19,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxloss
 import lossspec
-from jaxloss.backends import pallas as _pallas, xla as _xla
 
 KINDS = lossspec.ENTROPY_JSD_KINDS
 DTYPES = ("float32", "bfloat16")
@@ -41,17 +40,19 @@ def _call(kind: str, logits: Any, target: Any, mask: Any, **options: Any) -> jax
     return FNS[kind](logits, target, mask, **options)
 
 
-def run(case: lossspec.Case, impl: str = "xla", grad_output: Optional[np.ndarray] = None, **options: Any) -> tuple[np.ndarray, np.ndarray]:
+def run(case: lossspec.Case, impl: str = "xla", grad_output: Optional[np.ndarray] = None, tuning: Optional[lossspec.Tuning] = None,
+        **options: Any) -> tuple[np.ndarray, np.ndarray]:
     x = jnp.asarray(case.logits).astype(case.dtype)
     target = None if case.target is None else jnp.asarray(case.target).astype(case.dtype)
-    loss, vjp = jax.vjp(lambda z: _call(case.kind, z, target, case.loss_mask, impl=impl, **options), x)
+    loss, vjp = jax.vjp(lambda z: _call(case.kind, z, target, case.loss_mask, impl=impl, tuning=tuning, **options), x)
     (grad,) = vjp(jnp.ones_like(loss) if grad_output is None else jnp.asarray(grad_output, jnp.float32))
     assert loss.dtype == jnp.float32 and grad.dtype == x.dtype
     return np.asarray(loss), np.asarray(grad.astype(jnp.float32))
 
 
-def check(case: lossspec.Case, impl: str = "xla", grad_output: Optional[np.ndarray] = None, **options: Any) -> None:
-    loss, grad = run(case, impl, grad_output, **options)
+def check(case: lossspec.Case, impl: str = "xla", grad_output: Optional[np.ndarray] = None, tuning: Optional[lossspec.Tuning] = None,
+          **options: Any) -> None:
+    loss, grad = run(case, impl, grad_output, tuning, **options)
     ref_options = dict(options)
     if grad_output is not None:
         ref_options["grad_output"] = grad_output
@@ -94,14 +95,14 @@ def test_xla_beta(beta: float) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_xla_blocked_vocabulary(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_xla_blocked_vocabulary(kind: str) -> None:
     """Vocabularies above one block: online statistics, JSD's mixture pass block by block (a
     ragged last block overlapping the one before), then the gradient pass; a non-unit upstream."""
-    monkeypatch.setattr(_xla, "TUNING", _xla.XlaTuning(chunk_elements=6 * 48, max_single_block_vocab=64, vocab_block=48))
+    tuning = lossspec.Tuning(chunk_elements=6 * 48, single_block_vocab=64, vocab_block=48)
     case = _case(kind, "neg_inf", vocab=157, lead_shape=(3, 5))
     upstream = np.random.default_rng(0).uniform(0.5, 2.0, (3, 5)).astype(np.float32)
-    check(case, normalization="none", grad_output=upstream, **OPTIONS[kind])
-    check(dataclasses_replace_dtype(case, "bfloat16"), normalization="valid_tokens")
+    check(case, normalization="none", grad_output=upstream, tuning=tuning, **OPTIONS[kind])
+    check(dataclasses_replace_dtype(case, "bfloat16"), normalization="valid_tokens", tuning=tuning)
 
 
 def dataclasses_replace_dtype(case: lossspec.Case, dtype: str) -> lossspec.Case:
@@ -175,15 +176,15 @@ def test_signatures() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_pallas_matches_oracle(kind: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pallas_matches_oracle(kind: str, dtype: str) -> None:
     """Interpret mode with 2 rows x 32 columns a block: several vocabulary blocks, a ragged tail,
     a row count that is not a multiple of the row block."""
-    monkeypatch.setattr(_pallas, "TUNING", _pallas.PallasTuning(block_rows=2, block_vocab=32))
+    tuning = lossspec.Tuning(block_rows=2, vocab_block=32)
     case = _case(kind, "neg_inf", dtype, vocab=75, lead_shape=(5,))
-    check(case, "pallas", normalization="valid_tokens", **OPTIONS[kind])
-    check(case, "pallas", normalization="none", grad_output=np.linspace(0.5, 2.0, 5).astype(np.float32))
+    check(case, "pallas", normalization="valid_tokens", tuning=tuning, **OPTIONS[kind])
+    check(case, "pallas", normalization="none", grad_output=np.linspace(0.5, 2.0, 5).astype(np.float32), tuning=tuning)
     poisoned, bad = _poisoned(kind)
-    loss, grad = run(poisoned, "pallas", normalization="none")
+    loss, grad = run(poisoned, "pallas", normalization="none", tuning=tuning)
     assert np.all(np.isnan(loss[bad])) and np.all(np.isnan(grad[bad])) and np.all(grad[6] == 0.0)
 
 

@@ -171,6 +171,11 @@ def test_errors_come_before_any_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a kernel ran on bad input")
 
+    # The backends' modules are imported when first used: import them so that they can be patched
+    # whichever test ran before (run alone, this one found no jaxloss.backends.pallas).
+    import jaxloss.backends.pallas
+    import jaxloss.backends.xla
+
     monkeypatch.setattr(jaxloss.backends.xla, "fused", boom)
     monkeypatch.setattr(jaxloss.backends.pallas, "fused", boom)
     for _, kind, logits, target, mask, options in BAD_CALLS:

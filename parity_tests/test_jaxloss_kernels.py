@@ -4,7 +4,7 @@ Pallas kernels' GPU (Triton) lowering, checked without a GPU through ``jax.expor
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +31,11 @@ OPTIONS = {
 }
 
 
-def check(case: lossspec.Case, impl: str, **options: Any) -> None:
+def check(case: lossspec.Case, impl: str, tuning: Optional[lossspec.Tuning] = None, **options: Any) -> None:
     x = jnp.asarray(case.logits).astype(case.dtype)
     target = case.target if case.kind == "cross_entropy" else jnp.asarray(case.target).astype(case.dtype)
     fn = FNS[case.kind]
-    loss, vjp = jax.vjp(lambda x: fn(x, target, case.loss_mask, impl=impl, **options), x)
+    loss, vjp = jax.vjp(lambda x: fn(x, target, case.loss_mask, impl=impl, tuning=tuning, **options), x)
     (grad,) = vjp(jnp.ones_like(loss))
     ref = case.reference(**options)
     assert_close_to_oracle(
@@ -48,35 +48,34 @@ def check(case: lossspec.Case, impl: str, **options: Any) -> None:
 
 # Rows in chunks of 6 (the last chunk moved back to overlap its neighbour), vocabulary in blocks
 # of 48 (the last one overlapping too): every branch of the XLA driver on small inputs.
-SMALL_XLA = _xla.XlaTuning(chunk_elements=6 * 48, max_single_block_vocab=64, vocab_block=48)
+SMALL_XLA = lossspec.Tuning(chunk_elements=6 * 48, single_block_vocab=64, vocab_block=48)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_xla_vocabulary_blocks_and_row_chunks(kind: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_xla, "TUNING", SMALL_XLA)
+def test_xla_vocabulary_blocks_and_row_chunks(kind: str, dtype: str) -> None:
     scenarios = ("random", "confident", "huge", "neg_inf", "all_masked") if dtype == "float32" else ("confident", "huge")
     for scenario in scenarios:
         case = make_case(kind, scenario, dtype=dtype, lead_shape=(2, 7), vocab=257)
         options = {} if scenario == "neg_inf" else OPTIONS[kind]
         for normalization in ("valid_tokens", "none") if dtype == "float32" else ("none",):
-            check(case, "xla", normalization=normalization, **options)
+            check(case, "xla", SMALL_XLA, normalization=normalization, **options)
 
 
-def test_xla_single_block_row_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_xla_single_block_row_chunks() -> None:
     """Whole-row blocks, several overlapping row chunks (13 rows in chunks of 4)."""
-    monkeypatch.setattr(_xla, "TUNING", _xla.XlaTuning(chunk_elements=4 * 100))
+    tuning = lossspec.Tuning(chunk_elements=4 * 100)
     for kind, dtype in zip(KINDS, ("float32", "bfloat16", "float16", "bfloat16")):
-        check(make_case(kind, "float_weights", dtype=dtype, lead_shape=(13,), vocab=100), "xla", **OPTIONS[kind])
+        check(make_case(kind, "float_weights", dtype=dtype, lead_shape=(13,), vocab=100), "xla", tuning, **OPTIONS[kind])
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_pallas_small_blocks(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pallas_small_blocks(kind: str) -> None:
     """Row blocks of 2 and vocabulary blocks of 32: many programs, many blocks, ragged tails."""
-    monkeypatch.setattr(_pallas, "TUNING", _pallas.PallasTuning(block_rows=2, block_vocab=32))
+    tuning = lossspec.Tuning(block_rows=2, vocab_block=32)
     for dtype, scenario in (("float32", "huge"), ("bfloat16", "neg_inf")):
         case = make_case(kind, scenario, dtype=dtype, lead_shape=(7,), vocab=100)
-        check(case, "pallas", **({} if scenario == "neg_inf" else OPTIONS[kind]))
+        check(case, "pallas", tuning, **({} if scenario == "neg_inf" else OPTIONS[kind]))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -116,7 +115,7 @@ def test_unknown_kernel_mode() -> None:
 
 
 def test_block_sizes_must_be_powers_of_two() -> None:
-    tuning = _pallas.PallasTuning(block_rows=3)
+    tuning = lossspec.Tuning(block_rows=3)
     with pytest.raises(ValueError, match="block_rows must be a power of two"):
         _pallas.fused(_xla.KernelConfig("cross_entropy"), jnp.zeros((2, 8)), jnp.zeros((2,), jnp.int32), jnp.ones((2,)), tuning=tuning)
 
@@ -129,7 +128,7 @@ def test_xla_memory_is_one_logits_buffer() -> None:
     their backward's ``lax.cond`` (recompute for a non-unit upstream gradient) has its own
     logits-sized result buffer when the upstream gradient is not a compile-time 1."""
     n, vocab = 16384, 4096  # 256 MiB in fp32 (only compiled, never allocated); a row chunk is 8 MiB
-    chunk_bytes = _xla.TUNING.chunk_elements * 4
+    chunk_bytes = _xla.DEFAULTS.chunk_elements * 4
     for kind in KINDS:
         for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):
             x = jax.ShapeDtypeStruct((n, vocab), jnp.dtype(dtype))
@@ -175,7 +174,7 @@ def test_pallas_uses_64_bit_offsets_for_large_arrays(capsys: pytest.CaptureFixtu
     """Offsets are 64-bit once an operand exceeds 2**32 bytes (N * V beyond int32 elements), 32-bit
     below; the kernel never forms ``row * V`` itself."""
     cfg = _xla.KernelConfig("cross_entropy")
-    tuning = _pallas.PallasTuning(interpret=False, debug=True)
+    tuning = lossspec.Tuning(interpret=False, debug=True)
     pointers = {}
     for n in (1000, 70000):  # 1000 x 32768 bf16 = 64 MiB; 70000 x 32768 bf16 = 4.3 GiB
         x = jax.ShapeDtypeStruct((n, 32768), jnp.bfloat16)

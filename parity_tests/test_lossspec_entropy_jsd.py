@@ -208,7 +208,7 @@ def test_options() -> None:
         lossspec.make_config("entropy", temperature=0.0)
     assert lossspec.make_config("entropy", temperature=2.0).student_scale == 0.5
     spec = lossspec.KIND_SPECS["entropy"]
-    names = [p.name for p in lossspec.kinds.parameters(spec, lossspec.FrameworkArgs(()))]
+    names = [p.name for p in lossspec.kinds.parameters(spec)]
     assert names[:2] == ["logits", "loss_mask"] and "teacher_logits" not in names
-    jsd_names = [p.name for p in lossspec.kinds.parameters(lossspec.KIND_SPECS["jensen_shannon"], lossspec.FrameworkArgs(()))]
+    jsd_names = [p.name for p in lossspec.kinds.parameters(lossspec.KIND_SPECS["jensen_shannon"])]
     assert jsd_names[:4] == ["logits", "teacher_logits", "loss_mask", "beta"]

@@ -32,9 +32,7 @@ from parity_tests.support.torch_cases import TORCH_DTYPES, quiet
 import jaxloss
 import lossspec
 import torchloss
-from jaxloss.backends import pallas as _pallas, xla as _xla
 from lossspec import linear as spec_linear
-from torchloss.backends import torch as _torch
 
 from parity_tests.support import ranks
 from parity_tests.support.torch_problem import TRITON_DEVICE, device_for
@@ -128,8 +126,8 @@ def run_torch_loss(case: lossspec.Case, impl: str = "torch", grad_output: Any = 
 RUNNERS = {"xla": run_jax_loss, "torch": run_torch_loss, "pallas": run_jax_loss, "triton": run_torch_loss}
 
 
-def check(case: lossspec.Case, impl: str, grad_output: Any = None, **options: Any) -> None:
-    loss, grad = RUNNERS[impl](case, impl, grad_output, **options)
+def check(case: lossspec.Case, impl: str, grad_output: Any = None, tuning: Optional[lossspec.Tuning] = None, **options: Any) -> None:
+    loss, grad = RUNNERS[impl](case, impl, grad_output, tuning=tuning, **options)
     ref = _reference(case, grad_output, options)
     lossspec.assert_close_to_oracle(loss, grad, ref.loss, ref.grad, dtype=case.dtype, g0=ref.g0, what=f"{impl} {case.name} {options}")
 
@@ -307,28 +305,27 @@ def test_saturated_slope(impl: str, kind: str) -> None:
 
 @pytest.mark.parametrize("impl", ("pallas", "triton"))
 @pytest.mark.parametrize("kind", ("cross_entropy", "reverse_kl", "entropy"))
-def test_saturated_slope_kernels(impl: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_saturated_slope_kernels(impl: str, kind: str) -> None:
     """:func:`test_saturated_slope` on the interpreted kernels, rows over several blocks."""
-    from torchloss.backends import triton as _triton
-
-    monkeypatch.setattr(_pallas, "TUNING", _pallas.PallasTuning(block_rows=2, block_vocab=16))
-    monkeypatch.setattr(_triton, "MAX_BLOCK_V", 16)
+    tuning = lossspec.Tuning(block_rows=2, vocab_block=16)  # Triton reads only vocab_block
     for case, options in saturated_cases(kind, vocab=40, rows=2):
-        check(case, impl, **options)
+        check(case, impl, tuning=tuning, **options)
 
 
 @_params("impl,kind", [(i, k) for i in IMPLS for k in KINDS], fast=lambda impl, kind: impl == "torch")
-def test_blocked_rows_and_16bit_upstream(impl: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_blocked_rows_and_16bit_upstream(impl: str, kind: str) -> None:
     """Rows longer than one vocabulary block (online statistics over capped blocks, the label's
     logit gathered raw and capped at the end), and the 16-bit recompute for a non-unit
-    per-token upstream gradient."""
-    monkeypatch.setattr(_xla, "TUNING", _xla.XlaTuning(chunk_elements=64, max_single_block_vocab=16, vocab_block=16))
-    monkeypatch.setattr(_torch, "MAX_VOCAB_BLOCK", 24)
+    per-token upstream gradient. (The kernels keep their own blocks here.)"""
+    tuning = {
+        "xla": lossspec.Tuning(chunk_elements=64, single_block_vocab=16, vocab_block=16),
+        "torch": lossspec.Tuning(vocab_block=24),
+    }.get(impl)
     upstream = np.random.default_rng(0).uniform(0.5, 2.0, (3, 5)).astype(np.float32)
     for dtype in DTYPES:
         case = _case(kind, "neg_inf", dtype, vocab=101, lead_shape=(3, 5))
-        check(case, impl, grad_output=upstream, normalization="none", **softcap_options(kind))
-        check(case, impl, normalization="valid_tokens", **softcap_options(kind))
+        check(case, impl, grad_output=upstream, normalization="none", tuning=tuning, **softcap_options(kind))
+        check(case, impl, normalization="valid_tokens", tuning=tuning, **softcap_options(kind))
 
 
 def _poisoned(kind: str) -> tuple[lossspec.Case, list[int]]:
@@ -507,7 +504,8 @@ def test_saturated_slope_fused_head_kernels(impl: str, kind: str) -> None:
 VP_LEAD = (4, 6)
 
 
-def _jax_vp(case: lossspec.Case, shards: int, impl: str, norm: str, options: dict[str, Any], upstream: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _jax_vp(case: lossspec.Case, shards: int, impl: str, norm: str, options: dict[str, Any], upstream: np.ndarray,
+            tuning: Optional[lossspec.Tuning] = None) -> tuple[np.ndarray, np.ndarray]:
     kind = case.kind
     fn = getattr(jaxloss, kind)
     logits = jnp.asarray(case.logits).astype(case.dtype)
@@ -522,7 +520,7 @@ def _jax_vp(case: lossspec.Case, shards: int, impl: str, norm: str, options: dic
     def body(x, t, m, up):
         def objective(x):
             args = () if kind == "entropy" else (t,)
-            loss = fn(x, *args, m, normalization=norm, vocab_parallel="model", impl=impl, **options)
+            loss = fn(x, *args, m, normalization=norm, vocab_parallel="model", impl=impl, tuning=tuning, **options)
             return (jnp.sum(loss * up) if norm == "none" else loss * up[0, 0]), loss
 
         (_, loss), grad = jax.value_and_grad(objective, has_aux=True)(x)
@@ -535,11 +533,11 @@ def _jax_vp(case: lossspec.Case, shards: int, impl: str, norm: str, options: dic
     return np.asarray(loss, np.float64), np.asarray(jnp.asarray(grad, jnp.float32), np.float64)
 
 
-def _check_jax_vp(kind: str, impl: str, dtype: str, norm: str) -> None:
+def _check_jax_vp(kind: str, impl: str, dtype: str, norm: str, tuning: Optional[lossspec.Tuning] = None) -> None:
     case = _case(kind, "neg_inf", dtype, vocab=100, lead_shape=VP_LEAD, seed=7)
     upstream = np.random.default_rng(3).uniform(0.5, 2.0, VP_LEAD).astype(np.float32)
     options = softcap_options(kind)
-    loss, grad = _jax_vp(case, 2, impl, norm, options, upstream)
+    loss, grad = _jax_vp(case, 2, impl, norm, options, upstream, tuning)
     grad_output = upstream if norm == "none" else upstream[0, 0]
     ref = _reference(case, grad_output, dict(options, normalization=norm))
     lossspec.assert_close_to_oracle(loss, grad, ref.loss, ref.grad, dtype=dtype, g0=ref.g0, what=f"jax vp {impl} {case.name} {norm}")
@@ -572,29 +570,27 @@ def test_jax_vocab_parallel_saturated() -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_pallas_matches_oracle(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_pallas, "TUNING", _pallas.PallasTuning(block_rows=2, block_vocab=32))
+def test_pallas_matches_oracle(kind: str) -> None:
+    tuning = lossspec.Tuning(block_rows=2, vocab_block=32)
     upstream = np.linspace(0.5, 2.0, 5).astype(np.float32)
     for dtype in DTYPES:
         case = _case(kind, "neg_inf", dtype, vocab=75, lead_shape=(5,))
-        check(case, "pallas", normalization="valid_tokens", **softcap_options(kind))
-        check(case, "pallas", grad_output=upstream, normalization="none", **softcap_options(kind))
-    _check_jax_vp(kind, "pallas", "float32", "valid_tokens")
+        check(case, "pallas", normalization="valid_tokens", tuning=tuning, **softcap_options(kind))
+        check(case, "pallas", grad_output=upstream, normalization="none", tuning=tuning, **softcap_options(kind))
+    _check_jax_vp(kind, "pallas", "float32", "valid_tokens", tuning)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_triton_matches_oracle(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchloss.backends import triton as _triton
-
-    monkeypatch.setattr(_triton, "MAX_BLOCK_V", 32)  # several blocks and a ragged tail
+def test_triton_matches_oracle(kind: str) -> None:
+    tuning = lossspec.Tuning(vocab_block=32)  # several blocks and a ragged tail
     upstream = np.linspace(0.5, 2.0, 6).astype(np.float32)  # the 16-bit regrad kernel
     for dtype in DTYPES:
         case = _case(kind, "neg_inf", dtype, vocab=75, lead_shape=(6,))
-        check(case, "triton", normalization="valid_tokens", **softcap_options(kind))
-        check(case, "triton", grad_output=upstream, normalization="none", **softcap_options(kind))
-    check(_scaled(_case(kind, "random", vocab=75, lead_shape=(6,)), 4.0), "triton", logit_softcap=30.0)
+        check(case, "triton", normalization="valid_tokens", tuning=tuning, **softcap_options(kind))
+        check(case, "triton", grad_output=upstream, normalization="none", tuning=tuning, **softcap_options(kind))
+    check(_scaled(_case(kind, "random", vocab=75, lead_shape=(6,)), 4.0), "triton", logit_softcap=30.0, tuning=tuning)
     case, bad = _poisoned(kind)
-    loss, grad = run_torch_loss(case, "triton", None, normalization="none", **softcap_options(kind))
+    loss, grad = run_torch_loss(case, "triton", None, normalization="none", tuning=tuning, **softcap_options(kind))
     assert np.all(np.isnan(loss[bad])) and np.all(np.isnan(grad[bad])) and np.all(grad[6] == 0.0) and grad[7, 3] == 0.0
 
 

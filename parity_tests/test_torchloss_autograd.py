@@ -42,13 +42,11 @@ def _target(kind: str, rows: int, vocab: int, dtype: torch.dtype, seed: int = 0)
 @pytest.mark.parametrize("blocked", [False, True], ids=["whole-rows", "vocab-blocks"])
 @pytest.mark.parametrize("normalization", lossspec.NORMALIZATIONS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_gradcheck(monkeypatch: pytest.MonkeyPatch, kind: str, normalization: str, blocked: bool) -> None:
+def test_gradcheck(kind: str, normalization: str, blocked: bool) -> None:
     """The analytic gradient of the forward equals finite differences of the loss (float64 is
     computed in float64), for every kind and normalisation, with float weights and options; also
     through the blocked (two-pass, vocab-parallel algebra) path."""
-    if blocked:
-        monkeypatch.setattr(_torch, "MAX_VOCAB_BLOCK", 3)
-        monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 6)
+    tuning = lossspec.Tuning(vocab_block=3, cpu_tile_elements=6) if blocked else None
     gen = torch.Generator().manual_seed(1)
     logits = (torch.randn(4, 7, generator=gen, dtype=torch.float64) * 2).requires_grad_()
     target = _target(kind, 4, 7, torch.float64)
@@ -56,7 +54,7 @@ def test_gradcheck(monkeypatch: pytest.MonkeyPatch, kind: str, normalization: st
     fn = FUNCTIONS[kind]
 
     def loss(x: torch.Tensor) -> torch.Tensor:
-        return fn(x, target, weights, normalization=normalization, impl="torch", **OPTIONS[kind])
+        return fn(x, target, weights, normalization=normalization, impl="torch", tuning=tuning, **OPTIONS[kind])
 
     assert loss(logits).dtype == torch.float64
     assert torch.autograd.gradcheck(loss, (logits,))
@@ -486,15 +484,14 @@ def test_triton_interpreter_setup() -> None:
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
-def test_scale_rows_matches_a_single_rounding(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+def test_scale_rows_matches_a_single_rounding(dtype: torch.dtype) -> None:
     """The tiled per-row scaling of the backward ("none") is bit-identical to ``grad.mul_(factor)``
     (multiply in fp32, round once), on the worker threads too."""
-    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 64)
     gen = torch.Generator().manual_seed(3)
     grad = torch.randn(37, 29, generator=gen).to(dtype)
     factor = torch.randn(37, 1, generator=gen)
     expected = grad.clone().mul_(factor)
-    assert torch.equal(_cpu.scale_rows_(grad, factor), expected)
+    assert torch.equal(_cpu.scale_rows_(grad, factor, lossspec.Tuning(cpu_tile_elements=64)), expected)
 
 
 def test_reverse_kl_pivot_on_ties_matches_the_oracle() -> None:
@@ -510,12 +507,7 @@ def test_reverse_kl_pivot_on_ties_matches_the_oracle() -> None:
     ref_loss, ref_grad = lossspec.oracle("reverse_kl", x.numpy(), t.numpy())
     g0 = 1.0 / 4
     for block in (50, 25):
-        old = _torch.MAX_VOCAB_BLOCK
-        _torch.MAX_VOCAB_BLOCK = block
-        try:
-            xx = x.clone().requires_grad_(True)
-            loss = torchloss.reverse_kl(xx, t, impl="torch")
-            loss.backward()
-        finally:
-            _torch.MAX_VOCAB_BLOCK = old
+        xx = x.clone().requires_grad_(True)
+        loss = torchloss.reverse_kl(xx, t, impl="torch", tuning=lossspec.Tuning(vocab_block=block))
+        loss.backward()
         lossspec.assert_close_to_oracle(loss.item(), xx.grad.numpy(), ref_loss, ref_grad, dtype="float32", g0=g0)

@@ -17,7 +17,7 @@ import itertools
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -26,7 +26,6 @@ from parity_tests.support.torch_cases import TORCH_DTYPES, quiet
 
 import lossspec
 import torchloss
-from torchloss.backends import torch as _torch
 
 from parity_tests.support import ranks
 from parity_tests.support.torch_problem import TRITON_DEVICE, device_for
@@ -49,7 +48,8 @@ def _call(kind: str, logits: Any, target: Any, mask: Any, **options: Any) -> tor
     return fn(logits, mask, **options) if kind == "entropy" else fn(logits, target, mask, **options)
 
 
-def run(case: lossspec.Case, impl: str = "torch", grad_output: Any = None, **options: Any) -> tuple[np.ndarray, np.ndarray]:
+def run(case: lossspec.Case, impl: str = "torch", grad_output: Any = None, tuning: Optional[lossspec.Tuning] = None,
+        **options: Any) -> tuple[np.ndarray, np.ndarray]:
     """Inputs made on the host; impl="triton" runs on ``TRITON_DEVICE`` (compiled kernels on
     CUDA, else the interpreter on the CPU), the torch path on the CPU; results back on the host."""
     device = device_for(impl)
@@ -58,7 +58,7 @@ def run(case: lossspec.Case, impl: str = "torch", grad_output: Any = None, **opt
     target = None if case.target is None else torch.from_numpy(case.target).to(dtype).to(device)
     mask = None if case.loss_mask is None else torch.from_numpy(np.array(case.loss_mask)).to(device)
     with quiet():
-        loss = _call(case.kind, logits, target, mask, impl=impl, **options)
+        loss = _call(case.kind, logits, target, mask, impl=impl, tuning=tuning, **options)
         assert loss.dtype == torch.float32
         upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(grad_output, dtype=loss.dtype).to(device)
         loss.backward(upstream.expand_as(loss))
@@ -66,12 +66,12 @@ def run(case: lossspec.Case, impl: str = "torch", grad_output: Any = None, **opt
     return loss.detach().cpu().double().numpy(), logits.grad.cpu().double().numpy()
 
 
-def check(case: lossspec.Case, impl: str = "torch", grad_output: Any = None, **options: Any) -> None:
+def check(case: lossspec.Case, impl: str = "torch", grad_output: Any = None, tuning: Optional[lossspec.Tuning] = None, **options: Any) -> None:
     ref_options = dict(options)
     if grad_output is not None:
         ref_options["grad_output"] = np.asarray(grad_output, np.float64)
     ref = case.reference(**ref_options)
-    loss, grad = run(case, impl, grad_output, **options)
+    loss, grad = run(case, impl, grad_output, tuning, **options)
     lossspec.assert_close_to_oracle(loss, grad, ref.loss, ref.grad, dtype=case.dtype, g0=ref.g0, what=f"{impl} {case.name} {options}")
 
 
@@ -107,15 +107,15 @@ def test_torch_beta(beta: float) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_torch_multi_block_rows(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_multi_block_rows(kind: str) -> None:
     """Rows longer than one block (two passes; three for the JSD), a 16-bit recompute for a
     non-unit per-token upstream gradient, and fp64 logits (computed in fp64)."""
-    monkeypatch.setattr(_torch, "MAX_VOCAB_BLOCK", 24)
+    tuning = lossspec.Tuning(vocab_block=24)
     upstream = np.random.default_rng(0).uniform(0.5, 2.0, (3, 5)).astype(np.float32)
     for dtype in ("float32", "bfloat16"):
         case = _case(kind, "neg_inf", dtype, vocab=101, lead_shape=(3, 5))
-        check(case, normalization="none", grad_output=upstream, **OPTIONS[kind])
-        check(case, normalization="tokens")
+        check(case, normalization="none", grad_output=upstream, tuning=tuning, **OPTIONS[kind])
+        check(case, normalization="tokens", tuning=tuning)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -199,14 +199,12 @@ def test_torch_compile(kind: str) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_triton_matches_oracle(kind: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchloss.backends import triton as _triton
-
-    monkeypatch.setattr(_triton, "MAX_BLOCK_V", 32)  # several blocks and a ragged tail
+def test_triton_matches_oracle(kind: str, dtype: str) -> None:
+    tuning = lossspec.Tuning(vocab_block=32)  # several blocks and a ragged tail
     for scenario, norm in (("neg_inf", "valid_tokens"), ("huge", "none"), ("float_weights", "sum")):
-        check(_case(kind, scenario, dtype, vocab=75, lead_shape=(6,)), "triton", normalization=norm, **OPTIONS[kind])
+        check(_case(kind, scenario, dtype, vocab=75, lead_shape=(6,)), "triton", normalization=norm, tuning=tuning, **OPTIONS[kind])
     upstream = np.linspace(0.5, 2.0, 6).astype(np.float32)  # the 16-bit regrad kernel
-    check(_case(kind, "random", dtype, vocab=75, lead_shape=(6,)), "triton", grad_output=upstream, normalization="none")
+    check(_case(kind, "random", dtype, vocab=75, lead_shape=(6,)), "triton", grad_output=upstream, normalization="none", tuning=tuning)
 
 
 @pytest.mark.parametrize("kind", KINDS)

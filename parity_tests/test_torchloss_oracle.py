@@ -19,7 +19,7 @@ from parity_tests.support.torch_cases import DTYPES, IMPLS, FUNCTIONS, check, de
 
 import lossspec
 from torchloss import _block
-from torchloss.backends import cpu_tiles as _cpu, torch as _torch
+from torchloss.backends import cpu_tiles as _cpu
 
 KINDS = lossspec.KINDS
 SCENARIOS = lossspec.SCENARIOS
@@ -243,30 +243,29 @@ BLOCK_OPTIONS = {
 
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
 @pytest.mark.parametrize("kind", KINDS)
-def test_torch_path_vocab_blocks(monkeypatch: pytest.MonkeyPatch, kind: str, dtype: str) -> None:
+def test_torch_path_vocab_blocks(kind: str, dtype: str) -> None:
     """Rows longer than one vocabulary block: statistics combined block by block (the algebra of
     vocab-parallel), the gradient recomputed in a second pass; ragged last block; several row
     tiles with a ragged last tile."""
-    monkeypatch.setattr(_torch, "MAX_VOCAB_BLOCK", 64)
-    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 4 * 64)
+    tuning = lossspec.Tuning(vocab_block=64, cpu_tile_elements=4 * 64)
     options = BLOCK_OPTIONS[kind]
     for scenario in ("random", "huge", "neg_inf", "confident"):
-        check(_case(kind, scenario, dtype, vocab=257, lead_shape=(9,)), "torch", **options)
-    check(_padded_case(kind, dtype), "torch", normalization="none")
+        check(_case(kind, scenario, dtype, vocab=257, lead_shape=(9,)), "torch", tuning=tuning, **options)
+    check(_padded_case(kind, dtype), "torch", normalization="none", tuning=tuning)
     if kind == "cross_entropy":
-        check(_padded_case(kind, dtype), "torch", z_loss=1e-3)
+        check(_padded_case(kind, dtype), "torch", z_loss=1e-3, tuning=tuning)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_torch_path_row_tiles(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+def test_torch_path_row_tiles(kind: str) -> None:
     # 3 rows of 100 a tile for every kind (kinds with 4 buffers take half tiles), ragged last tile
-    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 300 if _block.buffers_needed(kind) < 4 else 600)
+    tuning = lossspec.Tuning(cpu_tile_elements=300 if _block.buffers_needed(kind) < 4 else 600)
     upstream = np.random.default_rng(3).uniform(-3, 3, size=(3, 5)).astype(np.float32)
     for dtype in DTYPES:
         case = _case(kind, "float_weights", dtype, vocab=100, lead_shape=(3, 5))
-        check(case, "torch", **BLOCK_OPTIONS[kind])
+        check(case, "torch", tuning=tuning, **BLOCK_OPTIONS[kind])
         # Per-token upstream gradients: scaled (fp32) or recomputed (16-bit) tile by tile too.
-        check(case, "torch", normalization="none", grad_output=upstream, **BLOCK_OPTIONS[kind])
+        check(case, "torch", normalization="none", grad_output=upstream, tuning=tuning, **BLOCK_OPTIONS[kind])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -277,27 +276,25 @@ def test_torch_path_compact_tiles(monkeypatch: pytest.MonkeyPatch, kind: str) ->
     tiles: list = []
     plan = _cpu.compact_tiles
     monkeypatch.setattr(_cpu, "compact_tiles", lambda *args: tiles.append(plan(*args)) or tiles[-1])
-    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 400 if _block.buffers_needed(kind) < 4 else 800)  # 4 valid rows of 100 a tile
+    tuning = lossspec.Tuning(cpu_tile_elements=400 if _block.buffers_needed(kind) < 4 else 800)  # 4 valid rows of 100 a tile
     for dtype in ("bfloat16", "float16"):
         for scenario in ("random", "heavy_mask", "float_weights", "all_masked"):
             case = _case(kind, scenario, dtype, vocab=100, lead_shape=(3, 7))
-            check(case, "torch", **BLOCK_OPTIONS[kind])
-            check(case, "torch", normalization="none")
+            check(case, "torch", tuning=tuning, **BLOCK_OPTIONS[kind])
+            check(case, "torch", normalization="none", tuning=tuning)
     compact = [t for t in tiles if t is not None]  # None: too few masked rows, dense tiles
     assert len(compact) >= 8 and max(len(t) for t in compact) >= 3
     assert any(r0 < a for t in compact for r0, _, (runs, _, _) in t for a, _ in runs[:1])  # masked rows skipped
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_triton_vocab_blocks(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+def test_triton_vocab_blocks(kind: str) -> None:
     """Several loop iterations over vocabulary blocks of 64 with a ragged tail (online softmax)."""
-    from torchloss.backends import triton as _triton
-
-    monkeypatch.setattr(_triton, "MAX_BLOCK_V", 64)
+    tuning = lossspec.Tuning(vocab_block=64)
     options = BLOCK_OPTIONS[kind]
-    check(_case(kind, "random", "bfloat16", vocab=257, lead_shape=(6,)), "triton", **options)
-    check(_case(kind, "huge", "float32", vocab=257, lead_shape=(6,)), "triton", **options)
-    check(_padded_case(kind, "float16"), "triton", normalization="none")
+    check(_case(kind, "random", "bfloat16", vocab=257, lead_shape=(6,)), "triton", tuning=tuning, **options)
+    check(_case(kind, "huge", "float32", vocab=257, lead_shape=(6,)), "triton", tuning=tuning, **options)
+    check(_padded_case(kind, "float16"), "triton", normalization="none", tuning=tuning)
 
 
 # --------------------------------------------------------------------------------------------

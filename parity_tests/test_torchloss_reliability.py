@@ -145,15 +145,13 @@ def test_the_worker_pool_changes_no_process_wide_setting() -> None:
     before = torch.get_num_threads()
     x = torch.randn(64, 8192, requires_grad=True)
     labels = torch.randint(0, 8192, (64,))
-    old_tile = _cpu.TILE_ELEMENTS
-    _cpu.TILE_ELEMENTS = 8192 * 4  # several tiles: the pool is used
+    tuning = lossspec.Tuning(cpu_tile_elements=8192 * 4)  # several tiles: the pool is used
     try:
         for threads in (2, 8, 32):
             torch.set_num_threads(threads)
-            torchloss.cross_entropy(x, labels, impl="torch").backward()
+            torchloss.cross_entropy(x, labels, impl="torch", tuning=tuning).backward()
             assert torch.get_num_threads() == threads
     finally:
-        _cpu.TILE_ELEMENTS = old_tile
         torch.set_num_threads(before)
     assert _cpu.worker_count(torch.device("cpu"), 100) > 1 or _cpu.MAX_WORKERS == 1  # the pool is in use
     assert _new_thread_num_threads() == before

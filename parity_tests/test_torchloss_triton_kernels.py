@@ -2,7 +2,7 @@
 tensors, where CUDA is available; else through the Triton interpreter on CPU tensors
 (``torch_problem.TRITON_DEVICE``). Inputs are made on the host either way.
 
-Small shapes (V <= ~300, N <= 16) with ``MAX_BLOCK_V`` lowered to 64, so that every row takes
+Small shapes (V <= ~300, N <= 16) with ``tuning=lossspec.Tuning(vocab_block=64)``, so that every row takes
 several vocabulary blocks and a ragged tail: the online statistics, the reverse-KL pivot and the
 masked tail are exercised as on a GPU with a 128k vocabulary. The kernels are called directly
 (``forward``, ``regrad_``, ``shard_stats``) and through ``torchloss.<kind>(..., impl="triton")``.
@@ -34,10 +34,8 @@ OPTIONS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """64-column blocks: V = 150 is two full blocks and a ragged tail of 22."""
-    monkeypatch.setattr(_triton, "MAX_BLOCK_V", 64)
+# 64-column blocks: V = 150 is two full blocks and a ragged tail of 22.
+SMALL_BLOCKS = lossspec.Tuning(vocab_block=64)
 
 
 def _tensors(case: lossspec.Case, config: lossspec.LossConfig, **options):
@@ -84,7 +82,7 @@ def test_forward_scenarios(kind: str, scenario: str, dtype: str) -> None:
     case = lossspec.make_case(kind, scenario, lead_shape=(12,), vocab=150, dtype=dtype, seed=3)
     config = lossspec.make_config(kind)
     x, target, coef = _tensors(case, config)
-    loss, grad = _triton.forward(config, x, target, coef)
+    loss, grad = _triton.forward(config, x, target, coef, tuning=SMALL_BLOCKS)
     assert loss.dtype == torch.float32 and grad is not None and grad.dtype == x.dtype
     ref = case.reference()
     lossspec.assert_close_to_oracle(_reduced_loss(loss, coef), _numpy(grad), ref.loss, ref.grad, dtype=dtype,
@@ -104,7 +102,7 @@ def test_forward_options(kind: str, scenario: str, dtype: str) -> None:
     case = lossspec.make_case(kind, scenario, lead_shape=(10,), vocab=150, dtype=dtype, seed=5)
     config = lossspec.make_config(kind, **options)
     x, target, coef = _tensors(case, config)
-    loss, grad = _triton.forward(config, x, target, coef)
+    loss, grad = _triton.forward(config, x, target, coef, tuning=SMALL_BLOCKS)
     ref = case.reference(**options)
     lossspec.assert_close_to_oracle(_reduced_loss(loss, coef), _numpy(grad), ref.loss, ref.grad, dtype=dtype,
                                     g0=ref.g0, what=f"{case.name} {options}")
@@ -117,11 +115,11 @@ def test_forward_without_grad_and_in_place(kind: str) -> None:
     case = lossspec.make_case(kind, "random", lead_shape=(8,), vocab=150, dtype="bfloat16", seed=1)
     config = lossspec.make_config(kind)
     x, target, coef = _tensors(case, config)
-    loss, grad = _triton.forward(config, x, target, coef)
-    loss2, none = _triton.forward(config, x, target, coef, need_grad=False)
+    loss, grad = _triton.forward(config, x, target, coef, tuning=SMALL_BLOCKS)
+    loss2, none = _triton.forward(config, x, target, coef, need_grad=False, tuning=SMALL_BLOCKS)
     assert none is None and torch.equal(loss, loss2)
     buf = x.clone()
-    loss3, grad3 = _triton.forward(config, buf, target, coef, out=buf)
+    loss3, grad3 = _triton.forward(config, buf, target, coef, out=buf, tuning=SMALL_BLOCKS)
     assert grad3 is buf and torch.equal(loss3, loss) and torch.equal(buf, grad)
 
 
@@ -136,7 +134,7 @@ def test_float64_logits_compute_in_float64() -> None:
         target = target if kind == "cross_entropy" else target.double()
         _, weight = lossspec.token_weights(config, case.target if kind == "cross_entropy" else None, case.loss_mask, (6,))
         coef = torch.tensor(weight / weight.sum(), dtype=torch.float64).to(DEVICE)  # exact, not via fp32
-        loss, grad = _triton.forward(config, x, target, coef)
+        loss, grad = _triton.forward(config, x, target, coef, tuning=SMALL_BLOCKS)
         assert loss.dtype == torch.float64 and grad is not None and grad.dtype == torch.float64
         options = OPTIONS[kind][1] if kind != "cross_entropy" else {}
         ref = case.reference(**options)
@@ -145,10 +143,10 @@ def test_float64_logits_compute_in_float64() -> None:
 
 
 @pytest.mark.slow
-def test_gradcheck_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gradcheck_float64() -> None:
     """The analytic gradient of the fp64 kernels agrees with finite differences (public API;
     blocks of 8 columns: two blocks and a tail of 4)."""
-    monkeypatch.setattr(_triton, "MAX_BLOCK_V", 8)
+    tuning = lossspec.Tuning(vocab_block=8)
     torch.manual_seed(0)
     for kind, options in (("cross_entropy", {"label_smoothing": 0.2, "z_loss": 0.01}), ("reverse_kl", {"temperature": 1.5})):
         # Drawn on the host (the same numbers on every machine), then moved.
@@ -156,7 +154,7 @@ def test_gradcheck_float64(monkeypatch: pytest.MonkeyPatch) -> None:
         target = torch.tensor([0, 11]) if kind == "cross_entropy" else torch.randn(2, 12, dtype=torch.float64)
         target = target.to(DEVICE)
         fn = getattr(torchloss, kind)
-        assert torch.autograd.gradcheck(lambda z: fn(z, target, impl="triton", **options), (x,), eps=1e-6, atol=1e-7)
+        assert torch.autograd.gradcheck(lambda z: fn(z, target, impl="triton", tuning=tuning, **options), (x,), eps=1e-6, atol=1e-7)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -182,21 +180,21 @@ def _tie_case(scale: float, dtype: str = "float32", vocab: int = 150, rows: int 
 
 @pytest.mark.parametrize("block", [16, 64, 256])
 @pytest.mark.parametrize("scale", [2.0, 1e3])
-def test_reverse_kl_pivot_on_ties(monkeypatch: pytest.MonkeyPatch, block: int, scale: float) -> None:
+def test_reverse_kl_pivot_on_ties(block: int, scale: float) -> None:
     """tau is the teacher logit at the first column where the student ties its maximum,
     whatever the blocks; the loss and gradient match the oracle (huge logits included)."""
-    monkeypatch.setattr(_triton, "MAX_BLOCK_V", block)
+    tuning = lossspec.Tuning(vocab_block=block)
     x_np, t_np = _tie_case(scale)
     config = lossspec.make_config("reverse_kl")
     x, t = torch.tensor(x_np).to(DEVICE), torch.tensor(t_np).to(DEVICE)
     coef = torch.full((x.shape[0],), 1.0 / x.shape[0], device=DEVICE)
-    stats = _triton.shard_stats(config, x, t, coef, 0)
+    stats = _triton.shard_stats(config, x, t, coef, 0, tuning)
     at_max = x_np == x_np.max(axis=1, keepdims=True)
     assert (at_max.sum(axis=1) >= 2).all()
     expected_tau = t_np[np.arange(x_np.shape[0]), np.argmax(x_np, axis=1)]  # the first tying column
     np.testing.assert_array_equal(stats.tau.cpu().numpy(), expected_tau.astype(np.float32))
     np.testing.assert_array_equal(stats.m.cpu().numpy(), x_np.max(axis=1).astype(np.float32))
-    loss, grad = _triton.forward(config, x, t, coef)
+    loss, grad = _triton.forward(config, x, t, coef, tuning=tuning)
     ref_loss, ref_grad = lossspec.oracle("reverse_kl", x_np, t_np)
     g0 = 1.0 / x.shape[0]
     lossspec.assert_close_to_oracle(_reduced_loss(loss, coef), _numpy(grad), ref_loss, ref_grad, dtype="float32", g0=g0)
@@ -208,10 +206,10 @@ def test_reverse_kl_pivot_matches_lossspec_combine() -> None:
     config = lossspec.make_config("reverse_kl")
     x, t = torch.tensor(x_np).to(DEVICE), torch.tensor(t_np).to(DEVICE)
     coef = torch.ones(x.shape[0], device=DEVICE)
-    whole = _triton.shard_stats(config, x, t, coef, 0)
+    whole = _triton.shard_stats(config, x, t, coef, 0, SMALL_BLOCKS)
     acc = _block.empty_stats(config, x.shape[0], torch.float32, x.device)
     for v0 in range(0, x.shape[1], 32):
-        part = _triton.shard_stats(config, x[:, v0:v0 + 32].contiguous(), t[:, v0:v0 + 32].contiguous(), coef, v0)
+        part = _triton.shard_stats(config, x[:, v0:v0 + 32].contiguous(), t[:, v0:v0 + 32].contiguous(), coef, v0, SMALL_BLOCKS)
         acc = _block.combine(config, acc, part)
     torch.testing.assert_close(acc.tau, whole.tau, rtol=0, atol=0)
     torch.testing.assert_close(acc.m, whole.m, rtol=0, atol=0)
@@ -243,7 +241,7 @@ def test_all_neg_inf_leading_block(kind: str, dtype: str) -> None:
     case = lossspec.Case(kind, "padded", dtype, logits, target, case.loss_mask)
     config = lossspec.make_config(kind)
     x, tgt, coef = _tensors(case, config)
-    loss, grad = _triton.forward(config, x, tgt, coef)
+    loss, grad = _triton.forward(config, x, tgt, coef, tuning=SMALL_BLOCKS)
     ref = case.reference()
     lossspec.assert_close_to_oracle(_reduced_loss(loss, coef), _numpy(grad), ref.loss, ref.grad, dtype=dtype, g0=ref.g0)
     assert torch.all(grad[:, :70] == 0) and torch.all(grad[:, 145:] == 0)
@@ -277,7 +275,7 @@ def test_nan_and_inf_rows(kind: str, dtype: str) -> None:
     case, bad = _bad_rows_case(kind, dtype)
     config = lossspec.make_config(kind)
     x, target, coef = _tensors(case, config)
-    loss, grad = _triton.forward(config, x, target, coef)
+    loss, grad = _triton.forward(config, x, target, coef, tuning=SMALL_BLOCKS)
     good = [r for r in range(8) if r not in bad and r != 6]
     for r in bad:
         assert torch.isnan(loss[r]), r
@@ -291,12 +289,12 @@ def test_nan_and_inf_rows(kind: str, dtype: str) -> None:
     lossspec.compare_loss(_numpy(loss)[good], ref_l[good]).check()
     lossspec.compare_grad(_numpy(grad)[good], ref_grad[good], dtype, g0).check()
 
-    stats = _triton.shard_stats(config, x, target, coef, 0)
+    stats = _triton.shard_stats(config, x, target, coef, 0, SMALL_BLOCKS)
     assert torch.isnan(stats.s[bad]).all() and not torch.isnan(stats.s[good]).any()
     assert stats.s[6] == 0 and stats.m[6] == float("-inf")  # masked: empty statistics
     fin = _block.finalize(config, stats, x.shape[1])
     out = torch.empty_like(x)
-    _triton.shard_grad(config, fin, x, target, coef, 0, x.shape[1], out)
+    _triton.shard_grad(config, fin, x, target, coef, 0, x.shape[1], out, SMALL_BLOCKS)
     for r in bad:
         assert torch.isnan(out[r]).all(), r
     assert torch.all(out[6] == 0)
@@ -309,7 +307,7 @@ def test_nan_rows_public_api(kind: str) -> None:
     case, bad = _bad_rows_case(kind, "float32")
     x = torch.tensor(case.logits).to(DEVICE).requires_grad_()
     target = torch.tensor(case.target).to(DEVICE)
-    loss = getattr(torchloss, kind)(x, target, torch.tensor(case.loss_mask).to(DEVICE), normalization="none", impl="triton")
+    loss = getattr(torchloss, kind)(x, target, torch.tensor(case.loss_mask).to(DEVICE), normalization="none", impl="triton", tuning=SMALL_BLOCKS)
     loss.sum().backward()
     assert torch.isnan(loss[bad]).all() and loss[6] == 0
     assert torch.isnan(x.grad[bad]).all() and torch.all(x.grad[6] == 0)
@@ -333,7 +331,7 @@ def test_regrad_per_token_upstream(kind: str, dtype: str) -> None:
     upstream = torch.tensor([0.37, 1.0, -2.5, 3.0, 1.0, 1e-3, 0.0, 7.25, 1.0, -0.5, 2.0, 0.9], dtype=torch.float32).to(DEVICE)
     sentinel = torch.full(x.shape, 0.125, dtype=x.dtype, device=DEVICE)
     grad = sentinel.clone()
-    out = _triton.regrad_(config, x, target, coef, upstream, grad)
+    out = _triton.regrad_(config, x, target, coef, upstream, grad, tuning=SMALL_BLOCKS)
     assert out is grad
     kept = (upstream == 1) | (coef == 0)
     assert torch.equal(grad[kept], sentinel[kept])
@@ -352,7 +350,7 @@ def test_regrad_scalar_upstream_public_api(kind: str) -> None:
     if kind != "cross_entropy":
         target = target.to(torch.bfloat16)
     mask = torch.tensor(case.loss_mask).to(DEVICE)
-    loss = getattr(torchloss, kind)(x, target, mask, impl="triton")
+    loss = getattr(torchloss, kind)(x, target, mask, impl="triton", tuning=SMALL_BLOCKS)
     loss.backward(torch.tensor(-3.7, device=DEVICE))
     ref = case.reference(grad_output=-3.7)
     lossspec.assert_close_to_oracle(loss.detach().cpu().numpy(), _numpy(x.grad), ref.loss, ref.grad, dtype="bfloat16", g0=ref.g0)
@@ -372,7 +370,7 @@ def test_public_api(kind: str, dtype: str) -> None:
     target = torch.tensor(case.target).to(DEVICE)
     if kind != "cross_entropy":
         target = target.to(DTYPES[dtype])
-    loss = getattr(torchloss, kind)(x, target, torch.tensor(case.loss_mask).to(DEVICE), impl="triton", **options)
+    loss = getattr(torchloss, kind)(x, target, torch.tensor(case.loss_mask).to(DEVICE), impl="triton", tuning=SMALL_BLOCKS, **options)
     loss.backward()
     ref = case.reference(**options)
     lossspec.assert_close_to_oracle(loss.detach().cpu().numpy(), _numpy(x.grad), ref.loss, ref.grad, dtype=dtype,
@@ -404,7 +402,7 @@ def test_shard_stats_fields_follow_lossspec() -> None:
         config = lossspec.make_config(kind, **options)
         case = lossspec.make_case(kind, "random", lead_shape=(8,), vocab=90, seed=1)
         x, target, coef = _tensors(case, config)
-        stats = _triton.shard_stats(config, x, target, coef, 0)
+        stats = _triton.shard_stats(config, x, target, coef, 0, SMALL_BLOCKS)
         used = lossspec.stats_used(config)
         assert tuple(f for f in stats._fields if getattr(stats, f) is not None) == used
         empty = _block.empty_stats(config, 8, torch.float32, x.device)

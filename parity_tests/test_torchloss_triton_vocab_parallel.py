@@ -32,9 +32,8 @@ OPTIONS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_triton, "MAX_BLOCK_V", 32)
+# 32-column blocks: several blocks per shard and a ragged tail.
+SMALL_BLOCKS = lossspec.Tuning(vocab_block=32)
 
 
 def _inputs(case: lossspec.Case, config: lossspec.LossConfig):
@@ -78,7 +77,7 @@ def run_vocab_parallel(config, x, target, coef, cuts, *, fold: bool = False, gra
     parts = []
     for a, b in zip(cuts[:-1], cuts[1:]):
         xs, ts = _shard(config, x, target, a, b)
-        parts.append(_triton.shard_stats(config, xs, ts, coef, a))
+        parts.append(_triton.shard_stats(config, xs, ts, coef, a, SMALL_BLOCKS))
     if fold:
         stats = functools.reduce(lambda p, q: _block.combine(config, p, q), parts)
     else:
@@ -88,7 +87,7 @@ def run_vocab_parallel(config, x, target, coef, cuts, *, fold: bool = False, gra
     for a, b in zip(cuts[:-1], cuts[1:]):
         xs, ts = _shard(config, x, target, a, b)
         out = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
-        assert _triton.shard_grad(config, fin, xs, ts, coef if grad_coef is None else grad_coef, a, x.shape[1], out) is out
+        assert _triton.shard_grad(config, fin, xs, ts, coef if grad_coef is None else grad_coef, a, x.shape[1], out, SMALL_BLOCKS) is out
         grads.append(out)
     loss = torch.where(coef != 0, coef.double() * fin.l.double(), 0.0).sum()
     return loss, torch.cat(grads, dim=1), fin, parts
@@ -139,7 +138,7 @@ def test_label_logit_from_its_owner_only() -> None:
     cuts = SPLITS["3 uneven"]
     for a, b in zip(cuts[:-1], cuts[1:]):
         xs, ts = _shard(config, x, target, a, b)
-        stats = _triton.shard_stats(config, xs, ts, coef, a)
+        stats = _triton.shard_stats(config, xs, ts, coef, a, SMALL_BLOCKS)
         owned = (target >= a) & (target < b) & (coef != 0)  # coef == 0: empty statistics
         expected = torch.where(owned, x.gather(1, target[:, None])[:, 0], 0.0)
         assert torch.equal(stats.x_y, expected)

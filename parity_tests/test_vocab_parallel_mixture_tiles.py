@@ -22,9 +22,7 @@ import torch
 import lossspec
 from jaxloss import _block as jax_stats
 from jaxloss.backends import vocab_parallel as jax_vp
-from jaxloss.backends import xla as _xla
 from torchloss import _block as torch_stats
-from torchloss.backends import cpu_tiles as _cpu
 from torchloss.backends import vocab_parallel as torch_vp
 
 ROWS, VOCAB = 7, 45
@@ -58,8 +56,8 @@ def test_torch_mixture_pass_is_tiled(dtype: str, softcap: Any, monkeypatch: pyte
         return real(cfg, part, xb, tb, cache)
 
     monkeypatch.setattr(torch_stats, "mixture_sums", spy)
-    monkeypatch.setattr(_cpu, "TILE_ELEMENTS", 16)  # column blocks of 16 (45 = 16 + 16 + 13), 1 row a tile
-    sums = torch_vp.mixture_shard_sums(config, fin, x, t)
+    tuning = lossspec.Tuning(cpu_tile_elements=16)  # column blocks of 16 (45 = 16 + 16 + 13), 1 row a tile
+    sums = torch_vp.mixture_shard_sums(config, fin, x, t, tuning)
     loss = lossspec.stats.finalize_mixture(torch, config, fin, sums[0], sums[1]).l
     lossspec.compare_loss(loss.double().numpy(), ref, f"torch mixture tiles {dtype}").check()
     assert seen and max(r * c for r, c in seen) <= 16
@@ -94,7 +92,7 @@ def test_jax_mixture_pass_is_tiled(dtype: str, softcap: Any) -> None:
     stats, _, _ = jax_stats.block_stats(cfg, x.astype(jnp.float32), t.astype(jnp.float32))
     fin = jax_stats.finalize(cfg, stats, VOCAB)
     # Chunks of 3 rows (7 = 3 + 3 + 1, the last moved back) in column blocks of 8 (45 = 5 * 8 + 5).
-    tuning = _xla.XlaTuning(chunk_elements=24, max_single_block_vocab=8, vocab_block=8)
+    tuning = lossspec.Tuning(chunk_elements=24, single_block_vocab=8, vocab_block=8)
     fn = jax.jit(lambda f, a, b: jax_vp.mixture_shard_sums(cfg, f, a, b, tuning))
     kl_qm, kl_pm = fn(fin, x, t)
     loss = lossspec.stats.finalize_mixture(jnp, cfg, fin, kl_qm, kl_pm).l

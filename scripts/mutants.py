@@ -820,10 +820,18 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "loss_calls_unrecorded",
         "the losses do not record their calls, so accumulate(check=...) sees none (and reports nothing checked)",
-        "lossspec/kinds.py::public_function.loss",
-        '        accumulation.record(spec.kind, arguments["normalization"], arguments["causal_shift"], arguments["denominator"])',
-        "        pass",
+        "lossspec/checks.py::begin_call",
+        "    accumulation.record(name, normalization, causal_shift, denominator)",
+        "    pass",
         ("parity_tests/test_accumulate_split.py", "-k", "check"),
+    ),
+    Mutant(
+        "written_out_default_changed",
+        "a written-out public loss drifts from the kind table: torchloss.jensen_shannon's beta defaults to 0.25 (jaxloss keeps 0.5)",
+        "torchloss/api.py::jensen_shannon",
+        "    beta: float = 0.5,",
+        "    beta: float = 0.25,",
+        ("parity_tests/test_api_signatures.py",),
     ),
     Mutant(
         "lossparity_default_all_backends",

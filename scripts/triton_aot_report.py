@@ -7,7 +7,7 @@ Usage::
 
 Each kernel is compiled exactly as ``torchloss.backends.triton`` would launch it on a GPU: the
 constexprs of :func:`torchloss.backends.triton.constexprs` at the GPU block size (4096 columns, the
-default ``MAX_BLOCK_V`` on a GPU) and :func:`torchloss.backends.triton.num_warps`, for fp32 and bf16
+default ``vocab_block`` of ``torchloss.backends.triton.DEFAULTS`` on a GPU) and :func:`torchloss.backends.triton.num_warps`, for fp32 and bf16
 logits and every kind (cross-entropy plain and with label smoothing + z-loss; three kinds with
 the soft caps compiled in). Compilation runs
 with ``TRITON_INTERPRET=0`` in worker processes; ``ptxas -v`` on the generated PTX gives the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-GPU_BLOCK_V = 4096  # MAX_BLOCK_V of torchloss.backends.triton when compiled for a GPU
+GPU_BLOCK_V = 4096  # the default vocab_block of torchloss.backends.triton (DEFAULTS) when compiled for a GPU
 JOBS = ("fused", "regrad", "shard_stats", "shard_grad")
 DTYPES = ("float32", "bfloat16")
 # (label, kind, options): every kind; cross-entropy also with its optional terms compiled in.

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lossspec import LossConfig
+from lossspec import LossConfig, Tuning
 
 from .backends import cpu_tiles as _cpu
 
@@ -26,7 +26,7 @@ from .backends import cpu_tiles as _cpu
 class MaskedLossFunction(torch.autograd.Function):
     """Shared forward/backward of the four losses (``config.kind`` selects the loss).
 
-    ``forward(logits [N, V], target, coef [N], config, backend, need_grad, inplace)`` returns
+    ``forward(logits [N, V], target, coef [N], config, backend, need_grad, inplace, anchor, tuning)`` returns
     the loss (0-d, or ``[N]`` for ``"none"``) in the compute dtype and keeps the gradient
     ``coef * c * dl/dz`` (logits' dtype, written into ``logits`` when ``inplace``) on ``ctx``.
     ``backward`` scales that buffer by the upstream gradient in place and hands it out: no
@@ -48,10 +48,11 @@ class MaskedLossFunction(torch.autograd.Function):
         need_grad: bool,
         inplace: bool,
         anchor: Optional[Tensor] = None,
+        tuning: Optional[Tuning] = None,
     ) -> Tensor:
         write_inplace = inplace and need_grad
-        ctx.anchor = anchor
-        per_token, grad = backend.forward(config, logits, target, coef, need_grad=need_grad, out=logits if write_inplace else None)
+        ctx.anchor, ctx.tuning = anchor, tuning
+        per_token, grad = backend.forward(config, logits, target, coef, need_grad=need_grad, out=logits if write_inplace else None, tuning=tuning)
         if write_inplace:
             # The kernel wrote behind autograd's back: bump the version counter so that any other
             # use of these logits in the graph fails loudly instead of reading the gradient.
@@ -75,7 +76,7 @@ class MaskedLossFunction(torch.autograd.Function):
                 grad = _scaled_grad(ctx, grad_loss)
         if create_graph:
             grad = first_order_only(grad, ctx.anchor)
-        return (grad, None, None, None, None, None, None, None)
+        return (grad, None, None, None, None, None, None, None, None)
 
 
 def _scaled_grad(ctx: Any, grad_loss: Tensor) -> Tensor:
@@ -90,7 +91,7 @@ def _scaled_grad(ctx: Any, grad_loss: Tensor) -> Tensor:
         return grad  # loss.backward(): multiplying by exactly 1 would change no bit
     if ctx.reduced:
         return grad.mul_(upstream)
-    return _cpu.scale_rows_(grad, upstream)
+    return _cpu.scale_rows_(grad, upstream, ctx.tuning)
 
 
 def _recomputed_grad(ctx: Any, grad_loss: Tensor) -> Tensor:
@@ -108,7 +109,7 @@ def _recomputed_grad(ctx: Any, grad_loss: Tensor) -> Tensor:
     upstream = grad_loss.detach().to(coef.dtype).reshape(-1)  # 1 value, or 1 per token
     if _is_unit(upstream):
         return grad
-    return ctx.backend.regrad_(ctx.config, logits, target, coef, upstream, grad)
+    return ctx.backend.regrad_(ctx.config, logits, target, coef, upstream, grad, tuning=ctx.tuning)
 
 
 _SECOND_ORDER = (

@@ -11,14 +11,16 @@ Ops (``config`` is the :class:`lossspec.LossConfig` flattened into ``kind, norma
 ignore_index, options``, see :func:`config_args`: the float options travel as the values of a
 float64 tensor ``options`` :data:`OPTION_FIELDS` (``None`` as NaN), runtime data rather than
 float arguments, which a graph would have to specialise to each value (an option that changes
-every call would recompile every call); ``impl`` is ``"torch"`` or ``"triton"``)::
+every call would recompile every call); ``impl`` is ``"torch"`` or ``"triton"``; ``tuning`` is the :class:`lossspec.Tuning`
+fields the torch backends read, :data:`TUNING_FIELDS`, as a list of ints (0 for ``None``),
+constants of the graph like the kind: a new tuning recompiles, as a new kind does)::
 
-    loss, grad = torchloss::masked_loss(logits [N, V], target, coef [N], *config, impl, need_grad)
+    loss, grad = torchloss::masked_loss(logits [N, V], target, coef [N], *config, impl, need_grad, tuning)
         loss  = sum_i where(coef_i != 0, coef_i l_i, 0)   0-d (reduced modes) or [N] ("none"),
                 in the compute dtype (fp32; fp64 for fp64 logits)
         grad  = coef * c * dl/dz  [N, V] in the logits' dtype, rounded once ([0, V] without
                 need_grad)
-    torchloss::masked_loss_regrad_(logits, target, coef, upstream [1] or [N], grad, *config, impl)
+    torchloss::masked_loss_regrad_(logits, target, coef, upstream [1] or [N], grad, *config, impl, tuning)
         rewrites grad as the gradient for ``coef * upstream`` (formed in the compute dtype,
         rounded once): the backward of 16-bit logits.
 
@@ -38,12 +40,12 @@ Target and ``coef`` get no gradient (the teacher and the mask are data). First o
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from lossspec import LossConfig
+from lossspec import LossConfig, Tuning
 
 from .backends import IMPLEMENTATIONS
 from ._block import compute_dtype
@@ -63,6 +65,8 @@ OPTION_FIELDS: tuple[str, ...] = (
     "teacher_logit_softcap",
 )
 CONFIG_FIELDS: tuple[str, ...] = ("kind", "normalization", "ignore_index") + OPTION_FIELDS
+# The lossspec.Tuning fields the torch path and the Triton kernels read (the ops' ``tuning``).
+TUNING_FIELDS: tuple[str, ...] = ("vocab_block", "cpu_tile_elements", "num_warps")
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
@@ -73,6 +77,18 @@ def config_args(config: LossConfig) -> tuple[Any, ...]:
     float that becomes the tensor's value: one graph for every value."""
     values = [float("nan") if getattr(config, name) is None else getattr(config, name) for name in OPTION_FIELDS]
     return config.kind, config.normalization, config.ignore_index, torch.tensor(values, dtype=torch.float64)
+
+
+def tuning_args(tuning: Tuning) -> list[int]:
+    """``tuning`` as the ops' ``tuning`` argument: its :data:`TUNING_FIELDS`, 0 for ``None`` (a
+    set size is >= 1)."""
+    return [getattr(tuning, name) or 0 for name in TUNING_FIELDS]
+
+
+@functools.lru_cache(maxsize=64)
+def _tuning(values: tuple[int, ...]) -> Tuning:
+    """The :class:`lossspec.Tuning` of the ops' ``tuning`` argument (:func:`tuning_args`)."""
+    return Tuning(**{name: value or None for name, value in zip(TUNING_FIELDS, values)})
 
 
 def _config(kind: str, normalization: str, ignore_index: int, options: Tensor) -> LossConfig:
@@ -111,10 +127,11 @@ def _masked_loss_op(
     options: Tensor,
     impl: str,
     need_grad: bool,
+    tuning: Optional[list[int]] = None,
 ) -> tuple[Tensor, Tensor]:
     """``(loss, grad)`` of one call (module docstring); the body of the eager Function's forward."""
     config = _config(kind, normalization, ignore_index, options)
-    per_token, grad = _backend(impl).forward(config, logits, target, coef, need_grad=need_grad)
+    per_token, grad = _backend(impl).forward(config, logits, target, coef, need_grad=need_grad, tuning=_tuning(tuple(tuning or ())))
     contribution = torch.where(coef != 0, coef * per_token, 0.0)
     loss = contribution.sum() if normalization != "none" else contribution
     if grad is None:
@@ -126,7 +143,7 @@ def _masked_loss_op(
 def _masked_loss_fake(logits: Tensor, target: Tensor, coef: Tensor, kind: str, normalization: str, *args: Any) -> tuple[Tensor, Tensor]:
     """Shapes and dtypes: loss ``[]`` or ``[N]`` in the compute dtype, grad ``[N, V]`` (or
     ``[0, V]`` without ``need_grad``) in the logits' dtype."""
-    need_grad = args[-1]
+    need_grad = args[3]  # after ignore_index, options, impl
     rows, vocab = logits.shape
     acc = compute_dtype(logits.dtype)
     loss = logits.new_empty((), dtype=acc) if normalization != "none" else logits.new_empty((rows,), dtype=acc)
@@ -151,11 +168,12 @@ def _regrad_op(
     ignore_index: int,
     options: Tensor,
     impl: str,
+    tuning: Optional[list[int]] = None,
 ) -> None:
     """Rewrite ``grad`` in place for ``coef * upstream`` (``backend.regrad_``, the eager
     backward's call)."""
     config = _config(kind, normalization, ignore_index, options)
-    _backend(impl).regrad_(config, logits, target, coef, upstream, grad)
+    _backend(impl).regrad_(config, logits, target, coef, upstream, grad, tuning=_tuning(tuple(tuning or ())))
 
 
 @_regrad_op.register_fake
@@ -169,9 +187,9 @@ def _regrad_fake(*args: Any) -> None:
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    logits, target, coef, kind, normalization, ignore_index, options, impl, need_grad = inputs
+    logits, target, coef, kind, normalization, ignore_index, options, impl, need_grad, *rest = inputs
     _, grad = output
-    ctx.config, ctx.impl = (kind, normalization, ignore_index), impl
+    ctx.config, ctx.impl, ctx.tuning = (kind, normalization, ignore_index), impl, (rest[0] if rest else None)
     ctx.reduced = normalization != "none"
     ctx.recompute = bool(need_grad) and logits.dtype in _SIXTEEN_BIT
     ctx.need_grad = bool(need_grad)
@@ -184,14 +202,14 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
 def _backward(ctx: Any, grad_loss: Tensor, _grad_of_grad: Any) -> tuple[Any, ...]:
     """``dlogits`` for the upstream gradient of ``loss`` (module docstring); no gradient for the
     target, ``coef`` and the primitive arguments."""
-    nones = (None,) * (2 + 4 + 2)  # target, coef, the config's four, impl, need_grad
+    nones = (None,) * (2 + 4 + 3)  # target, coef, the config's four, impl, need_grad, tuning
     if not ctx.need_grad:
         return (None, *nones)
     if ctx.recompute:
         grad, logits, target, coef, options = ctx.saved_tensors
         upstream = grad_loss.to(coef.dtype).reshape(-1)  # 1 value, or 1 per token
         grad = grad.clone()  # the saved buffer stays intact (the compiler may drop the copy)
-        torch.ops.torchloss.masked_loss_regrad_(logits, target, coef, upstream, grad, *ctx.config, options, ctx.impl)
+        torch.ops.torchloss.masked_loss_regrad_(logits, target, coef, upstream, grad, *ctx.config, options, ctx.impl, ctx.tuning)
         return (grad, *nones)
     (grad,) = ctx.saved_tensors
     upstream = grad_loss if ctx.reduced else grad_loss.reshape(-1, 1)
@@ -201,8 +219,8 @@ def _backward(ctx: Any, grad_loss: Tensor, _grad_of_grad: Any) -> tuple[Any, ...
 _masked_loss_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def masked_loss(logits: Tensor, target: Tensor, coef: Tensor, config: LossConfig, impl: str, need_grad: bool) -> Tensor:
+def masked_loss(logits: Tensor, target: Tensor, coef: Tensor, config: LossConfig, impl: str, need_grad: bool, tuning: Tuning) -> Tensor:
     """The loss (0-d, or ``[N]`` for ``"none"``) through ``torchloss::masked_loss``: the
     compiled twin of ``torchloss._autodiff.MaskedLossFunction.apply``."""
-    loss, _ = _masked_loss_op(logits, target, coef, *config_args(config), impl, need_grad)
+    loss, _ = _masked_loss_op(logits, target, coef, *config_args(config), impl, need_grad, tuning_args(tuning))
     return loss

@@ -141,6 +141,7 @@ class Call:
     host: bool  # values readable without a synchronisation
     need_grad: bool
     inplace: bool
+    tuning: lossspec.Tuning = lossspec.DEFAULT_TUNING  # the block and tile sizes (lossspec.tuning)
 
 
 def validate(
@@ -154,10 +155,12 @@ def validate(
     sequence_parallel: Any,
     backend: Backend,
     inplace: bool,
+    tuning: Optional[lossspec.Tuning] = None,
 ) -> Call:
     """The checks of one call (its ``impl`` resolved by the caller: :func:`torchloss.backends.resolve`)."""
     is_ce = config.has_labels
     target_name = "labels" if is_ce else "teacher_logits"
+    tuning = lossspec.check_tuning(tuning)
     logits = require_tensor("logits", logits)
     if config.has_target:
         target = require_tensor(target_name, target)
@@ -204,7 +207,7 @@ def validate(
         lossspec.check_sequence_parallel_axis(tuple(logits.shape[:-1]))
     host = host_readable(logits, target, loss_mask, segment_ids, denominator if isinstance(denominator, Tensor) else None)
     return Call(
-        config, logits, target, loss_mask, segment_ids, denominator, sequence_parallel, backend, kernels, vocab, host, need_grad, inplace
+        config, logits, target, loss_mask, segment_ids, denominator, sequence_parallel, backend, kernels, vocab, host, need_grad, inplace, tuning
     )
 
 

@@ -44,7 +44,7 @@ gradient, and ``dh`` is all-reduced once (docs/linear_head.md).
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Never, Optional
 
 import torch
 from torch import Tensor
@@ -801,28 +801,441 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     return _prepare.finish(call, prepared, loss)
 
 
-HEAD_FRAMEWORK_ARGS = spec_linear.head_framework_args(lossspec.FrameworkArgs(
-    (
-        (
-            "vocab_parallel",
-            None,
-            "``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V`` "
-            "(Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this "
-            "rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` "
-            "(and ``teacher_hidden``) the same on every rank, labels global ids. The loss is the same on every rank; the "
-            "gradient of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's "
-            "all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only "
-            "``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.",
-        ),
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    loss_mask: Optional[Tensor] = None,
+    *,
+    bias: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: _prepare.Denominator = None,
+    segment_ids: Optional[Tensor] = None,
+    impl: str = "auto",
+    recompute_logits: bool = False,
+    vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
+    **unexpected: Never,
+) -> Tensor:
+    """Fused LM head + cross_entropy: ``cross_entropy(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
+
+    Masked cross-entropy with integer labels, label smoothing and z-loss.
+
+        l = lse - (1 - eps) z_y - (eps / V) sum_v z_v + lam lse^2
+        dl/dz = (1 + 2 lam lse) q - (1 - eps) onehot(y) - eps / V
+
+    Args:
+      hidden: ``[..., H]`` floating point (float32, bfloat16, float16; float64 in torch): the hidden states. The logits
+        ``hidden @ weight.T + bias`` are computed in fp32 (16-bit inputs: products exact, fp32 accumulation) chunk by
+        chunk, never as one ``[N, V]`` buffer.
+      weight: ``[V, H]``, the dtype of ``hidden`` (the layout of ``nn.Linear.weight`` and of a tied embedding).
+      labels: ``[...]`` integers, the leading shape of ``hidden``; masked tokens' labels are never read as indices.
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      bias: ``None`` or ``[V]``, the dtype of ``weight``.
+      ignore_index: label value of ignored tokens: an ``int`` in the int64 range, compared exactly (a label equals it
+        only if the labels' dtype can hold it).
+      label_smoothing: ``eps`` in ``[0, 1]``.
+      z_loss: ``lam >= 0``.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
+        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
+        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
+        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
+        whatever ``impl`` says.
+      recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
+        ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
+        forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
+        over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
+        accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
+        Same bounds either way; the XLA / torch path only.
+      vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
+        (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
+        rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
+        ``teacher_hidden``) the same on every rank, labels global ids. The loss is the same on every rank; the gradient
+        of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's
+        all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only
+        ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+      Gradients flow to ``hidden``, ``weight`` and ``bias`` (accumulated in fp32 and rounded once to their
+      dtypes), computed in the forward pass and scaled by the upstream gradient in the backward (with
+      ``recompute_logits=True``: computed in the backward).
+    """
+    lossspec.begin_call("linear_cross_entropy", unexpected, normalization, causal_shift, denominator)
+    return _linear_loss(
+        "cross_entropy",
+        hidden=hidden, weight=weight, labels=labels, loss_mask=loss_mask, bias=bias, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, z_loss=z_loss, logit_scale=logit_scale, logit_softcap=logit_softcap,
+        causal_shift=causal_shift, normalization=normalization, denominator=denominator, segment_ids=segment_ids,
+        impl=impl, recompute_logits=recompute_logits, vocab_parallel=vocab_parallel,
     )
-))
 
 
-def _public(kind: str) -> Any:
-    return spec_linear.head_public_function(kind, _linear_loss, __name__, HEAD_FRAMEWORK_ARGS)
+def linear_soft_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    loss_mask: Optional[Tensor] = None,
+    *,
+    bias: Optional[Tensor] = None,
+    teacher_bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    teacher_logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: _prepare.Denominator = None,
+    segment_ids: Optional[Tensor] = None,
+    impl: str = "auto",
+    recompute_logits: bool = False,
+    vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
+    **unexpected: Never,
+) -> Tensor:
+    """Fused LM head + soft_cross_entropy: ``soft_cross_entropy(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
+
+    Masked cross-entropy against the teacher's distribution p.
+
+        l = lse - sum_v p_v z_v
+        dl/dz = q - p
+
+    The teacher logits are ``teacher_hidden @ teacher_weight.T + teacher_bias``.
+
+    Args:
+      hidden: ``[..., H]`` floating point (float32, bfloat16, float16; float64 in torch): the hidden states. The logits
+        ``hidden @ weight.T + bias`` are computed in fp32 (16-bit inputs: products exact, fp32 accumulation) chunk by
+        chunk, never as one ``[N, V]`` buffer.
+      weight: ``[V, H]``, the dtype of ``hidden`` (the layout of ``nn.Linear.weight`` and of a tied embedding).
+      teacher_hidden: ``[..., Ht]`` floating point, the leading shape of ``hidden``; gets no gradient.
+      teacher_weight: ``[V, Ht]``, the dtype of ``teacher_hidden``; gets no gradient.
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      bias: ``None`` or ``[V]``, the dtype of ``weight``.
+      teacher_bias: ``None`` or ``[V]``, the dtype of ``teacher_weight``; gets no gradient.
+      temperature: ``T > 0``, divides student and teacher alike.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      teacher_logit_scale: ``> 0``, multiplies the teacher's logits.
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      teacher_logit_softcap: ``None`` (default: off) or a cap ``> 0``: the same soft cap on the teacher's raw logits,
+        before ``teacher_logit_scale`` and the temperature.
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
+        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
+        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
+        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
+        whatever ``impl`` says.
+      recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
+        ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
+        forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
+        over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
+        accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
+        Same bounds either way; the XLA / torch path only.
+      vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
+        (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
+        rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
+        ``teacher_hidden``) the same on every rank, labels global ids. The loss is the same on every rank; the gradient
+        of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's
+        all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only
+        ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+      Gradients flow to ``hidden``, ``weight`` and ``bias`` (accumulated in fp32 and rounded once to their
+      dtypes), computed in the forward pass and scaled by the upstream gradient in the backward (with
+      ``recompute_logits=True``: computed in the backward).
+    """
+    lossspec.begin_call("linear_soft_cross_entropy", unexpected, normalization, causal_shift, denominator)
+    return _linear_loss(
+        "soft_cross_entropy",
+        hidden=hidden, weight=weight, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, loss_mask=loss_mask,
+        bias=bias, teacher_bias=teacher_bias, temperature=temperature, logit_scale=logit_scale,
+        teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
+        teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
+        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
+        vocab_parallel=vocab_parallel,
+    )
 
 
-linear_cross_entropy = _public("cross_entropy")
-linear_soft_cross_entropy = _public("soft_cross_entropy")
-linear_forward_kl = _public("forward_kl")
-linear_reverse_kl = _public("reverse_kl")
+def linear_forward_kl(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    loss_mask: Optional[Tensor] = None,
+    *,
+    bias: Optional[Tensor] = None,
+    teacher_bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    teacher_logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: _prepare.Denominator = None,
+    segment_ids: Optional[Tensor] = None,
+    impl: str = "auto",
+    recompute_logits: bool = False,
+    vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
+    **unexpected: Never,
+) -> Tensor:
+    """Fused LM head + forward_kl: ``forward_kl(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
+
+    Masked forward KL, KL(p || q), of the student q from the teacher p (mean seeking).
+
+        l = sum_v p_v (log p_v - log q_v)
+        dl/dz = q - p
+
+    The teacher logits are ``teacher_hidden @ teacher_weight.T + teacher_bias``.
+
+    Args:
+      hidden: ``[..., H]`` floating point (float32, bfloat16, float16; float64 in torch): the hidden states. The logits
+        ``hidden @ weight.T + bias`` are computed in fp32 (16-bit inputs: products exact, fp32 accumulation) chunk by
+        chunk, never as one ``[N, V]`` buffer.
+      weight: ``[V, H]``, the dtype of ``hidden`` (the layout of ``nn.Linear.weight`` and of a tied embedding).
+      teacher_hidden: ``[..., Ht]`` floating point, the leading shape of ``hidden``; gets no gradient.
+      teacher_weight: ``[V, Ht]``, the dtype of ``teacher_hidden``; gets no gradient.
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      bias: ``None`` or ``[V]``, the dtype of ``weight``.
+      teacher_bias: ``None`` or ``[V]``, the dtype of ``teacher_weight``; gets no gradient.
+      temperature: ``T > 0``, divides student and teacher alike.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      teacher_logit_scale: ``> 0``, multiplies the teacher's logits.
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      teacher_logit_softcap: ``None`` (default: off) or a cap ``> 0``: the same soft cap on the teacher's raw logits,
+        before ``teacher_logit_scale`` and the temperature.
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
+        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
+        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
+        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
+        whatever ``impl`` says.
+      recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
+        ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
+        forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
+        over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
+        accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
+        Same bounds either way; the XLA / torch path only.
+      vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
+        (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
+        rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
+        ``teacher_hidden``) the same on every rank, labels global ids. The loss is the same on every rank; the gradient
+        of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's
+        all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only
+        ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+      Gradients flow to ``hidden``, ``weight`` and ``bias`` (accumulated in fp32 and rounded once to their
+      dtypes), computed in the forward pass and scaled by the upstream gradient in the backward (with
+      ``recompute_logits=True``: computed in the backward).
+    """
+    lossspec.begin_call("linear_forward_kl", unexpected, normalization, causal_shift, denominator)
+    return _linear_loss(
+        "forward_kl",
+        hidden=hidden, weight=weight, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, loss_mask=loss_mask,
+        bias=bias, teacher_bias=teacher_bias, temperature=temperature, logit_scale=logit_scale,
+        teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
+        teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
+        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
+        vocab_parallel=vocab_parallel,
+    )
+
+
+def linear_reverse_kl(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    loss_mask: Optional[Tensor] = None,
+    *,
+    bias: Optional[Tensor] = None,
+    teacher_bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    teacher_logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: _prepare.Denominator = None,
+    segment_ids: Optional[Tensor] = None,
+    impl: str = "auto",
+    recompute_logits: bool = False,
+    vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
+    **unexpected: Never,
+) -> Tensor:
+    """Fused LM head + reverse_kl: ``reverse_kl(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
+
+    Masked reverse KL, KL(q || p), of the student q from the teacher p (mode seeking).
+
+        l = sum_v q_v (log q_v - log p_v)
+        dl/dz = q (log q - log p - l)   (0 where q == 0)
+
+    The teacher logits are ``teacher_hidden @ teacher_weight.T + teacher_bias``.
+
+    Args:
+      hidden: ``[..., H]`` floating point (float32, bfloat16, float16; float64 in torch): the hidden states. The logits
+        ``hidden @ weight.T + bias`` are computed in fp32 (16-bit inputs: products exact, fp32 accumulation) chunk by
+        chunk, never as one ``[N, V]`` buffer.
+      weight: ``[V, H]``, the dtype of ``hidden`` (the layout of ``nn.Linear.weight`` and of a tied embedding).
+      teacher_hidden: ``[..., Ht]`` floating point, the leading shape of ``hidden``; gets no gradient.
+      teacher_weight: ``[V, Ht]``, the dtype of ``teacher_hidden``; gets no gradient.
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      bias: ``None`` or ``[V]``, the dtype of ``weight``.
+      teacher_bias: ``None`` or ``[V]``, the dtype of ``teacher_weight``; gets no gradient.
+      temperature: ``T > 0``, divides student and teacher alike.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      teacher_logit_scale: ``> 0``, multiplies the teacher's logits.
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      teacher_logit_softcap: ``None`` (default: off) or a cap ``> 0``: the same soft cap on the teacher's raw logits,
+        before ``teacher_logit_scale`` and the temperature.
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
+        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
+        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
+        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
+        whatever ``impl`` says.
+      recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
+        ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
+        forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
+        over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
+        accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
+        Same bounds either way; the XLA / torch path only.
+      vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
+        (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
+        rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
+        ``teacher_hidden``) the same on every rank, labels global ids. The loss is the same on every rank; the gradient
+        of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's
+        all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only
+        ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+      Gradients flow to ``hidden``, ``weight`` and ``bias`` (accumulated in fp32 and rounded once to their
+      dtypes), computed in the forward pass and scaled by the upstream gradient in the backward (with
+      ``recompute_logits=True``: computed in the backward).
+    """
+    lossspec.begin_call("linear_reverse_kl", unexpected, normalization, causal_shift, denominator)
+    return _linear_loss(
+        "reverse_kl",
+        hidden=hidden, weight=weight, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, loss_mask=loss_mask,
+        bias=bias, teacher_bias=teacher_bias, temperature=temperature, logit_scale=logit_scale,
+        teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
+        teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
+        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
+        vocab_parallel=vocab_parallel,
+    )

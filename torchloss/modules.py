@@ -1,11 +1,11 @@
 """All ``nn.Module`` classes of ``torchloss`` (public path: :mod:`torchloss.nn`, which re-exports them).
 
-The losses' modules (``CrossEntropyLoss``, ...; their signatures and docstrings from
+The losses' modules (``CrossEntropyLoss``, ...; written out with the options of
 ``lossspec.KIND_SPECS``, mirroring ``jaxloss.modules``) are built like ``torch.nn.CrossEntropyLoss``:
 the options fixed at construction (keyword only, validated there with the functions' errors), the
 inputs given per call, ``module(logits, target, loss_mask=None, *, denominator=None,
 segment_ids=None)`` (``EntropyLoss``: no target). The fused head's modules:
-``LinearCrossEntropyLoss(**options)(hidden, head, labels, loss_mask=None, *, bias=None,
+``LinearCrossEntropyLoss(...options)(hidden, head, labels, loss_mask=None, *, bias=None,
 denominator=None, segment_ids=None)``, and the distillation kinds with ``teacher_hidden,
 teacher_head``; ``head`` is a ``[V, H]`` weight or an ``nn.Linear`` (its weight and bias are
 used). The modules hold no parameters or buffers. The classes name :mod:`torchloss.nn` as their
@@ -14,7 +14,7 @@ module (reprs, pickles).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Never, Optional
 
 import torch
 from torch import Tensor
@@ -43,11 +43,10 @@ class _MaskedLoss(torch.nn.Module):
 
     kind: str = ""
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, settings: dict[str, Any], unexpected: dict[str, Any]) -> None:
         super().__init__()
-        spec = lossspec.KIND_SPECS[self.kind]
         # Validated now, like torch.nn losses do, with the functions' own errors.
-        self.settings = lossspec.kinds.module_settings(spec, api.FRAMEWORK_ARGS, options, type(self).__name__)
+        self.settings = lossspec.kinds.module_settings(lossspec.KIND_SPECS[self.kind], settings, unexpected, type(self).__name__)
         lossspec.check_impl(self.settings["impl"], backends.IMPLS)
 
     def forward(
@@ -66,7 +65,7 @@ class _MaskedLoss(torch.nn.Module):
         return function(logits, target, loss_mask, denominator=denominator, segment_ids=segment_ids, **self.settings)
 
     def extra_repr(self) -> str:
-        shown = {k: v for k, v in self.settings.items() if k not in ("vocab_parallel", "sequence_parallel", "inplace") or v}
+        shown = {k: v for k, v in self.settings.items() if k not in ("vocab_parallel", "sequence_parallel", "inplace", "tuning") or v}
         return ", ".join(f"{k}={v!r}" for k, v in shown.items())
 
 
@@ -80,17 +79,307 @@ class _TargetlessLoss(_MaskedLoss):
         return function(logits, loss_mask, denominator=denominator, **self.settings)
 
 
-def _module(kind: str) -> type:
-    base = _MaskedLoss if lossspec.KIND_SPECS[kind].target is not None else _TargetlessLoss
-    return lossspec.kinds.module_class(kind, base, api.FRAMEWORK_ARGS, "torchloss", PUBLIC_MODULE)
+class CrossEntropyLoss(_MaskedLoss):
+    """Module form of :func:`torchloss.cross_entropy`: masked cross-entropy with integer labels, label smoothing and
+    z-loss.
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.cross_entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, labels, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = lse - (1 - eps) z_y - (eps / V) sum_v z_v + lam lse^2
+        dl/dz = (1 + 2 lam lse) q - (1 - eps) onehot(y) - eps / V
+    """
+
+    kind = "cross_entropy"
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        sequence_parallel: Optional[api.ProcessGroup] = None,
+        impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
+        inplace: bool = False,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                ignore_index=ignore_index,
+                label_smoothing=label_smoothing,
+                z_loss=z_loss,
+                logit_scale=logit_scale,
+                logit_softcap=logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                tuning=tuning,
+                inplace=inplace,
+            ),
+            unexpected,
+        )
 
 
-CrossEntropyLoss = _module("cross_entropy")
-SoftCrossEntropyLoss = _module("soft_cross_entropy")
-ForwardKLLoss = _module("forward_kl")
-ReverseKLLoss = _module("reverse_kl")
-EntropyLoss = _module("entropy")
-JensenShannonLoss = _module("jensen_shannon")
+class SoftCrossEntropyLoss(_MaskedLoss):
+    """Module form of :func:`torchloss.soft_cross_entropy`: masked cross-entropy against the teacher's distribution p.
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.soft_cross_entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, teacher_logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = lse - sum_v p_v z_v
+        dl/dz = q - p
+    """
+
+    kind = "soft_cross_entropy"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        sequence_parallel: Optional[api.ProcessGroup] = None,
+        impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
+        inplace: bool = False,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                tuning=tuning,
+                inplace=inplace,
+            ),
+            unexpected,
+        )
+
+
+class ForwardKLLoss(_MaskedLoss):
+    """Module form of :func:`torchloss.forward_kl`: masked forward KL, KL(p || q), of the student q from the teacher p
+    (mean seeking).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.forward_kl` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, teacher_logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = sum_v p_v (log p_v - log q_v)
+        dl/dz = q - p
+    """
+
+    kind = "forward_kl"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        sequence_parallel: Optional[api.ProcessGroup] = None,
+        impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
+        inplace: bool = False,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                tuning=tuning,
+                inplace=inplace,
+            ),
+            unexpected,
+        )
+
+
+class ReverseKLLoss(_MaskedLoss):
+    """Module form of :func:`torchloss.reverse_kl`: masked reverse KL, KL(q || p), of the student q from the teacher p
+    (mode seeking).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.reverse_kl` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, teacher_logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = sum_v q_v (log q_v - log p_v)
+        dl/dz = q (log q - log p - l)   (0 where q == 0)
+    """
+
+    kind = "reverse_kl"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        sequence_parallel: Optional[api.ProcessGroup] = None,
+        impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
+        inplace: bool = False,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                tuning=tuning,
+                inplace=inplace,
+            ),
+            unexpected,
+        )
+
+
+class EntropyLoss(_TargetlessLoss):
+    """Module form of :func:`torchloss.entropy`: masked entropy of the student's distribution q (the entropy regulariser of
+    policy-gradient trainers).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, loss_mask=None, *, denominator=None)``. It holds no parameters.
+
+        l = -sum_v q_v log q_v
+        dl/dz = -q (log q + l)   (0 where q == 0)
+    """
+
+    kind = "entropy"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        sequence_parallel: Optional[api.ProcessGroup] = None,
+        impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
+        inplace: bool = False,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                logit_softcap=logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                tuning=tuning,
+                inplace=inplace,
+            ),
+            unexpected,
+        )
+
+
+class JensenShannonLoss(_MaskedLoss):
+    """Module form of :func:`torchloss.jensen_shannon`: masked generalised Jensen-Shannon divergence of the student q and
+    the teacher p (on-policy distillation).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.jensen_shannon` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
+    ``module(logits, teacher_logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
+
+        l = beta KL(p || M) + (1 - beta) KL(q || M),  M = beta p + (1 - beta) q;
+        beta = 0: KL(p || q) (forward KL), beta = 1: KL(q || p) (reverse KL), computed as those kinds
+        dl/dz = (1 - beta) q (log q - log M - KL(q || M))   (0 where q == 0; the KL kinds' at beta = 0, 1)
+    """
+
+    kind = "jensen_shannon"
+
+    def __init__(
+        self,
+        *,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        sequence_parallel: Optional[api.ProcessGroup] = None,
+        impl: str = "auto",
+        tuning: Optional[lossspec.Tuning] = None,
+        inplace: bool = False,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                beta=beta,
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+                impl=impl,
+                tuning=tuning,
+                inplace=inplace,
+            ),
+            unexpected,
+        )
+
+
+# The classes name the public module as theirs (reprs, pickles): the path users import.
+for _cls in (CrossEntropyLoss, SoftCrossEntropyLoss, ForwardKLLoss, ReverseKLLoss, EntropyLoss, JensenShannonLoss):
+    _cls.__module__ = PUBLIC_MODULE
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,10 +399,9 @@ class _LinearLoss(torch.nn.Module):
 
     kind: str = ""
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, settings: dict[str, Any], unexpected: dict[str, Any]) -> None:
         super().__init__()
-        self.settings = spec_linear.head_module_settings(
-            self.kind, options, type(self).__name__, head.HEAD_FRAMEWORK_ARGS, backends.IMPLS, backends.PLAIN)
+        self.settings = spec_linear.head_module_settings(self.kind, settings, unexpected, type(self).__name__, backends.IMPLS, backends.PLAIN)
 
     def forward(self, hidden: Tensor, weight: Any, *args: Any, loss_mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                 teacher_bias: Optional[Tensor] = None, denominator: api.Denominator = None, segment_ids: Optional[Tensor] = None) -> Tensor:
@@ -134,12 +422,182 @@ class _LinearLoss(torch.nn.Module):
         return ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
 
 
-def _module(kind: str) -> type:
-    doc = spec_linear.head_module_docstring(kind, "torchloss", "torch.nn.Linear")
-    return type(spec_linear.head_module_name(kind), (_LinearLoss,), {"kind": kind, "__doc__": doc, "__module__": PUBLIC_MODULE})
+class LinearCrossEntropyLoss(_LinearLoss):
+    """Module form of :func:`torchloss.linear_cross_entropy` (fused LM head + cross_entropy).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.linear_cross_entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, labels, loss_mask=None, *, bias=None, denominator=None, segment_ids=None)``. ``weight`` may
+    be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It
+    holds no parameters.
+    """
+
+    kind = "cross_entropy"
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                ignore_index=ignore_index,
+                label_smoothing=label_smoothing,
+                z_loss=z_loss,
+                logit_scale=logit_scale,
+                logit_softcap=logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
 
 
-LinearCrossEntropyLoss = _module("cross_entropy")
-LinearSoftCrossEntropyLoss = _module("soft_cross_entropy")
-LinearForwardKLLoss = _module("forward_kl")
-LinearReverseKLLoss = _module("reverse_kl")
+class LinearSoftCrossEntropyLoss(_LinearLoss):
+    """Module form of :func:`torchloss.linear_soft_cross_entropy` (fused LM head + soft_cross_entropy).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.linear_soft_cross_entropy` but the
+    arrays, ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
+    ``weight`` (and ``teacher_weight``) may be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias
+    (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "soft_cross_entropy"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
+
+
+class LinearForwardKLLoss(_LinearLoss):
+    """Module form of :func:`torchloss.linear_forward_kl` (fused LM head + forward_kl).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.linear_forward_kl` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
+    ``weight`` (and ``teacher_weight``) may be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias
+    (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "forward_kl"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
+
+
+class LinearReverseKLLoss(_LinearLoss):
+    """Module form of :func:`torchloss.linear_reverse_kl` (fused LM head + reverse_kl).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.linear_reverse_kl` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
+    ``weight`` (and ``teacher_weight``) may be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias
+    (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "reverse_kl"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
+
+
+for _cls in (LinearCrossEntropyLoss, LinearSoftCrossEntropyLoss, LinearForwardKLLoss, LinearReverseKLLoss):
+    _cls.__module__ = PUBLIC_MODULE
+del _cls

@@ -11,11 +11,12 @@ strings. The backends (the twin of ``torchloss.backends``)::
     "pallas"  backends/pallas.py    backends/pallas.py                backends/pallas_head.py   on a GPU (the losses only)
 
 A backend holds loaders of its modules (an import statement each); a module is imported when
-first used and its functions are read at each call (so a test may replace one of them, or its
-``TUNING``). What each module offers:
+first used and its functions are read at each call (so a test may replace one of them). The
+losses' kernels take the call's :class:`lossspec.Tuning` (``tuning=``, read field by field, a
+``None`` field being the module's default). What each module offers:
 
 - ``loss``: ``fused(cfg, x [N, V], target, coef [N], *, with_grad, tuning) -> (loss [N] fp32,
-  grad [N, V] in x's dtype or None)`` and ``TUNING`` (its default tuning); without
+  grad [N, V] in x's dtype or None)``; without
   ``higher_order``, ``HIGHER_ORDER_MESSAGE`` (the error of a second derivative);
 - ``shard`` (``None``: the XLA steps of ``backends/vocab_parallel.py``):
   ``shard_stats(cfg, x, target, *, tuning) -> Stats`` and
@@ -62,7 +63,7 @@ class Backend:
     higher_order: bool
 
     def kernels(self) -> ModuleType:
-        """The losses' kernels (``fused``, ``TUNING``)."""
+        """The losses' kernels (``fused``)."""
         return self.loss()
 
     def shard_kernels(self) -> Optional[ModuleType]:

@@ -8,8 +8,8 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
 
 * One program per block of ``block_rows`` rows (``grid = cdiv(N, block_rows)``); rows past
   ``N`` are masked on every load and store. The kernel sees whole arrays and addresses a
-  ``[block_rows, block_vocab]`` tile with row and column index vectors.
-* Pass 1 loops over vocabulary blocks of ``block_vocab`` columns and folds their statistics
+  ``[block_rows, vocab_block]`` tile with row and column index vectors.
+* Pass 1 loops over vocabulary blocks of ``vocab_block`` columns and folds their statistics
   with the online-softmax algebra of :mod:`jaxloss._block` (:func:`~jaxloss._block.block_stats`,
   :func:`~jaxloss._block.combine`); pass 2 loops again and writes ``coef * c * dl/dz``, fp32
   inside and cast once on store. Ragged vocabulary tails are masked loads/stores.
@@ -32,7 +32,6 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable, Optional
 
@@ -42,7 +41,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from lossspec import DEFAULT_TUNING, Tuning
 from lossspec.stats import finalize_mixture
+from lossspec.tuning import check_power_of_two
 
 from .._block import (
     F32,
@@ -69,36 +70,24 @@ HIGHER_ORDER_MESSAGE = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class PallasTuning:
-    """Block sizes (powers of two); ``None`` picks a default for the backend.
-
-    GPU defaults: 4 rows x up to 1024 columns per block (4096 fp32 values in registers with
-    4 warps). Interpret mode (CPU) defaults: 8 rows x up to 128 columns, so the tests' small
-    vocabularies still take several blocks and a ragged tail.
-    """
-
-    block_rows: Optional[int] = None
-    block_vocab: Optional[int] = None
-    num_warps: Optional[int] = None
-    num_stages: Optional[int] = None
-    interpret: Optional[bool] = None  # None: per lowering platform (Triton on CUDA/ROCm, else interpret)
-    debug: bool = False  # print the kernel jaxpr and the Triton module when lowering
-
-
-TUNING = PallasTuning()
+#: The defaults of the :class:`lossspec.Tuning` fields the Pallas kernels read (``None`` there):
+#: ``block_rows``, ``vocab_block`` (powers of two), ``num_warps`` and ``num_stages`` (``None``:
+#: Triton's), per lowering. On a GPU 4 rows x up to 1024 columns per block (4096 fp32 values in
+#: registers with 4 warps); interpreted (CPU) 8 rows x up to 128 columns, so the tests' small
+#: vocabularies still take several blocks and a ragged tail. ``interpret`` (``None``: per lowering
+#: platform) and ``debug`` are read from the call's tuning.
+GPU_DEFAULTS = Tuning(block_rows=4, vocab_block=1024, num_warps=4)
+INTERPRET_DEFAULTS = Tuning(block_rows=8, vocab_block=128, num_warps=4)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _blocks(tuning: PallasTuning, rows: int, vocab: int, *, on_gpu: bool) -> tuple[int, int]:
-    block_rows = tuning.block_rows or (4 if on_gpu else 8)
-    block_vocab = tuning.block_vocab or (1024 if on_gpu else 128)
-    for name, value in (("block_rows", block_rows), ("block_vocab", block_vocab)):
-        if value & (value - 1):
-            raise ValueError(f"{name} must be a power of two (Triton tensors); got {value}")
+def _blocks(tuning: Tuning, rows: int, vocab: int, *, on_gpu: bool) -> tuple[int, int]:
+    defaults = GPU_DEFAULTS if on_gpu else INTERPRET_DEFAULTS
+    block_rows = check_power_of_two(tuning.block_rows or defaults.block_rows, "block_rows", "pallas")
+    block_vocab = check_power_of_two(tuning.vocab_block or defaults.vocab_block, "vocab_block", "pallas")
     # No wider than needed: a small vocabulary or batch takes one (masked) block.
     return min(block_rows, _next_pow2(max(rows, 1))), min(block_vocab, _next_pow2(vocab))
 
@@ -202,10 +191,13 @@ def _call(
     n_cols: int,
     vocab: int,
     fields: tuple[str, ...] = (),
-    tuning: Optional[PallasTuning] = None,
+    tuning: Optional[Tuning] = None,
 ) -> tuple[Array, ...]:
-    """Run the kernel in ``mode`` over ``inputs`` (``inputs[0]`` is ``x [N, n_cols]``)."""
-    tuning = tuning or TUNING
+    """Run the kernel in ``mode`` over ``inputs`` (``inputs[0]`` is ``x [N, n_cols]``), with the
+    :class:`lossspec.Tuning` fields ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``,
+    ``interpret`` and ``debug`` of ``tuning`` (``None``: :data:`GPU_DEFAULTS` /
+    :data:`INTERPRET_DEFAULTS`)."""
+    tuning = tuning or DEFAULT_TUNING
     n = inputs[0].shape[0]
     # Inside shard_map (check_vma) every operand and result must carry the same varying axes.
     axes = varying_axes(*inputs)
@@ -226,7 +218,7 @@ def _call(
             grid=(pl.cdiv(n, block_rows),),
             interpret=interpret,
             debug=tuning.debug,
-            compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps or 4, num_stages=tuning.num_stages),
+            compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps or GPU_DEFAULTS.num_warps, num_stages=tuning.num_stages),
             name=f"jaxloss_{cfg.kind}_{mode}",
         )
 
@@ -286,7 +278,7 @@ def fused(
     coef: Array,
     *,
     with_grad: bool = True,
-    tuning: Optional[PallasTuning] = None,
+    tuning: Optional[Tuning] = None,
     mode: str = "fused",
 ) -> tuple[Array, Optional[Array]]:
     """Per-token loss ``[N]`` fp32 (0 where ``coef == 0``, not multiplied by ``coef``) and the
@@ -312,7 +304,7 @@ def stats_fields(cfg: KernelConfig) -> tuple[str, ...]:
     return tuple(name for name in Stats._fields if getattr(template, name) is not None)
 
 
-def shard_stats(cfg: KernelConfig, x: Array, target: Array, *, tuning: Optional[PallasTuning] = None) -> Stats:
+def shard_stats(cfg: KernelConfig, x: Array, target: Array, *, tuning: Optional[Tuning] = None) -> Stats:
     """Mode "stats": pass 1 only, the per-row :class:`Stats` ``[N]`` of ``x`` ``[N, V_local]``
     relative to its own maxima (a vocab-parallel shard; ``target``: shifted labels or the
     teacher's slice). No collective; :mod:`jaxloss.backends.vocab_parallel` combines the shards."""
@@ -325,7 +317,7 @@ def shard_stats(cfg: KernelConfig, x: Array, target: Array, *, tuning: Optional[
 
 def shard_grad(
     cfg: KernelConfig, fin: Final, x: Array, target: Array, coef: Array, *, vocab: int,
-    tuning: Optional[PallasTuning] = None,
+    tuning: Optional[Tuning] = None,
 ) -> Array:
     """Mode "grad": pass 2 only, ``coef * c * dl/dz`` ``[N, V_local]`` (logits' dtype) of this
     shard from the global :class:`Final` statistics; ``vocab`` is the global ``V``."""

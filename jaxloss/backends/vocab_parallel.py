@@ -38,9 +38,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import IMPLEMENTATIONS, xla as _xla
+from lossspec import Tuning
 from lossspec.stats import finalize_mixture
 
+from . import IMPLEMENTATIONS, xla as _xla
 from .._block import (
     F32,
     Final,
@@ -91,7 +92,7 @@ def axis_arg(axes: Sequence[str]) -> AxisName:
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def local_stats(cfg: KernelConfig, x: Array, target: Array, impl: str, tuning: Any) -> Stats:
+def local_stats(cfg: KernelConfig, x: Array, target: Array, impl: str, tuning: Optional[Tuning]) -> Stats:
     """Step 1: statistics ``[N]`` of this shard relative to its own maxima (no collective).
 
     ``target``: labels shifted into this shard's column ids (``labels - offset``; other shards'
@@ -145,7 +146,7 @@ def losses(
     axes: Sequence[str],
     vocab: int,
     impl: str,
-    tuning: Any,
+    tuning: Optional[Tuning],
     with_grad: bool,
 ) -> tuple[Array, Optional[Array], Final]:
     """Per-token loss ``[N]`` (the same on every shard; 0 where ``coef == 0``), this shard's
@@ -158,40 +159,39 @@ def losses(
         return empty, (jnp.zeros(x.shape, x.dtype) if with_grad else None), fin
     fin = finalize(cfg, combine_shards(cfg, local_stats(cfg, x, target, impl, tuning), x, axes), vocab)
     if cfg.mixture_pass:
-        fin = mixture_shards(cfg, fin, x, target, axes)
+        fin = mixture_shards(cfg, fin, x, target, axes, tuning)
     loss = jnp.where(coef != 0, fin.l, 0.0)
     if not with_grad:
         return loss, None, fin
     return loss, shard_grad(cfg, fin, x, target, coef, vocab=vocab, impl=impl, tuning=tuning), fin
 
 
-def mixture_shards(cfg: KernelConfig, fin: Final, x: Array, target: Array, axes: Sequence[str]) -> Final:
+def mixture_shards(cfg: KernelConfig, fin: Final, x: Array, target: Array, axes: Sequence[str], tuning: Optional[Tuning] = None) -> Final:
     """``jensen_shannon``'s second pass (:mod:`lossspec.stats`): each shard's mixture sums from the
-    global ``lse``'s (:func:`mixture_shard_sums`, tiled; no collective), one ``psum`` of the two
-    ``[N]`` sums, then the loss. The same code for both impls (it reads the shard once more)."""
-    sums = mixture_shard_sums(cfg, fin, x, target)
+    global ``lse``'s (:func:`mixture_shard_sums`, tiled by ``tuning``'s XLA fields; no collective),
+    one ``psum`` of the two ``[N]`` sums, then the loss. The same code for both impls (it reads the
+    shard once more)."""
+    sums = mixture_shard_sums(cfg, fin, x, target, tuning)
     kl_qm, kl_pm = lax.psum(varying_like(sums, x), axis_arg(axes))
     return finalize_mixture(jnp, cfg, fin, kl_qm, kl_pm)
 
 
 def mixture_shard_sums(
-    cfg: KernelConfig, fin: Final, x: Array, target: Array, tuning: Optional[_xla.XlaTuning] = None
+    cfg: KernelConfig, fin: Final, x: Array, target: Array, tuning: Optional[Tuning] = None
 ) -> tuple[Array, Array]:
     """This shard's :data:`lossspec.MIXTURE_STATS` ``(kl_qm, kl_pm)`` ``[N]`` fp32 from the global
-    :class:`Final`, tiled like the XLA driver (:class:`jaxloss.backends.xla.XlaTuning`): chunks of
+    :class:`Final`, tiled like the XLA driver (:func:`jaxloss.backends.xla.blocking`, whatever the impl): chunks of
     ``R = chunk_elements // B`` rows, each in column blocks of ``B = vocab_block`` columns when
-    the shard is wider than ``max_single_block_vocab`` (else the whole width), so the fp32
+    the shard is wider than ``single_block_vocab`` (else the whole width), so the fp32
     temporaries are one ``[R, B]`` block, whatever the shard's width. The sums are plain sums
     relative to the global ``lse``'s: blocks add. As in the driver, the last chunk / block is
     moved back to end at ``N`` / ``V_local`` (rows written twice get the same values; columns
     read twice are masked out of the sum), so no padded copy is made."""
-    tuning = tuning or _xla.TUNING
     n, width = x.shape
     zero = jnp.zeros((n,), F32)
     if n == 0 or width == 0:
         return zero, zero
-    block = min(width, tuning.vocab_block) if width > tuning.max_single_block_vocab else width
-    rows = max(1, min(n, tuning.chunk_elements // block))
+    _, block, rows = _xla.blocking(tuning, n, width)
     num_chunks, num_blocks = -(-n // rows), -(-width // block)
     x_store, x_logical = _xla.storage(x)
     t_store, t_logical = _xla.storage(target)
@@ -218,7 +218,7 @@ def mixture_shard_sums(
 
 
 def shard_grad(
-    cfg: KernelConfig, fin: Final, x: Array, target: Array, coef: Array, *, vocab: int, impl: str, tuning: Any
+    cfg: KernelConfig, fin: Final, x: Array, target: Array, coef: Array, *, vocab: int, impl: str, tuning: Optional[Tuning]
 ) -> Array:
     """Step 3: this shard's gradient from the global :class:`Final` (no collective).
     ``target`` as in :func:`local_stats` (labels already shifted)."""

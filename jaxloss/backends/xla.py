@@ -10,13 +10,13 @@ combination and the gradient of a block are :mod:`jaxloss._block` (the formulati
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lossspec import Tuning
 from lossspec import stats as _shared
 
 from .._block import F32, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, mixture_block, varying_like
@@ -24,23 +24,24 @@ from .._block import F32, KernelConfig, Stats, block_stats, combine, empty_stats
 Array = jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class XlaTuning:
-    """Chunk sizes of the XLA driver (static; tests shrink them to exercise every branch).
-
-    ``chunk_elements``: elements of one row chunk ``[R, V]`` (``R = chunk_elements // V``);
-    2**20 elements (4 MiB in fp32) keeps a chunk's fp32 temporaries in L2/L3 while it is
-    processed and the loop overhead low (2**19 to 2**22 measured within noise of each other on
-    a 2-core CPU). Vocabularies above ``max_single_block_vocab`` are processed in blocks of
-    ``vocab_block`` columns with online statistics.
-    """
-
-    chunk_elements: int = 1 << 20
-    max_single_block_vocab: int = 1 << 18
-    vocab_block: int = 1 << 16
+#: The defaults of the :class:`lossspec.Tuning` fields the XLA driver reads (``None`` there).
+#: ``chunk_elements``: 2**20 elements (4 MiB in fp32) keeps a chunk's fp32 temporaries in L2/L3
+#: while it is processed and the loop overhead low (2**19 to 2**22 measured within noise of each
+#: other on a 2-core CPU). Rows wider than ``single_block_vocab`` are processed in blocks of
+#: ``vocab_block`` columns with online statistics.
+DEFAULTS = Tuning(vocab_block=1 << 16, single_block_vocab=1 << 18, chunk_elements=1 << 20)
 
 
-TUNING = XlaTuning()
+def blocking(tuning: Optional[Tuning], rows: int, width: int) -> tuple[bool, int, int]:
+    """``(blocked, B, R)`` for ``rows`` rows of ``width`` columns: whether a row is processed in
+    vocabulary blocks (it is wider than ``single_block_vocab``), the columns of one block
+    (``vocab_block``; the whole row if not blocked) and the rows of one chunk
+    (``R = chunk_elements // B``), from ``tuning``'s fields or :data:`DEFAULTS`."""
+    tuning = tuning or DEFAULTS
+    single = tuning.single_block_vocab or DEFAULTS.single_block_vocab
+    blocked = width > single
+    block = min(width, tuning.vocab_block or DEFAULTS.vocab_block) if blocked else width
+    return blocked, block, max(1, min(rows, (tuning.chunk_elements or DEFAULTS.chunk_elements) // max(block, 1)))
 
 
 HIGHER_ORDER_16BIT_MESSAGE = (
@@ -98,7 +99,7 @@ def fused(
     coef: Array,
     *,
     with_grad: bool = True,
-    tuning: Optional[XlaTuning] = None,
+    tuning: Optional[Tuning] = None,
 ) -> tuple[Array, Optional[Array]]:
     """Per-token loss and gradient in one pass over the logits (XLA).
 
@@ -108,20 +109,19 @@ def fused(
       target: safe labels ``[N]`` int32 (0 where invalid) or teacher logits ``[N, V]``.
       coef: per-token coefficient ``[N]`` fp32 (``weight / D``, or ``weight`` for "none").
       with_grad: also compute the gradient.
-      tuning: chunk sizes (default :data:`TUNING`).
+      tuning: the block and chunk sizes (:func:`blocking`: the fields ``vocab_block``,
+        ``single_block_vocab`` and ``chunk_elements`` of :class:`lossspec.Tuning`; ``None`` or a
+        ``None`` field: :data:`DEFAULTS`).
 
     Returns:
       ``(l, grad)``: the per-token loss ``l`` ``[N]`` fp32 (0 where ``coef == 0``; *not*
       multiplied by ``coef``) and ``grad = coef * c * dl/dz`` ``[N, V]`` in the logits'
       dtype (rounded once from fp32), or ``None``.
     """
-    tuning = tuning or TUNING
     n, vocab = x.shape
     if n == 0:
         return jnp.zeros((0,), F32), (jnp.zeros(x.shape, x.dtype) if with_grad else None)
-    blocked = vocab > tuning.max_single_block_vocab
-    width = min(vocab, tuning.vocab_block) if blocked else vocab
-    rows = max(1, min(n, tuning.chunk_elements // width))
+    blocked, width, rows = blocking(tuning, n, vocab)
     num_chunks = -(-n // rows)
     x_store, x_logical = storage(x)
     t_store, t_logical = storage(target) if cfg.has_teacher else (target, None)
@@ -135,7 +135,7 @@ def fused(
         tc = lax.dynamic_slice_in_dim(t_store, start, rows, 0)
         cc = lax.dynamic_slice_in_dim(coef, start, rows, 0)
         if blocked:
-            loss, grad_buf = _chunk_blocked(cfg, tuning, xc, x_logical, tc, t_logical, cc, grad_buf, start, x.dtype)
+            loss, grad_buf = _chunk_blocked(cfg, width, xc, x_logical, tc, t_logical, cc, grad_buf, start, x.dtype)
         else:
             loss, grad = _chunk_single(cfg, xc, x_logical, tc, t_logical, cc, with_grad, x.dtype)
             if with_grad:
@@ -188,7 +188,7 @@ def _chunk_single(
 
 def _chunk_blocked(
     cfg: KernelConfig,
-    tuning: XlaTuning,
+    width: int,
     xc: Array,
     x_logical: Optional[jnp.dtype],
     tc: Array,
@@ -199,9 +199,8 @@ def _chunk_blocked(
     dtype: jnp.dtype,
 ) -> tuple[Array, Optional[Array]]:
     """Rows of a large vocabulary: pass 1 folds the statistics of vocabulary blocks (online
-    max and sum-exp), pass 2 writes the gradient block by block."""
+    max and sum-exp), pass 2 writes the gradient block by block, ``width`` columns a block."""
     rows, vocab = xc.shape
-    width = min(vocab, tuning.vocab_block)
     num_blocks = -(-vocab // width)
 
     def window(j: Array) -> tuple[Array, Array, Array, Array]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -60,13 +60,14 @@ def quiet() -> Iterator[None]:
 
 
 def run(
-    case: lossspec.Case, impl: str, *, grad_output: Any = None, denominator: Any = None, **options: Any
+    case: lossspec.Case, impl: str, *, grad_output: Any = None, denominator: Any = None, tuning: Optional[lossspec.Tuning] = None,
+    **options: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Loss and ``d(sum(loss * grad_output))/dlogits`` of ``case`` by ``torchloss`` (on
-    :func:`device_for` ``impl``), as float64 arrays."""
+    :func:`device_for` ``impl``, with ``tuning``), as float64 arrays."""
     logits, target, mask = inputs(case, device=device_for(impl))
     with quiet():
-        loss = FUNCTIONS[case.kind](logits, target, mask, impl=impl, denominator=denominator, **options)
+        loss = FUNCTIONS[case.kind](logits, target, mask, impl=impl, denominator=denominator, tuning=tuning, **options)
         assert loss.dtype == torch.float32, loss.dtype
         upstream = torch.ones_like(loss) if grad_output is None else torch.as_tensor(grad_output, dtype=loss.dtype).to(loss.device)
         loss.backward(upstream.expand_as(loss))
@@ -75,17 +76,19 @@ def run(
 
 
 def check(
-    case: lossspec.Case, impl: str, *, grad_output: Any = None, denominator: Any = None, **options: Any
+    case: lossspec.Case, impl: str, *, grad_output: Any = None, denominator: Any = None, tuning: Optional[lossspec.Tuning] = None,
+    **options: Any,
 ) -> tuple[lossspec.Comparison, lossspec.Comparison]:
     """Run ``case`` and assert it meets SPEC section 6 against the oracle (same options).
 
-    ``denominator`` may be a torch tensor (the oracle gets its value)."""
+    ``denominator`` may be a torch tensor (the oracle gets its value); ``tuning`` (the block and
+    tile sizes) goes to torchloss only."""
     ref_options = dict(options)
     if grad_output is not None:
         ref_options["grad_output"] = np.asarray(grad_output, dtype=np.float64)
     if denominator is not None:
         ref_options["denominator"] = float(denominator)
     ref = case.reference(**ref_options)
-    loss, grad = run(case, impl, grad_output=grad_output, denominator=denominator, **options)
+    loss, grad = run(case, impl, grad_output=grad_output, denominator=denominator, tuning=tuning, **options)
     what = f"{impl}:{case.name}:{options or ''}"
     return lossspec.assert_close_to_oracle(loss, grad, ref.loss, ref.grad, dtype=case.dtype, g0=ref.g0, what=what)

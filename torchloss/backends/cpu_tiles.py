@@ -36,10 +36,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-# Elements of one tile (rows x vocabulary block): 2**20 fp32 = 4 MiB per buffer. Smaller tiles
-# stay in a core's cache between the passes made over them but pay the per-op overhead of the
-# small ATen ops once more per tile; 2**20 measured fastest on every kind (from 2**15 to 2**21).
-TILE_ELEMENTS: int = 1 << 20
+from lossspec import Tuning
+
+# The default of lossspec.Tuning.cpu_tile_elements, the elements of one tile on the CPU (rows x
+# vocabulary block): 2**20 fp32 = 4 MiB per buffer. Smaller tiles stay in a core's cache between
+# the passes made over them but pay the per-op overhead of the small ATen ops once more per tile;
+# 2**20 measured fastest on every kind (from 2**15 to 2**21).
+DEFAULTS = Tuning(cpu_tile_elements=1 << 20)
 # Off the CPU (CUDA): one tile runs ~20 kernel launches and their host overhead (~10 us each), so
 # a tile must be large enough for each launch to move megabytes: 2**25 fp32 = 128 MiB per buffer.
 # At 2**20 a 16384 x 131072 cross-entropy took 2048 tiles and 2 s on an H200 (the Triton kernel: 4 ms).
@@ -56,10 +59,15 @@ Tile = tuple[int, int, "tuple[list[tuple[int, int]], Tensor, Tensor] | None"]
 T = TypeVar("T")
 
 
-def tile_elements(device: torch.device, buffers: int = 1) -> int:
-    """Elements of one tile on ``device`` for a kind taking ``buffers`` scratch buffers:
-    :data:`TILE_ELEMENTS` on the CPU, half that for 4 buffers or more, else
-    :data:`DEVICE_TILE_ELEMENTS`.
+def cpu_tile_budget(tuning: Optional[Tuning]) -> int:
+    """``tuning.cpu_tile_elements``, or its default (:data:`DEFAULTS`)."""
+    return (tuning or DEFAULTS).cpu_tile_elements or DEFAULTS.cpu_tile_elements  # type: ignore[return-value]
+
+
+def tile_elements(device: torch.device, buffers: int = 1, tuning: Optional[Tuning] = None) -> int:
+    """Elements of one tile on ``device`` for a kind taking ``buffers`` scratch buffers: on the
+    CPU ``tuning.cpu_tile_elements`` (:func:`cpu_tile_budget`), half that for 4 buffers or more;
+    elsewhere :data:`DEVICE_TILE_ELEMENTS`.
 
     Two workers' buffers must share a 32 MiB L3: a pass-by-pass kernel over four 4 MiB buffers
     per worker ran 1.5x slower on two threads at 2**20 than at 2**19 (2-core EPYC). Jensen-Shannon
@@ -69,7 +77,8 @@ def tile_elements(device: torch.device, buffers: int = 1) -> int:
     """
     if device.type != "cpu":
         return DEVICE_TILE_ELEMENTS
-    return TILE_ELEMENTS if buffers < 4 else max(1, TILE_ELEMENTS // 2)
+    budget = cpu_tile_budget(tuning)
+    return budget if buffers < 4 else max(1, budget // 2)
 
 
 def row_tiles(rows: int, tile_rows: int) -> list[Tile]:
@@ -204,19 +213,19 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
         return _POOL[1]
 
 
-def scale_rows_(grad: Tensor, factor: Tensor) -> Tensor:
+def scale_rows_(grad: Tensor, factor: Tensor, tuning: Optional[Tuning] = None) -> Tensor:
     """``grad *= factor`` in place, ``factor`` ``[N, 1]`` (per row) in the compute dtype: the
     product is formed in the compute dtype and rounded once to ``grad``'s dtype.
 
     On the CPU a 16-bit ``grad`` goes tile by tile through the worker pool (upcast, multiply,
     round): the same numbers as ``grad.mul_(factor)``, whose mixed-dtype broadcast is ~10x
-    slower there.
+    slower there. Tiles of ``tuning.cpu_tile_elements`` (:func:`cpu_tile_budget`).
     """
     acc = factor.dtype
     if grad.device.type != "cpu" or grad.dtype == acc or grad.dim() != 2 or grad.numel() == 0:
         return grad.mul_(factor)
     rows, vocab = grad.shape
-    tile_rows = max(1, min(rows, TILE_ELEMENTS // max(vocab, 1)))
+    tile_rows = max(1, min(rows, cpu_tile_budget(tuning) // max(vocab, 1)))
 
     def run(part: Iterable[Tile]) -> None:
         buf = torch.empty(tile_rows * vocab, dtype=acc)

@@ -11,7 +11,7 @@ Interface (identical to :mod:`torchloss.backends.triton`)::
 the per-token loss ``l`` is 0 where ``coef == 0``.
 
 The rows are processed in tiles (``_cpu.tile_elements``: larger off the CPU) in the compute dtype. When the whole
-vocabulary fits one block (``V <= MAX_VOCAB_BLOCK``, the common case) the exponentials of the
+vocabulary fits one block (``V <= vocab_block``, the common case) the exponentials of the
 statistics pass stay in the tile's scratch buffer (for fp32 logits: in the gradient tile itself)
 and the gradient is finished there: the logits are read once from memory. Larger vocabularies
 take two passes (the gradient recomputes the exponentials from the final statistics), as a
@@ -28,18 +28,19 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lossspec import LossConfig
+from lossspec import LossConfig, Tuning
 from lossspec import stats as lossspec_stats
 
 from . import cpu_tiles as _cpu
 from .. import _block
 from .._block import compute_dtype
 
-__all__ = ["forward", "regrad_", "compute_dtype", "MAX_VOCAB_BLOCK"]
+__all__ = ["forward", "regrad_", "compute_dtype", "DEFAULTS"]
 
-# Largest vocabulary block; longer rows are processed block by block (two passes). Whole rows
-# are faster (one pass, the exponentials kept), so the block is large: 2**21 fp32 is 8 MiB.
-MAX_VOCAB_BLOCK: int = 1 << 21
+# The default of lossspec.Tuning.vocab_block here, the largest vocabulary block; longer rows are
+# processed block by block (two passes). Whole rows are faster (one pass, the exponentials kept),
+# so the block is large: 2**21 fp32 is 8 MiB. (The CPU tile: torchloss.backends.cpu_tiles.DEFAULTS.)
+DEFAULTS = Tuning(vocab_block=1 << 21)
 
 
 def forward(
@@ -50,6 +51,7 @@ def forward(
     *,
     need_grad: bool = True,
     out: Optional[Tensor] = None,
+    tuning: Optional[Tuning] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Per-token loss ``[N]`` and gradient ``[N, V]`` (see the module docstring).
 
@@ -61,6 +63,8 @@ def forward(
       need_grad: compute the gradient (``False``: loss only, no ``[N, V]`` buffer).
       out: where to write the gradient (``logits`` itself for ``inplace=True``); allocated
         when ``None``.
+      tuning: the :class:`lossspec.Tuning` fields ``vocab_block`` (:data:`DEFAULTS`) and
+        ``cpu_tile_elements`` (``torchloss.backends.cpu_tiles.DEFAULTS``); ``None``: the defaults.
     """
     rows, vocab = logits.shape
     acc = compute_dtype(logits.dtype)
@@ -70,14 +74,14 @@ def forward(
         grad = out if out is not None else torch.empty((rows, vocab), dtype=logits.dtype, device=device)
     if rows == 0:
         return torch.zeros(rows, dtype=acc, device=device), grad
-    block = min(vocab, MAX_VOCAB_BLOCK)
-    tile_rows = max(1, min(rows, _cpu.tile_elements(device, _block.buffers_needed(config.kind)) // block))
+    block = min(vocab, (tuning or DEFAULTS).vocab_block or DEFAULTS.vocab_block)  # type: ignore[type-var]
+    tile_rows = max(1, min(rows, _cpu.tile_elements(device, _block.buffers_needed(config.kind), tuning) // block))
     tiles = _cpu.row_tiles(rows, tile_rows)
     if device.type == "cpu" and block == vocab and logits.dtype != acc:
         # Compact tiles hold fp32 copies of the valid rows (and teacher rows) besides the scratch
         # buffers, unless block_stats takes them as scratch: their tile size counts them.
         copies = 0 if _block.shifts_inputs(config.kind) else 1 + config.is_distill
-        compact_rows = max(1, min(rows, _cpu.tile_elements(device, _block.buffers_needed(config.kind) + copies) // block))
+        compact_rows = max(1, min(rows, _cpu.tile_elements(device, _block.buffers_needed(config.kind) + copies, tuning) // block))
         compact = _cpu.compact_tiles(coef, compact_rows)
         if compact is not None:
             tiles, tile_rows = compact, compact_rows
@@ -125,12 +129,14 @@ class RowStats:
         return _block.Stats(**dict(zip(self.names, self.table)))
 
 
-def regrad_(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor) -> Tensor:
+def regrad_(
+    config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor, *, tuning: Optional[Tuning] = None
+) -> Tensor:
     """Rewrite ``grad`` as the gradient for the upstream gradient ``upstream`` (``[1]``, or
     ``[N]`` per token, compute dtype): :func:`forward` with ``coef * upstream``, so that the
     result is rounded once to ``grad``'s dtype (the backward of 16-bit logits)."""
     scaled = torch.where(coef != 0, coef * upstream, 0.0)
-    forward(config, logits, target, scaled, need_grad=True, out=grad)
+    forward(config, logits, target, scaled, need_grad=True, out=grad, tuning=tuning)
     return grad
 
 

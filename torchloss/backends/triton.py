@@ -17,7 +17,7 @@ statistics (``torchloss._block.combine``), finalises them (``torchloss._block.fi
 hands the result to :func:`shard_grad`.
 
 Kernels: one per job (``fused_kernel``, ``regrad_kernel``, ``shard_stats_kernel``,
-``shard_grad_kernel``), one program per row, vocabulary blocks of up to :data:`MAX_BLOCK_V`
+``shard_grad_kernel``), one program per row, vocabulary blocks of up to ``tuning.vocab_block`` (:data:`DEFAULTS`)
 columns; see ``docs/triton_kernels.md``.
 
 On a machine without CUDA this module sets ``TRITON_INTERPRET=1`` (unless set already) before the
@@ -33,7 +33,7 @@ import functools
 import math
 import os
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -47,20 +47,22 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import lossspec  # noqa: E402
-from lossspec import LossConfig  # noqa: E402
+from lossspec import LossConfig, Tuning  # noqa: E402
+from lossspec.tuning import check_power_of_two  # noqa: E402
 
 from . import triton_kernels as K  # noqa: E402
 from .._block import Final, Stats, compute_dtype  # noqa: E402
 
-__all__ = ["forward", "regrad_", "shard_stats", "shard_grad", "INTERPRETED", "MAX_BLOCK_V"]
+__all__ = ["forward", "regrad_", "shard_stats", "shard_grad", "INTERPRETED", "DEFAULTS"]
 
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Triton's own library functions (tl.max, tl.sum, ...) are interpreted only if the variable was
 # set before triton was first imported.
 _LANGUAGE_INTERPRETED: bool = type(tl.max).__name__ == "InterpretedFunction"
-# Largest vocabulary block of one loop iteration (a power of two). Tests lower it to run the
-# block loop and the ragged tail on small vocabularies.
-MAX_BLOCK_V: int = 1024 if INTERPRETED else 4096
+# The default of lossspec.Tuning.vocab_block here: the largest vocabulary block of one loop
+# iteration (a power of two). Tests pass a smaller one (tuning=) to run the block loop and the
+# ragged tail on small vocabularies. (num_warps: see num_warps below.)
+DEFAULTS = Tuning(vocab_block=1024 if INTERPRETED else 4096)
 
 # Interpreted launches from two threads at once fail (the interpreter patches triton.language
 # globally for the duration of a launch); compiled launches need no lock.
@@ -86,9 +88,11 @@ def num_warps(block_v: int, job: str = "fused", softcap: bool = False) -> int:
     return max(4, min(16, block_v // per_warp))
 
 
-def block_size(width: int) -> int:
-    """Columns per block: the vocabulary rounded up to a power of two, at most :data:`MAX_BLOCK_V`."""
-    return min(triton.next_power_of_2(max(width, 1)), MAX_BLOCK_V)
+def block_size(width: int, tuning: Optional[Tuning] = None) -> int:
+    """Columns per block: the vocabulary rounded up to a power of two, at most
+    ``tuning.vocab_block`` (a power of two; default :data:`DEFAULTS`)."""
+    vocab_block = (tuning or DEFAULTS).vocab_block or DEFAULTS.vocab_block
+    return min(triton.next_power_of_2(max(width, 1)), check_power_of_two(vocab_block, "vocab_block", "triton"))  # type: ignore[arg-type]
 
 
 def constexprs(job: str, config: LossConfig, logits_dtype: torch.dtype, block_v: int, *, write_grad: bool = True) -> dict[str, Any]:
@@ -155,10 +159,12 @@ def _unit_stride(name: str, tensor: Tensor) -> None:
         raise ValueError(f"the Triton kernels need a unit stride along the vocabulary ({name})")
 
 
-def _launch(job: str, config: LossConfig, logits: Tensor, args: tuple, *, write_grad: bool = True) -> None:
-    """Launch ``job``'s kernel over the rows of ``logits`` with the positional ``args``."""
+def _launch(job: str, config: LossConfig, logits: Tensor, args: tuple, *, write_grad: bool = True, tuning: Optional[Tuning] = None) -> None:
+    """Launch ``job``'s kernel over the rows of ``logits`` with the positional ``args``, with the
+    :class:`lossspec.Tuning` fields ``vocab_block`` (:func:`block_size`) and ``num_warps``
+    (default :func:`num_warps`) of ``tuning``."""
     rows, width = logits.shape
-    block_v = block_size(width)
+    block_v = block_size(width, tuning)
     kernel: Callable[..., Any] = KERNELS[job]
     meta = constexprs(job, config, logits.dtype, block_v, write_grad=write_grad)
     # The interpreter evaluates masked lanes with NumPy (-inf - -inf, 0 * inf) and would warn about
@@ -168,8 +174,8 @@ def _launch(job: str, config: LossConfig, logits: Tensor, args: tuple, *, write_
         guard.enter_context(np.errstate(all="ignore"))
         guard.enter_context(INTERPRETER_LOCK)
     with guard:
-        kernel[(rows,)](*args, **meta, num_warps=num_warps(block_v, job, meta["SOFTCAP"] or meta["TEACHER_SOFTCAP"]),
-                        enable_fp_fusion=FP_FUSION)
+        warps = (tuning.num_warps if tuning is not None else None) or num_warps(block_v, job, meta["SOFTCAP"] or meta["TEACHER_SOFTCAP"])
+        kernel[(rows,)](*args, **meta, num_warps=warps, enable_fp_fusion=FP_FUSION)
 
 
 def _teacher_and_labels(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor) -> tuple[Tensor, Tensor]:
@@ -191,6 +197,7 @@ def forward(
     *,
     need_grad: bool = True,
     out: Tensor | None = None,
+    tuning: Optional[Tuning] = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token loss ``[N]`` (compute dtype; 0 where ``coef == 0``) and, with ``need_grad``, the
     gradient ``coef * c * dl/dz`` ``[N, V]`` in the logits' dtype (written into ``out`` when
@@ -211,11 +218,13 @@ def forward(
     grad_arg = grad if grad is not None else logits  # a pointer of the logits' dtype, never written
     args = (logits, teacher, labels, coef.to(acc), params_for(config, acc, device), loss, grad_arg,
             width, logits.stride(0), teacher.stride(0), grad_arg.stride(0))
-    _launch("fused", config, logits, args, write_grad=grad is not None)
+    _launch("fused", config, logits, args, write_grad=grad is not None, tuning=tuning)
     return loss, grad
 
 
-def regrad_(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor) -> Tensor:
+def regrad_(
+    config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor, *, tuning: Optional[Tuning] = None
+) -> Tensor:
     """Rewrite ``grad`` as the gradient for the upstream gradient ``upstream`` (``[1]``, or ``[N]``
     per token, compute dtype), rounded once from the compute dtype: ``regrad_kernel`` reads
     ``upstream`` on the device (no host synchronisation) and recomputes only the rows where it is
@@ -233,11 +242,11 @@ def regrad_(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, up
     teacher, labels = _teacher_and_labels(config, logits, target, coef)
     args = (logits, teacher, labels, coef.to(acc), up, params_for(config, acc, logits.device), grad,
             width, logits.stride(0), teacher.stride(0), grad.stride(0), 0 if up.numel() == 1 else 1)
-    _launch("regrad", config, logits, args)
+    _launch("regrad", config, logits, args, tuning=tuning)
     return grad
 
 
-def shard_stats(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, offset: int) -> Any:
+def shard_stats(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, offset: int, tuning: Optional[Tuning] = None) -> Any:
     """Vocab-parallel pass 1 (``shard_stats_kernel``): this shard's per-row statistics, a
     ``torchloss._block.Stats`` with the fields ``lossspec.stats_used(config)`` (the others
     ``None``), each a contiguous ``[N]`` tensor in the compute dtype, in lossspec's convention
@@ -257,7 +266,7 @@ def shard_stats(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor
         teacher, labels = _teacher_and_labels(config, logits, target, coef)
         args = (logits, teacher, labels, coef.to(acc), params_for(config, acc, device), buf,
                 width, offset, logits.stride(0), teacher.stride(0), buf.stride(0))
-        _launch("shard_stats", config, logits, args)
+        _launch("shard_stats", config, logits, args, tuning=tuning)
     return Stats(**{name: buf[lossspec.ROW_STAT_INDEX[name]] for name in lossspec.stats_used(config)})
 
 
@@ -266,7 +275,8 @@ _FINAL_DEFAULTS = {"q_coef": 1.0}
 
 
 def shard_grad(
-    config: LossConfig, fin: Final, logits: Tensor, target: Tensor, coef: Tensor, offset: int, vocab: int, out: Tensor
+    config: LossConfig, fin: Final, logits: Tensor, target: Tensor, coef: Tensor, offset: int, vocab: int, out: Tensor,
+    tuning: Optional[Tuning] = None,
 ) -> Tensor:
     """Vocab-parallel pass 2 (``shard_grad_kernel``): this shard's ``coef * c * dl/dz`` from the
     global statistics ``fin`` (a ``torchloss._block.Final`` from ``finalize(config, stats,
@@ -290,6 +300,6 @@ def shard_grad(
     teacher, labels = _teacher_and_labels(config, logits, target, coef)
     args = (logits, teacher, labels, coef.to(acc), params_for(config, acc, device), final, out,
             width, vocab, offset, logits.stride(0), teacher.stride(0), out.stride(0), final.stride(0))
-    _launch("shard_grad", config, logits, args)
+    _launch("shard_grad", config, logits, args, tuning=tuning)
     return out
 

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lossspec import LossConfig
+from lossspec import LossConfig, Tuning
 
 from . import cpu_tiles as _cpu
 from .. import _block
@@ -54,18 +54,18 @@ def shard_offset(vocab_local: int, group: Any, device: torch.device) -> tuple[in
     return sum(counts[:rank]), sum(counts)
 
 
-def _tile_rows(rows: int, width: int, device: torch.device) -> int:
-    return max(1, min(rows, _cpu.tile_elements(device) // max(1, width)))
+def _tile_rows(rows: int, width: int, device: torch.device, tuning: Optional[Tuning]) -> int:
+    return max(1, min(rows, _cpu.tile_elements(device, 1, tuning) // max(1, width)))
 
 
-def local_stats(config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, offset: int) -> Any:
+def local_stats(config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, offset: int, tuning: Optional[Tuning] = None) -> Any:
     """Step 1 on this rank's shard (global ids ``[offset, offset + V_local)``), no collective:
     :class:`_block.Stats` ``[N]`` relative to the shard's maxima; ``x_y`` is the label's raw
     logit where this shard owns the label, else 0."""
     rows, width = x.shape
     acc = compute_dtype(x.dtype)
     is_ce = config.has_labels
-    tile_rows = _tile_rows(rows, width, x.device)
+    tile_rows = _tile_rows(rows, width, x.device, tuning)
     parts: dict[int, Any] = {}
 
     def run(tiles: Iterable[_cpu.Tile]) -> None:
@@ -119,15 +119,15 @@ def combine_shards(config: LossConfig, local: Any, group: Any) -> Any:
     return glob._replace(**dict(zip(names, sums.unbind(0))))
 
 
-def mixture_shard_sums(config: LossConfig, fin: Any, x: Tensor, target: Tensor) -> Tensor:
+def mixture_shard_sums(config: LossConfig, fin: Any, x: Tensor, target: Tensor, tuning: Optional[Tuning] = None) -> Tensor:
     """This shard's :data:`lossspec.MIXTURE_STATS` ``[2, N]`` (``kl_qm``, ``kl_pm``) from the global
     :class:`_block.Final`, no collective, tiled: row tiles of column blocks of at most
-    ``_cpu.tile_elements`` entries (the sums are plain sums, relative to the global ``lse``'s,
+    ``_cpu.tile_elements`` entries (``tuning.cpu_tile_elements`` on the CPU) (the sums are plain sums, relative to the global ``lse``'s,
     so blocks simply add), so the fp32 temporaries never grow with the shard's width."""
     rows, width = x.shape
     sums = torch.zeros((2, rows), dtype=fin.s.dtype, device=x.device)
-    block = max(1, min(width, _cpu.tile_elements(x.device)))
-    tile_rows = _tile_rows(rows, block, x.device)
+    block = max(1, min(width, _cpu.tile_elements(x.device, 1, tuning)))
+    tile_rows = _tile_rows(rows, block, x.device, tuning)
 
     def run(tiles: Iterable[_cpu.Tile]) -> None:
         with torch.no_grad():
@@ -144,26 +144,27 @@ def mixture_shard_sums(config: LossConfig, fin: Any, x: Tensor, target: Tensor) 
     return sums
 
 
-def mixture_shards(config: LossConfig, fin: Any, x: Tensor, target: Tensor, group: Any) -> Any:
+def mixture_shards(config: LossConfig, fin: Any, x: Tensor, target: Tensor, group: Any, tuning: Optional[Tuning] = None) -> Any:
     """``jensen_shannon``'s second pass (``lossspec.stats``): this shard's mixture sums from the
     global ``lse``'s (:func:`mixture_shard_sums`, tiled), one ``all_reduce(SUM)`` of the two
     ``[N]`` sums, then the loss. Both backends use this torch code (it reads the shard once more)."""
     import torch.distributed as dist
 
-    sums = mixture_shard_sums(config, fin, x, target)
+    sums = mixture_shard_sums(config, fin, x, target, tuning)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
     return _block.stats.finalize_mixture(torch, config, fin, sums[0], sums[1])
 
 
 def shard_grad(
-    config: LossConfig, fin: Any, x: Tensor, target: Tensor, coef: Tensor, offset: int, vocab: int, out: Tensor
+    config: LossConfig, fin: Any, x: Tensor, target: Tensor, coef: Tensor, offset: int, vocab: int, out: Tensor,
+    tuning: Optional[Tuning] = None,
 ) -> Tensor:
     """Step 3: this shard's ``coef * c * dl/dz`` from the global :class:`_block.Final` (no
     collective), written into ``out`` and rounded once to its dtype. Labels are global ids."""
     rows, width = x.shape
     acc = compute_dtype(x.dtype)
     is_ce = config.has_labels
-    tile_rows = _tile_rows(rows, width, x.device)
+    tile_rows = _tile_rows(rows, width, x.device, tuning)
 
     def run(tiles: Iterable[_cpu.Tile]) -> None:
         bufs_flat = [torch.empty(tile_rows * width, dtype=acc, device=x.device) for _ in range(_block.buffers_needed(config.kind) + 1)]
@@ -193,13 +194,14 @@ class VocabParallel:
         self.group, self.offset, self.vocab, self.kernel = group, offset, vocab, kernel
         self.fin: Optional[Any] = None
 
-    def _grad(self, config: LossConfig, fin: Any, x: Tensor, target: Tensor, coef: Tensor, out: Tensor) -> Tensor:
+    def _grad(self, config: LossConfig, fin: Any, x: Tensor, target: Tensor, coef: Tensor, out: Tensor, tuning: Optional[Tuning]) -> Tensor:
         if self.kernel is None:
-            return shard_grad(config, fin, x, target, coef, self.offset, self.vocab, out)
-        return self.kernel.shard_grad(config, fin, x, target, coef, self.offset, self.vocab, out)
+            return shard_grad(config, fin, x, target, coef, self.offset, self.vocab, out, tuning)
+        return self.kernel.shard_grad(config, fin, x, target, coef, self.offset, self.vocab, out, tuning)
 
     def forward(
-        self, config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, *, need_grad: bool = True, out: Optional[Tensor] = None
+        self, config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, *, need_grad: bool = True, out: Optional[Tensor] = None,
+        tuning: Optional[Tuning] = None,
     ) -> tuple[Tensor, Optional[Tensor]]:
         rows = x.shape[0]
         grad = None
@@ -209,20 +211,22 @@ class VocabParallel:
             return torch.zeros(0, dtype=compute_dtype(x.dtype), device=x.device), grad
         with torch.no_grad():
             if self.kernel is None:
-                local = local_stats(config, x, target, coef, self.offset)
+                local = local_stats(config, x, target, coef, self.offset, tuning)
             else:
-                local = self.kernel.shard_stats(config, x, target, coef, self.offset)
+                local = self.kernel.shard_stats(config, x, target, coef, self.offset, tuning)
             fin = _block.finalize(config, combine_shards(config, local, self.group), self.vocab)
             if config.mixture_pass:
-                fin = mixture_shards(config, fin, x, target, self.group)
+                fin = mixture_shards(config, fin, x, target, self.group, tuning)
             self.fin = fin
             loss = torch.where(coef != 0, fin.l, 0.0)
             if grad is not None:
-                self._grad(config, fin, x, target, coef, grad)
+                self._grad(config, fin, x, target, coef, grad, tuning)
         return loss, grad
 
-    def regrad_(self, config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor) -> Tensor:
+    def regrad_(
+        self, config: LossConfig, x: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor, *, tuning: Optional[Tuning] = None
+    ) -> Tensor:
         assert self.fin is not None
         scaled = torch.where(coef != 0, coef * upstream, 0.0)
         with torch.no_grad():
-            return self._grad(config, self.fin, x, target, scaled, grad)
+            return self._grad(config, self.fin, x, target, scaled, grad, tuning)
