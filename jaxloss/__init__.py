@@ -18,7 +18,9 @@ from .api import (
     reverse_kl,
     soft_cross_entropy,
 )
-from .head import linear_cross_entropy, linear_forward_kl, linear_reverse_kl, linear_soft_cross_entropy
+from .head import (
+    linear_cross_entropy, linear_entropy, linear_forward_kl, linear_jensen_shannon, linear_reverse_kl, linear_soft_cross_entropy,
+)
 
 __all__ = [
     "cross_entropy",
@@ -33,5 +35,7 @@ __all__ = [
     "linear_soft_cross_entropy",
     "linear_forward_kl",
     "linear_reverse_kl",
+    "linear_entropy",
+    "linear_jensen_shannon",
 ]
 __version__ = "0.1.0"

@@ -271,6 +271,21 @@ def mixture_block(cfg: KernelConfig, fin: Final, x: Array, t: Array, col_ok: Opt
     return jnp.sum(wq, axis=-1), jnp.sum(wp, axis=-1)
 
 
+# The fp32 [R, B] blocks the fused head's XLA path holds at once per kind (XLA's temporaries of
+# one chunk, measured with memory_analysis: cross-entropy's fused temporaries are about one
+# block, counted as 2), so that they fit lossspec.linear.HEAD_MEMORY_FRACTION of the logits.
+# Larger blocks matter for time: each chunk reads the whole weight for two matmuls and adds
+# G^T h to the whole fp32 weight gradient, which dominates when chunks are small.
+_HEAD_LIVE_BLOCKS = {"cross_entropy": 2, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4, "entropy": 2, "jensen_shannon": 4}
+
+
+def head_live_blocks(kind: str, vocab_parallel: bool) -> int:
+    """The fp32 ``[R, B]`` blocks the fused head (``jaxloss.linear``) holds at once for ``kind``:
+    the ``live_blocks`` of :func:`lossspec.linear.head_plan`. A vocabulary shard's are the same
+    (the exponentials are recomputed from the logits, not kept)."""
+    return _HEAD_LIVE_BLOCKS[kind]
+
+
 def varying_axes(*refs: Any) -> frozenset:
     """The manual mesh axes (``shard_map``) over which any of ``refs`` varies."""
     axes: set = set()

@@ -1,4 +1,4 @@
-"""The fused LM head in JAX (the XLA path): ``linear_cross_entropy`` and the distillation kinds.
+"""The fused LM head in JAX (the XLA path): ``linear_<kind>`` for every kind of the table with a head.
 
 ``linear_<kind>(hidden [..., H], weight [V, H], <target>, loss_mask, *, bias, ...)`` equals
 ``<kind>(hidden @ weight.T + bias, ...)`` with the logits in fp32 (signatures, checks and the
@@ -11,7 +11,10 @@ logits' gradient ``G = coef * c * dl/dz`` of :mod:`jaxloss._block` (the formulat
 :mod:`lossspec.stats`), then ``dh = G W`` and ``dW += G^T h``, ``db += sum G``: three matmuls,
 no recompute. Otherwise the chunk runs over vocabulary blocks of ``B`` columns twice: an
 online softmax (``combine``) for the statistics, then the gradient of each block from the
-recomputed logits (five matmuls). Every product is exact and accumulated in fp32
+recomputed logits (five matmuls). A kind with the mixture pass (``jensen_shannon``, the kind
+table's ``mixture_pass``) sums its mixture terms from the rows' final statistics in between
+(:func:`jaxloss._block.mixture_block`: on the chunk's logits when a row fits, else over the
+blocks once more, two more matmuls). Every product is exact and accumulated in fp32
 (``preferred_element_type=float32``, ``Precision.HIGHEST``: no TF32 on a GPU): the forward
 dots read bf16 hidden states and weights as they are (:func:`_dot`), other 16-bit inputs and
 the backward's slices of the weight are upcast (exact); the fp32 gradients are rounded once to
@@ -52,15 +55,21 @@ from jax import lax
 import lossspec
 from lossspec import LossConfig
 from lossspec import linear as spec_linear
+from lossspec.stats import finalize_mixture
 
 from . import _autodiff, _prepare, api, backends
 from .backends import vocab_parallel as _vocab_parallel, xla as _xla
-from ._block import F32, Final, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, varying_axes, varying_like
+from ._block import (
+    F32, Final, KernelConfig, block_stats, combine, empty_stats, finalize, grad_block, head_live_blocks, mixture_block, varying_axes,
+    varying_like,
+)
 
 Array = jax.Array
 HIGHEST = lax.Precision.HIGHEST
 
-__all__ = ["linear_cross_entropy", "linear_soft_cross_entropy", "linear_forward_kl", "linear_reverse_kl"]
+__all__ = [
+    "linear_cross_entropy", "linear_soft_cross_entropy", "linear_forward_kl", "linear_reverse_kl", "linear_entropy", "linear_jensen_shannon",
+]
 
 #: the fp32 elements of one [R, B] block; ``None``: lossspec.linear.head_plan's default.
 #: Tests set it small to exercise the vocabulary-blocked fallback.
@@ -154,6 +163,14 @@ def _whole_row(cfg: KernelConfig, local: Any, like: Array, shards: Optional[Shar
     if shards is None:
         return finalize(cfg, local, vocab)
     return finalize(cfg, _vocab_parallel.combine_shards(cfg, local, like, shards.axes), shards.vocab)
+
+
+def _with_mixture(cfg: KernelConfig, fin: Final, sums: tuple[Array, Array], like: Array, shards: Optional[Shards]) -> Final:
+    """The rows' :class:`Final` statistics with the mixture pass's loss (lossspec.stats), from
+    the sums ``(kl_qm, kl_pm)`` of this head's (or this shard's, then ``psum``'d) columns."""
+    if shards is None:
+        return finalize_mixture(jnp, cfg, fin, *sums)
+    return _vocab_parallel.reduce_mixture(cfg, fin, sums, like, shards.axes)
 
 
 def _bf16_bits(x: Array, start: Any, rows: int) -> Array:
@@ -267,6 +284,8 @@ def _chunk_whole(
     else:
         st, e, et = block_stats(cfg, z, t)
     fin = _whole_row(cfg, st, z, shards, vocab)
+    if cfg.mixture_pass:  # its second pass (lossspec.stats), on the same logits
+        fin = _with_mixture(cfg, fin, mixture_block(cfg, fin, z, t), z, shards)
     loss = jnp.where(coef != 0, fin.l, 0.0)
     if not with_grad:
         return loss, None, fin
@@ -318,6 +337,15 @@ def _chunk_blocked(
     refs = [a for a in (h, student[1], student[2], coef, y) + (teacher or ()) if a is not None]
     acc = varying_like(empty_stats(cfg, h.shape[0]), *refs)
     fin = _whole_row(cfg, lax.fori_loop(0, num_blocks, pass1, acc), h, shards, vocab)
+    if cfg.mixture_pass:
+        # The second pass (lossspec.stats): log M needs the rows' global lse's of pass 1.
+        def pass_mix(j: Array, sums: tuple[Array, Array]) -> tuple[Array, Array]:
+            _, _, col_ok, z, t = window(j)
+            kl_qm, kl_pm = mixture_block(cfg, fin, z, t, col_ok=col_ok)
+            return sums[0] + kl_qm, sums[1] + kl_pm
+
+        zero = jnp.zeros((h.shape[0],), F32)
+        fin = _with_mixture(cfg, fin, lax.fori_loop(0, num_blocks, pass_mix, varying_like((zero, zero), *refs)), h, shards)
     vocab_total = vocab if shards is None else shards.vocab
     loss = jnp.where(coef != 0, fin.l, 0.0)
     if not with_grad:
@@ -341,16 +369,16 @@ def _chunk_blocked(
 def _plan(cfg: KernelConfig, hidden: Array, weight: Array, block_elements: Optional[int], blocked_rows: int, shards: Optional[Shards]) -> tuple[int, int]:
     """``(R, B)`` of :func:`lossspec.linear.head_plan` for these inputs (JAX's live blocks; the
     budget is in the inputs' dtype)."""
-    live = spec_linear.head_live_blocks("jax", cfg.kind, shards is not None)
+    live = head_live_blocks(cfg.kind, shards is not None)
     logits_itemsize = jnp.promote_types(hidden.dtype, weight.dtype).itemsize
     return spec_linear.head_plan(hidden.shape[0], weight.shape[0], block_elements, blocked_rows, live, logits_itemsize)
 
 
-def _final_buffers(cfg: KernelConfig, n: int, vocab: int, refs: list) -> Final:
-    """Zeros ``[N]`` for each field of the :class:`Final` statistics ``cfg`` has (``None``
-    elsewhere), with the varying-axes type of ``refs``."""
-    fields = finalize(cfg, empty_stats(cfg, 1), vocab)  # only which fields exist is read
-    return Final(*(None if f is None else varying_like(jnp.zeros((n,), f.dtype), *refs) for f in fields))
+def _final_buffers(cfg: KernelConfig, n: int, refs: list) -> Final:
+    """Zeros ``[N]`` for each field of the :class:`Final` statistics ``cfg`` has after every pass
+    (:func:`lossspec.final_used`; ``None`` elsewhere), with the varying-axes type of ``refs``."""
+    used = lossspec.final_used(cfg)
+    return Final(**{name: varying_like(jnp.zeros((n,), F32), *refs) for name in used})
 
 
 def head_forward(
@@ -416,7 +444,7 @@ def head_forward(
     dh = local(jnp.zeros((n, width), F32)) if with_grad else None
     # The loss of a vocabulary-parallel head is combined over the shards: it does not vary with them.
     loss_refs = refs if shards is None else [a for a in (hidden, coef, labels) + tuple((teacher or (None,))[:1]) if a is not None]
-    final = _final_buffers(cfg, n, vocab, loss_refs) if keep_final else None
+    final = _final_buffers(cfg, n, loss_refs) if keep_final else None
     if n == 0:
         return (jnp.zeros((0,), F32), final) if keep_final else (jnp.zeros((0,), F32), dh, dw, db)
     if shards is not None and labels is not None:
@@ -510,7 +538,7 @@ def head_backward(
     plan_rows, plan_block = _plan(cfg, hidden, weight, block_elements, blocked_rows, shards)
     # The forward's live blocks (XLA's temporaries per [R, B] block, as counted there) and the
     # [B, H] slices: the widened weight rows, the gradient, its product before the addition, the teacher's rows.
-    live = spec_linear.head_live_blocks("jax", cfg.kind, shards is not None)
+    live = head_live_blocks(cfg.kind, shards is not None)
     # 16-bit hidden states: the fp32 dh [N, H] and each chunk's rows widened to fp32 for G^T h
     # share the budget too, as in torch.
     budget = spec_linear.head_recompute_budget(plan_rows * plan_block * live, n, width, hidden.dtype != F32)
@@ -754,17 +782,17 @@ def _denominator(config: LossConfig, denominator: Any) -> Any:
 
 
 def _linear_loss(kind: str, **args: Any) -> Array:
-    """Body of the four ``linear_*`` functions (signatures: :mod:`lossspec.linear`)."""
+    """Body of the ``linear_*`` functions (signatures: :mod:`lossspec.linear`)."""
     spec = lossspec.KIND_SPECS[kind]
     options = {name: args[name] for name in spec.option_names}
     config = lossspec.make_config(kind, normalization=args["normalization"], **options)
     ce = config.has_labels
     hidden, weight, bias = _prepare.as_array(args["hidden"]), _prepare.as_array(args["weight"]), _optional(args["bias"])
     teacher = None
-    if not ce:
+    if spec.has_teacher:
         teacher = (_prepare.as_array(args["teacher_hidden"]), _prepare.as_array(args["teacher_weight"]), _optional(args["teacher_bias"]))
     meta = lambda a: None if a is None else _prepare.array_meta(a)  # noqa: E731
-    logits_meta, teacher_meta = spec_linear.check_head(kind, meta(hidden), meta(weight), meta(bias), None if ce else tuple(meta(a) for a in teacher))
+    logits_meta, teacher_meta = spec_linear.check_head(kind, meta(hidden), meta(weight), meta(bias), None if teacher is None else tuple(meta(a) for a in teacher))
     labels = _prepare.as_array(args["labels"]) if ce else None
     loss_mask = _optional(args["loss_mask"])
     segment_ids = _optional(args["segment_ids"])
@@ -798,7 +826,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     if ce and isinstance(labels, np.ndarray):
         labels, host_flags = _prepare.host_labels(labels, config.ignore_index, vocab)
     # The teacher's logits are never formed: _prepare gets a [..., 1] stand-in (it only reads
-    # the leading shape of a distillation target).
+    # the leading shape of a target that is not labels; a kind without a target has none).
     target = _prepare.to_device(labels) if ce else jnp.zeros(lead + (1,), F32)
     counting = LossConfig(kind=config.kind, normalization=config.normalization, ignore_index=config.ignore_index, causal_shift=config.causal_shift)
     coef, safe_labels, bad = _prepare.prepare(
@@ -811,7 +839,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
         None if denominator is None else _prepare.to_device(denominator),
         host_flags,
     )
-    kcfg = KernelConfig.of(config)
+    kcfg = KernelConfig.of(config.kernel_config())  # jensen_shannon at beta = 0 / 1: the KL kinds, exactly
     dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
     backend = backends.resolve(args["impl"], head=True, vocab_parallel=shards is not None)  # the one resolution of this call's impl
     recompute = spec_linear.check_recompute_logits(args["recompute_logits"], backend.name, backends.PLAIN)
@@ -1263,6 +1291,218 @@ def linear_reverse_kl(
         "reverse_kl",
         hidden=hidden, weight=weight, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, loss_mask=loss_mask,
         bias=bias, teacher_bias=teacher_bias, temperature=temperature, logit_scale=logit_scale,
+        teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
+        teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
+        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
+        vocab_parallel=vocab_parallel,
+    )
+
+
+def linear_entropy(
+    hidden: api.ArrayLike,
+    weight: api.ArrayLike,
+    loss_mask: Optional[api.ArrayLike] = None,
+    *,
+    bias: Optional[api.ArrayLike] = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: Optional[api.ArrayLike] = None,
+    segment_ids: Optional[api.ArrayLike] = None,
+    impl: str = "auto",
+    recompute_logits: bool = False,
+    vocab_parallel: Optional[api.AxisNames] = None,
+    **unexpected: Never,
+) -> Array:
+    """Fused LM head + entropy: ``entropy(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
+
+    Masked entropy of the student's distribution q (the entropy regulariser of policy-gradient trainers).
+
+        l = -sum_v q_v log q_v
+        dl/dz = -q (log q + l)   (0 where q == 0)
+
+    Args:
+      hidden: ``[..., H]`` floating point (float32, bfloat16, float16; float64 in torch): the hidden states. The logits
+        ``hidden @ weight.T + bias`` are computed in fp32 (16-bit inputs: products exact, fp32 accumulation) chunk by
+        chunk, never as one ``[N, V]`` buffer.
+      weight: ``[V, H]``, the dtype of ``hidden`` (the layout of ``nn.Linear.weight`` and of a tied embedding).
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      bias: ``None`` or ``[V]``, the dtype of ``weight``.
+      temperature: ``T > 0``, divides the student's logits.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
+        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
+        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
+        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
+        whatever ``impl`` says.
+      recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
+        ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
+        forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
+        over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
+        accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
+        Same bounds either way; the XLA / torch path only.
+      vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
+        inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
+        ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
+        ``V = V_local * P``), ``hidden`` (and ``teacher_hidden``) the same on every replica, labels global ids. The loss
+        is the same on every replica; the gradient of ``hidden`` is the whole one (summed over the axis inside the
+        call), those of ``weight`` and ``bias`` the replica's slices. Only ``[N]`` row statistics cross the axis, never
+        logits.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+      Gradients flow to ``hidden``, ``weight`` and ``bias`` (accumulated in fp32 and rounded once to their
+      dtypes), computed in the forward pass and scaled by the upstream gradient in the backward (with
+      ``recompute_logits=True``: computed in the backward).
+    """
+    lossspec.begin_call("linear_entropy", unexpected, normalization, causal_shift, denominator)
+    return _linear_loss(
+        "entropy",
+        hidden=hidden, weight=weight, loss_mask=loss_mask, bias=bias, temperature=temperature, logit_scale=logit_scale,
+        logit_softcap=logit_softcap, causal_shift=causal_shift, normalization=normalization, denominator=denominator,
+        segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, vocab_parallel=vocab_parallel,
+    )
+
+
+def linear_jensen_shannon(
+    hidden: api.ArrayLike,
+    weight: api.ArrayLike,
+    teacher_hidden: api.ArrayLike,
+    teacher_weight: api.ArrayLike,
+    loss_mask: Optional[api.ArrayLike] = None,
+    *,
+    bias: Optional[api.ArrayLike] = None,
+    teacher_bias: Optional[api.ArrayLike] = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    teacher_logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: Optional[api.ArrayLike] = None,
+    segment_ids: Optional[api.ArrayLike] = None,
+    impl: str = "auto",
+    recompute_logits: bool = False,
+    vocab_parallel: Optional[api.AxisNames] = None,
+    **unexpected: Never,
+) -> Array:
+    """Fused LM head + jensen_shannon: ``jensen_shannon(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
+
+    Masked generalised Jensen-Shannon divergence of the student q and the teacher p (on-policy distillation).
+
+        l = beta KL(p || M) + (1 - beta) KL(q || M),  M = beta p + (1 - beta) q;
+        beta = 0: KL(p || q) (forward KL), beta = 1: KL(q || p) (reverse KL), computed as those kinds
+        dl/dz = (1 - beta) q (log q - log M - KL(q || M))   (0 where q == 0; the KL kinds' at beta = 0, 1)
+
+    The teacher logits are ``teacher_hidden @ teacher_weight.T + teacher_bias``.
+
+    Args:
+      hidden: ``[..., H]`` floating point (float32, bfloat16, float16; float64 in torch): the hidden states. The logits
+        ``hidden @ weight.T + bias`` are computed in fp32 (16-bit inputs: products exact, fp32 accumulation) chunk by
+        chunk, never as one ``[N, V]`` buffer.
+      weight: ``[V, H]``, the dtype of ``hidden`` (the layout of ``nn.Linear.weight`` and of a tied embedding).
+      teacher_hidden: ``[..., Ht]`` floating point, the leading shape of ``hidden``; gets no gradient.
+      teacher_weight: ``[V, Ht]``, the dtype of ``teacher_hidden``; gets no gradient.
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      bias: ``None`` or ``[V]``, the dtype of ``weight``.
+      teacher_bias: ``None`` or ``[V]``, the dtype of ``teacher_weight``; gets no gradient.
+      beta: ``beta`` in ``[0, 1]``, the teacher's share of the mixture ``M = beta p + (1 - beta) q`` (TRL's GKD and
+        Liger-Kernel's JSD): 0.5 the symmetric JSD, 0 forward KL ``KL(p || q)``, 1 reverse KL ``KL(q || p)``.
+      temperature: ``T > 0``, divides student and teacher alike.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      teacher_logit_scale: ``> 0``, multiplies the teacher's logits.
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      teacher_logit_softcap: ``None`` (default: off) or a cap ``> 0``: the same soft cap on the teacher's raw logits,
+        before ``teacher_logit_scale`` and the temperature.
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
+        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
+        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
+        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
+        whatever ``impl`` says.
+      recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
+        ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
+        forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
+        over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
+        accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
+        Same bounds either way; the XLA / torch path only.
+      vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
+        inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
+        ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
+        ``V = V_local * P``), ``hidden`` (and ``teacher_hidden``) the same on every replica, labels global ids. The loss
+        is the same on every replica; the gradient of ``hidden`` is the whole one (summed over the axis inside the
+        call), those of ``weight`` and ``bias`` the replica's slices. Only ``[N]`` row statistics cross the axis, never
+        logits.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+      Gradients flow to ``hidden``, ``weight`` and ``bias`` (accumulated in fp32 and rounded once to their
+      dtypes), computed in the forward pass and scaled by the upstream gradient in the backward (with
+      ``recompute_logits=True``: computed in the backward).
+    """
+    lossspec.begin_call("linear_jensen_shannon", unexpected, normalization, causal_shift, denominator)
+    return _linear_loss(
+        "jensen_shannon",
+        hidden=hidden, weight=weight, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, loss_mask=loss_mask,
+        bias=bias, teacher_bias=teacher_bias, beta=beta, temperature=temperature, logit_scale=logit_scale,
         teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
         denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,

@@ -5,8 +5,8 @@ The losses' modules (``CrossEntropyLoss``, ...; written out with the options of
 ``module(logits, target, loss_mask=None, *, denominator=None, segment_ids=None)`` (``EntropyLoss``:
 no target). The fused head's modules: ``LinearCrossEntropyLoss(...options)(hidden, head, labels,
 loss_mask=None, *, bias=None, denominator=None, segment_ids=None)`` (``impl=``,
-``recompute_logits=`` and ``vocab_parallel=`` among the options), and the distillation kinds with
-``teacher_hidden, teacher_head``; ``head`` is a ``[V, H]`` weight or an ``nnx.Linear`` (kernel
+``recompute_logits=`` and ``vocab_parallel=`` among the options), the kinds with a teacher with
+``teacher_hidden, teacher_head``, and ``LinearEntropyLoss`` with no target; ``head`` is a ``[V, H]`` weight or an ``nnx.Linear`` (kernel
 ``[H, V]``: its transpose and its bias are used; XLA folds the transpose into the matmul). Every
 module validates its options on construction (the functions' checks and messages) and holds no
 parameters or state. The classes name :mod:`jaxloss.nnx` as their module (reprs, pickles).
@@ -26,7 +26,8 @@ from . import api, backends, head
 
 __all__ = [
     "CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "ReverseKLLoss", "EntropyLoss", "JensenShannonLoss",
-    "LinearCrossEntropyLoss", "LinearSoftCrossEntropyLoss", "LinearForwardKLLoss", "LinearReverseKLLoss",
+    "LinearCrossEntropyLoss", "LinearSoftCrossEntropyLoss", "LinearForwardKLLoss", "LinearReverseKLLoss", "LinearEntropyLoss",
+    "LinearJensenShannonLoss",
 ]
 
 #: The public module the classes name as theirs (``__module__``): the path users import.
@@ -411,8 +412,8 @@ class _LinearLoss(_nnx.Module):
 
     def __call__(self, hidden: Any, weight: Any, *args: Any, loss_mask: Any = None, bias: Any = None, teacher_bias: Any = None,
                  denominator: Any = None, segment_ids: Any = None) -> jax.Array:
-        """The loss of this module's kind; ``args``: the labels, or the teacher's hidden states
-        and head, then optionally the mask (as for the function)."""
+        """The loss of this module's kind; ``args``: the labels, the teacher's hidden states and
+        head, or nothing (a kind without a target), then optionally the mask (as for the function)."""
         weight, bias = _unpack_linear(weight, bias)
         args_list = list(args)
         kwargs: dict[str, Any] = {"bias": bias, "denominator": denominator, "segment_ids": segment_ids, **self.settings}
@@ -601,6 +602,95 @@ class LinearReverseKLLoss(_LinearLoss):
         )
 
 
-for _cls in (LinearCrossEntropyLoss, LinearSoftCrossEntropyLoss, LinearForwardKLLoss, LinearReverseKLLoss):
+class LinearEntropyLoss(_LinearLoss):
+    """Module form of :func:`jaxloss.linear_entropy` (fused LM head + entropy).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, loss_mask=None, *, bias=None, denominator=None, segment_ids=None)``.
+    ``weight`` may be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in
+    the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "entropy"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.AxisNames] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                logit_softcap=logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
+
+
+class LinearJensenShannonLoss(_LinearLoss):
+    """Module form of :func:`jaxloss.linear_jensen_shannon` (fused LM head + jensen_shannon).
+
+    The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_jensen_shannon` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
+    ``weight`` (and ``teacher_weight``) may be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in
+    the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "jensen_shannon"
+
+    def __init__(
+        self,
+        *,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.AxisNames] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                beta=beta,
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
+
+
+for _cls in (
+    LinearCrossEntropyLoss, LinearSoftCrossEntropyLoss, LinearForwardKLLoss, LinearReverseKLLoss, LinearEntropyLoss,
+    LinearJensenShannonLoss,
+):
     _cls.__module__ = PUBLIC_MODULE
 del _cls

@@ -28,7 +28,9 @@ from .modules import (
     ForwardKLLoss,
     JensenShannonLoss,
     LinearCrossEntropyLoss,
+    LinearEntropyLoss,
     LinearForwardKLLoss,
+    LinearJensenShannonLoss,
     LinearReverseKLLoss,
     LinearSoftCrossEntropyLoss,
     ReverseKLLoss,
@@ -37,5 +39,6 @@ from .modules import (
 
 __all__ = [
     "CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "ReverseKLLoss", "EntropyLoss", "JensenShannonLoss",
-    "LinearCrossEntropyLoss", "LinearSoftCrossEntropyLoss", "LinearForwardKLLoss", "LinearReverseKLLoss",
+    "LinearCrossEntropyLoss", "LinearSoftCrossEntropyLoss", "LinearForwardKLLoss", "LinearReverseKLLoss", "LinearEntropyLoss",
+    "LinearJensenShannonLoss",
 ]

@@ -16,11 +16,14 @@ from .sequences import SEQUENCE_NORMALIZATIONS
 
 # Every kind of the kind table (lossspec.kinds.KIND_SPECS): everything check_kind accepts.
 ALL_KINDS: tuple[str, ...] = tuple(KIND_SPECS)
-# The kinds of the shared test matrices (every backend, every test file parametrised over
-# ``lossspec.KINDS``): those with a fused head. The others (ENTROPY_JSD_KINDS) have their own
-# test files until the shared matrices take them in.
-KINDS: tuple[str, ...] = tuple(kind for kind, spec in KIND_SPECS.items() if spec.head)
-ENTROPY_JSD_KINDS: tuple[str, ...] = tuple(kind for kind in ALL_KINDS if kind not in KINDS)
+# The kinds with a fused LM head ``linear_<kind>`` (the table's ``head`` trait; the head's tests
+# take their kinds from here).
+HEAD_KINDS: tuple[str, ...] = tuple(kind for kind, spec in KIND_SPECS.items() if spec.head)
+# The kinds of the shared test matrices of the unfused losses (every backend, every test file
+# parametrised over ``lossspec.KINDS``). entropy and jensen_shannon (ENTROPY_JSD_KINDS) have their
+# own test files until the shared matrices take them in.
+ENTROPY_JSD_KINDS: tuple[str, ...] = ("entropy", "jensen_shannon")
+KINDS: tuple[str, ...] = tuple(kind for kind in ALL_KINDS if kind not in ENTROPY_JSD_KINDS)
 # Kinds with teacher logits (the target argument ``teacher_logits [..., V]``).
 DISTILL_KINDS: tuple[str, ...] = tuple(kind for kind, spec in KIND_SPECS.items() if spec.has_teacher)
 # Kinds without a target argument: ``fn(logits, loss_mask=None, ...)``.

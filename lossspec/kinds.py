@@ -119,7 +119,6 @@ KIND_SPECS: dict[str, KindSpec] = {
         "dl/dz = -q (log q + l)   (0 where q == 0)",
         _ENTROPY_OPTIONS,
         "H",
-        head=False,
     ),
     "jensen_shannon": KindSpec(
         "jensen_shannon",
@@ -132,7 +131,6 @@ KIND_SPECS: dict[str, KindSpec] = {
         _JSD_OPTIONS,
         "JSD",
         mixture_pass=True,
-        head=False,
     ),
 }
 

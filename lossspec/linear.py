@@ -2,9 +2,11 @@
 
 ``linear_<kind>(hidden [..., H], weight [V, H], <target>, loss_mask=None, *, bias=None, ...)``
 returns ``<kind>(hidden @ weight.T + bias, <target logits>, loss_mask, ...)`` with the logits
-computed in fp32 and never materialised as one ``[N, V]`` buffer; ``<target>`` is ``labels``
-(cross-entropy) or ``teacher_hidden [..., Ht], teacher_weight [V, Ht]`` (+ ``teacher_bias=``)
-for the distillation kinds, whose teacher logits are formed the same way and get no gradient.
+computed in fp32 and never materialised as one ``[N, V]`` buffer; ``<target>`` follows the kind
+table's ``target`` (:data:`KIND_SPECS`): ``labels`` (cross-entropy), ``teacher_hidden [..., Ht],
+teacher_weight [V, Ht]`` (+ ``teacher_bias=``) for the kinds with a teacher, whose teacher
+logits are formed the same way and get no gradient, or nothing (entropy). Every kind whose
+table row has ``head=True`` has a head (:data:`lossspec.HEAD_KINDS`).
 ``weight`` has the layout of a torch ``nn.Linear`` weight and of a tied embedding table in both
 frameworks.
 
@@ -29,16 +31,15 @@ from typing import Any, Optional
 import numpy as np
 
 from .checks import FLOAT_KIND, LOGIT_DTYPES, ArrayMeta, shape_text, meta
-from .config import KINDS, check_impl
+from .config import HEAD_KINDS, check_impl
 from .kinds import KIND_SPECS, KindSpec
 from .oracle import oracle
 from .tolerances import GRAD_RTOL, GRAD_ULPS_16BIT, SIXTEEN_BIT, Comparison, worst_comparison, gradient_scale, ulp
 
 _P = inspect.Parameter
 
-#: the public name of each kind's fused head
-# The fused head covers the four original kinds; entropy / jensen_shannon heads are planned.
-LINEAR_NAMES: dict[str, str] = {kind: f"linear_{kind}" for kind in KINDS}
+#: the public name of each kind's fused head (the kinds whose table row has ``head=True``)
+LINEAR_NAMES: dict[str, str] = {kind: f"linear_{kind}" for kind in HEAD_KINDS}
 
 #: the head's arguments shared by both frameworks after ``impl`` (each framework appends its own,
 #: ``vocab_parallel``), as ``(name, default)``
@@ -69,13 +70,16 @@ def head_impl(impl: str, choices: tuple[str, ...], plain: str, vocab_parallel: b
 
 
 def head_targets(spec: KindSpec) -> tuple[str, ...]:
-    """The positional target arguments of ``spec``'s head: ``labels`` or the teacher's pair."""
-    return ("labels",) if spec.target == "labels" else ("teacher_hidden", "teacher_weight")
+    """The positional target arguments of ``spec``'s head: ``labels``, the teacher's pair, or
+    none (a kind without a target)."""
+    if spec.has_teacher:
+        return ("teacher_hidden", "teacher_weight")
+    return ("labels",) if spec.has_labels else ()
 
 
 def head_biases(spec: KindSpec) -> tuple[str, ...]:
     """The keyword bias arguments of ``spec``'s head."""
-    return ("bias",) if spec.target == "labels" else ("bias", "teacher_bias")
+    return ("bias", "teacher_bias") if spec.has_teacher else ("bias",)
 
 
 def head_parameters(spec: KindSpec, extra: tuple[tuple[str, Any], ...] = ()) -> list[inspect.Parameter]:
@@ -144,11 +148,11 @@ def check_head(
     """Check the head's arrays; return the metadata of the (never formed) student and teacher
     logits ``[..., V]``, for :func:`lossspec.check_inputs` (labels, mask, causal shift).
 
-    ``teacher``: ``(teacher_hidden, teacher_weight, teacher_bias)`` for the distillation kinds.
+    ``teacher``: ``(teacher_hidden, teacher_weight, teacher_bias)`` for the kinds with a teacher.
     """
     vocab = _check_projection("hidden", "weight", "bias", hidden, weight, bias)
     logits = meta(hidden.shape[:-1] + (vocab,), FLOAT_KIND, hidden.dtype)
-    if KIND_SPECS[kind].target == "labels":
+    if not KIND_SPECS[kind].has_teacher:
         return logits, None
     assert teacher is not None
     t_hidden, t_weight, t_bias = teacher
@@ -191,7 +195,8 @@ def oracle_head(
 ) -> tuple[Any, dict[str, Optional[np.ndarray]]]:
     """The float64 reference of ``linear_<kind>``: ``(loss, grads)``.
 
-    ``target``: labels, or ``(teacher_hidden, teacher_weight, teacher_bias)``. With ``G`` the
+    ``target``: labels, ``(teacher_hidden, teacher_weight, teacher_bias)``, or ``None`` (a kind
+    without a target). With ``G`` the
     oracle's gradient of the logits ``[N, V]`` (``h`` ``[N, H]`` the flattened hidden)::
 
         grad_hidden = G @ weight       grad_weight = G.T @ h       grad_bias = sum_n G
@@ -201,7 +206,7 @@ def oracle_head(
     ``|G| @ |weight|``, ``|G|.T @ |h|`` and ``sum_n |G|``, for :func:`compare_head_grad`.
     """
     logits = head_logits(hidden, weight, bias)
-    if KIND_SPECS[kind].target != "labels":
+    if KIND_SPECS[kind].has_teacher:
         t_hidden, t_weight, t_bias = target
         target = head_logits(t_hidden, t_weight, t_bias)
     loss, grad_logits = oracle(kind, logits, target, loss_mask, **options)
@@ -268,26 +273,11 @@ def compare_head_grad(
 
 #: the peak extra memory of the head's temporaries, as a fraction of one [N, V] logits buffer in
 #: the inputs' dtype (not counting the fp32 gradients of hidden, weight and bias, and in torch
-#: for 16-bit inputs the fp32 copy of the weight)
+#: for 16-bit inputs the fp32 copy of the weight). How many fp32 [R, B] blocks a framework's
+#: head holds at once for a kind (``live_blocks`` of :func:`head_plan`) is its block math's to
+#: say, which names the kinds' buffers: ``jaxloss._block.head_live_blocks``,
+#: ``torchloss._block.head_live_blocks``.
 HEAD_MEMORY_FRACTION: float = 1 / 8
-#: fp32 [R, B] blocks alive at once, per framework and kind, so that they fit
-#: HEAD_MEMORY_FRACTION. torch: cross-entropy works in the chunk's logits alone (statistics and
-#: gradient in place); the distillation kinds hold the logits, the teacher's and two scratch
-#: blocks. XLA's fused temporaries measure about one block for cross-entropy (counted as 2).
-#: Larger blocks matter for time: each chunk reads the whole weight for two matmuls and adds
-#: G^T h to the whole fp32 weight gradient, which dominates when chunks are small.
-HEAD_LIVE_BLOCKS: dict[str, dict[str, int]] = {
-    "torch": {"cross_entropy": 1, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4},
-    "jax": {"cross_entropy": 2, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4},
-}
-#: the same under ``vocab_parallel`` (a shard's [R, V_local] blocks): a shard's exponentials are
-#: relative to its own maxima, not the global ones, so the gradient cannot reuse them in place;
-#: torch keeps the logits (and the teacher's) intact beside its scratch blocks
-#: (``torchloss._block.buffers_needed``), XLA recomputes the exponentials from the logits.
-HEAD_LIVE_BLOCKS_VOCAB_PARALLEL: dict[str, dict[str, int]] = {
-    "torch": {"cross_entropy": 2, "soft_cross_entropy": 6, "forward_kl": 6, "reverse_kl": 5},
-    "jax": {"cross_entropy": 2, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4},
-}
 #: the largest [R, B] block by default (64 MiB fp32): bigger blocks gain nothing in matmul speed
 HEAD_MAX_BLOCK_ELEMENTS: int = 1 << 24
 #: rows of a chunk in the vocabulary-blocked fallback (one row's V does not fit the budget)
@@ -317,13 +307,6 @@ HEAD_RECOMPUTE_MIN_COLUMNS: int = 256
 HEAD_SPLIT_TERMS: int = 3
 
 
-def head_live_blocks(framework: str, kind: str, vocab_parallel: bool) -> int:
-    """The fp32 blocks ``framework``'s head holds at once for ``kind`` (:data:`HEAD_LIVE_BLOCKS`,
-    or :data:`HEAD_LIVE_BLOCKS_VOCAB_PARALLEL` for a vocabulary shard)."""
-    table = HEAD_LIVE_BLOCKS_VOCAB_PARALLEL if vocab_parallel else HEAD_LIVE_BLOCKS
-    return table[framework][kind]
-
-
 def head_plan(
     rows: int,
     vocab: int,
@@ -337,7 +320,7 @@ def head_plan(
 
     The budget of one ``[R, B]`` block is ``block_elements`` or
     ``min(N V HEAD_MEMORY_FRACTION / live_blocks * logits_itemsize / block_itemsize,
-    HEAD_MAX_BLOCK_ELEMENTS)`` (``live_blocks``: :data:`HEAD_LIVE_BLOCKS`): the blocks fit the
+    HEAD_MAX_BLOCK_ELEMENTS)`` (``live_blocks``: the frameworks' ``_block.head_live_blocks``): the blocks fit the
     fraction of the logits buffer the head replaces, in the inputs' dtype (``logits_itemsize``
     bytes: 2 for 16-bit inputs, whose blocks are fp32, ``block_itemsize = 4``). When a whole
     row fits (``V <= budget``), ``B = V`` (no recompute: three matmuls); otherwise the fallback

@@ -175,6 +175,20 @@ def stats_used(config: LossConfig) -> tuple[str, ...]:
     return tuple(name for name in ROW_STATS if name in used)
 
 
+def final_used(config: LossConfig) -> tuple[str, ...]:
+    """The :data:`FINAL_STATS` fields a call has once every pass has run (:func:`finalize`, and
+    :func:`finalize_mixture` for a kind with the mixture pass), in that order, ``l`` included:
+    what a backend that keeps the rows' final statistics for a later gradient pass stores
+    (the fused head's ``recompute_logits``, its kernels)."""
+    import numpy as np
+
+    one = np.ones(1)
+    fin = finalize(np, config, Stats(**{name: one for name in stats_used(config)}), 1)
+    if config.mixture_pass:
+        fin = finalize_mixture(np, config, fin, one, one)
+    return tuple(name for name in FINAL_STATS if getattr(fin, name) is not None)
+
+
 # --------------------------------------------------------------------------------------------
 # The algebra between the blocks, written once for every array namespace ``xp`` (NumPy,
 # ``jax.numpy``, ``torch``: each has ``where``, ``exp``, ``log``, ``maximum``, ``isnan``). The

@@ -356,7 +356,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "jsd_vp_no_psum_jax",
         "jensen_shannon's mixture sums not summed over the vocabulary shards (jaxloss vocab_parallel)",
-        "jaxloss/backends/vocab_parallel.py::mixture_shards",
+        "jaxloss/backends/vocab_parallel.py::reduce_mixture",
         "    kl_qm, kl_pm = lax.psum(varying_like(sums, x), axis_arg(axes))",
         "    kl_qm, kl_pm = sums",
         ("parity_tests/test_jaxloss_entropy_jsd.py", "-k", "test_vocab_parallel_matches_oracle"),

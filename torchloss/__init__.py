@@ -45,7 +45,9 @@ from .api import (  # noqa: E402
     soft_cross_entropy,
 )
 from .distributed import accumulate, global_denominator  # noqa: E402
-from .head import linear_cross_entropy, linear_forward_kl, linear_reverse_kl, linear_soft_cross_entropy  # noqa: E402
+from .head import (  # noqa: E402
+    linear_cross_entropy, linear_entropy, linear_forward_kl, linear_jensen_shannon, linear_reverse_kl, linear_soft_cross_entropy,
+)
 
 __all__ = [
     "cross_entropy",
@@ -69,6 +71,8 @@ __all__ = [
     "linear_soft_cross_entropy",
     "linear_forward_kl",
     "linear_reverse_kl",
+    "linear_entropy",
+    "linear_jensen_shannon",
 ]
 
 __version__ = "0.1.0"

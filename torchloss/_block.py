@@ -263,14 +263,36 @@ def buffers_needed(kind: str) -> int:
 
 def chunk_buffers(kind: str, z: Tensor, t: Optional[Tensor], fresh: Callable[[], Tensor]) -> list[Tensor]:
     """:func:`block_stats`' scratch for a whole-row chunk of the fused head whose logits ``z``
-    (and teacher ``t``) are its own to overwrite: cross-entropy needs ``z`` only; soft CE and
-    forward KL shift ``z`` and ``t`` in place (:func:`shifts_inputs`) and take two fresh blocks;
-    reverse KL reads the teacher after the shift, so it takes two fresh blocks besides ``z``."""
+    (and teacher ``t``) are its own to overwrite: cross-entropy needs ``z`` only; soft CE,
+    forward KL and jensen_shannon shift ``z`` and ``t`` in place and take two fresh blocks;
+    reverse KL reads the teacher after the shift, and entropy has none, so they take two fresh
+    blocks besides ``z``."""
     if kind == "cross_entropy":
         return [z]
-    if kind == "reverse_kl":
+    if kind in ("reverse_kl", "entropy"):
         return [z, fresh(), fresh()]
     return [z, t, fresh(), fresh()]
+
+
+# The blocks [R, B] (compute dtype) the fused head (torchloss.linear) holds at once per kind, so
+# that they fit lossspec.linear.HEAD_MEMORY_FRACTION of the logits. Whole rows: cross-entropy
+# works in the chunk's logits alone (statistics and gradient in place); the kinds with a teacher
+# hold the logits, the teacher's and two scratch blocks (chunk_buffers); entropy's gradient
+# takes two temporaries beside its three; jensen_shannon's per-entry mixture terms
+# (lossspec.stats.mixture_terms, tensor by tensor) about eight more. A vocabulary shard's
+# exponentials are relative to its own maxima, so the gradient cannot reuse them in place: the
+# logits (and the teacher's) stay intact beside buffers_needed scratch blocks.
+_HEAD_LIVE_BLOCKS = {"cross_entropy": 1, "soft_cross_entropy": 4, "forward_kl": 4, "reverse_kl": 4, "entropy": 5, "jensen_shannon": 12}
+_HEAD_LIVE_BLOCKS_VOCAB_PARALLEL = {
+    "cross_entropy": 2, "soft_cross_entropy": 6, "forward_kl": 6, "reverse_kl": 5, "entropy": 6, "jensen_shannon": 14,
+}
+
+
+def head_live_blocks(kind: str, vocab_parallel: bool) -> int:
+    """The blocks ``[R, B]`` in the compute dtype that the fused head holds at once for
+    ``kind`` (a vocabulary shard's with ``vocab_parallel``): the ``live_blocks`` of
+    :func:`lossspec.linear.head_plan`."""
+    return (_HEAD_LIVE_BLOCKS_VOCAB_PARALLEL if vocab_parallel else _HEAD_LIVE_BLOCKS)[kind]
 
 
 def grad_scratch_blocks(kind: str) -> int:

@@ -1,4 +1,4 @@
-"""The fused LM head in torch (the torch path): ``linear_cross_entropy`` and the distillation kinds.
+"""The fused LM head in torch (the torch path): ``linear_<kind>`` for every kind of the table with a head.
 
 ``linear_<kind>(hidden [..., H], weight [V, H], <target>, loss_mask, *, bias, ...)`` equals
 ``<kind>(hidden @ weight.T + bias, ...)`` with the logits in the compute dtype (fp32; fp64 for
@@ -12,7 +12,10 @@ one matmul ``z = h W^T + b`` ``[R, V]``, the block math of the unfused torch pat
 place, then ``dh = G W``, ``dW += G^T h``, ``db += sum G``: three matmuls, no
 recompute. Otherwise the chunk runs over vocabulary blocks of ``B`` columns twice with the
 block math of :mod:`torchloss._block` (``block_stats``, ``combine``, ``finalize``,
-``block_grad``): an online softmax, then each block's gradient from its recomputed logits.
+``block_grad``): an online softmax, then each block's gradient from its recomputed logits. A
+kind with the mixture pass (``jensen_shannon``, the kind table's ``mixture_pass``) sums its
+mixture terms from the rows' final statistics in between (``_block.mixture_sums``: on the
+chunk's logits when a row fits, else over the blocks once more, two more matmuls).
 16-bit inputs are upcast to fp32 (exact; the weight a slice at a time into one reused buffer,
 :class:`WeightRows`) so every product is accumulated in fp32; the fp32 gradients are rounded
 once to the parameters' dtypes. (On CUDA, torch's ``allow_tf32`` switches apply to these
@@ -62,6 +65,8 @@ __all__ = [
     "linear_soft_cross_entropy",
     "linear_forward_kl",
     "linear_reverse_kl",
+    "linear_entropy",
+    "linear_jensen_shannon",
     "LinearHeadFunction",
 ]
 
@@ -103,6 +108,14 @@ def _whole_row(config: LossConfig, local: Any, shards: Optional[Shards], vocab: 
     if shards is None:
         return _block.finalize(config, local, vocab)
     return _block.finalize(config, _vocab_parallel.combine_shards(config, local, shards.group), shards.vocab)
+
+
+def _with_mixture(config: LossConfig, fin: Any, sums: Tensor, shards: Optional[Shards]) -> Any:
+    """The rows' final statistics with the mixture pass's loss (lossspec.stats), from the sums
+    ``[2, R]`` (``kl_qm``, ``kl_pm``) of this head's (or this shard's, then all-reduced) columns."""
+    if shards is None:
+        return _block.stats.finalize_mixture(torch, config, fin, sums[0], sums[1])
+    return _vocab_parallel.reduce_mixture(config, fin, sums, shards.group)
 
 
 #: Devices whose head matmuls read bf16 operands as they are (fp32 results) with the backward's
@@ -296,13 +309,16 @@ def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
     ``z`` as scratch, the gradient written over them. Cross-entropy needs no other block;
     soft CE and forward KL also use ``t`` as scratch (two more blocks); reverse KL reads the
     teacher after the shift, so it takes two fresh blocks. Returns ``(loss [R], G or None,
-    the rows' Final statistics)``."""
+    the rows' Final statistics)``. A kind with the mixture pass sums its terms on the block
+    (from ``block_stats``' cache: ``z`` and ``t`` are scratch by then)."""
     rows, vocab = z.shape
     fresh = lambda: torch.empty_like(z)  # noqa: E731
     x_y = None if y is None else z.gather(1, y[:, None])[:, 0]
     bufs = _block.chunk_buffers(config.kind, z, t, fresh)
     stats, cache = _block.block_stats(config, z, t, bufs, x_y=x_y)
     fin = _block.finalize(config, stats, vocab)
+    if config.mixture_pass:  # its second pass (lossspec.stats), on the cached block
+        fin = _with_mixture(config, fin, torch.stack(_block.mixture_sums(config, fin, z, t, cache)), None)
     loss = torch.where(cc != 0, fin.l, 0.0)
     if not need_grad:
         return loss, None, fin
@@ -319,6 +335,8 @@ def _chunk_shard(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
     x_y = None if y is None else _label_logit(z, y, shards.offset)
     stats, _ = _block.block_stats(config, z, t, bufs, x_y=x_y)
     fin = _whole_row(config, stats, shards, z.shape[1])
+    if config.mixture_pass:  # the shard's sums from the rows' global lse's, all-reduced
+        fin = _with_mixture(config, fin, torch.stack(_block.mixture_sums(config, fin, z, t, None)), shards)
     loss = torch.where(cc != 0, fin.l, 0.0)
     if not need_grad:
         return loss, None, fin
@@ -359,6 +377,15 @@ def _chunk_blocked(
     if y is not None:
         stats = stats._replace(x_y=x_y)
     fin = _whole_row(config, stats, shards, vocab)
+    if config.mixture_pass:
+        # The second pass (lossspec.stats): log M needs the rows' global lse's of pass 1.
+        sums = torch.zeros((2, n), dtype=acc, device=hc.device)
+        for v0 in range(0, vocab, block):
+            z, t = window(v0, min(vocab, v0 + block))
+            kl_qm, kl_pm = _block.mixture_sums(config, fin, z, t, None)
+            sums[0] += kl_qm
+            sums[1] += kl_pm
+        fin = _with_mixture(config, fin, sums, shards)
     loss = torch.where(cc != 0, fin.l, 0.0)
     if not need_grad:
         return loss, fin
@@ -479,7 +506,7 @@ def _plan(config: LossConfig, hidden: Tensor, weight: Tensor, block_elements: Op
     these inputs: the blocks fit 1/8 of the logits buffer in the inputs' dtype (half as many
     fp32 elements for 16-bit)."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    live = spec_linear.head_live_blocks("torch", config.kind, shards is not None)
+    live = _block.head_live_blocks(config.kind, shards is not None)
     sizes = (torch.promote_types(hidden.dtype, weight.dtype).itemsize, compute_dtype(hidden.dtype).itemsize)
     if shards is None:
         return spec_linear.head_plan(n, vocab, block_elements, blocked_rows, live, *sizes)
@@ -542,7 +569,7 @@ def head_backward(
     # and [B, H] slices (the gradient, the widened weight rows, the teacher's).
     scratch = _block.grad_scratch_blocks(config.kind)
     blocks = 1 + (teacher is not None) + scratch
-    live = spec_linear.head_live_blocks("torch", config.kind, shards is not None)
+    live = _block.head_live_blocks(config.kind, shards is not None)
     operands = [hidden.dtype, weight.dtype] + ([] if teacher is None else [teacher[0].dtype, teacher[1].dtype])
     as_is = bf16_matmuls(device, *operands)
     # 16-bit hidden states: the fp32 dh [N, H] and each chunk's rows widened to fp32 share the
@@ -758,29 +785,30 @@ def _widest_shard(vocab_local: int, group: Any, device: torch.device) -> int:
 
 @torch.compiler.disable(reason="torchloss.head runs eagerly (one graph break)")
 def _linear_loss(kind: str, **args: Any) -> Tensor:
-    """Body of the four ``linear_*`` functions (signatures: :mod:`lossspec.linear`)."""
+    """Body of the ``linear_*`` functions (signatures: :mod:`lossspec.linear`)."""
     spec = lossspec.KIND_SPECS[kind]
     options = {name: args[name] for name in spec.option_names}
-    config = lossspec.make_config(kind, normalization=args["normalization"], **options)
+    # jensen_shannon at beta = 0 / 1 is computed as forward / reverse KL, exactly (LossConfig.formula).
+    config = lossspec.make_config(kind, normalization=args["normalization"], **options).kernel_config()
     ce = config.has_labels
     hidden, weight = _prepare.require_tensor("hidden", args["hidden"]), _prepare.require_tensor("weight", args["weight"])
     bias = _optional("bias", args["bias"])
     teacher = None
-    if not ce:
+    if spec.has_teacher:
         teacher = (
             _prepare.require_tensor("teacher_hidden", args["teacher_hidden"]),
             _prepare.require_tensor("teacher_weight", args["teacher_weight"]),
             _optional("teacher_bias", args["teacher_bias"]),
         )
     meta = lambda a: None if a is None else _prepare.array_meta(a)  # noqa: E731
-    spec_linear.check_head(kind, meta(hidden), meta(weight), meta(bias), None if ce else tuple(meta(a) for a in teacher))
+    spec_linear.check_head(kind, meta(hidden), meta(weight), meta(bias), None if teacher is None else tuple(meta(a) for a in teacher))
     named = {"weight": weight, "bias": bias}
     if teacher is not None:
         named.update(teacher_hidden=teacher[0], teacher_weight=teacher[1], teacher_bias=teacher[2])
     _check_devices(hidden, named)
     lead, vocab = tuple(hidden.shape[:-1]), int(weight.shape[0])
     logits = _stand_in(lead, vocab, hidden)
-    target = args["labels"] if ce else _stand_in(lead, vocab, teacher[0])
+    target = args["labels"] if ce else (None if teacher is None else _stand_in(lead, vocab, teacher[0]))
     # The unfused losses' validation and coefficients (segment_ids, the label range against the
     # global V of a vocab_parallel group); no sequence_parallel for the head (yet).
     vocab_parallel = args["vocab_parallel"]
@@ -1234,6 +1262,218 @@ def linear_reverse_kl(
         "reverse_kl",
         hidden=hidden, weight=weight, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, loss_mask=loss_mask,
         bias=bias, teacher_bias=teacher_bias, temperature=temperature, logit_scale=logit_scale,
+        teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
+        teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
+        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
+        vocab_parallel=vocab_parallel,
+    )
+
+
+def linear_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    loss_mask: Optional[Tensor] = None,
+    *,
+    bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: _prepare.Denominator = None,
+    segment_ids: Optional[Tensor] = None,
+    impl: str = "auto",
+    recompute_logits: bool = False,
+    vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
+    **unexpected: Never,
+) -> Tensor:
+    """Fused LM head + entropy: ``entropy(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
+
+    Masked entropy of the student's distribution q (the entropy regulariser of policy-gradient trainers).
+
+        l = -sum_v q_v log q_v
+        dl/dz = -q (log q + l)   (0 where q == 0)
+
+    Args:
+      hidden: ``[..., H]`` floating point (float32, bfloat16, float16; float64 in torch): the hidden states. The logits
+        ``hidden @ weight.T + bias`` are computed in fp32 (16-bit inputs: products exact, fp32 accumulation) chunk by
+        chunk, never as one ``[N, V]`` buffer.
+      weight: ``[V, H]``, the dtype of ``hidden`` (the layout of ``nn.Linear.weight`` and of a tied embedding).
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      bias: ``None`` or ``[V]``, the dtype of ``weight``.
+      temperature: ``T > 0``, divides the student's logits.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
+        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
+        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
+        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
+        whatever ``impl`` says.
+      recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
+        ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
+        forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
+        over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
+        accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
+        Same bounds either way; the XLA / torch path only.
+      vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
+        (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
+        rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
+        ``teacher_hidden``) the same on every rank, labels global ids. The loss is the same on every rank; the gradient
+        of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's
+        all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only
+        ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+      Gradients flow to ``hidden``, ``weight`` and ``bias`` (accumulated in fp32 and rounded once to their
+      dtypes), computed in the forward pass and scaled by the upstream gradient in the backward (with
+      ``recompute_logits=True``: computed in the backward).
+    """
+    lossspec.begin_call("linear_entropy", unexpected, normalization, causal_shift, denominator)
+    return _linear_loss(
+        "entropy",
+        hidden=hidden, weight=weight, loss_mask=loss_mask, bias=bias, temperature=temperature, logit_scale=logit_scale,
+        logit_softcap=logit_softcap, causal_shift=causal_shift, normalization=normalization, denominator=denominator,
+        segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, vocab_parallel=vocab_parallel,
+    )
+
+
+def linear_jensen_shannon(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    loss_mask: Optional[Tensor] = None,
+    *,
+    bias: Optional[Tensor] = None,
+    teacher_bias: Optional[Tensor] = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    teacher_logit_softcap: Optional[float] = None,
+    causal_shift: bool = False,
+    normalization: str = "valid_tokens",
+    denominator: _prepare.Denominator = None,
+    segment_ids: Optional[Tensor] = None,
+    impl: str = "auto",
+    recompute_logits: bool = False,
+    vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
+    **unexpected: Never,
+) -> Tensor:
+    """Fused LM head + jensen_shannon: ``jensen_shannon(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
+
+    Masked generalised Jensen-Shannon divergence of the student q and the teacher p (on-policy distillation).
+
+        l = beta KL(p || M) + (1 - beta) KL(q || M),  M = beta p + (1 - beta) q;
+        beta = 0: KL(p || q) (forward KL), beta = 1: KL(q || p) (reverse KL), computed as those kinds
+        dl/dz = (1 - beta) q (log q - log M - KL(q || M))   (0 where q == 0; the KL kinds' at beta = 0, 1)
+
+    The teacher logits are ``teacher_hidden @ teacher_weight.T + teacher_bias``.
+
+    Args:
+      hidden: ``[..., H]`` floating point (float32, bfloat16, float16; float64 in torch): the hidden states. The logits
+        ``hidden @ weight.T + bias`` are computed in fp32 (16-bit inputs: products exact, fp32 accumulation) chunk by
+        chunk, never as one ``[N, V]`` buffer.
+      weight: ``[V, H]``, the dtype of ``hidden`` (the layout of ``nn.Linear.weight`` and of a tied embedding).
+      teacher_hidden: ``[..., Ht]`` floating point, the leading shape of ``hidden``; gets no gradient.
+      teacher_weight: ``[V, Ht]``, the dtype of ``teacher_hidden``; gets no gradient.
+      loss_mask: ``[...]`` boolean, or float weights ``>= 0``, or ``None``. Float weights must be 0 or normal float32
+        numbers with a finite float32 sum (``lossspec.check_weights``). The mask is data, like the labels: no gradient
+        flows to it.
+      bias: ``None`` or ``[V]``, the dtype of ``weight``.
+      teacher_bias: ``None`` or ``[V]``, the dtype of ``teacher_weight``; gets no gradient.
+      beta: ``beta`` in ``[0, 1]``, the teacher's share of the mixture ``M = beta p + (1 - beta) q`` (TRL's GKD and
+        Liger-Kernel's JSD): 0.5 the symmetric JSD, 0 forward KL ``KL(p || q)``, 1 reverse KL ``KL(q || p)``.
+      temperature: ``T > 0``, divides student and teacher alike.
+      logit_scale: ``> 0``, multiplies the student's logits (before the temperature).
+      teacher_logit_scale: ``> 0``, multiplies the teacher's logits.
+      logit_softcap: ``None`` (default: off) or a cap ``> 0``: the student's raw logits become ``cap * tanh(x / cap)``
+        before ``logit_scale`` and the temperature (Gemma 2's final-logit soft-capping); the gradient is taken through
+        the cap. Infinite logits are left as they are (``-inf`` keeps probability 0, ``+inf`` a NaN loss).
+      teacher_logit_softcap: ``None`` (default: off) or a cap ``> 0``: the same soft cap on the teacher's raw logits,
+        before ``teacher_logit_scale`` and the temperature.
+      causal_shift: ``False`` (default) or ``True``: causal-LM shift. ``labels`` and ``loss_mask`` are given per input
+        token (e.g. ``labels=input_ids``; the last leading axis is time ``T``): the logits at position ``t`` are scored
+        against ``labels[..., t + 1]`` with weight ``loss_mask[..., t + 1]``, and the last position of each row is
+        ignored (loss 0, gradient 0). Teacher logits are not shifted (both models' position ``t`` predicts token
+        ``t + 1``). ``"tokens"`` counts ``prod(lead[:-1]) * (T - 1)`` positions. No copy of the logits is made. Needs
+        ``logits [..., T, V]``.
+      normalization: ``"valid_tokens"`` (default), ``"tokens"``, ``"sum"`` or ``"none"``: the denominator ``D`` of
+        ``sum_i w_i l_i / D`` (docs/spec.md), or per-token losses; or per sequence, ``"sequence_mean"``
+        ``(1/S) sum_s (1/n_s) sum_{i in s} w_i l_i`` and ``"sequence_sum"`` ``(1/S) sum_s sum_{i in s} w_i l_i``, with
+        ``n_s`` the sequence's weight sum and ``S`` the number of sequences with ``n_s > 0`` (each row of the leading
+        shape, or ``segment_ids``; lossspec.sequences).
+      denominator: the global ``D`` (number or 0-d array/tensor, ``>= 0``) overriding ``D`` of the reduced modes (``S``
+        of the sequence modes); ``None`` counts this call's own tokens (``D = 1`` for ``"sum"``). Pass the sum of
+        ``count_denominator`` over every micro-batch and replica. Not accepted with ``"none"``. 0 or a normal float32
+        number; data (no gradient flows to it).
+      segment_ids: ``[...]`` integers (the labels' shape) or ``None``: the tokens of one row with the same id ``>= 0``
+        form one sequence (packed documents); an id ``< 0`` is padding (weight 0, in every normalisation). Given per
+        input token like the labels: with ``causal_shift`` position ``t`` is scored only if
+        ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
+        sequence. Data: no gradient.
+      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
+        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
+        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
+        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
+        whatever ``impl`` says.
+      recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
+        ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
+        forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
+        over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
+        accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
+        Same bounds either way; the XLA / torch path only.
+      vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
+        (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
+        rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
+        ``teacher_hidden``) the same on every rank, labels global ids. The loss is the same on every rank; the gradient
+        of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's
+        all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only
+        ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
+      **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
+        ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
+
+    Returns:
+      The loss ``sum_i w_i l_i / D`` (a 0-d fp32 array/tensor; per sequence for the sequence modes), or the
+      per-token ``w_i l_i`` with ``labels``' leading shape for ``normalization="none"`` (0 at masked tokens).
+      Gradients flow to ``hidden``, ``weight`` and ``bias`` (accumulated in fp32 and rounded once to their
+      dtypes), computed in the forward pass and scaled by the upstream gradient in the backward (with
+      ``recompute_logits=True``: computed in the backward).
+    """
+    lossspec.begin_call("linear_jensen_shannon", unexpected, normalization, causal_shift, denominator)
+    return _linear_loss(
+        "jensen_shannon",
+        hidden=hidden, weight=weight, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, loss_mask=loss_mask,
+        bias=bias, teacher_bias=teacher_bias, beta=beta, temperature=temperature, logit_scale=logit_scale,
         teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
         denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,

@@ -6,8 +6,8 @@ the options fixed at construction (keyword only, validated there with the functi
 inputs given per call, ``module(logits, target, loss_mask=None, *, denominator=None,
 segment_ids=None)`` (``EntropyLoss``: no target). The fused head's modules:
 ``LinearCrossEntropyLoss(...options)(hidden, head, labels, loss_mask=None, *, bias=None,
-denominator=None, segment_ids=None)``, and the distillation kinds with ``teacher_hidden,
-teacher_head``; ``head`` is a ``[V, H]`` weight or an ``nn.Linear`` (its weight and bias are
+denominator=None, segment_ids=None)``, the kinds with a teacher with ``teacher_hidden,
+teacher_head``, and ``LinearEntropyLoss`` with no target; ``head`` is a ``[V, H]`` weight or an ``nn.Linear`` (its weight and bias are
 used). The modules hold no parameters or buffers. The classes name :mod:`torchloss.nn` as their
 module (reprs, pickles).
 """
@@ -26,7 +26,8 @@ from . import api, backends, head
 
 __all__ = [
     "CrossEntropyLoss", "SoftCrossEntropyLoss", "ForwardKLLoss", "ReverseKLLoss", "EntropyLoss", "JensenShannonLoss",
-    "LinearCrossEntropyLoss", "LinearSoftCrossEntropyLoss", "LinearForwardKLLoss", "LinearReverseKLLoss",
+    "LinearCrossEntropyLoss", "LinearSoftCrossEntropyLoss", "LinearForwardKLLoss", "LinearReverseKLLoss", "LinearEntropyLoss",
+    "LinearJensenShannonLoss",
 ]
 
 #: The public module the classes name as theirs (``__module__``): the path users import.
@@ -405,8 +406,8 @@ class _LinearLoss(torch.nn.Module):
 
     def forward(self, hidden: Tensor, weight: Any, *args: Any, loss_mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                 teacher_bias: Optional[Tensor] = None, denominator: api.Denominator = None, segment_ids: Optional[Tensor] = None) -> Tensor:
-        """The loss of this module's kind; ``args``: the labels, or the teacher's hidden states
-        and weight, then optionally the mask (as for the function)."""
+        """The loss of this module's kind; ``args``: the labels, the teacher's hidden states and
+        weight, or nothing (a kind without a target), then optionally the mask (as for the function)."""
         weight, bias = _unpack_linear(weight, bias)
         args = list(args)
         kwargs: dict[str, Any] = {"bias": bias, "denominator": denominator, "segment_ids": segment_ids, **self.settings}
@@ -598,6 +599,95 @@ class LinearReverseKLLoss(_LinearLoss):
         )
 
 
-for _cls in (LinearCrossEntropyLoss, LinearSoftCrossEntropyLoss, LinearForwardKLLoss, LinearReverseKLLoss):
+class LinearEntropyLoss(_LinearLoss):
+    """Module form of :func:`torchloss.linear_entropy` (fused LM head + entropy).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.linear_entropy` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, loss_mask=None, *, bias=None, denominator=None, segment_ids=None)``.
+    ``weight`` may be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias
+    (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "entropy"
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                temperature=temperature,
+                logit_scale=logit_scale,
+                logit_softcap=logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
+
+
+class LinearJensenShannonLoss(_LinearLoss):
+    """Module form of :func:`torchloss.linear_jensen_shannon` (fused LM head + jensen_shannon).
+
+    The options are fixed at construction (keyword only: those of :func:`torchloss.linear_jensen_shannon` but the arrays,
+    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
+    ``weight`` (and ``teacher_weight``) may be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias
+    (unless ``bias=`` is given) are used. It holds no parameters.
+    """
+
+    kind = "jensen_shannon"
+
+    def __init__(
+        self,
+        *,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logit_softcap: Optional[float] = None,
+        teacher_logit_softcap: Optional[float] = None,
+        causal_shift: bool = False,
+        normalization: str = "valid_tokens",
+        impl: str = "auto",
+        recompute_logits: bool = False,
+        vocab_parallel: Optional[api.ProcessGroup] = None,
+        **unexpected: Never,
+    ) -> None:
+        super().__init__(
+            dict(
+                beta=beta,
+                temperature=temperature,
+                logit_scale=logit_scale,
+                teacher_logit_scale=teacher_logit_scale,
+                logit_softcap=logit_softcap,
+                teacher_logit_softcap=teacher_logit_softcap,
+                causal_shift=causal_shift,
+                normalization=normalization,
+                impl=impl,
+                recompute_logits=recompute_logits,
+                vocab_parallel=vocab_parallel,
+            ),
+            unexpected,
+        )
+
+
+for _cls in (
+    LinearCrossEntropyLoss, LinearSoftCrossEntropyLoss, LinearForwardKLLoss, LinearReverseKLLoss, LinearEntropyLoss,
+    LinearJensenShannonLoss,
+):
     _cls.__module__ = PUBLIC_MODULE
 del _cls

@@ -9,8 +9,10 @@ block math is :mod:`jaxloss._block` (:func:`~jaxloss._block.block_stats`,
 the unfused kernels of :mod:`jaxloss.backends.pallas`::
 
     forward  grid: token blocks. For each vocabulary block: the tile z (and the teacher's tile
-             t = h_t W_t^T + b_t) folded into the rows' statistics (online softmax); finalize:
-             loss [N] and the Final fields the gradient needs, one [N] array each
+             t = h_t W_t^T + b_t) folded into the rows' statistics (online softmax); finalize
+             (a kind with the mixture pass, jensen_shannon: the tiles once more for its mixture
+             sums, :func:`~jaxloss._block.mixture_block`): loss [N] and the Final fields the
+             gradient needs, one [N] array each
     dh       grid: token blocks. For each vocabulary block: the tiles again, G = coef * c * dl/dz,
              dh[rows] += G W[cols] (fp32, the program's own rows, blocks in order)
     dw       grid: vocabulary blocks. For each token block: the tiles again, G,
@@ -38,7 +40,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .._block import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, softcap, softcap_slope
+import lossspec
+from lossspec.stats import finalize_mixture
+
+from .._block import F32, Final, KernelConfig, Stats, block_stats, combine, empty_stats, finalize, grad_block, mixture_block, softcap, softcap_slope
 
 Array = jax.Array
 HIGHEST = lax.Precision.HIGHEST
@@ -79,7 +84,7 @@ class HeadShape:
     n: int
     vocab: int
     width: int
-    t_width: int  # the teacher's hidden width (0: cross-entropy)
+    t_width: int  # the teacher's hidden width (0: no teacher)
     has_bias: bool
     has_t_bias: bool
     has_softcap: bool
@@ -118,11 +123,11 @@ def _tile_logits(x_ref: Any, w_ref: Any, b_ref: Any, rows: tuple, cols: tuple, w
 
 
 def _refs(cfg: KernelConfig, shape: HeadShape, refs: tuple) -> tuple[dict[str, Any], tuple]:
-    """Split the operand refs: ``h, w, [b], [th, tw, [tb]], [y], coef, caps`` and the rest."""
+    """Split the operand refs: ``h, w, [b], [y] | [th, tw, [tb]], coef, caps`` and the rest."""
     names = ["h", "w"] + (["b"] if shape.has_bias else [])
     if cfg.is_ce:
         names.append("y")
-    else:
+    if cfg.has_teacher:
         names += ["th", "tw"] + (["tb"] if shape.has_t_bias else [])
     names += ["coef", "caps"]
     return dict(zip(names, refs)), refs[len(names):]
@@ -137,11 +142,11 @@ def _cap(ops: dict[str, Any], rows: tuple, which: int) -> Array:
 
 def _tiles(cfg: KernelConfig, shape: HeadShape, ops: dict[str, Any], rows: tuple, cols: tuple, block_hidden: int,
            cap_student: bool = True) -> tuple:
-    """``(z, t)`` tiles of the rows and columns (``t``: ``None`` for cross-entropy); ``z`` raw
+    """``(z, t)`` tiles of the rows and columns (``t``: ``None`` without a teacher); ``z`` raw
     (never capped) with ``cap_student=False``."""
     z = _tile_logits(ops["h"], ops["w"], ops.get("b"), rows, cols, shape.width, block_hidden, shape.has_bias,
                      _cap(ops, rows, 0) if shape.has_softcap and cap_student else None)
-    if cfg.is_ce:
+    if not cfg.has_teacher:
         return z, None
     t = _tile_logits(ops["th"], ops["tw"], ops.get("tb"), rows, cols, shape.t_width, block_hidden, shape.has_t_bias,
                      _cap(ops, rows, 1) if shape.has_t_softcap else None)
@@ -162,12 +167,8 @@ def _grad_tile(cfg: KernelConfig, shape: HeadShape, ops: dict[str, Any], fin: Fi
 
 
 def _final_fields(cfg: KernelConfig) -> tuple[str, ...]:
-    """The :class:`Final` fields the gradient reads (``l`` excluded)."""
-    fields = ("m", "s", "lse")
-    if cfg.is_ce:
-        return fields + (("q_coef",) if cfg.z_loss > 0 else ())
-    fields += ("mt", "st", "lse_t")
-    return fields + (("tau", "mean_d") if cfg.kind == "reverse_kl" else ())
+    """The :class:`Final` fields the gradient reads (:func:`lossspec.final_used`, ``l`` excluded)."""
+    return tuple(name for name in lossspec.final_used(cfg) if name != "l")
 
 
 def _load_rows(ops: dict[str, Any], rows: tuple, fin_refs: tuple, cfg: KernelConfig) -> tuple[Final, Array, Optional[Array]]:
@@ -195,6 +196,16 @@ def _forward_kernel(*refs: Any, cfg: KernelConfig, shape: HeadShape, blocks: tup
 
     stats = lax.fori_loop(0, pl.cdiv(shape.vocab, block_vocab), body, empty_stats(cfg, block_rows))
     fin = finalize(cfg, stats, shape.vocab)
+    if cfg.mixture_pass:  # the second pass (lossspec.stats): the tiles again, from the rows' lse's
+
+        def mixture(j: Any, sums: tuple[Array, Array]) -> tuple[Array, Array]:
+            cols = _index(block_vocab, j * block_vocab, shape.vocab)
+            z, t = _tiles(cfg, shape, ops, rows, cols, block_hidden)
+            kl_qm, kl_pm = mixture_block(cfg, fin, z, t, col_ok=cols[1][None, :])
+            return sums[0] + kl_qm, sums[1] + kl_pm
+
+        zero = jnp.zeros((block_rows,), F32)
+        fin = finalize_mixture(jnp, cfg, fin, *lax.fori_loop(0, pl.cdiv(shape.vocab, block_vocab), mixture, (zero, zero)))
     plgpu.store(loss_ref.at[rows[0]], jnp.where(coef != 0, fin.l, 0.0), mask=rows[1])
     for name, ref in zip(_final_fields(cfg), fin_refs):
         plgpu.store(ref.at[rows[0]], getattr(fin, name), mask=rows[1])
@@ -295,20 +306,21 @@ def head_forward(
     tuning = tuning or TUNING
     n, width = hidden.shape
     vocab = weight.shape[0]
-    ce = cfg.is_ce
+    ce, distill = cfg.is_ce, cfg.has_teacher
     cap, t_cap = softcaps
     # The kernels apply the caps themselves (runtime operands): the shared block math they call
     # must not apply them a second time.
     cfg = dataclasses.replace(cfg, logit_softcap=None, teacher_logit_softcap=None)
     shape = HeadShape(
-        n=n, vocab=vocab, width=width, t_width=0 if ce else teacher[0].shape[1], has_bias=bias is not None,
-        has_t_bias=(not ce) and teacher[2] is not None, has_softcap=cap is not None, has_t_softcap=(not ce) and t_cap is not None,
+        n=n, vocab=vocab, width=width, t_width=teacher[0].shape[1] if distill else 0, has_bias=bias is not None,
+        has_t_bias=distill and teacher[2] is not None, has_softcap=cap is not None, has_t_softcap=distill and t_cap is not None,
     )
     if n == 0:
         zeros = lambda *s: jnp.zeros(s, F32) if with_grad else None  # noqa: E731
         return jnp.zeros((0,), F32), zeros(n, width), zeros(vocab, width), (zeros(vocab) if bias is not None else None)
     inputs: tuple = (hidden, weight) + ((bias,) if bias is not None else ())
-    inputs += (labels.astype(jnp.int32),) if ce else tuple(a for a in teacher if a is not None)
+    inputs += (labels.astype(jnp.int32),) if ce else ()
+    inputs += tuple(a for a in teacher if a is not None) if distill else ()
     caps = jnp.asarray([1.0 if cap is None else cap, 1.0 if t_cap is None else t_cap], F32)
     inputs += (coef.astype(F32), caps)
     fields = _final_fields(cfg)

@@ -171,7 +171,13 @@ def mixture_shards(cfg: KernelConfig, fin: Final, x: Array, target: Array, axes:
     global ``lse``'s (:func:`mixture_shard_sums`, tiled by ``tuning``'s XLA fields; no collective),
     one ``psum`` of the two ``[N]`` sums, then the loss. The same code for both impls (it reads the
     shard once more)."""
-    sums = mixture_shard_sums(cfg, fin, x, target, tuning)
+    return reduce_mixture(cfg, fin, mixture_shard_sums(cfg, fin, x, target, tuning), x, axes)
+
+
+def reduce_mixture(cfg: KernelConfig, fin: Final, sums: tuple[Array, Array], x: Array, axes: Sequence[str]) -> Final:
+    """``jensen_shannon``'s loss from this shard's mixture sums ``(kl_qm, kl_pm)`` ``[N]``: one
+    ``psum`` over the axes (``x``: an array of the shard, for the sums' varying-axes type), then
+    :func:`lossspec.stats.finalize_mixture`. Shared with the fused head (``jaxloss.head``)."""
     kl_qm, kl_pm = lax.psum(varying_like(sums, x), axis_arg(axes))
     return finalize_mixture(jnp, cfg, fin, kl_qm, kl_pm)
 

@@ -8,8 +8,9 @@ with one statistic per row of the tile)::
 
     _head_forward_kernel  grid: token blocks. For each vocabulary block: the tile z (and the
                           teacher's tile t = h_t W_t^T + b_t), folded into the row statistics
-                          (online softmax: m, s, x_y, sum_shift, mt, st, a, b, tau, e_d); then
-                          finalize: loss [N] and the final statistics [len(FINAL_STATS), N]
+                          (online softmax: m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, h); then
+                          finalize (jensen_shannon: the tiles once more for its mixture sums
+                          kl_qm, kl_pm): loss [N] and the final statistics [len(FINAL_STATS), N]
     _head_dh_kernel       grid: token blocks. For each vocabulary block: the tiles again, the
                           gradient tile G = coef * c * dl/dz, dh[rows] += G W[cols] (fp32,
                           read-modify-write of the program's own rows in a fixed order)
@@ -50,20 +51,26 @@ from lossspec import LossConfig  # noqa: E402
 
 from .triton_kernels import (  # noqa: E402
     CROSS_ENTROPY,
+    ENTROPY,
+    FIN_KL_QM,
     FIN_M,
     FIN_MEAN_D,
+    FIN_MEAN_H,
     FIN_MT,
     FIN_Q_COEF,
     FIN_S,
     FIN_ST,
     FIN_TAU,
     FORWARD_KL,
+    JENSEN_SHANNON,
     REVERSE_KL,
     SOFT_CROSS_ENTROPY,
     finalize,
     finite,
     is_bad,
+    load_mixture_params,
     load_params,
+    mixture_log_ratios,
     shift,
     softcap,
     softcap_slope,
@@ -102,13 +109,13 @@ def _head_tiles(
     KIND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_T_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_T_SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """``(z, t)``: the student's tile and the teacher's (cross-entropy: ``z`` again, unused),
-    ``-inf`` outside the vocabulary (probability 0, never a maximum)."""
+    """``(z, t)``: the student's tile and the teacher's (the kinds without a teacher: ``z``
+    again, unused), ``-inf`` outside the vocabulary (probability 0, never a maximum)."""
     z = _tile_logits(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w, cap,
                      HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H)
     z = tl.where(col_ok[None, :], z, float("-inf"))
     t = z
-    if KIND != CROSS_ENTROPY:
+    if KIND != CROSS_ENTROPY and KIND != ENTROPY:
         t = _tile_logits(th_ptr, tw_ptr, tb_ptr, rows, cols, row_ok, col_ok, HT, stride_th, stride_tw, t_cap,
                          HAS_T_BIAS, HAS_T_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H)
         t = tl.where(col_ok[None, :], t, float("-inf"))
@@ -134,7 +141,7 @@ def _head_forward_kernel(
         y = tl.load(y_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     neg_inf = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     zero = tl.zeros((BLOCK_N,), tl.float32)
-    m, s, x_y, sum_shift, mt, st, a, b, tau, e_d = neg_inf, zero, zero, zero, neg_inf, zero, zero, zero, neg_inf, zero
+    m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, h = neg_inf, zero, zero, zero, neg_inf, zero, zero, zero, neg_inf, zero, zero
     bad = tl.zeros((BLOCK_N,), tl.int32)
     offs = tl.arange(0, BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
@@ -153,6 +160,8 @@ def _head_forward_kernel(
             x_y = x_y + tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
             if SMOOTHING:
                 sum_shift = sum_shift + (v0 * 1.0) * dm + tl.sum(tl.where(col_ok[None, :], u, 0.0), axis=1)
+        elif KIND == ENTROPY:
+            h = r * (h + s * dm) + tl.sum(tl.where(e > 0, e * u, 0.0), axis=1)
         else:
             bad = bad | tl.max(tl.where(col_ok[None, :], is_bad(t), 0), axis=1)
             mt_new = tl.maximum(mt, tl.max(t, axis=1))
@@ -179,25 +188,51 @@ def _head_forward_kernel(
         m = m_new
     s = tl.where(bad != 0, float("nan"), s)
     loss, m, mt, q_coef, mean_d, mean_h = finalize(
-        m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, zero, bad, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS
+        m, s, x_y, sum_shift, mt, st, a, b, tau, e_d, h, bad, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS
     )
+    kl_qm = zero
+    if KIND == JENSEN_SHANNON:
+        # The second pass (lossspec.stats): the tiles again, the mixture sums from the rows'
+        # lse's (as _row_mixture per row); entries of probability 0 add 0.
+        beta, log_beta, log_rest = load_mixture_params(params_ptr)
+        lse = tl.log(s)
+        lse_t = tl.log(st)
+        kl_pm = zero
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + offs.to(tl.int64)
+            col_ok = cols < V
+            z, t = _head_tiles(h_ptr, w_ptr, b_ptr, th_ptr, tw_ptr, tb_ptr, rows, cols, row_ok, col_ok, H, HT,
+                               stride_h, stride_w, stride_th, stride_tw, cap, t_cap,
+                               KIND, HAS_BIAS, HAS_T_BIAS, HAS_SOFTCAP, HAS_T_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H)
+            log_q = c * (z - m[:, None]) - lse[:, None]
+            log_p = ct * (t - mt[:, None]) - lse_t[:, None]
+            q = tl.exp(log_q)
+            p = tl.exp(log_p)
+            log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
+            kl_qm = kl_qm + tl.sum(tl.where(q > 0, q * log_qm, 0.0), axis=1)
+            kl_pm = kl_pm + tl.sum(tl.where(p > 0, p * log_pm, 0.0), axis=1)
+        loss = tl.where(bad != 0, float("nan"), beta * kl_pm + (1.0 - beta) * kl_qm)
     tl.store(loss_ptr + rows, tl.where(coef != 0, loss, 0.0), mask=row_ok)
     fin = fin_ptr + rows
     tl.store(fin + FIN_M * stride_fin, m, mask=row_ok)
     tl.store(fin + FIN_S * stride_fin, s, mask=row_ok)
     if KIND == CROSS_ENTROPY:
         tl.store(fin + FIN_Q_COEF * stride_fin, q_coef, mask=row_ok)
+    elif KIND == ENTROPY:
+        tl.store(fin + FIN_MEAN_H * stride_fin, mean_h, mask=row_ok)
     else:
         tl.store(fin + FIN_MT * stride_fin, mt, mask=row_ok)
         tl.store(fin + FIN_ST * stride_fin, st, mask=row_ok)
         if KIND == REVERSE_KL:
             tl.store(fin + FIN_TAU * stride_fin, tau, mask=row_ok)
             tl.store(fin + FIN_MEAN_D * stride_fin, mean_d, mask=row_ok)
+        if KIND == JENSEN_SHANNON:
+            tl.store(fin + FIN_KL_QM * stride_fin, kl_qm, mask=row_ok)
 
 
 @triton.jit
 def _head_grad_tile(
-    h_ptr, w_ptr, b_ptr, th_ptr, tw_ptr, tb_ptr, y_ptr, coef_ptr, fin_ptr, rows, cols, row_ok, col_ok,
+    h_ptr, w_ptr, b_ptr, th_ptr, tw_ptr, tb_ptr, y_ptr, coef_ptr, params_ptr, fin_ptr, rows, cols, row_ok, col_ok,
     V, H, HT, stride_h, stride_w, stride_th, stride_tw, stride_fin, c, ct, eps, cap, t_cap,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_T_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_T_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -208,8 +243,10 @@ def _head_grad_tile(
         cross_entropy        q_coef q - (1 - eps) onehot(y) - eps / V
         soft CE, forward KL  q - p
         reverse KL           q (D - e_d / s),  D = c (x - m) - ct (t - tau)
+        entropy              -c q ((x - m) - h / s)
+        jensen_shannon       (1 - beta) q (log q - log M - kl_qm)
 
-    times the cap's slope (``softcap_slope`` of the raw tile) with a soft cap. Exactly 0 outside the arrays and where
+    (0 where ``q == 0`` for the last three) times the cap's slope (``softcap_slope`` of the raw tile) with a soft cap. Exactly 0 outside the arrays and where
     ``coef == 0``; NaN on bad rows."""
     coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
     scale = coef * c
@@ -233,6 +270,9 @@ def _head_grad_tile(
         g = e * p_scale[:, None] + tl.where(cols[None, :] == y[:, None], ((eps - 1.0) * scale)[:, None], 0.0)
         if SMOOTHING:
             g = g - (scale * (eps / V))[:, None]
+    elif KIND == ENTROPY:
+        mean_h = tl.load(fin + FIN_MEAN_H * stride_fin, mask=row_ok, other=0.0)
+        g = tl.where(e > 0, e * (u - mean_h[:, None]), 0.0) * (-c * p_scale)[:, None]
     else:
         mt = tl.load(fin + FIN_MT * stride_fin, mask=row_ok, other=0.0)
         st = tl.load(fin + FIN_ST * stride_fin, mask=row_ok, other=1.0)
@@ -242,6 +282,14 @@ def _head_grad_tile(
             mean_d = tl.load(fin + FIN_MEAN_D * stride_fin, mask=row_ok, other=0.0)
             d = c * u - ct * (t - tau[:, None])
             g = tl.where(e > 0, e * (d - mean_d[:, None]), 0.0) * p_scale[:, None]
+        elif KIND == JENSEN_SHANNON:
+            beta, log_beta, log_rest = load_mixture_params(params_ptr)
+            kl_qm = tl.load(fin + FIN_KL_QM * stride_fin, mask=row_ok, other=0.0)
+            log_q = c * u - tl.log(s)[:, None]
+            log_p = ct * (t - mt[:, None]) - tl.log(st)[:, None]
+            q = tl.exp(log_q)
+            log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
+            g = tl.where(q > 0, q * (log_qm - kl_qm[:, None]), 0.0) * ((1.0 - beta) * scale)[:, None]
         else:
             g = e * p_scale[:, None] - tl.exp(ct * (t - mt[:, None])) * (scale / st)[:, None]
     if HAS_SOFTCAP:
@@ -267,7 +315,7 @@ def _head_dh_kernel(
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs.to(tl.int64)
         col_ok = cols < V
-        g = _head_grad_tile(h_ptr, w_ptr, b_ptr, th_ptr, tw_ptr, tb_ptr, y_ptr, coef_ptr, fin_ptr, rows, cols, row_ok, col_ok,
+        g = _head_grad_tile(h_ptr, w_ptr, b_ptr, th_ptr, tw_ptr, tb_ptr, y_ptr, coef_ptr, params_ptr, fin_ptr, rows, cols, row_ok, col_ok,
                             V, H, HT, stride_h, stride_w, stride_th, stride_tw, stride_fin, c, ct, eps, cap, t_cap,
                             KIND, SMOOTHING, Z_LOSS, HAS_BIAS, HAS_T_BIAS, HAS_SOFTCAP, HAS_T_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H)
         for k0 in range(0, H, BLOCK_H):
@@ -298,7 +346,7 @@ def _head_dw_kernel(
     for n0 in range(0, N, BLOCK_N):
         rows = n0 + offs.to(tl.int64)
         row_ok = rows < N
-        g = _head_grad_tile(h_ptr, w_ptr, b_ptr, th_ptr, tw_ptr, tb_ptr, y_ptr, coef_ptr, fin_ptr, rows, cols, row_ok, col_ok,
+        g = _head_grad_tile(h_ptr, w_ptr, b_ptr, th_ptr, tw_ptr, tb_ptr, y_ptr, coef_ptr, params_ptr, fin_ptr, rows, cols, row_ok, col_ok,
                             V, H, HT, stride_h, stride_w, stride_th, stride_tw, stride_fin, c, ct, eps, cap, t_cap,
                             KIND, SMOOTHING, Z_LOSS, HAS_BIAS, HAS_T_BIAS, HAS_SOFTCAP, HAS_T_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H)
         if HAS_BIAS:
@@ -343,7 +391,7 @@ def softcaps(config: LossConfig) -> tuple[Optional[float], Optional[float]]:
 def constexprs(config: LossConfig, has_bias: bool, has_t_bias: bool, blocks: tuple[int, int, int, int] = GPU_BLOCKS) -> dict[str, Any]:
     """The ``tl.constexpr`` arguments of the head kernels for a call (shared with the AOT report)."""
     cap, t_cap = softcaps(config)
-    ce = config.kind == "cross_entropy"
+    ce = config.has_labels
     return {
         "KIND": lossspec.KIND_IDS[config.kind],
         "SMOOTHING": ce and config.label_smoothing > 0,
@@ -351,7 +399,7 @@ def constexprs(config: LossConfig, has_bias: bool, has_t_bias: bool, blocks: tup
         "HAS_BIAS": has_bias,
         "HAS_T_BIAS": has_t_bias,
         "HAS_SOFTCAP": cap is not None,
-        "HAS_T_SOFTCAP": (not ce) and t_cap is not None,
+        "HAS_T_SOFTCAP": config.is_distill and t_cap is not None,
         "BLOCK_N": blocks[0],
         "BLOCK_V": blocks[1],
         "BLOCK_H": blocks[2],
@@ -391,14 +439,12 @@ def head_forward(
     f32 = torch.float32
     hidden, weight = _rows(hidden.detach()), _rows(weight.detach())
     bias = None if bias is None else bias.detach().contiguous()
-    ce = config.kind == "cross_entropy"
-    if ce:
-        th, tw, tb = hidden, weight, None
-        y = labels
-    else:
+    if config.is_distill:
         th, tw, tb = _rows(teacher[0].detach()), _rows(teacher[1].detach()), teacher[2]
         tb = None if tb is None else tb.detach().contiguous()
-        y = coef  # a dummy pointer, never read
+    else:  # no teacher: the student's arrays as dummy pointers, never read
+        th, tw, tb = hidden, weight, None
+    y = labels if config.has_labels else coef  # coef: a dummy pointer, never read
     coef = coef.detach().to(f32).contiguous()
     loss = torch.zeros(n, dtype=f32, device=device)
     fin = torch.zeros((len(lossspec.FINAL_STATS), n), dtype=f32, device=device)

@@ -31,7 +31,7 @@ Kernels (one program per row; ``row`` offsets are int64; the vocabulary is walke
     shard_grad_kernel   pass 2 of a shard from the global final statistics (vocab-parallel)
 
 Helpers: :func:`_row_stats` (pass 1), :func:`finalize` (loss and what pass 2 needs),
-:func:`_row_mixture` (jensen_shannon's second pass, per entry :func:`_mixture_log_ratios`),
+:func:`_row_mixture` (jensen_shannon's second pass, per entry :func:`mixture_log_ratios`),
 :func:`_row_grad` (the gradient pass), :func:`_zero_row`, :func:`_round_for_store`, :func:`shift`.
 
 Soft caps (``lossspec.stats``): with ``SOFTCAP`` / ``TEACHER_SOFTCAP`` (``constexpr``; the caps
@@ -232,7 +232,7 @@ def load_params(params_ptr):
 
 
 @triton.jit
-def _load_mixture_params(params_ptr):
+def load_mixture_params(params_ptr):
     """``(beta, log(beta), log(1 - beta))`` of jensen_shannon (``0 < beta < 1``; logs from the host)."""
     beta = tl.load(params_ptr + P_BETA)
     log_beta = tl.load(params_ptr + P_LOG_BETA)
@@ -241,7 +241,7 @@ def _load_mixture_params(params_ptr):
 
 
 @triton.jit
-def _mixture_log_ratios(diff, log_beta, log_rest):
+def mixture_log_ratios(diff, log_beta, log_rest):
     """``(log q - log M, log p - log M)`` from ``diff = log q - log p``, ``M = beta p + (1 - beta) q``
     (``lossspec.stats.mixture_log_ratios``): ``log M = max(a, b) + log(1 + exp(-|a - b|))`` with
     ``a = log((1 - beta) q)``, ``b = log(beta p)``, so each ratio is a ``min`` of two bounded terms
@@ -274,7 +274,7 @@ def _row_mixture(
         log_p = ct * (t - mt) - lse_t
         q = tl.exp(log_q)
         p = tl.exp(log_p)
-        log_qm, log_pm = _mixture_log_ratios(log_q - log_p, log_beta, log_rest)
+        log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
         kl_qm = kl_qm + tl.sum(tl.where(q > 0, q * log_qm, 0.0), axis=0)
         kl_pm = kl_pm + tl.sum(tl.where(p > 0, p * log_pm, 0.0), axis=0)
     return kl_qm, kl_pm
@@ -466,7 +466,7 @@ def _row_grad(
     if KIND == ENTROPY:
         h_scale = -c * p_scale
     if KIND == JENSEN_SHANNON:
-        beta, log_beta, log_rest = _load_mixture_params(params_ptr)
+        beta, log_beta, log_rest = load_mixture_params(params_ptr)
         lse = tl.log(s)
         lse_t = tl.log(st)
         j_scale = (1.0 - beta) * scale
@@ -494,7 +494,7 @@ def _row_grad(
                 log_q = c * u - lse
                 log_p = ct * (t - mt) - lse_t
                 q = tl.exp(log_q)
-                log_qm, log_pm = _mixture_log_ratios(log_q - log_p, log_beta, log_rest)
+                log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
                 g = tl.where(q > 0, q * (log_qm - kl_qm), 0.0) * j_scale
             else:
                 g = e * p_scale - tl.exp(ct * (t - mt)) * t_scale
@@ -540,7 +540,7 @@ def _row_forward(
     )
     kl_qm = s * 0.0
     if KIND == JENSEN_SHANNON:
-        beta, log_beta, log_rest = _load_mixture_params(params_ptr)
+        beta, log_beta, log_rest = load_mixture_params(params_ptr)
         kl_qm, kl_pm = _row_mixture(
             x_row, t_row, params_ptr, V, m, tl.log(s), mt, tl.log(st), c, ct, log_beta, log_rest, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
         )

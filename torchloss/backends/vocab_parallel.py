@@ -148,9 +148,15 @@ def mixture_shards(config: LossConfig, fin: Any, x: Tensor, target: Tensor, grou
     """``jensen_shannon``'s second pass (``lossspec.stats``): this shard's mixture sums from the
     global ``lse``'s (:func:`mixture_shard_sums`, tiled), one ``all_reduce(SUM)`` of the two
     ``[N]`` sums, then the loss. Both backends use this torch code (it reads the shard once more)."""
+    return reduce_mixture(config, fin, mixture_shard_sums(config, fin, x, target, tuning), group)
+
+
+def reduce_mixture(config: LossConfig, fin: Any, sums: Tensor, group: Any) -> Any:
+    """``jensen_shannon``'s loss from this shard's mixture sums ``[2, N]`` (``kl_qm``, ``kl_pm``):
+    one ``all_reduce(SUM)`` over the group, then ``lossspec.stats.finalize_mixture``. Shared with
+    the fused head (``torchloss.head``)."""
     import torch.distributed as dist
 
-    sums = mixture_shard_sums(config, fin, x, target, tuning)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
     return _block.stats.finalize_mixture(torch, config, fin, sums[0], sums[1])
 
