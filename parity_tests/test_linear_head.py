@@ -24,6 +24,7 @@ import torchloss
 from lossspec import linear as spec_linear
 from parity_tests.support.head_cases import (  # noqa: F401  (plan: the fixture)
     KINDS, LEAD, H, HT, V, PLANS, NORMS, OPTIONS, MEM_N, MEM_H, MEM_V, RUNNERS, cases, check, grad_output_for, make_inputs, options_for, peak_extra, plan, reference, run_jax, run_torch,
+    target_args,
 )
 
 @pytest.mark.parametrize("plan", ["whole"], indirect=True)
@@ -54,6 +55,13 @@ def test_without_bias_per_token(framework: str, kind: str, plan: str) -> None:
 )
 def test_causal_shift(framework: str, kind: str, norm: str, plan: str) -> None:
     check(framework, kind, "float32", True, {**options_for(kind), **NORMS[norm], "causal_shift": True})
+
+
+@cases("framework,beta", [list(RUNNERS), [0.0, 1.0]], slow=lambda framework, beta: framework == "jax")
+def test_jensen_shannon_end_points(framework: str, beta: float) -> None:
+    """``linear_jensen_shannon`` at ``beta = 0`` / ``1`` is forward / reverse KL, computed as
+    those kinds (``LossConfig.formula``: no ``log 0`` of the mixture) against the oracle."""
+    check(framework, "jensen_shannon", "float32", True, {**options_for("jensen_shannon"), "beta": beta})
 
 
 @pytest.mark.parametrize("kind", ["cross_entropy", "forward_kl"])
@@ -255,6 +263,38 @@ def test_nnx_module_takes_a_flax_linear_head() -> None:
     lossspec.compare_loss(np.asarray(loss), ref_loss).check()
     spec_linear.compare_head_grad(np.asarray(grads.kernel[...]).T, ref["weight"], "float32", "kernel", ref.magnitude["weight"]).check()
     spec_linear.compare_head_grad(np.asarray(grads.bias[...]), ref["bias"], "float32", "bias", ref.magnitude["bias"]).check()
+
+
+@cases("framework,kind", [list(RUNNERS), list(KINDS)], slow=lambda framework, kind: framework == "jax")
+def test_module_forms_match_oracle(framework: str, kind: str) -> None:
+    """Every head kind's module form (``Linear<Kind>Loss`` of ``torchloss.nn`` / ``jaxloss.nnx``,
+    the options at construction), called with the kind's targets (labels, the teacher's hidden
+    states and weight, or none), the mask and biases as keywords: the oracle's loss and
+    gradients of hidden, weight and bias."""
+    inputs = make_inputs(kind, "float32", seed=12)
+    options = options_for(kind)
+    name = spec_linear.head_module_name(kind)
+    grad_output = np.asarray(1.0, np.float32)
+    ref_loss, ref = reference(kind, inputs, True, options, grad_output)
+    if framework == "torch":
+        params = {k: torch.tensor(inputs[k], requires_grad=True) for k in ("hidden", "weight", "bias")}
+        target, extra = target_args(kind, inputs, torch.tensor, torch.tensor)
+        loss = getattr(torchloss.nn, name)(**options)(params["hidden"], params["weight"], *target, loss_mask=torch.tensor(inputs["loss_mask"]),
+                                                     bias=params["bias"], **extra)
+        loss.backward()
+        loss, grads = float(loss.detach()), {k: p.grad.double().numpy() for k, p in params.items()}
+    else:
+        target, extra = target_args(kind, inputs, jnp.asarray, jnp.asarray)
+        module = getattr(jaxloss.nnx, name)(**options)
+
+        def loss_of(p: dict[str, Any]) -> Any:
+            return module(p["hidden"], p["weight"], *target, loss_mask=jnp.asarray(inputs["loss_mask"]), bias=p["bias"], **extra)
+
+        loss, grads = jax.value_and_grad(loss_of)({k: jnp.asarray(inputs[k]) for k in ("hidden", "weight", "bias")})
+        loss, grads = float(loss), {k: np.asarray(g, np.float64) for k, g in grads.items()}
+    lossspec.compare_loss(loss, ref_loss, f"{framework} {name} loss").check()
+    for k, grad in grads.items():
+        spec_linear.compare_head_grad(grad, ref[k], "float32", f"{framework} {name} grad {k}", ref.magnitude[k]).check()
 
 
 def test_arrays_on_another_device_are_refused() -> None:

@@ -31,7 +31,7 @@ from lossspec import linear as spec_linear
 from torchloss.backends import triton_head as _triton_linear
 
 from parity_tests.support.torch_problem import TRITON_DEVICE
-from parity_tests.support.head_cases import options_for
+from parity_tests.support.head_cases import head_target, options_for
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +41,7 @@ from parity_tests.support.head_kernels import H, HT, IMPLS, KINDS, LEAD, V, grad
 def check(impl: str, kind: str, dtype: str, with_bias: bool, options: dict[str, Any], seed: int = 0) -> None:
     inputs = make_inputs(kind, dtype, seed)
     loss, grads = run(impl, kind, inputs, dtype, with_bias, options)
-    target = inputs["labels"] if kind == "cross_entropy" else (inputs["teacher_hidden"], inputs["teacher_weight"], inputs["teacher_bias"])
-    ref_loss, ref = spec_linear.oracle_head(kind, inputs["hidden"], inputs["weight"], target, inputs["loss_mask"],
+    ref_loss, ref = spec_linear.oracle_head(kind, inputs["hidden"], inputs["weight"], head_target(kind, inputs), inputs["loss_mask"],
                                             bias=inputs["bias"] if with_bias else None, grad_output=grad_output_for(options), **options)
     lossspec.compare_loss(loss, ref_loss, f"{impl} {kind} loss").check()
     assert set(grads) == ({"hidden", "weight", "bias"} if with_bias else {"hidden", "weight"})
@@ -189,13 +188,15 @@ def test_pallas_head_lowers_to_triton(kind: str, softcap: bool) -> None:
     weight = jax.ShapeDtypeStruct((vocab, h), jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((vocab,), jnp.bfloat16)
     fn = getattr(jaxloss, f"linear_{kind}")
-    if kind == "cross_entropy":
-        target: tuple = (jax.ShapeDtypeStruct((n,), jnp.int32),)
-    else:
+    spec = lossspec.KIND_SPECS[kind]
+    target: tuple = ()
+    if spec.has_labels:
+        target = (jax.ShapeDtypeStruct((n,), jnp.int32),)
+    elif spec.has_teacher:
         target = (jax.ShapeDtypeStruct((n, ht), jnp.bfloat16), jax.ShapeDtypeStruct((vocab, ht), jnp.bfloat16))
 
     def step(hidden: Any, weight: Any, bias: Any, *target: Any) -> Any:
-        caps = {} if not softcap else dict(logit_softcap=30.0) if kind == "cross_entropy" else dict(logit_softcap=30.0, teacher_logit_softcap=50.0)
+        caps = {} if not softcap else dict(logit_softcap=30.0, teacher_logit_softcap=50.0) if spec.has_teacher else dict(logit_softcap=30.0)
         return jax.value_and_grad(lambda h, w, b: fn(h, w, *target, bias=b, impl="pallas", **options_for(kind), **caps), argnums=(0, 1, 2))(hidden, weight, bias)
 
     exported = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(
@@ -220,8 +221,7 @@ def test_kernels_all_positive_inputs(impl: str, kind: str) -> None:
     inputs = positive_inputs(kind, lead=(2, 9))
     options: dict[str, Any] = {}
     loss, grads = run(impl, kind, inputs, "float32", True, options)
-    target = inputs["labels"] if kind == "cross_entropy" else (inputs["teacher_hidden"], inputs["teacher_weight"], inputs["teacher_bias"])
-    ref_loss, ref = spec_linear.oracle_head(kind, inputs["hidden"], inputs["weight"], target, inputs["loss_mask"], bias=inputs["bias"],
+    ref_loss, ref = spec_linear.oracle_head(kind, inputs["hidden"], inputs["weight"], head_target(kind, inputs), inputs["loss_mask"], bias=inputs["bias"],
                                             grad_output=grad_output_for(options))
     lossspec.compare_loss(loss, ref_loss, f"{impl} {kind} loss").check()
     for name, grad in grads.items():

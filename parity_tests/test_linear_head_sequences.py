@@ -25,7 +25,7 @@ import torchloss
 from lossspec import linear as spec_linear
 
 from parity_tests.support.head_cases import set_block_budget
-from parity_tests.support.head_problem import BATCH, KINDS, OPTIONS, make_problem, reference
+from parity_tests.support.head_problem import BATCH, KINDS, OPTIONS, make_problem, reference, target_args
 
 VOCAB = 29
 MODES = lossspec.SEQUENCE_NORMALIZATIONS
@@ -55,12 +55,7 @@ def run(framework: str, kind: str, problem: dict[str, Any], rows: slice = slice(
     if isinstance(options.get("denominator"), np.ndarray):
         options["denominator"] = conv(options["denominator"])
     fn = getattr(jaxloss if framework == "jax" else torchloss, f"linear_{kind}")
-    if kind == "cross_entropy":
-        target: tuple = (conv(problem["labels"][rows]),)
-        extra: dict[str, Any] = {}
-    else:
-        target = (conv(problem["teacher_hidden"][rows]), conv(problem["teacher_weight"]))
-        extra = {"teacher_bias": conv(problem["teacher_bias"])}
+    target, extra = target_args(kind, problem, conv, rows)
     mask = conv(problem["loss_mask"][rows])
     if framework == "jax":
         params = {"hidden": conv(problem["hidden"][rows]), "weight": conv(problem["weight"]), "bias": conv(problem["bias"])}

@@ -5,7 +5,7 @@ shard's slice of the weight and bias gradients.
 
 JAX: ``shard_map`` over P = 4 of the 8 host devices (V = 28: shards of 7 columns; the blocked
 plan's blocks of 3 columns do not divide them). torch: 2 gloo ranks in one subprocess launch
-(torch_head_vp_worker.py: uneven shards 9 + 14, blocks of 4), slow. Cases: the four kinds x
+(torch_head_vp_worker.py: uneven shards 9 + 14, blocks of 4), slow. Cases: the head's kinds (lossspec.HEAD_KINDS) x
 {whole rows, the vocabulary-blocked fallback} x {"valid_tokens" with a non-unit upstream
 gradient, "none" with per-token upstream gradients}, and "sequence_mean" with segment_ids and
 causal_shift; the problems hold masked tokens, ignored labels and an all-masked row.
@@ -48,7 +48,7 @@ NORMS = {
     "recompute": {"recompute_logits": True},
 }
 HEAD_ONLY = ("module", "recompute_logits")  # how the head is called, not what the oracle computes
-FAST = {("cross_entropy", "whole", "valid_tokens"), ("reverse_kl", "blocked", "none")}
+FAST = {("cross_entropy", "whole", "valid_tokens"), ("reverse_kl", "blocked", "none"), ("jensen_shannon", "blocked", "valid_tokens")}
 
 
 def check_shards(
@@ -85,8 +85,8 @@ def run_jax(kind: str, options: dict[str, Any], problem: dict[str, Any], dtype: 
     upstream = jnp.asarray(torch_worker.upstream(options))
     mesh = Mesh(np.array(jax.devices()[:SHARDS]), ("vocab",))
     fn = getattr(jaxloss, f"linear_{kind}")
-    ce = kind == "cross_entropy"
-    teacher = () if ce else (problem["teacher_hidden"], problem["teacher_weight"], problem["teacher_bias"])
+    ce, distill = lossspec.KIND_SPECS[kind].has_labels, lossspec.KIND_SPECS[kind].has_teacher
+    teacher = (problem["teacher_hidden"], problem["teacher_weight"], problem["teacher_bias"]) if distill else ()
     target = problem["labels"] if ce else None
 
     def per_replica(hidden: Any, weight: Any, bias: Any, mask: Any, target: Any, *teacher: Any) -> Any:
@@ -95,6 +95,8 @@ def run_jax(kind: str, options: dict[str, Any], problem: dict[str, Any], dtype: 
                 return jaxloss.nnx.LinearCrossEntropyLoss(vocab_parallel="vocab", **options)(h, w, target, loss_mask=mask, bias=b)
             if ce:
                 return fn(h, w, target, mask, bias=b, segment_ids=ids, vocab_parallel="vocab", **options)
+            if not distill:
+                return fn(h, w, mask, bias=b, segment_ids=ids, vocab_parallel="vocab", **options)
             t_hidden, t_weight, t_bias = teacher
             return fn(h, w, t_hidden, t_weight, mask, bias=b, teacher_bias=t_bias, segment_ids=ids, vocab_parallel="vocab", **options)
 
@@ -103,7 +105,7 @@ def run_jax(kind: str, options: dict[str, Any], problem: dict[str, Any], dtype: 
         # Stack per replica: the test reads each replica's own loss and hidden gradient.
         return loss[None], grads[0][None], grads[1], grads[2]
 
-    teacher_specs = () if ce else (P(), P("vocab"), P("vocab"))
+    teacher_specs = (P(), P("vocab"), P("vocab")) if distill else ()
     step = shard_map(
         per_replica,
         mesh=mesh,

@@ -21,7 +21,7 @@ import torchloss
 import torchloss.head as torch_linear
 from lossspec import linear as spec_linear
 
-KINDS = tuple(lossspec.KINDS)  # the fused head's kinds (entropy / jensen_shannon heads: planned)
+KINDS = tuple(lossspec.HEAD_KINDS)  # the fused head's kinds: every kind whose table row has head=True
 LEAD, H, HT, V = (3, 4), 8, 6, 37
 # (block_elements, blocked_rows): whole rows of 5 tokens (chunks 5, 5, 2), or the fallback with
 # chunks of 5 rows and vocabulary blocks of 3 columns (37 = 12 * 3 + 1).
@@ -33,12 +33,38 @@ NORMS = {
 }
 OPTIONS = {
     "cross_entropy": dict(label_smoothing=0.1, z_loss=1e-3, logit_scale=1.3),
-    "distill": dict(temperature=1.5, teacher_logit_scale=0.8, logit_scale=1.1),
+    "distill": dict(temperature=1.5, teacher_logit_scale=0.8, logit_scale=1.1, beta=0.3),
 }
 
 
 def options_for(kind: str) -> dict[str, Any]:
-    return dict(OPTIONS["cross_entropy" if kind == "cross_entropy" else "distill"])
+    """The kind's test options: cross-entropy's with labels, else those of the "distill" set
+    the kind takes (its table row's options: entropy has no teacher scale, only
+    jensen_shannon a ``beta``)."""
+    spec = lossspec.KIND_SPECS[kind]
+    options = OPTIONS["cross_entropy" if spec.has_labels else "distill"]
+    return {name: value for name, value in options.items() if name in spec.option_names}
+
+
+def head_target(kind: str, inputs: dict[str, Any]) -> Any:
+    """``oracle_head``'s target of ``kind``: the labels, the teacher's ``(hidden, weight, bias)``
+    (``bias`` ``None`` where ``inputs`` has none), or ``None`` (no target)."""
+    spec = lossspec.KIND_SPECS[kind]
+    if spec.has_labels:
+        return inputs["labels"]
+    return (inputs["teacher_hidden"], inputs["teacher_weight"], inputs.get("teacher_bias")) if spec.has_teacher else None
+
+
+def target_args(kind: str, inputs: dict[str, Any], convert: Any, labels: Any) -> tuple[tuple, dict[str, Any]]:
+    """The head's positional target arguments and its ``teacher_bias`` keyword: ``(labels,)``
+    (through ``labels``), the teacher's ``(hidden, weight)`` and bias (through ``convert``), or
+    nothing (a kind without a target)."""
+    spec = lossspec.KIND_SPECS[kind]
+    if spec.has_labels:
+        return (labels(inputs["labels"]),), {}
+    if spec.has_teacher:
+        return (convert(inputs["teacher_hidden"]), convert(inputs["teacher_weight"])), {"teacher_bias": convert(inputs["teacher_bias"])}
+    return (), {}
 
 
 def make_inputs(
@@ -61,11 +87,12 @@ def make_inputs(
         "bias": r((vocab,), 0.5),
         "loss_mask": rng.choice(np.array([0.0, 0.5, 1.0, 2.0], np.float32), size=lead),
     }
-    if kind == "cross_entropy":
+    spec = lossspec.KIND_SPECS[kind]
+    if spec.has_labels:
         labels = rng.integers(0, vocab, size=lead)
         labels.flat[1] = -100
         inputs["labels"] = labels
-    else:
+    elif spec.has_teacher:
         inputs.update(teacher_hidden=r(lead + (t_hidden,), 1.0), teacher_weight=r((vocab, t_hidden), weight_scales[1]),
                       teacher_bias=r((vocab,), 0.5))
     return inputs
@@ -79,9 +106,8 @@ def grad_output_for(normalization: str, lead: tuple[int, ...] = LEAD) -> np.ndar
 
 
 def reference(kind: str, inputs: dict[str, Any], with_bias: bool, options: dict[str, Any], grad_output: np.ndarray) -> tuple:
-    target = inputs["labels"] if kind == "cross_entropy" else (inputs["teacher_hidden"], inputs["teacher_weight"], inputs.get("teacher_bias"))
     return spec_linear.oracle_head(
-        kind, inputs["hidden"], inputs["weight"], target, inputs["loss_mask"], bias=inputs["bias"] if with_bias else None, grad_output=grad_output, **options
+        kind, inputs["hidden"], inputs["weight"], head_target(kind, inputs), inputs["loss_mask"], bias=inputs["bias"] if with_bias else None, grad_output=grad_output, **options
     )
 
 
@@ -92,12 +118,7 @@ def run_jax(kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, opti
     if with_bias:
         params["bias"] = jnp.asarray(inputs["bias"], jdt)
     fn = getattr(jaxloss, f"linear_{kind}")
-    if kind == "cross_entropy":
-        target: tuple = (jnp.asarray(inputs["labels"], jnp.int32),)
-        extra: dict[str, Any] = {}
-    else:
-        target = (jnp.asarray(inputs["teacher_hidden"], jdt), jnp.asarray(inputs["teacher_weight"], jdt))
-        extra = {"teacher_bias": jnp.asarray(inputs["teacher_bias"], jdt)}
+    target, extra = target_args(kind, inputs, lambda a: jnp.asarray(a, jdt), lambda y: jnp.asarray(y, jnp.int32))
 
     def loss_of(p: dict[str, Any]) -> Any:
         return fn(p["hidden"], p["weight"], *target, jnp.asarray(inputs["loss_mask"]), bias=p.get("bias"), **extra, **options)
@@ -120,12 +141,7 @@ def run_torch(kind: str, inputs: dict[str, Any], dtype: str, with_bias: bool, op
     for p in params.values():
         p.requires_grad_(True)
     fn = getattr(torchloss, f"linear_{kind}")
-    if kind == "cross_entropy":
-        target: tuple = (torch.tensor(inputs["labels"]).to(device),)
-        extra: dict[str, Any] = {}
-    else:
-        target = (as_t(inputs["teacher_hidden"]), as_t(inputs["teacher_weight"]))
-        extra = {"teacher_bias": as_t(inputs["teacher_bias"])}
+    target, extra = target_args(kind, inputs, as_t, lambda y: torch.tensor(y).to(device))
     loss = fn(params["hidden"], params["weight"], *target, torch.tensor(inputs["loss_mask"]).to(device), bias=params.get("bias"), **extra,
               **options)
     loss.backward(torch.tensor(grad_output).to(device))
@@ -209,10 +225,11 @@ def positive_inputs(kind: str, seed: int = 5, lead: tuple[int, ...] = (2, 23), s
     mask = np.ones(lead, np.float32)
     mask.flat[rng.integers(0, mask.size, max(1, mask.size // 6))] = 0.0
     inputs: dict[str, Any] = {"hidden": uniform(*lead, hidden), "weight": uniform(vocab, hidden), "bias": np.zeros(vocab, np.float32), "loss_mask": mask}
-    if kind == "cross_entropy":
+    spec = lossspec.KIND_SPECS[kind]
+    if spec.has_labels:
         labels = rng.integers(0, 4, size=lead)  # many 2s to ignore, then spread over the vocabulary
         labels = np.where(labels == 2, -100, rng.integers(0, vocab, size=lead))
         inputs["labels"] = labels
-    else:
+    elif spec.has_teacher:
         inputs.update(teacher_hidden=uniform(*lead, t_hidden), teacher_weight=uniform(vocab, t_hidden), teacher_bias=np.zeros(vocab, np.float32))
     return inputs

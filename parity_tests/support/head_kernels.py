@@ -16,7 +16,7 @@ import lossspec
 from parity_tests.support.head_cases import make_inputs as head_inputs, run_jax, run_torch
 from parity_tests.support.torch_problem import TRITON_DEVICE
 
-KINDS = tuple(lossspec.KINDS)
+KINDS = tuple(lossspec.HEAD_KINDS)
 LEAD, H, HT, V = (4, 9), 40, 20, 37
 IMPLS = {"pallas": "jax", "triton": "torch"}
 

@@ -4,7 +4,7 @@ test_linear_head_sequences.py, test_linear_head_vocab_parallel.py and its torch 
 
 A problem is ``[B, T]`` tokens of packed rows (documents of different lengths, padding ids,
 an all-masked row, ignored labels, float mask weights), hidden states ``[B, T, H]``, a head
-``[V, H]`` with bias and, for the distillation kinds, a teacher head ``[V, HT]``. The float64
+``[V, H]`` with bias and, for the kinds with a teacher, a teacher head ``[V, HT]``. The float64
 reference is :func:`lossspec.linear.oracle_head` on the whole head.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 import lossspec
 from lossspec import linear as spec_linear
 
-KINDS = tuple(lossspec.KINDS)
+KINDS = tuple(lossspec.HEAD_KINDS)  # every kind whose table row has head=True
 BATCH, TIME, H, HT = 4, 6, 8, 6
 # Document ids per row: three documents, one document, padding (-1) at the end, interleaved.
 SEGMENT_IDS = np.array(
@@ -35,6 +35,8 @@ OPTIONS = {
     "soft_cross_entropy": {"temperature": 1.5},
     "forward_kl": {"temperature": 2.0, "teacher_logit_scale": 0.8},
     "reverse_kl": {"temperature": 0.8, "logit_scale": 1.2},
+    "entropy": {"temperature": 1.3, "logit_scale": 0.9},
+    "jensen_shannon": {"beta": 0.7, "temperature": 1.5, "teacher_logit_scale": 0.8},
 }
 
 
@@ -55,11 +57,12 @@ def make_problem(kind: str, vocab: int, *, seed: int = 0, dtype: str = "float32"
         "loss_mask": mask,
         "segment_ids": SEGMENT_IDS.copy(),
     }
-    if kind == "cross_entropy":
+    spec = lossspec.KIND_SPECS[kind]
+    if spec.has_labels:
         labels = rng.integers(0, vocab, lead)
         labels[0, 3] = -100
         problem["labels"] = labels
-    else:
+    elif spec.has_teacher:
         problem.update(teacher_hidden=r(lead + (HT,), 1.0), teacher_weight=r((vocab, HT), 0.7), teacher_bias=r((vocab,), 0.5))
     return problem
 
@@ -71,8 +74,24 @@ def reference(kind: str, problem: dict[str, Any], rows: Optional[slice] = None, 
     rows = rows if rows is not None else slice(None)
     if options.pop("segment_ids", None) is not None:
         options["segment_ids"] = problem["segment_ids"][rows]
-    if kind == "cross_entropy":
-        target: Any = problem["labels"][rows]
-    else:
+    spec = lossspec.KIND_SPECS[kind]
+    target: Any = None
+    if spec.has_labels:
+        target = problem["labels"][rows]
+    elif spec.has_teacher:
         target = (problem["teacher_hidden"][rows], problem["teacher_weight"], problem["teacher_bias"])
     return spec_linear.oracle_head(kind, problem["hidden"][rows], problem["weight"], target, problem["loss_mask"][rows], bias=problem["bias"], **options)
+
+
+def target_args(kind: str, problem: dict[str, Any], convert: Any, rows: Optional[slice] = None, vocab: slice = slice(None)) -> tuple[tuple, dict[str, Any]]:
+    """``linear_<kind>``'s positional target arguments and its ``teacher_bias`` keyword, each
+    through ``convert``: ``(labels[rows],)``, the teacher's ``(hidden[rows], weight[vocab])`` and
+    ``teacher_bias[vocab]`` (``vocab``: a shard's rows of the teacher head), or nothing."""
+    rows = rows if rows is not None else slice(None)
+    spec = lossspec.KIND_SPECS[kind]
+    if spec.has_labels:
+        return (convert(problem["labels"][rows]),), {}
+    if spec.has_teacher:
+        target = (convert(problem["teacher_hidden"][rows]), convert(problem["teacher_weight"][vocab]))
+        return target, {"teacher_bias": convert(problem["teacher_bias"][vocab])}
+    return (), {}

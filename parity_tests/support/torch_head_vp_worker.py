@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 
-from parity_tests.support.head_problem import BATCH, KINDS, OPTIONS, TIME, make_problem
+from parity_tests.support.head_problem import BATCH, KINDS, OPTIONS, TIME, make_problem, target_args
 from parity_tests.support.ranks import finish, init_gloo
 
 import torchloss
@@ -62,12 +62,7 @@ def run_case(kind: str, plan: str, options: dict[str, Any], lo: int, hi: int, gr
     weight = torch.tensor(problem["weight"][lo:hi], requires_grad=True)
     bias = torch.tensor(problem["bias"][lo:hi], requires_grad=True)
     fn = getattr(torchloss, f"linear_{kind}")
-    if kind == "cross_entropy":
-        target: tuple = (torch.tensor(problem["labels"]),)
-        extra: dict[str, Any] = {}
-    else:
-        target = (torch.tensor(problem["teacher_hidden"]), torch.tensor(problem["teacher_weight"][lo:hi]))
-        extra = {"teacher_bias": torch.tensor(problem["teacher_bias"][lo:hi])}
+    target, extra = target_args(kind, problem, torch.tensor, vocab=slice(lo, hi))
     mask = torch.tensor(problem["loss_mask"])
     if options.pop("module", False):
         loss = torchloss.nn.LinearCrossEntropyLoss(vocab_parallel=group, **options)(hidden, weight, *target, loss_mask=mask, bias=bias)
