@@ -867,6 +867,38 @@ MUTANTS: tuple[Mutant, ...] = (
         "        return _dot(g_slice.astype(jnp.bfloat16).astype(F32), _rows_f32(w, at, slice_rows), (1, 0)), _dot(g_slice, h32, (0, 0))",
         ("parity_tests/test_linear_head.py", "-k", "jax and all_positive and reverse_kl"),
     ),
+    Mutant(
+        "head_jsd_mixture_swapped_jax",
+        "the JAX fused head's jensen_shannon mixture sums of whole rows with student and teacher swapped",
+        "jaxloss/head.py::_chunk_whole",
+        "        fin = _with_mixture(cfg, fin, mixture_block(cfg, fin, z, t), z, shards)",
+        "        fin = _with_mixture(cfg, fin, mixture_block(cfg, fin, t, z), z, shards)",
+        ("parity_tests/test_linear_head.py", "-k", "jax and jensen_shannon and not blocked and not module"),
+    ),
+    Mutant(
+        "head_jsd_mixture_overlap_jax",
+        "the JAX fused head's blocked mixture pass counts the moved-back last block's overlap twice (no column mask)",
+        "jaxloss/head.py::_chunk_blocked.pass_mix",
+        "            kl_qm, kl_pm = mixture_block(cfg, fin, z, t, col_ok=col_ok)",
+        "            kl_qm, kl_pm = mixture_block(cfg, fin, z, t)",
+        ("parity_tests/test_linear_head.py", "-k", "jax and jensen_shannon and blocked"),
+    ),
+    Mutant(
+        "head_jsd_mixture_term_torch",
+        "the torch fused head's blocked mixture pass adds the student's term KL(q || M) where the teacher's belongs",
+        "torchloss/head.py::_chunk_blocked",
+        "            sums[1] += kl_pm",
+        "            sums[1] += kl_qm",
+        ("parity_tests/test_linear_head.py", "-k", "torch and jensen_shannon and blocked"),
+    ),
+    Mutant(
+        "head_jsd_mixture_term_triton",
+        "the Triton head's mixture sum of the teacher weights p by log q - log M instead of log p - log M",
+        "torchloss/backends/triton_head.py::_head_forward_kernel",
+        "            kl_pm = kl_pm + tl.sum(tl.where(p > 0, p * log_pm, 0.0), axis=1)",
+        "            kl_pm = kl_pm + tl.sum(tl.where(p > 0, p * log_qm, 0.0), axis=1)",
+        ("parity_tests/test_linear_head_kernels.py", "-k", "triton and jensen_shannon and match_oracle"),
+    ),
 )
 
 

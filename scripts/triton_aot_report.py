@@ -29,6 +29,10 @@ from typing import Any
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # this checkout's lossspec (the kind table) and torchloss
+
+import lossspec  # noqa: E402  (NumPy only)
 
 GPU_BLOCK_V = 4096  # the default vocab_block of torchloss.backends.triton (DEFAULTS) when compiled for a GPU
 JOBS = ("fused", "regrad", "shard_stats", "shard_grad")
@@ -49,9 +53,9 @@ VARIANTS = (
 )
 ARCHS = (80, 90)
 # The fused LM head's kernels (torchloss.backends.triton_head) at their GPU tiles, with a bias (and a
-# teacher bias): the four kinds of the head.
+# teacher bias): the variants of the kinds with a head (the kind table's ``head``).
 HEAD_JOBS = ("head_forward", "head_dh", "head_dw")
-HEAD_VARIANTS = tuple(v for v in VARIANTS if v[1] in ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl"))
+HEAD_VARIANTS = tuple(v for v in VARIANTS if lossspec.KIND_SPECS[v[1]].head)
 # The bf16 matmul kernel (torchloss.backends.triton_matmul) in the three layouts the fused head launches
 # it with (bf16 operands): variant -> (A's dtype, unit-stride arguments, ACCUMULATE).
 #   logits  z = h W^T        A = h [R, H] bf16, B = W^T (a view: unit stride along K)
@@ -134,7 +138,7 @@ def _head_signature(job: str, kind: str, dtype: str) -> tuple[dict[str, str], di
 
     inputs = "*" + _TL_NAMES[dtype]
     pointer_types = {name: inputs for name in ("h_ptr", "w_ptr", "b_ptr", "th_ptr", "tw_ptr", "tb_ptr")}
-    pointer_types["y_ptr"] = "*i64" if kind == "cross_entropy" else "*fp32"
+    pointer_types["y_ptr"] = "*i64" if lossspec.KIND_SPECS[kind].has_labels else "*fp32"
     signature: dict[str, str] = {}
     attrs = {}
     for i, param in enumerate(_triton_linear.KERNELS[job].params):
@@ -158,11 +162,10 @@ def _compile_head(job: str, kind: str, options: dict, dtype: str, arch: int) -> 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import lossspec
     from torchloss.backends import triton as _triton, triton_head as _triton_linear
 
     config = lossspec.make_config(kind, **options)
-    constants = _triton_linear.constexprs(config, True, kind != "cross_entropy", _triton_linear.GPU_BLOCKS)
+    constants = _triton_linear.constexprs(config, True, config.is_distill, _triton_linear.GPU_BLOCKS)
     signature, attrs = _head_signature(job, kind, dtype)
     warps = _triton_linear.GPU_BLOCKS[3]
     src = ASTSource(fn=_triton_linear.KERNELS[job], signature=signature, constexprs=constants, attrs=attrs)
