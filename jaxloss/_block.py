@@ -282,7 +282,7 @@ _HEAD_LIVE_BLOCKS = {"cross_entropy": 2, "soft_cross_entropy": 4, "forward_kl": 
 
 
 def head_live_blocks(kind: str, vocab_parallel: bool) -> int:
-    """The fp32 ``[R, B]`` blocks the fused head (``jaxloss.linear``) holds at once for ``kind``:
+    """The fp32 ``[R, B]`` blocks the fused head (``jaxloss.head``) holds at once for ``kind``:
     the ``live_blocks`` of :func:`lossspec.linear.head_plan`. A vocabulary shard's are the same
     (the exponentials are recomputed from the logits, not kept)."""
     return _HEAD_LIVE_BLOCKS[kind]

@@ -274,7 +274,7 @@ def chunk_buffers(kind: str, z: Tensor, t: Optional[Tensor], fresh: Callable[[],
     return [z, t, fresh(), fresh()]
 
 
-# The blocks [R, B] (compute dtype) the fused head (torchloss.linear) holds at once per kind, so
+# The blocks [R, B] (compute dtype) the fused head (torchloss.head) holds at once per kind, so
 # that they fit lossspec.linear.HEAD_MEMORY_FRACTION of the logits. Whole rows: cross-entropy
 # works in the chunk's logits alone (statistics and gradient in place); the kinds with a teacher
 # hold the logits, the teacher's and two scratch blocks (chunk_buffers); entropy's gradient
