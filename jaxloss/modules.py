@@ -80,16 +80,18 @@ class _Loss(_nnx.Module):
 class _TargetlessLoss(_Loss):
     """Shared body of the kinds without a target (``entropy``): ``module(logits, loss_mask)``."""
 
-    def __call__(self, logits: Any, loss_mask: Any = None, *, denominator: Any = None) -> jax.Array:  # type: ignore[override]
+    def __call__(self, logits: Any, loss_mask: Any = None, *, denominator: Any = None, segment_ids: Any = None) -> jax.Array:  # type: ignore[override]
         """The loss of this module's kind: an fp32 scalar, or per-token losses ``[...]`` for
-        ``normalization="none"``."""
+        ``normalization="none"``; ``segment_ids`` the packed documents (lossspec.sequences)."""
         function = getattr(api, self.kind)
         return function(
             logits,
             loss_mask,
             normalization=self.normalization,
             denominator=denominator,
+            segment_ids=segment_ids,
             vocab_parallel=self.vocab_parallel,
+            sequence_parallel=self.sequence_parallel,
             impl=self.impl,
             **self.options,
         )
@@ -291,7 +293,7 @@ class EntropyLoss(_TargetlessLoss):
 
     The options are fixed at construction (keyword only: those of :func:`jaxloss.entropy` but the arrays,
     ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
-    ``module(logits, loss_mask=None, *, denominator=None)``. It holds no parameters.
+    ``module(logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
 
         l = -sum_v q_v log q_v
         dl/dz = -q (log q + l)   (0 where q == 0)

@@ -3,9 +3,9 @@
 The loss modules are configured once and called with the arrays. Each module validates its
 options on construction (the same checks and messages as the functions, from
 :func:`lossspec.make_config`) and is called as
-``module(logits, target, loss_mask=None, *, denominator=None)``, where ``target`` is the
+``module(logits, target, loss_mask=None, *, denominator=None, segment_ids=None)``, where ``target`` is the
 labels (:class:`CrossEntropyLoss`) or the teacher logits (the distillation losses);
-:class:`EntropyLoss` has no target: ``module(logits, loss_mask=None, *, denominator=None)``. The
+:class:`EntropyLoss` has no target: ``module(logits, loss_mask=None, *, denominator=None, segment_ids=None)``. The
 modules hold no parameters or state; they work under ``nnx.jit``, ``nnx.grad`` and inside
 other modules. ``denominator`` is runtime data: a new global count never recompiles. The fused
 head's modules (``LinearCrossEntropyLoss``, ...) take the hidden states and the head instead.

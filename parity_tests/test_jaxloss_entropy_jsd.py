@@ -236,3 +236,20 @@ def test_vocab_parallel_pallas_matches_oracle(kind: str) -> None:
     loss, grad = _vp_run(kind, case, 2, "pallas", "valid_tokens", OPTIONS[kind])
     ref = case.reference(normalization="valid_tokens", **OPTIONS[kind])
     lossspec.assert_close_to_oracle(loss, grad, ref.loss, ref.grad, dtype="float32", g0=ref.g0, what=f"vp pallas {case.name}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nnx_module_takes_packed_documents(kind: str) -> None:
+    """The module forms pass ``segment_ids`` on (entropy's targetless call too): per-sequence
+    normalisation of packed documents against the oracle."""
+    from jaxloss import nnx
+
+    from parity_tests.support.packed_problem import packed_case
+
+    case, ids = packed_case(kind)
+    module = {"entropy": nnx.EntropyLoss, "jensen_shannon": nnx.JensenShannonLoss}[kind](normalization="sequence_mean", **OPTIONS[kind])
+    x = jnp.asarray(case.logits)
+    args = (x, case.loss_mask) if kind == "entropy" else (x, jnp.asarray(case.target), case.loss_mask)
+    loss, grad = jax.value_and_grad(lambda x: module(x, *args[1:], segment_ids=ids))(x)
+    ref = case.reference(normalization="sequence_mean", segment_ids=ids, **OPTIONS[kind])
+    lossspec.assert_close_to_oracle(loss, np.asarray(grad), ref.loss, ref.grad, dtype="float32", g0=ref.g0, what=f"nnx:{kind}")

@@ -81,6 +81,34 @@ def test_jax_losses_and_counts_over_a_time_split(kind: str) -> None:
             np.testing.assert_allclose(float(count), ref_count, rtol=1e-6, err_msg=what)
 
 
+@pytest.mark.parametrize("kind", lossspec.TARGETLESS_KINDS)
+def test_jax_targetless_module_over_a_time_split(kind: str) -> None:
+    """The NNX module of a kind without a target passes ``sequence_parallel`` and ``segment_ids``
+    on (it once dropped both): the whole rows' loss and gradient against the oracle."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from jaxloss import nnx
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("seq",))
+    case, ids = packed_case(kind, float_weights=True)
+    module_class = getattr(nnx, lossspec.KIND_SPECS[kind].module)
+    row_spec = P(None, "seq")
+    for mode in CHECKED_MODES:
+        options = OPTIONS.get(kind, {"temperature": 1.5})  # packed_problem holds options for the kinds with a target
+        module = module_class(normalization=mode, causal_shift=True, sequence_parallel="seq", **options)
+
+        def local(x, mask, seg, module=module):
+            loss, grad = jax.value_and_grad(lambda x: module(x, mask, segment_ids=seg))(x)
+            return jax.lax.psum(loss, "seq"), grad
+
+        sharded = _shard_map()(local, mesh=mesh, in_specs=(P(None, "seq", None), row_spec, row_spec), out_specs=(P(), P(None, "seq", None)))
+        loss, grad = jax.jit(sharded)(jnp.asarray(case.logits), jnp.asarray(case.loss_mask), jnp.asarray(ids))
+        ref = case.reference(segment_ids=ids, normalization=mode, causal_shift=True, **options)
+        assert_close_to_oracle(loss, np.asarray(grad), ref.loss, ref.grad, dtype="float32", g0=ref.g0, what=f"jax-sp-module:{kind}/{mode}")
+
+
 @pytest.mark.parametrize("kind", ["cross_entropy", "forward_kl"])
 def test_jax_sequence_and_vocab_parallel_together(kind: str) -> None:
     """2 time slices x 2 vocabulary shards (V = 38): the coefficients come from the time axis,

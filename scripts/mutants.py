@@ -274,6 +274,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_causal_shift.py", "-m", "not slow"),
     ),
     Mutant(
+        "targetless_module_drops_sequence_parallel_jax",
+        "jaxloss.nnx.EntropyLoss leaves out its sequence_parallel axis (each slice normalised as whole rows)",
+        "jaxloss/modules.py::_TargetlessLoss.__call__",
+        "            sequence_parallel=self.sequence_parallel,",
+        "",
+        ("parity_tests/test_sequence_parallel.py", "-k", "targetless_module"),
+    ),
+    Mutant(
+        "targetless_module_drops_segment_ids_torch",
+        "torchloss.nn.EntropyLoss leaves out segment_ids (packed documents normalised as one sequence)",
+        "torchloss/modules.py::_TargetlessLoss.forward",
+        "        return function(logits, loss_mask, denominator=denominator, segment_ids=segment_ids, **self.settings)",
+        "        return function(logits, loss_mask, denominator=denominator, **self.settings)",
+        ("parity_tests/test_torchloss_entropy_jsd.py", "-k", "packed_documents"),
+    ),
+    Mutant(
         "sequence_mean_as_sum_torch",
         "torchloss's sequence_mean leaves out the 1 / n_s (each token weighs as in sequence_sum)",
         "torchloss/_prepare.py::_coefficients",

@@ -73,11 +73,13 @@ class _MaskedLoss(torch.nn.Module):
 class _TargetlessLoss(_MaskedLoss):
     """Shared body of the kinds without a target (``entropy``): ``module(logits, loss_mask)``."""
 
-    def forward(self, logits: Tensor, loss_mask: Optional[Tensor] = None, *, denominator: api.Denominator = None) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        self, logits: Tensor, loss_mask: Optional[Tensor] = None, *, denominator: api.Denominator = None, segment_ids: Optional[Tensor] = None
+    ) -> Tensor:
         """The loss of this module's kind: a 0-d fp32 tensor, or per-token losses ``[...]`` for
-        ``normalization="none"``."""
+        ``normalization="none"``; ``segment_ids`` the packed documents (lossspec.sequences)."""
         function = getattr(api, self.kind)
-        return function(logits, loss_mask, denominator=denominator, **self.settings)
+        return function(logits, loss_mask, denominator=denominator, segment_ids=segment_ids, **self.settings)
 
 
 class CrossEntropyLoss(_MaskedLoss):
@@ -285,7 +287,7 @@ class EntropyLoss(_TargetlessLoss):
 
     The options are fixed at construction (keyword only: those of :func:`torchloss.entropy` but the arrays,
     ``denominator`` and ``segment_ids``; validated there, with the function's errors); called as
-    ``module(logits, loss_mask=None, *, denominator=None)``. It holds no parameters.
+    ``module(logits, loss_mask=None, *, denominator=None, segment_ids=None)``. It holds no parameters.
 
         l = -sum_v q_v log q_v
         dl/dz = -q (log q + l)   (0 where q == 0)
