@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=None, help="the Python that setup.sh creates .venv with (its PYTHON)")
     parser.add_argument("--pytest-k", default=None, help="only the fast-lane tests matching this -k expression (a check of this script)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "timings.md"), help="the table to write (default docs/timings.md)")
-    parser.add_argument("--keep", action="store_true", help="keep the temporary clone and the logs")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary clone and the logs (kept anyway when a step fails)")
     parser.add_argument("--busy", type=int, default=0, help="spinning processes beside every step (default 0: idle)")
     parser.add_argument("--busy-seconds", type=float, default=7200.0, help="hard limit of each spinner's life (default 7200)")
     args = parser.parse_args(argv)
@@ -203,10 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.pytest_k:
         notes.append(f"The fast lane ran only the tests matching `-k {args.pytest_k}` (a check of the script, not a figure).")
     write_table(Path(args.out), rows, commit, " ".join(notes), args.busy)
-    print(f"[measure] wrote {args.out}" + (f"; clone and logs in {tmp}" if args.keep else ""), flush=True)
-    if not args.keep:
+    failed = [name for name, r in rows.items() if "exit" in r["result"]]
+    for name in failed:  # the failing tests' names, and the logs kept: a failure is worth reading
+        for line in (tmp / f"{name}.log").read_text(errors="replace").splitlines():
+            if line.startswith(("FAILED ", "ERROR ")):
+                print(f"[measure] {name}: {line}", flush=True)
+    keep = args.keep or bool(failed)
+    print(f"[measure] wrote {args.out}" + (f"; clone and logs in {tmp}" if keep else ""), flush=True)
+    if not keep:
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
-    return 0 if all("exit" not in r["result"] for r in rows.values()) else 1
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":
