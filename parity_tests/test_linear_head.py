@@ -30,21 +30,21 @@ from parity_tests.support.head_cases import (  # noqa: F401  (plan: the fixture)
 @pytest.mark.parametrize("plan", ["whole"], indirect=True)
 @cases("framework,kind,norm,dtype", [list(RUNNERS), list(KINDS), list(NORMS), ["float32", "bfloat16"]],
        slow=lambda framework, kind, norm, dtype: framework == "jax" and (norm != "valid_tokens" or dtype != "float32"))
-def test_head_matches_oracle(framework: str, kind: str, norm: str, dtype: str, plan: str) -> None:
-    check(framework, kind, dtype, True, {**options_for(kind), **NORMS[norm]})
+def test_head_matches_oracle(framework: str, kind: str, norm: str, dtype: str, plan: lossspec.HeadTuning) -> None:
+    check(framework, kind, dtype, True, {**options_for(kind), **NORMS[norm]}, head_options={"tuning": plan})
 
 
 @pytest.mark.parametrize("plan", ["blocked"], indirect=True)
 @cases("framework,kind,dtype", [list(RUNNERS), list(KINDS), ["float32", "bfloat16"]],
        slow=lambda framework, kind, dtype: framework == "jax" and (kind != "cross_entropy" or dtype != "float32"))
-def test_vocabulary_blocked_fallback(framework: str, kind: str, dtype: str, plan: str) -> None:
+def test_vocabulary_blocked_fallback(framework: str, kind: str, dtype: str, plan: lossspec.HeadTuning) -> None:
     assert spec_linear.head_plan(int(np.prod(LEAD)), V, *PLANS["blocked"]) == (5, 3)
-    check(framework, kind, dtype, True, {**options_for(kind), **NORMS["valid_tokens"]})
+    check(framework, kind, dtype, True, {**options_for(kind), **NORMS["valid_tokens"]}, head_options={"tuning": plan})
 
 
 @cases("framework,kind,plan", [list(RUNNERS), list(KINDS), ["whole", "blocked"]], slow=lambda framework, kind, plan: framework == "jax" and plan == "blocked", indirect=("plan",))
-def test_without_bias_per_token(framework: str, kind: str, plan: str) -> None:
-    check(framework, kind, "float32", False, {**options_for(kind), **NORMS["none"]})
+def test_without_bias_per_token(framework: str, kind: str, plan: lossspec.HeadTuning) -> None:
+    check(framework, kind, "float32", False, {**options_for(kind), **NORMS["none"]}, head_options={"tuning": plan})
 
 
 @cases(
@@ -53,8 +53,8 @@ def test_without_bias_per_token(framework: str, kind: str, plan: str) -> None:
     slow=lambda framework, kind, norm, plan: framework == "jax" and (norm == "none" or plan == "blocked"),
     indirect=("plan",),
 )
-def test_causal_shift(framework: str, kind: str, norm: str, plan: str) -> None:
-    check(framework, kind, "float32", True, {**options_for(kind), **NORMS[norm], "causal_shift": True})
+def test_causal_shift(framework: str, kind: str, norm: str, plan: lossspec.HeadTuning) -> None:
+    check(framework, kind, "float32", True, {**options_for(kind), **NORMS[norm], "causal_shift": True}, head_options={"tuning": plan})
 
 
 @cases("framework,beta", [list(RUNNERS), [0.0, 1.0]], slow=lambda framework, beta: framework == "jax")
