@@ -19,7 +19,8 @@ This module is the framework-free part, written once for ``jaxloss.head`` and
 shape and dtype checks with their messages, the float64 reference (the chain rule through
 :func:`lossspec.oracle`, which applies ``segment_ids`` as well), the gradient bound of the head
 and the memory plans (also of a vocabulary shard, :func:`head_plan_shard`, and of the
-``recompute_logits`` backward, :func:`head_plan_recompute`).
+``recompute_logits`` backward, :func:`head_plan_recompute`), tuned per call by
+:class:`HeadTuning` (``tuning=``).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ _P = inspect.Parameter
 #: the public name of each kind's fused head (the kinds whose table row has ``head=True``)
 LINEAR_NAMES: dict[str, str] = {kind: f"linear_{kind}" for kind in HEAD_KINDS}
 
-#: the head's arguments shared by both frameworks after ``impl`` (each framework appends its own,
-#: ``vocab_parallel``), as ``(name, default)``
+#: the head's arguments shared by both frameworks after ``impl`` (then each framework's
+#: ``vocab_parallel`` and ``tuning``, :class:`HeadTuning`), as ``(name, default)``
 HEAD_ARGS: tuple[tuple[str, Any], ...] = (("recompute_logits", False),)
 
 
@@ -88,7 +89,7 @@ def head_parameters(spec: KindSpec, extra: tuple[tuple[str, Any], ...] = ()) -> 
     ``hidden, weight, <targets>, loss_mask=None, *, <biases>=None, <options>, normalization,
     denominator, segment_ids, impl`` (the options, defaults and order of the unfused
     ``spec.kind``), :data:`HEAD_ARGS`, then the framework's own ``extra`` ``(name, default)``
-    (``vocab_parallel``)."""
+    (``vocab_parallel``, ``tuning``)."""
     params = [_P("hidden", _P.POSITIONAL_OR_KEYWORD), _P("weight", _P.POSITIONAL_OR_KEYWORD)]
     params += [_P(name, _P.POSITIONAL_OR_KEYWORD) for name in head_targets(spec)]
     params.append(_P("loss_mask", _P.POSITIONAL_OR_KEYWORD, default=None))
