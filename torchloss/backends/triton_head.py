@@ -385,6 +385,7 @@ def blocks(tuning: lossspec.HeadTuning) -> tuple[int, int, int, int]:
     given = (tuning.block_rows, tuning.block_vocab, tuning.block_hidden, tuning.num_warps)
     return tuple(d if g is None else int(g) for g, d in zip(given, default))  # type: ignore[return-value]
 
+
 #: ``.maxnreg`` of the GPU launches: without it ptxas aims at a higher occupancy (64-128 registers)
 #: and spills a few bytes (8-32 B on sm_80); with it none of the head kernels spills.
 MAXNREG: int = 255
