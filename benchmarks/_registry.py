@@ -101,8 +101,8 @@ BACKENDS: dict[str, Backend] = {
                 "torchloss.linear_cross_entropy (the fused head: logits never materialised)", ("cpu", "gpu"),
                 mem=(0.3, 0.3), cpu_ns=5.0),
         Backend("head-torchloss-fused-bf16mm", "torch", "ours", "head", ("cross_entropy",), ("gpu",),
-                "torchloss.linear_cross_entropy, opted in to bf16 tensor-core matmuls (BF16_MATMUL_DEVICES: the Triton "
-                "matmul, G as exact bf16 terms)", mem=(0.3, 0.3), dtypes=("bfloat16",)),
+                "torchloss.linear_cross_entropy, opted in to bf16 tensor-core matmuls (tuning=HeadTuning("
+                "bf16_matmul_devices=('cuda',)): the Triton matmul, G as exact bf16 terms)", mem=(0.3, 0.3), dtypes=("bfloat16",)),
         Backend("head-torchloss-fused-recompute", "torch", "ours", "head", ("cross_entropy",), _CPU_GPU,
                 "torchloss.linear_cross_entropy(recompute_logits=True): the weight gradient formed in the backward, a "
                 "vocabulary slice at a time (no fp32 [V, H] accumulator; one more matmul)", mem=(0.3, 0.3), cpu_ns=6.0),
@@ -122,8 +122,8 @@ BACKENDS: dict[str, Backend] = {
                 "jaxloss.linear_cross_entropy (the fused head: logits never materialised)", ("cpu", "gpu"),
                 mem=(0.3, 0.3), cpu_ns=8.0),
         Backend("head-jaxloss-fused-bf16mm", "jax", "ours", "head", ("cross_entropy",), ("gpu",),
-                "jaxloss.linear_cross_entropy, opted in to bf16 tensor-core matmuls (BF16_BACKWARD_PLATFORMS: XLA's "
-                "dots, G as exact bf16 terms)", mem=(0.3, 0.3), dtypes=("bfloat16",)),
+                "jaxloss.linear_cross_entropy, opted in to bf16 tensor-core matmuls (tuning=HeadTuning("
+                "bf16_matmul_devices=('cuda',)): XLA's dots, G as exact bf16 terms)", mem=(0.3, 0.3), dtypes=("bfloat16",)),
         Backend("head-jaxloss-fused-recompute", "jax", "ours", "head", ("cross_entropy",), _CPU_GPU,
                 "jaxloss.linear_cross_entropy(recompute_logits=True): the weight gradient formed in the backward, a "
                 "vocabulary slice at a time (no fp32 [V, H] accumulator; one more matmul)", mem=(0.3, 0.3), cpu_ns=10.0),

@@ -25,7 +25,6 @@ Prints one ``RESULT {json}`` line per spec (in the order given), after all round
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import gc
@@ -38,7 +37,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -58,17 +57,6 @@ class Unavailable(Exception):
 # ----------------------------------------------------------------------------------------------
 # Inputs (identical values in both frameworks)
 # ----------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _switched(module: Any, name: str, value: Any) -> Iterator[None]:
-    """``module.name = value`` for the duration (an opt-in contender beside the default one)."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
 
 
 def numpy_inputs(spec: Spec) -> dict[str, np.ndarray]:
@@ -281,7 +269,6 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
         program, args = jax.value_and_grad(loss), (x, target, mask)
     elif spec.backend in ("head-jaxloss-fused", "head-jaxloss-fused-bf16mm", "head-jaxloss-fused-recompute", "head-jaxloss"):
         import jaxloss
-        import jaxloss.head as jax_linear
 
         h, w = shared["h"], shared["w"]
         if spec.backend == "head-jaxloss-fused":
@@ -291,10 +278,9 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
         elif spec.backend == "head-jaxloss-fused-bf16mm":
 
             def head_loss(h: Any, w: Any, labels: Any, mask: Any) -> Any:
-                # The switch is read while tracing (the gradients are formed in the forward):
-                # set for this trace only, the default contender shares the process.
-                with _switched(jax_linear, "BF16_BACKWARD_PLATFORMS", ("cuda",)):
-                    return jaxloss.linear_cross_entropy(h, w, labels, mask)
+                # opted in for this contender's calls only (the default contender shares the process)
+                tuning = lossspec.HeadTuning(bf16_matmul_devices=("cuda",))
+                return jaxloss.linear_cross_entropy(h, w, labels, mask, tuning=tuning)
         elif spec.backend == "head-jaxloss-fused-recompute":
 
             def head_loss(h: Any, w: Any, labels: Any, mask: Any) -> Any:
@@ -466,12 +452,10 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
                 return torchloss.linear_cross_entropy(h, w, labels, mask)
         elif spec.backend == "head-torchloss-fused-bf16mm":
             import torchloss
-            import torchloss.head as torch_linear
 
             def forward() -> Any:
-                # The head's gradients are formed in its forward: the switch covers them.
-                with _switched(torch_linear, "BF16_MATMUL_DEVICES", ("cuda",)):
-                    return torchloss.linear_cross_entropy(h, w, labels, mask)
+                # opted in for this contender's calls only (the head's gradients are formed in its forward)
+                return torchloss.linear_cross_entropy(h, w, labels, mask, tuning=lossspec.HeadTuning(bf16_matmul_devices=("cuda",)))
         elif spec.backend == "head-torchloss-fused-recompute":
             import torchloss
 

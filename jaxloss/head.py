@@ -18,7 +18,7 @@ blocks once more, two more matmuls). Every product is exact and accumulated in f
 (``preferred_element_type=float32``, ``Precision.HIGHEST``: no TF32 on a GPU): the forward
 dots read bf16 hidden states and weights as they are (:func:`_dot`), other 16-bit inputs and
 the backward's slices of the weight are upcast (exact); the fp32 gradients are rounded once to
-the parameters' dtypes. Opt-in (:data:`BF16_BACKWARD_PLATFORMS`): on a GPU the backward of bf16
+the parameters' dtypes. Opt-in (``tuning=lossspec.HeadTuning(bf16_matmul_devices=("cuda",))``): on a GPU the backward of bf16
 inputs reads them as they are too and multiplies the fp32 ``G`` as three exact bf16 terms
 (:func:`split_bf16`, tensor cores; the same exact products accumulated in fp32).
 
@@ -71,16 +71,6 @@ __all__ = [
     "linear_cross_entropy", "linear_soft_cross_entropy", "linear_forward_kl", "linear_reverse_kl", "linear_entropy", "linear_jensen_shannon",
 ]
 
-#: the fp32 elements of one [R, B] block; ``None``: lossspec.linear.head_plan's default.
-#: Tests set it small to exercise the vocabulary-blocked fallback.
-BLOCK_ELEMENTS: Optional[int] = None
-#: rows of a chunk in the vocabulary-blocked fallback (lossspec.linear.HEAD_BLOCKED_ROWS)
-BLOCKED_ROWS: int = spec_linear.HEAD_BLOCKED_ROWS
-#: ``(R, B)`` of the ``recompute_logits`` backward; ``None``: lossspec.linear.head_plan_recompute's.
-#: Tests set it small to exercise moved-back vocabulary slices and token chunks.
-RECOMPUTE_PLAN: Optional[tuple[int, int]] = None
-
-
 # --------------------------------------------------------------------------------------------
 # Matmuls in fp32
 # --------------------------------------------------------------------------------------------
@@ -101,14 +91,14 @@ def _dot(a: Array, b: Array, contract: tuple[int, int]) -> Array:
     return lax.dot_general(a, b, dims, precision=HIGHEST, preferred_element_type=F32)
 
 
-#: Platforms whose backward reads bf16 hidden states and weights as they are, with ``G`` split
-#: into exact bf16 terms (:func:`split_bf16`), instead of widening them to fp32 (a GPU's bf16
-#: dot with fp32 results runs on tensor cores). None by default: on an H200 (JAX 0.11.2) the
-#: first form of the split (fp32 -> bf16 -> fp32 conversions) gave ``G`` rounded to bf16 (XLA's
-#: GPU compiler folds such round trips), and the bit-mask split that replaced it has not run on a
-#: GPU yet; ``("cuda",)`` opts in (parity_tests/test_linear_head_bf16_matmuls.py checks it there).
-#: On the CPU three bf16 dots are slower than the one fp32 dot (measured, see :func:`_dot`).
-BF16_BACKWARD_PLATFORMS: tuple[str, ...] = ()
+# ``HeadTuning.bf16_matmul_devices``: the platforms whose backward reads bf16 hidden states and
+# weights as they are, with ``G`` split into exact bf16 terms (:func:`split_bf16`), instead of
+# widening them to fp32 (a GPU's bf16 dot with fp32 results runs on tensor cores). None by
+# default: on an H200 (JAX 0.11.2) the first form of the split (fp32 -> bf16 -> fp32 conversions)
+# gave ``G`` rounded to bf16 (XLA's GPU compiler folds such round trips), and the bit-mask split
+# that replaced it has not run on a GPU yet; ``("cuda",)`` opts in
+# (parity_tests/test_linear_head_bf16_matmuls.py checks it there). On the CPU three bf16 dots are
+# slower than the one fp32 dot (measured, see :func:`_dot`).
 
 
 def split_bf16(g: Array, terms: int = spec_linear.HEAD_SPLIT_TERMS) -> list[Array]:
@@ -212,14 +202,18 @@ def _stack(slices: Array, vocab: int) -> Array:
     return jnp.concatenate([head, slices[-1, width - (vocab - (num - 1) * width) :]], axis=0)
 
 
-def _head_grads(dh: Array, dw: Array, start: Any, g: Array, h: Array, w: Array, slice_rows: int) -> tuple[Array, Array]:
+def _head_grads(
+    dh: Array, dw: Array, start: Any, g: Array, h: Array, w: Array, slice_rows: int, tuning: spec_linear.HeadTuning = spec_linear.DEFAULT_HEAD_TUNING
+) -> tuple[Array, Array]:
     """The backward of a block of ``B`` vocabulary columns starting at ``start``: ``dh += g W_blk``
     and ``dw[start : start + B] += g^T h`` (``g`` ``[R, B]`` fp32, ``h`` ``[R, H]``, ``w``
     ``[V, H]``, ``dh`` ``[R, H]`` and ``dw`` ``[V, H]`` fp32), over slices of ``slice_rows``
     vocabulary rows. XLA writes a dot's result to a buffer of its own before the addition, so one
     product of the whole ``[B, H]`` would be a second weight gradient in memory; and a 16-bit
     weight is upcast one slice at a time (no fp32 copy of the weight). The last slice is moved
-    back to end at ``B``; its columns already counted are zeroed (they add exact zeros)."""
+    back to end at ``B``; its columns already counted are zeroed (they add exact zeros). On the
+    platforms of ``tuning.bf16_matmul_devices`` bf16 ``h`` and ``w`` are read as they are and
+    ``g`` as ``tuning.split_terms`` exact bf16 terms."""
     width = g.shape[1]
     slice_rows = min(slice_rows, width)
     num_slices = -(-width // slice_rows)
@@ -231,18 +225,19 @@ def _head_grads(dh: Array, dw: Array, start: Any, g: Array, h: Array, w: Array, 
     def split(g_slice: Array, at: Array) -> tuple[Array, Array]:
         # bf16 x bf16 dots with fp32 results (tensor cores), G as exact bf16 terms
         w_slice = _rows(w, at, slice_rows)
-        terms = split_bf16(g_slice)
+        terms = split_bf16(g_slice, tuning.split_terms)
         d_h, d_w = _dot(terms[0], w_slice, (1, 0)), _dot(terms[0], h, (0, 0))
         for term in terms[1:]:
             d_h, d_w = d_h + _dot(term, w_slice, (1, 0)), d_w + _dot(term, h, (0, 0))
         return d_h, d_w
 
-    bf16 = w.dtype == h.dtype == jnp.bfloat16 and BF16_BACKWARD_PLATFORMS
+    platforms = tuning.bf16_matmul_devices
+    bf16 = w.dtype == h.dtype == jnp.bfloat16 and platforms
 
     def products(g_slice: Array, at: Array) -> tuple[Array, Array]:
         if not bf16:
             return widened(g_slice, at)
-        return lax.platform_dependent(g_slice, at, default=widened, **{p: split for p in BF16_BACKWARD_PLATFORMS})
+        return lax.platform_dependent(g_slice, at, default=widened, **{p: split for p in platforms})
 
     def add(j: Any, carry: tuple) -> tuple:
         dh, dw = carry
@@ -307,6 +302,7 @@ def _chunk_blocked(
     db: Any,
     shards: Optional[Shards] = None,
     slice_rows: int = 1 << 30,
+    tuning: spec_linear.HeadTuning = spec_linear.DEFAULT_HEAD_TUNING,
 ) -> tuple:
     """One chunk over vocabulary blocks of ``width`` columns: pass 1 folds the blocks'
     statistics (online softmax), pass 2 recomputes each block's logits for its gradient.
@@ -356,7 +352,7 @@ def _chunk_blocked(
         start, cols, col_ok, z, t = window(j)
         hit = (cols == y[:, None]) if cfg.is_ce else None
         g = jnp.where(col_ok, grad_block(cfg, fin, coef, z, t, hit=hit, vocab=vocab_total), 0.0)
-        dh, dw = _head_grads(dh, dw, start, g, h, student[1], slice_rows)
+        dh, dw = _head_grads(dh, dw, start, g, h, student[1], slice_rows, tuning)
         if db is not None:
             db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, start, width, 0) + jnp.sum(g, axis=0), start, 0)
         return dh, dw, db
@@ -366,12 +362,13 @@ def _chunk_blocked(
     return loss, dh, dw, db, fin
 
 
-def _plan(cfg: KernelConfig, hidden: Array, weight: Array, block_elements: Optional[int], blocked_rows: int, shards: Optional[Shards]) -> tuple[int, int]:
+def _plan(cfg: KernelConfig, hidden: Array, weight: Array, tuning: spec_linear.HeadTuning, shards: Optional[Shards]) -> tuple[int, int]:
     """``(R, B)`` of :func:`lossspec.linear.head_plan` for these inputs (JAX's live blocks; the
-    budget is in the inputs' dtype)."""
+    budget is in the inputs' dtype; ``tuning.block_elements`` / ``blocked_rows`` where given)."""
     live = head_live_blocks(cfg.kind, shards is not None)
     logits_itemsize = jnp.promote_types(hidden.dtype, weight.dtype).itemsize
-    return spec_linear.head_plan(hidden.shape[0], weight.shape[0], block_elements, blocked_rows, live, logits_itemsize)
+    blocked_rows = spec_linear.head_blocked_rows(tuning)
+    return spec_linear.head_plan(hidden.shape[0], weight.shape[0], tuning.block_elements, blocked_rows, live, logits_itemsize)
 
 
 def _final_buffers(cfg: KernelConfig, n: int, refs: list) -> Final:
@@ -391,8 +388,7 @@ def head_forward(
     coef: Array,
     *,
     with_grad: bool,
-    block_elements: Optional[int] = None,
-    blocked_rows: int = spec_linear.HEAD_BLOCKED_ROWS,
+    tuning: spec_linear.HeadTuning = spec_linear.DEFAULT_HEAD_TUNING,
     shards: Optional[Shards] = None,
     keep_final: bool = False,
 ) -> tuple:
@@ -405,7 +401,9 @@ def head_forward(
       teacher: ``(teacher_hidden [N, Ht], teacher_weight [V, Ht], teacher_bias | None)`` or ``None``.
       coef: ``[N]`` fp32, the per-token coefficient.
       with_grad: also compute the gradients.
-      block_elements, blocked_rows: the plan's budget (:func:`lossspec.linear.head_plan`).
+      tuning: the call's :class:`lossspec.HeadTuning`: the plan's budget ``block_elements``,
+        ``blocked_rows`` (:func:`lossspec.linear.head_plan`) and the opt-in bf16 backward
+        (``bf16_matmul_devices``, ``split_terms``).
       shards: ``vocab_parallel``: ``weight`` ``[V_local, H]`` (and bias, the teacher's weight and
         bias) is this replica's contiguous slice of the head along ``V`` (Megatron's
         column-parallel head), ``hidden`` is replicated and ``labels`` are global ids. Each chunk
@@ -433,7 +431,7 @@ def head_forward(
     student = (None, up(weight, operand), up(bias))
     teacher32 = None if teacher is None else (None, up(teacher[1], t_operand), up(teacher[2]))
     # (JAX's shards are even: every replica's plan is the same.)
-    rows, block = _plan(cfg, hidden, weight, block_elements, blocked_rows, shards)
+    rows, block = _plan(cfg, hidden, weight, tuning, shards)
     # Inside shard_map (data, sequence or vocabulary axes) a loop carry has the varying-axes type
     # of what the body writes into it, i.e. of every input it reads; fresh zeros are invariant
     # until cast (varying_like is a no-op outside shard_map).
@@ -470,10 +468,10 @@ def head_forward(
         if block == vocab:
             loss, g, fin = _chunk_whole(cfg, st, tt, yc, cc, with_grad, shards)
             if with_grad:
-                dh_c, dw = _head_grads(local(jnp.zeros(hc.shape, F32)), dw, 0, g, hc, student[1], slice_rows)
+                dh_c, dw = _head_grads(local(jnp.zeros(hc.shape, F32)), dw, 0, g, hc, student[1], slice_rows, tuning)
                 db = None if db is None else db + jnp.sum(g, axis=0)
         else:
-            loss, dh_c, dw, db, fin = _chunk_blocked(cfg, block, st, tt, yc, cc, with_grad, dw, db, shards, slice_rows)
+            loss, dh_c, dw, db, fin = _chunk_blocked(cfg, block, st, tt, yc, cc, with_grad, dw, db, shards, slice_rows, tuning)
         keep = lambda buf, new: lax.dynamic_update_slice_in_dim(  # noqa: E731
             buf, jnp.where(fresh.reshape((rows,) + (1,) * (new.ndim - 1)), new, lax.dynamic_slice_in_dim(buf, start, rows, 0)), start, 0
         )
@@ -504,10 +502,8 @@ def head_backward(
     final: Final,
     probes: tuple,
     *,
-    block_elements: Optional[int] = None,
-    blocked_rows: int = spec_linear.HEAD_BLOCKED_ROWS,
+    tuning: spec_linear.HeadTuning = spec_linear.DEFAULT_HEAD_TUNING,
     shards: Optional[Shards] = None,
-    plan: Optional[tuple[int, int]] = None,
 ) -> tuple[Array, Array, Optional[Array]]:
     """The gradients of ``sum_i coef_i l_i`` from the rows' statistics (``recompute_logits``).
 
@@ -520,12 +516,12 @@ def head_backward(
     :func:`head_forward` with ``with_grad`` (two with a teacher).
 
     Args:
-      cfg, hidden, weight, bias, labels, teacher, block_elements, blocked_rows, shards: as for
-        :func:`head_forward` (the same plan's budget).
+      cfg, hidden, weight, bias, labels, teacher, tuning, shards: as for :func:`head_forward`
+        (the same plan's budget; ``tuning.recompute_plan``: this pass's ``(R, B)`` instead of the
+        planned ones).
       coef: ``[N]`` fp32, the per-token coefficient times the upstream gradient.
       final: the rows' :class:`Final` statistics (``head_forward(..., keep_final=True)``).
       probes: empty slices of ``(hidden, weight, bias)`` (:func:`_type_probes`).
-      plan: ``(R, B)`` instead of the planned ones (tests).
 
     Returns:
       ``(dh [N, H] fp32, dW [V, H] in weight.dtype, db [V] in bias.dtype | None)``; with
@@ -535,7 +531,7 @@ def head_backward(
     vocab = weight.shape[0]
     operand = _operand_dtype(hidden, weight)
     t_operand = None if teacher is None else _operand_dtype(teacher[0], teacher[1])
-    plan_rows, plan_block = _plan(cfg, hidden, weight, block_elements, blocked_rows, shards)
+    plan_rows, plan_block = _plan(cfg, hidden, weight, tuning, shards)
     # The forward's live blocks (XLA's temporaries per [R, B] block, as counted there) and the
     # [B, H] slices: the widened weight rows, the gradient, its product before the addition, the teacher's rows.
     live = head_live_blocks(cfg.kind, shards is not None)
@@ -545,7 +541,7 @@ def head_backward(
     row_elements = width if hidden.dtype != F32 else 0  # the backward's h32
     if teacher is not None and teacher[0].dtype != F32 and t_operand == F32:
         row_elements += teacher[0].shape[1]  # the teacher's rows, upcast for its logits
-    rows, cols = plan or spec_linear.head_plan_recompute(n, vocab, width, budget, live, 3 + (teacher is not None), row_elements)
+    rows, cols = tuning.recompute_plan or spec_linear.head_plan_recompute(n, vocab, width, budget, live, 3 + (teacher is not None), row_elements)
     rows, cols = min(rows, max(1, n)), min(cols, vocab)
     refs = [a for a in (hidden, weight, bias, coef, labels) + tuple(teacher or ()) if a is not None]
     dh = varying_like(jnp.zeros((n, width), F32), *refs)
@@ -581,7 +577,7 @@ def head_backward(
             fin = Final(*(cut(f, r0, rows) for f in final))
             hit = (col_ids == cut(labels, r0, rows)[:, None]) if cfg.is_ce else None
             g = jnp.where(col_ok, grad_block(cfg, fin, cc, z, t, hit=hit, vocab=vocab_total), 0.0)
-            dh_c, dw_j = _head_grads(cut(dh, r0, rows), dw_j, 0, g, hc, w_j, cols)
+            dh_c, dw_j = _head_grads(cut(dh, r0, rows), dw_j, 0, g, hc, w_j, cols, tuning)
             dh = lax.dynamic_update_slice_in_dim(dh, dh_c, r0, 0)
             return dh, dw_j, None if db_j is None else db_j + jnp.sum(g, axis=0)
 
@@ -610,14 +606,13 @@ def head_backward(
 class Spec:
     """What the head's ``custom_vjp`` takes as static (hashable): the kernel's config, whether
     the loss is reduced (not ``"none"``), the plan (:class:`lossspec.linear.HeadPlan`, its impl
-    resolved), the head kernels' soft caps and tuning (``None`` on the framework path), the inputs'
-    dtypes and the vocabulary shards."""
+    resolved, the call's :class:`lossspec.HeadTuning` inside), the head kernels' soft caps, the
+    inputs' dtypes and the vocabulary shards."""
 
     config: KernelConfig
     reduced: bool
     plan: spec_linear.HeadPlan
     softcaps: tuple
-    tuning: Any
     dtypes: tuple  # (hidden, weight, bias)
     shards: Optional[Shards]
 
@@ -629,12 +624,11 @@ def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
 
 def _run(spec: Spec, args: tuple, coef: Array, with_grad: bool) -> tuple:
     cfg, plan, shards = spec.config, spec.plan, spec.shards
-    block_elements, blocked_rows = plan.block_elements, plan.blocked_rows
     hidden, weight, bias, labels, teacher = args
     kernels = backends.IMPLEMENTATIONS[plan.impl].head_kernels()
     if kernels is not None:  # the one dispatch point: the impl's fused kernels (Pallas: backends/pallas_head.py)
         return kernels.head_forward(
-            cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, softcaps=spec.softcaps, tuning=spec.tuning
+            cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, softcaps=spec.softcaps, tuning=plan.tuning
         )
     return head_forward(
         cfg,
@@ -645,8 +639,7 @@ def _run(spec: Spec, args: tuple, coef: Array, with_grad: bool) -> tuple:
         teacher,
         coef,
         with_grad=with_grad,
-        block_elements=block_elements,
-        blocked_rows=blocked_rows,
+        tuning=plan.tuning,
         shards=shards,
     )
 
@@ -693,8 +686,7 @@ def _head_fwd(spec: Spec, hidden: Array, weight: Array, bias: Any, labels: Any, 
     # needs autograd's saved tensors and their version check for that: torchloss.head).
     if spec.plan.recompute_logits:  # the rows' statistics only; the backward computes the gradients
         loss, final = head_forward(
-            spec.config, *args, coef, with_grad=False, block_elements=spec.plan.block_elements,
-            blocked_rows=spec.plan.blocked_rows, shards=spec.shards, keep_final=True
+            spec.config, *args, coef, with_grad=False, tuning=spec.plan.tuning, shards=spec.shards, keep_final=True
         )
         return _weighted(coef, loss, spec.reduced), (args, coef, final)
     if not spec.reduced:  # "none": the backward recomputes with coef * upstream
@@ -729,7 +721,7 @@ def _head_bwd(spec: Spec, res: tuple, g: Array) -> tuple:
         probes = _type_probes(args)
         dh, dw, db = head_backward(
             cfg, *args, jnp.where(coef != 0, coef * g.astype(F32), 0.0), final, probes,
-            block_elements=plan.block_elements, blocked_rows=plan.blocked_rows, shards=shards, plan=plan.recompute_plan,
+            tuning=plan.tuning, shards=shards,
         )
         return _as_primal_type(dh, probes[0]).astype(h_dtype), dw, db, None, None, None
     if reduced:
@@ -786,6 +778,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     spec = lossspec.KIND_SPECS[kind]
     options = {name: args[name] for name in spec.option_names}
     config = lossspec.make_config(kind, normalization=args["normalization"], **options)
+    args["tuning"] = lossspec.check_head_tuning(args["tuning"])
     ce = config.has_labels
     hidden, weight, bias = _prepare.as_array(args["hidden"]), _prepare.as_array(args["weight"]), _optional(args["bias"])
     teacher = None
@@ -844,9 +837,8 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     backend = backends.resolve(args["impl"], head=True, vocab_parallel=shards is not None)  # the one resolution of this call's impl
     recompute = spec_linear.check_recompute_logits(args["recompute_logits"], backend.name, backends.PLAIN)
     softcaps = (getattr(config, "logit_softcap", None), getattr(config, "teacher_logit_softcap", None))
-    kernels = backend.head_kernels()
-    plan = spec_linear.HeadPlan(BLOCK_ELEMENTS, BLOCKED_ROWS, backend.name, recompute, RECOMPUTE_PLAN)
-    head_spec = Spec(kcfg, config.normalization != "none", plan, softcaps, None if kernels is None else kernels.TUNING, dtypes, shards)
+    plan = spec_linear.HeadPlan(backend.name, recompute, args["tuning"])
+    head_spec = Spec(kcfg, config.normalization != "none", plan, softcaps, dtypes, shards)
     device = lambda a: None if a is None else _prepare.to_device(a)  # noqa: E731
     teacher_arrays = None if teacher is None else tuple(device(a) for a in teacher)
     try:
@@ -877,6 +869,7 @@ def linear_cross_entropy(
     impl: str = "auto",
     recompute_logits: bool = False,
     vocab_parallel: Optional[api.AxisNames] = None,
+    tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
 ) -> Array:
     """Fused LM head + cross_entropy: ``cross_entropy(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -942,6 +935,13 @@ def linear_cross_entropy(
         is the same on every replica; the gradient of ``hidden`` is the whole one (summed over the axis inside the
         call), those of ``weight`` and ``bias`` the replica's slices. Only ``[N]`` row statistics cross the axis, never
         logits.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
+        (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
+        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
+        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
+        compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
+        computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -959,6 +959,7 @@ def linear_cross_entropy(
         label_smoothing=label_smoothing, z_loss=z_loss, logit_scale=logit_scale, logit_softcap=logit_softcap,
         causal_shift=causal_shift, normalization=normalization, denominator=denominator, segment_ids=segment_ids,
         impl=impl, recompute_logits=recompute_logits, vocab_parallel=vocab_parallel,
+        tuning=tuning,
     )
 
 
@@ -983,6 +984,7 @@ def linear_soft_cross_entropy(
     impl: str = "auto",
     recompute_logits: bool = False,
     vocab_parallel: Optional[api.AxisNames] = None,
+    tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
 ) -> Array:
     """Fused LM head + soft_cross_entropy: ``soft_cross_entropy(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -1052,6 +1054,13 @@ def linear_soft_cross_entropy(
         is the same on every replica; the gradient of ``hidden`` is the whole one (summed over the axis inside the
         call), those of ``weight`` and ``bias`` the replica's slices. Only ``[N]`` row statistics cross the axis, never
         logits.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
+        (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
+        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
+        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
+        compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
+        computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -1071,6 +1080,7 @@ def linear_soft_cross_entropy(
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
         denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
         vocab_parallel=vocab_parallel,
+        tuning=tuning,
     )
 
 
@@ -1095,6 +1105,7 @@ def linear_forward_kl(
     impl: str = "auto",
     recompute_logits: bool = False,
     vocab_parallel: Optional[api.AxisNames] = None,
+    tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
 ) -> Array:
     """Fused LM head + forward_kl: ``forward_kl(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -1164,6 +1175,13 @@ def linear_forward_kl(
         is the same on every replica; the gradient of ``hidden`` is the whole one (summed over the axis inside the
         call), those of ``weight`` and ``bias`` the replica's slices. Only ``[N]`` row statistics cross the axis, never
         logits.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
+        (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
+        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
+        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
+        compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
+        computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -1183,6 +1201,7 @@ def linear_forward_kl(
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
         denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
         vocab_parallel=vocab_parallel,
+        tuning=tuning,
     )
 
 
@@ -1207,6 +1226,7 @@ def linear_reverse_kl(
     impl: str = "auto",
     recompute_logits: bool = False,
     vocab_parallel: Optional[api.AxisNames] = None,
+    tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
 ) -> Array:
     """Fused LM head + reverse_kl: ``reverse_kl(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -1276,6 +1296,13 @@ def linear_reverse_kl(
         is the same on every replica; the gradient of ``hidden`` is the whole one (summed over the axis inside the
         call), those of ``weight`` and ``bias`` the replica's slices. Only ``[N]`` row statistics cross the axis, never
         logits.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
+        (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
+        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
+        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
+        compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
+        computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -1295,6 +1322,7 @@ def linear_reverse_kl(
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
         denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
         vocab_parallel=vocab_parallel,
+        tuning=tuning,
     )
 
 
@@ -1314,6 +1342,7 @@ def linear_entropy(
     impl: str = "auto",
     recompute_logits: bool = False,
     vocab_parallel: Optional[api.AxisNames] = None,
+    tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
 ) -> Array:
     """Fused LM head + entropy: ``entropy(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -1375,6 +1404,13 @@ def linear_entropy(
         is the same on every replica; the gradient of ``hidden`` is the whole one (summed over the axis inside the
         call), those of ``weight`` and ``bias`` the replica's slices. Only ``[N]`` row statistics cross the axis, never
         logits.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
+        (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
+        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
+        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
+        compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
+        computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -1391,6 +1427,7 @@ def linear_entropy(
         hidden=hidden, weight=weight, loss_mask=loss_mask, bias=bias, temperature=temperature, logit_scale=logit_scale,
         logit_softcap=logit_softcap, causal_shift=causal_shift, normalization=normalization, denominator=denominator,
         segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, vocab_parallel=vocab_parallel,
+        tuning=tuning,
     )
 
 
@@ -1416,6 +1453,7 @@ def linear_jensen_shannon(
     impl: str = "auto",
     recompute_logits: bool = False,
     vocab_parallel: Optional[api.AxisNames] = None,
+    tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
 ) -> Array:
     """Fused LM head + jensen_shannon: ``jensen_shannon(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -1488,6 +1526,13 @@ def linear_jensen_shannon(
         is the same on every replica; the gradient of ``hidden`` is the whole one (summed over the axis inside the
         call), those of ``weight`` and ``bias`` the replica's slices. Only ``[N]`` row statistics cross the axis, never
         logits.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
+        (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
+        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
+        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
+        compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
+        computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -1507,4 +1552,5 @@ def linear_jensen_shannon(
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
         denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
         vocab_parallel=vocab_parallel,
+        tuning=tuning,
     )

@@ -453,6 +453,7 @@ class LinearCrossEntropyLoss(_LinearLoss):
         impl: str = "auto",
         recompute_logits: bool = False,
         vocab_parallel: Optional[api.AxisNames] = None,
+        tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -467,6 +468,7 @@ class LinearCrossEntropyLoss(_LinearLoss):
                 impl=impl,
                 recompute_logits=recompute_logits,
                 vocab_parallel=vocab_parallel,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -497,6 +499,7 @@ class LinearSoftCrossEntropyLoss(_LinearLoss):
         impl: str = "auto",
         recompute_logits: bool = False,
         vocab_parallel: Optional[api.AxisNames] = None,
+        tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -511,6 +514,7 @@ class LinearSoftCrossEntropyLoss(_LinearLoss):
                 impl=impl,
                 recompute_logits=recompute_logits,
                 vocab_parallel=vocab_parallel,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -541,6 +545,7 @@ class LinearForwardKLLoss(_LinearLoss):
         impl: str = "auto",
         recompute_logits: bool = False,
         vocab_parallel: Optional[api.AxisNames] = None,
+        tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -555,6 +560,7 @@ class LinearForwardKLLoss(_LinearLoss):
                 impl=impl,
                 recompute_logits=recompute_logits,
                 vocab_parallel=vocab_parallel,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -585,6 +591,7 @@ class LinearReverseKLLoss(_LinearLoss):
         impl: str = "auto",
         recompute_logits: bool = False,
         vocab_parallel: Optional[api.AxisNames] = None,
+        tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -599,6 +606,7 @@ class LinearReverseKLLoss(_LinearLoss):
                 impl=impl,
                 recompute_logits=recompute_logits,
                 vocab_parallel=vocab_parallel,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -627,6 +635,7 @@ class LinearEntropyLoss(_LinearLoss):
         impl: str = "auto",
         recompute_logits: bool = False,
         vocab_parallel: Optional[api.AxisNames] = None,
+        tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -639,6 +648,7 @@ class LinearEntropyLoss(_LinearLoss):
                 impl=impl,
                 recompute_logits=recompute_logits,
                 vocab_parallel=vocab_parallel,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -670,6 +680,7 @@ class LinearJensenShannonLoss(_LinearLoss):
         impl: str = "auto",
         recompute_logits: bool = False,
         vocab_parallel: Optional[api.AxisNames] = None,
+        tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -685,6 +696,7 @@ class LinearJensenShannonLoss(_LinearLoss):
                 impl=impl,
                 recompute_logits=recompute_logits,
                 vocab_parallel=vocab_parallel,
+                tuning=tuning,
             ),
             unexpected,
         )

@@ -150,11 +150,12 @@ def parameters(spec: KindSpec, extra: tuple[tuple[str, Any], ...] = ()) -> list[
     return params
 
 
-def module_settings(spec: KindSpec, settings: dict[str, Any], unexpected: dict[str, Any], owner: str) -> dict[str, Any]:
+def module_settings(spec: KindSpec, settings: dict[str, Any], unexpected: dict[str, Any], owner: str, head: bool = False) -> dict[str, Any]:
     """A module's ``settings`` (its constructor's keyword arguments, in order), validated with the
     functions' own errors; ``unexpected`` (the constructor's other keywords) is a ``TypeError``
     naming ``owner``, the keyword to write instead (:func:`lossspec.foreign_keyword_hint`) and the
-    accepted names."""
+    accepted names. ``tuning`` is a :class:`lossspec.Tuning` for a loss, a
+    :class:`lossspec.HeadTuning` for a fused head (``head``)."""
     if unexpected:
         from .checks import foreign_keyword_hint  # checks and config import this table: imported here
 
@@ -164,7 +165,11 @@ def module_settings(spec: KindSpec, settings: dict[str, Any], unexpected: dict[s
     from .config import make_config  # config builds its kind lists from this table
 
     make_config(spec.kind, normalization=settings["normalization"], **{name: settings[name] for name in spec.option_names})
-    if "tuning" in settings:
+    if "tuning" in settings and head:
+        from .linear import check_head_tuning  # linear imports this table: imported here
+
+        check_head_tuning(settings["tuning"])
+    elif "tuning" in settings:
         from .tuning import check_tuning
 
         check_tuning(settings["tuning"])

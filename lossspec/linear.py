@@ -19,7 +19,8 @@ This module is the framework-free part, written once for ``jaxloss.head`` and
 shape and dtype checks with their messages, the float64 reference (the chain rule through
 :func:`lossspec.oracle`, which applies ``segment_ids`` as well), the gradient bound of the head
 and the memory plans (also of a vocabulary shard, :func:`head_plan_shard`, and of the
-``recompute_logits`` backward, :func:`head_plan_recompute`).
+``recompute_logits`` backward, :func:`head_plan_recompute`), tuned per call by
+:class:`HeadTuning` (``tuning=``).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ _P = inspect.Parameter
 #: the public name of each kind's fused head (the kinds whose table row has ``head=True``)
 LINEAR_NAMES: dict[str, str] = {kind: f"linear_{kind}" for kind in HEAD_KINDS}
 
-#: the head's arguments shared by both frameworks after ``impl`` (each framework appends its own,
-#: ``vocab_parallel``), as ``(name, default)``
+#: the head's arguments shared by both frameworks after ``impl`` (then each framework's
+#: ``vocab_parallel`` and ``tuning``, :class:`HeadTuning`), as ``(name, default)``
 HEAD_ARGS: tuple[tuple[str, Any], ...] = (("recompute_logits", False),)
 
 
@@ -88,7 +89,7 @@ def head_parameters(spec: KindSpec, extra: tuple[tuple[str, Any], ...] = ()) -> 
     ``hidden, weight, <targets>, loss_mask=None, *, <biases>=None, <options>, normalization,
     denominator, segment_ids, impl`` (the options, defaults and order of the unfused
     ``spec.kind``), :data:`HEAD_ARGS`, then the framework's own ``extra`` ``(name, default)``
-    (``vocab_parallel``)."""
+    (``vocab_parallel``, ``tuning``)."""
     params = [_P("hidden", _P.POSITIONAL_OR_KEYWORD), _P("weight", _P.POSITIONAL_OR_KEYWORD)]
     params += [_P(name, _P.POSITIONAL_OR_KEYWORD) for name in head_targets(spec)]
     params.append(_P("loss_mask", _P.POSITIONAL_OR_KEYWORD, default=None))
@@ -282,29 +283,163 @@ HEAD_MEMORY_FRACTION: float = 1 / 8
 HEAD_MAX_BLOCK_ELEMENTS: int = 1 << 24
 #: rows of a chunk in the vocabulary-blocked fallback (one row's V does not fit the budget)
 HEAD_BLOCKED_ROWS: int = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadPlan:
-    """How one fused-head call runs, resolved once before it: the block budget of
-    :func:`head_plan` (``block_elements``: ``None`` for its default; ``blocked_rows``: rows of a
-    chunk in the vocabulary-blocked fallback), the implementation (:func:`head_impl`), whether the
-    backward recomputes the logits (:func:`check_recompute_logits`) and that backward's
-    ``(R, B)`` (``None``: :func:`head_plan_recompute`'s). Frozen and hashable: JAX's
-    ``custom_vjp`` takes it as a static argument."""
-
-    block_elements: Optional[int] = None
-    blocked_rows: int = HEAD_BLOCKED_ROWS
-    impl: str = "auto"
-    recompute_logits: bool = False
-    recompute_plan: Optional[tuple[int, int]] = None
-#: the fewest vocabulary columns of a ``recompute_logits`` backward slice (when the budget allows)
-HEAD_RECOMPUTE_MIN_COLUMNS: int = 256
 #: bf16 terms of the fp32 logits gradient ``G`` in the heads' opt-in bf16 backward matmuls
 #: (``split_bf16`` of both frameworks): each term but the last holds the remainder's top 8
 #: significant bits, so three carry all 24 bits of an fp32 significand and ``sum_k term_k W`` is
 #: the exact ``G W`` with its products accumulated in fp32 (two would round ``G`` to ~17 bits).
 HEAD_SPLIT_TERMS: int = 3
+
+
+#: the fields of :class:`HeadTuning` holding a size (``None`` or a positive ``int``)
+HEAD_SIZE_FIELDS = ("block_elements", "blocked_rows", "block_rows", "block_vocab", "block_hidden", "num_warps", "num_stages")
+#: the kernel tile fields that must be powers of two (Triton tensor sizes)
+HEAD_TILE_FIELDS = ("block_rows", "block_vocab", "block_hidden")
+
+
+def _device_types(name: str, value: Any) -> tuple[str, ...]:
+    """``value`` as a tuple of device type names (a list or tuple of ``str``; a bare string is refused)."""
+    if isinstance(value, str) or not isinstance(value, (tuple, list)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"HeadTuning.{name} must be a tuple of device type names such as ('cuda',); got {value!r}")
+    return tuple(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadTuning:
+    """How the fused head (``linear_<kind>(..., tuning=)``) splits its work, in both frameworks.
+
+    One frozen, hashable dataclass (JAX takes it as a static argument: a new value compiles anew).
+    ``None`` stands for the default; each path reads only the fields it uses and ignores the others,
+    so the same value can be passed to ``jaxloss`` and ``torchloss`` alike. It changes how the work
+    is split and which matmuls run, which may move results by a rounding within the bounds of
+    docs/spec.md section 8, never what is computed. Validated on construction (``TypeError`` /
+    ``ValueError`` naming the field).
+
+    =========================  ======================================================  ==============================
+    field                      read by                                                 default (``None`` / omitted)
+    =========================  ======================================================  ==============================
+    ``block_elements``         XLA / torch path: the budget of one ``[R, B]`` block    :func:`head_plan`'s (1/8 of the
+                               (:func:`head_plan`; small values force the              logits buffer, at most
+                               vocabulary-blocked fallback)                            :data:`HEAD_MAX_BLOCK_ELEMENTS`)
+    ``blocked_rows``           XLA / torch path: rows of a chunk in the                :data:`HEAD_BLOCKED_ROWS` (64)
+                               vocabulary-blocked fallback
+    ``recompute_plan``         XLA / torch path with ``recompute_logits=True``: the    :func:`head_plan_recompute`'s
+                               backward's ``(R, B)``, a pair of ints ``>= 1``
+    ``bf16_matmul_devices``    XLA / torch path: the device types (JAX platforms)      ``()`` (off)
+                               whose matmuls read bf16 operands as they are, the
+                               backward's ``G`` as ``split_terms`` exact bf16 terms
+                               (e.g. ``("cuda",)``; docs/linear_head.md)
+    ``triton_matmul_devices``  torch path: the device types whose bf16 matmuls run     ``("cuda",)``
+                               on the Triton kernel (``torchloss.backends.
+                               triton_matmul``); JAX ignores it
+    ``split_terms``            both paths' ``split_bf16`` and the Triton matmul: bf16  :data:`HEAD_SPLIT_TERMS` (3)
+                               terms of the fp32 ``G`` (fewer round it: tests)
+    ``block_rows``             Pallas / Triton head kernels: rows of a tile            32 on a GPU, 16 interpreted
+    ``block_vocab``            Pallas / Triton head kernels: vocabulary columns of a   32 on a GPU, 16 interpreted
+                               tile
+    ``block_hidden``           Pallas / Triton head kernels: the hidden slice of one   16
+                               ``dot``
+    ``num_warps``              Pallas / Triton head kernels                            4 (Triton interpreted: 1)
+    ``num_stages``             Pallas / Triton head kernels                            Triton's default
+    ``interpret``              Pallas head kernels: ``True`` / ``False`` forces        per lowering platform (the
+                               interpret mode / the Triton lowering                    kernel on CUDA / ROCm)
+    =========================  ======================================================  ==============================
+
+    The tile fields must be powers of two (Triton tensor sizes; ``>= 16`` for ``tl.dot`` on a GPU).
+    """
+
+    block_elements: Optional[int] = None
+    blocked_rows: Optional[int] = None
+    recompute_plan: Optional[tuple[int, int]] = None
+    bf16_matmul_devices: tuple[str, ...] = ()
+    triton_matmul_devices: tuple[str, ...] = ("cuda",)
+    split_terms: int = HEAD_SPLIT_TERMS
+    block_rows: Optional[int] = None
+    block_vocab: Optional[int] = None
+    block_hidden: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+    interpret: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        for name in HEAD_SIZE_FIELDS:
+            _check_size(name, getattr(self, name))
+        for name in HEAD_TILE_FIELDS:
+            value = getattr(self, name)
+            if value is not None and value & (value - 1):
+                raise ValueError(f"HeadTuning.{name} must be a power of two (a Triton tensor size); got {value}")
+        plan = self.recompute_plan
+        if plan is not None:
+            if not isinstance(plan, (tuple, list)) or len(plan) != 2:
+                raise TypeError(f"HeadTuning.recompute_plan must be None or a pair (R, B) of ints; got {plan!r}")
+            for value in plan:
+                _check_size("recompute_plan", value)
+            object.__setattr__(self, "recompute_plan", (int(plan[0]), int(plan[1])))
+        for name in ("bf16_matmul_devices", "triton_matmul_devices"):
+            object.__setattr__(self, name, _device_types(name, getattr(self, name)))
+        _check_size("split_terms", self.split_terms, optional=False)
+        if self.interpret is not None and not isinstance(self.interpret, bool):
+            raise TypeError(f"HeadTuning.interpret must be None, True or False; got {self.interpret!r}")
+
+
+def _check_size(name: str, value: Any, optional: bool = True) -> None:
+    """``value`` of :class:`HeadTuning`'s field ``name``: ``None`` (where ``optional``) or an ``int >= 1``."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"HeadTuning.{name} must be {'None or ' if optional else ''}an int; got {value!r}")
+    if value < 1:
+        raise ValueError(f"HeadTuning.{name} must be >= 1; got {value}")
+
+
+#: every field of :class:`HeadTuning` at its default (an immutable value, never a knob)
+DEFAULT_HEAD_TUNING = HeadTuning()
+
+
+def check_head_tuning(tuning: Any) -> HeadTuning:
+    """The ``tuning=`` argument of a fused head: ``None`` (the defaults) or a :class:`HeadTuning`."""
+    if tuning is None:
+        return DEFAULT_HEAD_TUNING
+    if not isinstance(tuning, HeadTuning):
+        hint = " (the fused head takes lossspec.HeadTuning; lossspec.Tuning is the losses')" if type(tuning).__name__ == "Tuning" else ""
+        raise TypeError(f"tuning must be None or a lossspec.HeadTuning; got {type(tuning).__name__}{hint}")
+    return tuning
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadPlan:
+    """How one fused-head call runs, resolved once before it: the implementation
+    (:func:`head_impl`), whether the backward recomputes the logits
+    (:func:`check_recompute_logits`) and the call's :class:`HeadTuning` (the block budget of
+    :func:`head_plan`, the ``recompute_logits`` backward's ``(R, B)``, the bf16 matmuls, the
+    kernels' tiles). Frozen and hashable: JAX's ``custom_vjp`` takes it as a static argument."""
+
+    impl: str = "auto"
+    recompute_logits: bool = False
+    tuning: HeadTuning = DEFAULT_HEAD_TUNING
+
+    @property
+    def block_elements(self) -> Optional[int]:
+        """The budget of one ``[R, B]`` block (``None``: :func:`head_plan`'s default)."""
+        return self.tuning.block_elements
+
+    @property
+    def blocked_rows(self) -> int:
+        """Rows of a chunk in the vocabulary-blocked fallback."""
+        return head_blocked_rows(self.tuning)
+
+    @property
+    def recompute_plan(self) -> Optional[tuple[int, int]]:
+        """The ``recompute_logits`` backward's ``(R, B)`` (``None``: :func:`head_plan_recompute`'s)."""
+        return self.tuning.recompute_plan
+
+
+def head_blocked_rows(tuning: HeadTuning) -> int:
+    """``tuning.blocked_rows``, or :data:`HEAD_BLOCKED_ROWS` where it is ``None``."""
+    return HEAD_BLOCKED_ROWS if tuning.blocked_rows is None else int(tuning.blocked_rows)
+
+
+#: the fewest vocabulary columns of a ``recompute_logits`` backward slice (when the budget allows)
+HEAD_RECOMPUTE_MIN_COLUMNS: int = 256
 
 
 def head_plan(
@@ -404,14 +539,14 @@ def head_module_name(kind: str) -> str:
 
 def head_module_settings(kind: str, settings: dict[str, Any], unexpected: dict[str, Any], owner: str, impls: tuple[str, ...], plain: str) -> dict[str, Any]:
     """A head module's ``settings`` (its constructor's keyword arguments: ``kind``'s options,
-    ``normalization``, ``impl``, ``recompute_logits``, ``vocab_parallel``), validated with the
-    functions' own errors (:func:`lossspec.kinds.module_settings`; ``unexpected`` keywords are a
-    ``TypeError`` naming ``owner``): ``impl`` against the framework's ``impls``
-    (:func:`head_impl`, ``plain`` its XLA / torch path) and ``recompute_logits`` against the
-    resolved path (:func:`check_recompute_logits`)."""
+    ``normalization``, ``impl``, ``recompute_logits``, ``vocab_parallel``, ``tuning``), validated
+    with the functions' own errors (:func:`lossspec.kinds.module_settings`; ``unexpected`` keywords
+    are a ``TypeError`` naming ``owner``): ``impl`` against the framework's ``impls``
+    (:func:`head_impl`, ``plain`` its XLA / torch path), ``recompute_logits`` against the
+    resolved path (:func:`check_recompute_logits`) and ``tuning`` (:func:`check_head_tuning`)."""
     from .kinds import module_settings
 
-    settings = module_settings(KIND_SPECS[kind], settings, unexpected, owner)
+    settings = module_settings(KIND_SPECS[kind], settings, unexpected, owner, head=True)
     resolved = head_impl(settings["impl"], impls, plain, settings.get("vocab_parallel") is not None)
     check_recompute_logits(settings["recompute_logits"], resolved, plain)
     return settings

@@ -6,7 +6,8 @@ docstring says which) and ignores the others, so the same :class:`Tuning` can be
 ``jaxloss`` and ``torchloss`` alike. Tuning changes how a row is split into blocks and how rows
 are grouped into tiles, which may move results by a rounding within the bounds of docs/spec.md
 section 6; it never changes what is computed. Frozen and hashable: JAX takes it as a static
-argument (a new tuning compiles anew), ``torch.compile`` as constants of the graph.
+argument (a new tuning compiles anew), ``torch.compile`` as constants of the graph. The fused
+head (``linear_<kind>``) has its own, :class:`lossspec.HeadTuning` (:mod:`lossspec.linear`).
 
 =======================  ==========================================================================
 field                    read by (default when ``None``)

@@ -23,7 +23,7 @@ P = inspect.Parameter
 JAX_ARGS: tuple[tuple[str, Any], ...] = (("vocab_parallel", None), ("sequence_parallel", None), ("impl", "auto"), ("tuning", None))
 TORCH_ARGS: tuple[tuple[str, Any], ...] = JAX_ARGS + (("inplace", False),)
 TORCH_ONLY = ("inplace",)  # torchloss writes the gradient into the logits' buffer (docs/torchloss.md)
-HEAD_ARGS: tuple[tuple[str, Any], ...] = (("vocab_parallel", None),)  # both frameworks, after lossspec.linear.HEAD_ARGS
+HEAD_ARGS: tuple[tuple[str, Any], ...] = (("vocab_parallel", None), ("tuning", None))  # both frameworks, after lossspec.linear.HEAD_ARGS
 # Every function ends with **unexpected: any other keyword is a TypeError with lossspec's hint.
 UNEXPECTED = P("unexpected", P.VAR_KEYWORD)
 FRAMEWORKS = {"jaxloss": (jaxloss, jaxloss.nnx, JAX_ARGS), "torchloss": (torchloss, torchloss.nn, TORCH_ARGS)}
@@ -83,7 +83,7 @@ def test_heads_are_written_out_with_the_tables_signature(framework: str, kind: s
 def _module_classes(framework: str) -> list[tuple[type, str, list[inspect.Parameter]]]:
     """``(class, its function's name, the options its constructor takes)`` of every module class:
     a loss's module takes the function's keyword arguments but ``denominator`` and ``segment_ids``
-    (given per call); a head's module takes them and ``recompute_logits``, ``vocab_parallel``."""
+    (given per call); a head's module takes them and ``recompute_logits``, ``vocab_parallel``, ``tuning``."""
     _, modules, extra = FRAMEWORKS[framework]
     out = []
     for kind, spec in lossspec.KIND_SPECS.items():
@@ -92,7 +92,7 @@ def _module_classes(framework: str) -> list[tuple[type, str, list[inspect.Parame
     for kind in HEAD_KINDS:
         spec = lossspec.KIND_SPECS[kind]
         head = [p for p in spec_linear.head_parameters(spec, HEAD_ARGS) if p.kind == P.KEYWORD_ONLY]
-        order = [*spec.option_names, "normalization", "impl", "recompute_logits", "vocab_parallel"]
+        order = [*spec.option_names, "normalization", "impl", "recompute_logits", "vocab_parallel", "tuning"]
         by_name = {p.name: p for p in head}
         out.append((getattr(modules, spec_linear.head_module_name(kind)), spec_linear.LINEAR_NAMES[kind], [by_name[n] for n in order]))
     return out

@@ -196,26 +196,20 @@ def test_the_scan_resolves_modules_of_the_parent_package(tmp_path: Path, monkeyp
 
 OUR_PACKAGES = ("jaxloss", "torchloss", "lossspec")
 KNOB_SCANNED = ("parity_tests", "benchmarks", "scripts")
-# The fused head's knobs that tests still set (module attributes of jaxloss.head,
-# torchloss.head, lossspec.linear): they move to a head tuning dataclass, as the losses' did.
-HEAD_KNOBS_ALLOWED = {
-    "BLOCK_ELEMENTS", "BLOCKED_ROWS", "RECOMPUTE_PLAN",  # the head's memory plan (both head.py)
-    "BF16_BACKWARD_PLATFORMS",  # jaxloss.head
-    "BF16_MATMUL_DEVICES", "TRITON_MATMUL_DEVICES",  # torchloss.head
-    "HEAD_SPLIT_TERMS",  # lossspec.linear
-}
 
 
 def _upper(name: str) -> bool:
     return name[:1].isalpha() and name == name.upper() and name.replace("_", "").isalnum()
 
 
-def knob_settings(path: Path, allowed: frozenset[str] = frozenset()) -> list[str]:
+def knob_settings(path: Path) -> list[str]:
     """Where ``path`` sets an UPPER_CASE attribute of a jaxloss / torchloss / lossspec module:
-    ``X.NAME = ...`` (also in a tuple target), or a call given ``(X, "NAME", ...)`` other than
-    ``getattr`` / ``hasattr`` (``setattr``, ``monkeypatch.setattr``, a helper that sets it), or
-    ``monkeypatch.setattr("jaxloss.x.NAME", ...)``; ``X`` is a name bound to one of those modules
-    by an import, an attribute of one (``torchloss.backends``), or a loop variable over such names."""
+    ``X.NAME = ...`` (also in a tuple target) or ``X.NAME[key] = ...``, or a call given
+    ``(X, "NAME", ...)`` other than ``getattr`` / ``hasattr`` (``setattr``, ``monkeypatch.setattr``,
+    a helper that sets it), or ``monkeypatch.setattr("jaxloss.x.NAME", ...)``, or
+    ``monkeypatch.setitem(X.NAME, ...)`` (an entry of a module's table); ``X`` is a name bound to
+    one of those modules by an import, an attribute of one (``torchloss.backends``), or a loop
+    variable over such names."""
     tree = ast.parse(path.read_text())
     ours: set[str] = set()
     for node in ast.walk(tree):
@@ -241,7 +235,9 @@ def knob_settings(path: Path, allowed: frozenset[str] = frozenset()) -> list[str
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 targets += target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]
         for target in targets:
-            if isinstance(target, ast.Attribute) and _upper(target.attr) and is_ours(target.value) and target.attr not in allowed:
+            if isinstance(target, ast.Subscript):  # X.NAME[key] = ...: an entry of a module's table
+                target = target.value
+            if isinstance(target, ast.Attribute) and _upper(target.attr) and is_ours(target.value):
                 found.append(where(node, target.attr))
         if isinstance(node, ast.Call) and node.args:
             func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
@@ -249,28 +245,30 @@ def knob_settings(path: Path, allowed: frozenset[str] = frozenset()) -> list[str
             if func in ("getattr", "hasattr"):
                 continue
             if len(node.args) >= 2 and is_ours(first) and isinstance(node.args[1], ast.Constant) \
-                    and isinstance(node.args[1].value, str) and _upper(node.args[1].value) and node.args[1].value not in allowed:
+                    and isinstance(node.args[1].value, str) and _upper(node.args[1].value):
                 found.append(where(node, node.args[1].value))
+            elif func == "setitem" and isinstance(first, ast.Attribute) and _upper(first.attr) and is_ours(first.value):
+                found.append(where(node, first.attr))
             elif isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value.split(".")[0] in OUR_PACKAGES:
                 name = first.value.rsplit(".", 1)[-1]
-                if "." in first.value and _upper(name) and name not in allowed:
+                if "." in first.value and _upper(name):
                     found.append(where(node, name))
     return sorted(found, key=lambda hit: int(hit.split(":")[1].split()[0]))
 
 
 def test_no_test_benchmark_or_script_sets_a_module_knob() -> None:
-    """Block and tile sizes are the losses' ``tuning=`` (``lossspec.Tuning``), never a module
-    global set from outside (docs/DESIGN.md, "Plans are named"); the head's remaining knobs are
-    the commented allow-list above."""
-    allowed = frozenset(HEAD_KNOBS_ALLOWED)
-    offending = [hit for path in _sources(KNOB_SCANNED) for hit in knob_settings(path, allowed)]
-    assert offending == [], "pass tuning= (lossspec.Tuning) instead:\n" + "\n".join(offending)
+    """Block and tile sizes, the fused head's memory plan and its bf16 matmuls are ``tuning=``
+    (``lossspec.Tuning`` for the losses, ``lossspec.HeadTuning`` for the heads), never a module
+    global set from outside (docs/DESIGN.md, "Plans are named"): no exceptions."""
+    offending = [hit for path in _sources(KNOB_SCANNED) for hit in knob_settings(path)]
+    assert offending == [], "pass tuning= (lossspec.Tuning / lossspec.HeadTuning) instead:\n" + "\n".join(offending)
 
 
 def test_the_scan_finds_a_knob_set(tmp_path: Path, monkeypatch) -> None:
     """The check itself, on the forms the tests used (monkeypatch.setattr, a save-set-restore, a
-    loop over the frameworks' modules, a tuple target) and the ones it must let pass (a lowercase
-    spy, a module of another package, a read)."""
+    loop over the frameworks' modules, a tuple target, an entry of a module's table) and the ones
+    it must let pass (a lowercase spy, a module of another package, a read, an entry of a local
+    dict)."""
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     probe = tmp_path / "probe.py"
     probe.write_text(
@@ -288,11 +286,14 @@ def test_the_scan_finds_a_knob_set(tmp_path: Path, monkeypatch) -> None:
         "    monkeypatch.setattr(torchloss._prepare, 'host_readable', len)\n"
         "    monkeypatch.setattr(inputs_module, 'MAX_INPUT_BYTES', 1000)\n"
         "    print(getattr(_cpu, 'MAX_WORKERS'), _cpu.MAX_WORKERS)\n"
+        "    monkeypatch.setitem(torch_linear.GPU_BLOCKS, 2, (1, 2))\n"
+        "    _cpu.SIZES['x'] = 1\n"
+        "    table = {}\n"
+        "    table['X'] = 1\n"
+        "    monkeypatch.setitem(table, 'Y', 2)\n"
     )
     assert knob_settings(probe) == [
         "probe.py:6 sets TUNING", "probe.py:7 sets TILE_ELEMENTS", "probe.py:9 sets BLOCK_ELEMENTS",
-        "probe.py:10 sets BLOCKED_ROWS", "probe.py:11 sets MAX_BLOCK_V",
-    ]
-    assert knob_settings(probe, frozenset({"BLOCK_ELEMENTS", "BLOCKED_ROWS"})) == [
-        "probe.py:6 sets TUNING", "probe.py:7 sets TILE_ELEMENTS", "probe.py:11 sets MAX_BLOCK_V",
+        "probe.py:10 sets BLOCKED_ROWS", "probe.py:11 sets MAX_BLOCK_V", "probe.py:15 sets GPU_BLOCKS",
+        "probe.py:16 sets SIZES",
     ]

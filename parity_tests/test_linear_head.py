@@ -9,6 +9,8 @@ block budget.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -30,21 +32,21 @@ from parity_tests.support.head_cases import (  # noqa: F401  (plan: the fixture)
 @pytest.mark.parametrize("plan", ["whole"], indirect=True)
 @cases("framework,kind,norm,dtype", [list(RUNNERS), list(KINDS), list(NORMS), ["float32", "bfloat16"]],
        slow=lambda framework, kind, norm, dtype: framework == "jax" and (norm != "valid_tokens" or dtype != "float32"))
-def test_head_matches_oracle(framework: str, kind: str, norm: str, dtype: str, plan: str) -> None:
-    check(framework, kind, dtype, True, {**options_for(kind), **NORMS[norm]})
+def test_head_matches_oracle(framework: str, kind: str, norm: str, dtype: str, plan: lossspec.HeadTuning) -> None:
+    check(framework, kind, dtype, True, {**options_for(kind), **NORMS[norm]}, head_options={"tuning": plan})
 
 
 @pytest.mark.parametrize("plan", ["blocked"], indirect=True)
 @cases("framework,kind,dtype", [list(RUNNERS), list(KINDS), ["float32", "bfloat16"]],
        slow=lambda framework, kind, dtype: framework == "jax" and (kind != "cross_entropy" or dtype != "float32"))
-def test_vocabulary_blocked_fallback(framework: str, kind: str, dtype: str, plan: str) -> None:
+def test_vocabulary_blocked_fallback(framework: str, kind: str, dtype: str, plan: lossspec.HeadTuning) -> None:
     assert spec_linear.head_plan(int(np.prod(LEAD)), V, *PLANS["blocked"]) == (5, 3)
-    check(framework, kind, dtype, True, {**options_for(kind), **NORMS["valid_tokens"]})
+    check(framework, kind, dtype, True, {**options_for(kind), **NORMS["valid_tokens"]}, head_options={"tuning": plan})
 
 
 @cases("framework,kind,plan", [list(RUNNERS), list(KINDS), ["whole", "blocked"]], slow=lambda framework, kind, plan: framework == "jax" and plan == "blocked", indirect=("plan",))
-def test_without_bias_per_token(framework: str, kind: str, plan: str) -> None:
-    check(framework, kind, "float32", False, {**options_for(kind), **NORMS["none"]})
+def test_without_bias_per_token(framework: str, kind: str, plan: lossspec.HeadTuning) -> None:
+    check(framework, kind, "float32", False, {**options_for(kind), **NORMS["none"]}, head_options={"tuning": plan})
 
 
 @cases(
@@ -53,8 +55,8 @@ def test_without_bias_per_token(framework: str, kind: str, plan: str) -> None:
     slow=lambda framework, kind, norm, plan: framework == "jax" and (norm == "none" or plan == "blocked"),
     indirect=("plan",),
 )
-def test_causal_shift(framework: str, kind: str, norm: str, plan: str) -> None:
-    check(framework, kind, "float32", True, {**options_for(kind), **NORMS[norm], "causal_shift": True})
+def test_causal_shift(framework: str, kind: str, norm: str, plan: lossspec.HeadTuning) -> None:
+    check(framework, kind, "float32", True, {**options_for(kind), **NORMS[norm], "causal_shift": True}, head_options={"tuning": plan})
 
 
 @cases("framework,beta", [list(RUNNERS), [0.0, 1.0]], slow=lambda framework, beta: framework == "jax")
@@ -423,3 +425,118 @@ def test_componentwise_bound_never_below_the_old_one() -> None:
     error = np.array([[11.9e-6, 0.0], [0.0, 0.0]])  # within 4e-6 M = 12e-6 at the cancelling element
     assert spec_linear.compare_head_grad(reference_grad + error, reference_grad, "float32", magnitude=magnitude).ok
     assert not spec_linear.compare_head_grad(reference_grad + error, reference_grad, "float32").ok
+
+
+# --------------------------------------------------------------------------------------------
+# tuning= (lossspec.HeadTuning): it reaches the plan and the kernels; wrong types are refused
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("framework", list(RUNNERS))
+def test_tuning_reaches_the_plan(framework: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small ``block_elements`` / ``blocked_rows`` changes the head's ``(R, B)`` (recorded from
+    :func:`lossspec.linear.head_plan`) and still matches the float64 oracle; ``recompute_plan``
+    replaces the recompute backward's plan (:func:`~lossspec.linear.head_plan_recompute` is not
+    asked). The values are used by no other test, so JAX traces anew."""
+    plans: list[tuple[int, int]] = []
+    asked: list[tuple[int, int]] = []
+    real_plan, real_recompute = spec_linear.head_plan, spec_linear.head_plan_recompute
+
+    def recording_plan(*args: Any, **kwargs: Any) -> tuple[int, int]:
+        plans.append(real_plan(*args, **kwargs))
+        return plans[-1]
+
+    def recording_recompute(*args: Any, **kwargs: Any) -> tuple[int, int]:
+        asked.append(real_recompute(*args, **kwargs))
+        return asked[-1]
+
+    monkeypatch.setattr(spec_linear, "head_plan", recording_plan)
+    monkeypatch.setattr(spec_linear, "head_plan_recompute", recording_recompute)
+    n = int(np.prod(LEAD))
+    # whatever a framework's live blocks (1 to 16), the default budget plans otherwise
+    defaults = {real_plan(n, V, None, spec_linear.HEAD_BLOCKED_ROWS, live) for live in range(1, 17)}
+    tuning = lossspec.HeadTuning(block_elements=17, blocked_rows=4)  # chunks of 4 rows, blocks of 17 // 4 = 4 columns
+    options = {**options_for("cross_entropy"), **NORMS["valid_tokens"]}
+    check(framework, "cross_entropy", "float32", True, options, head_options={"tuning": tuning})
+    assert set(plans) == {(4, 4)} and (4, 4) not in defaults, (plans, defaults)
+    plans.clear()
+    check(framework, "cross_entropy", "float32", True, options, head_options={"recompute_logits": True, "tuning": tuning})
+    assert set(plans) == {(4, 4)} and asked, (plans, asked)
+    asked.clear()
+    forced = dataclasses.replace(tuning, recompute_plan=(3, 7))
+    check(framework, "cross_entropy", "float32", True, options, head_options={"recompute_logits": True, "tuning": forced})
+    assert asked == [], asked
+
+
+def test_head_modules_and_kernels_take_tuning(monkeypatch: Any) -> None:
+    """``tuning=`` given to a head module reaches the fused kernels' ``head_forward`` (Pallas,
+    Triton: their tiles) unchanged, as given to the function."""
+    from jaxloss.backends import pallas_head as _pallas_linear
+    from torchloss.backends import triton_head as _triton_linear
+
+    seen: list[Any] = []
+
+    def called(*args: Any, **kwargs: Any) -> None:
+        seen.append(kwargs["tuning"])
+        raise _KernelCalled
+
+    monkeypatch.setattr(_pallas_linear, "head_forward", called)
+    monkeypatch.setattr(_triton_linear, "head_forward", called)
+    tuning = lossspec.HeadTuning(block_rows=32, block_vocab=64, block_hidden=16, num_warps=8)
+    inputs = make_inputs("cross_entropy", "float32", seed=10)
+    with pytest.raises(_KernelCalled):
+        jaxloss.nnx.LinearCrossEntropyLoss(impl="pallas", tuning=tuning)(jnp.asarray(inputs["hidden"]), jnp.asarray(inputs["weight"]), jnp.asarray(inputs["labels"]))
+    with pytest.raises(_KernelCalled):
+        torchloss.nn.LinearCrossEntropyLoss(impl="triton", tuning=tuning)(torch.tensor(inputs["hidden"]), torch.tensor(inputs["weight"]), torch.tensor(inputs["labels"]))
+    with pytest.raises(_KernelCalled):
+        jaxloss.linear_cross_entropy(jnp.asarray(inputs["hidden"]), jnp.asarray(inputs["weight"]), jnp.asarray(inputs["labels"]), impl="pallas")
+    assert seen == [tuning, tuning, lossspec.DEFAULT_HEAD_TUNING]
+
+
+@pytest.mark.parametrize("framework", list(RUNNERS))
+def test_tuning_of_the_wrong_type_is_a_type_error(framework: str) -> None:
+    """``tuning=`` is ``None`` or a :class:`lossspec.HeadTuning` (lossspec's message), in the
+    functions and the module constructors; the losses' :class:`lossspec.Tuning` is named as such."""
+    inputs = make_inputs("cross_entropy", "float32", seed=10)
+    if framework == "jax":
+        package, modules, conv = jaxloss, jaxloss.nnx, jnp.asarray
+    else:
+        package, modules, conv = torchloss, torchloss.nn, torch.tensor
+    args = (conv(inputs["hidden"]), conv(inputs["weight"]), conv(inputs["labels"]))
+    for bad in (lossspec.Tuning(), (64, 5), {"block_elements": 15}):
+        with pytest.raises(TypeError, match="tuning must be None or a lossspec.HeadTuning"):
+            package.linear_cross_entropy(*args, tuning=bad)
+        with pytest.raises(TypeError, match="tuning must be None or a lossspec.HeadTuning"):
+            modules.LinearCrossEntropyLoss(tuning=bad)
+    with pytest.raises(TypeError, match="lossspec.Tuning is the losses'"):
+        package.linear_entropy(args[0], args[1], tuning=lossspec.Tuning())
+    with pytest.raises(TypeError, match="tuning must be None or a lossspec.Tuning"):
+        package.cross_entropy(conv(np.zeros((3, 5), np.float32)), conv(np.zeros(3, np.int64)), tuning=lossspec.HeadTuning())
+
+
+def test_head_tuning_validates_its_fields() -> None:
+    """``lossspec.HeadTuning`` checks its fields on construction (``TypeError`` / ``ValueError``
+    naming the field), normalises lists to tuples and is hashable (JAX's static argument)."""
+    cases = [
+        (dict(block_elements=0), ValueError, "HeadTuning.block_elements must be >= 1"),
+        (dict(blocked_rows=2.0), TypeError, "HeadTuning.blocked_rows must be None or an int"),
+        (dict(block_elements=True), TypeError, "HeadTuning.block_elements must be None or an int"),
+        (dict(recompute_plan=(5,)), TypeError, "HeadTuning.recompute_plan must be None or a pair"),
+        (dict(recompute_plan=(5, 0)), ValueError, "HeadTuning.recompute_plan must be >= 1"),
+        (dict(bf16_matmul_devices="cuda"), TypeError, "HeadTuning.bf16_matmul_devices must be a tuple of device type names"),
+        (dict(triton_matmul_devices=(1,)), TypeError, "HeadTuning.triton_matmul_devices must be a tuple"),
+        (dict(split_terms=None), TypeError, "HeadTuning.split_terms must be an int"),
+        (dict(split_terms=0), ValueError, "HeadTuning.split_terms must be >= 1"),
+        (dict(block_vocab=48), ValueError, "HeadTuning.block_vocab must be a power of two"),
+        (dict(num_warps=-4), ValueError, "HeadTuning.num_warps must be >= 1"),
+        (dict(interpret="yes"), TypeError, "HeadTuning.interpret must be None, True or False"),
+    ]
+    for fields, error, message in cases:
+        with pytest.raises(error, match=re.escape(message)):
+            lossspec.HeadTuning(**fields)
+    tuning = lossspec.HeadTuning(recompute_plan=[5, 8], bf16_matmul_devices=["cpu", "cuda"])
+    assert tuning.recompute_plan == (5, 8) and tuning.bf16_matmul_devices == ("cpu", "cuda")
+    assert hash(tuning) == hash(lossspec.HeadTuning(recompute_plan=(5, 8), bf16_matmul_devices=("cpu", "cuda")))
+    assert lossspec.DEFAULT_HEAD_TUNING == lossspec.HeadTuning()
+    assert (lossspec.DEFAULT_HEAD_TUNING.split_terms, lossspec.DEFAULT_HEAD_TUNING.triton_matmul_devices) == (spec_linear.HEAD_SPLIT_TERMS, ("cuda",))
+    assert lossspec.check_head_tuning(None) is lossspec.DEFAULT_HEAD_TUNING

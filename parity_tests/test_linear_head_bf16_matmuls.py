@@ -3,7 +3,7 @@
 Opted in (off by default, docs/linear_head.md), both frameworks' head paths read bf16 hidden
 states and weights as they are (fp32 results) and split the fp32 logits gradient ``G`` into
 exact bf16 terms for the backward (``split_bf16``); otherwise they widen to fp32. These tests force the branch on the
-CPU (``torchloss.head.BF16_MATMUL_DEVICES``, ``jaxloss.head.BF16_BACKWARD_PLATFORMS``; torch's
+CPU (``tuning=lossspec.HeadTuning(bf16_matmul_devices=("cpu", "cuda"))``; torch's
 ``mm_f32`` computes the same numbers there from exact upcasts); on a machine with a GPU the same
 tests run there (torch tensors on CUDA, JAX's default device), the tensor-core matmuls
 themselves. They check the *fp32* results of
@@ -12,7 +12,7 @@ gradients with the fp32 bound: a split that rounds ``G`` (one or two terms) fail
 
 On CUDA torch's bf16 matmuls are one Triton kernel (``torchloss.backends.triton_matmul``: tensor cores,
 ``G`` split in registers); the tests run it in the Triton interpreter on the CPU too, alone (its
-products against exact ones) and inside the head (``TRITON_MATMUL_DEVICES``).
+products against exact ones) and inside the head (``HeadTuning.triton_matmul_devices``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torchloss.head as torch_linear
 from jaxloss._block import KernelConfig
 from lossspec import linear as spec_linear
 
-from parity_tests.support.head_cases import H, HT, PLANS, V, options_for, make_inputs
+from parity_tests.support.head_cases import H, HT, PLANS, V, block_budget, options_for, make_inputs
 
 
 def _reference(kind: str, inputs: dict[str, Any], coef: np.ndarray, options: dict[str, Any]) -> tuple:
@@ -57,66 +57,60 @@ def _teacher(kind: str, inputs: dict[str, Any], n: int, bf: Any) -> Any:
     return bf(inputs["teacher_hidden"].reshape(n, HT)), bf(inputs["teacher_weight"]), bf(inputs["teacher_bias"])
 
 
-def _run_torch(kind: str, inputs: dict[str, Any], coef: np.ndarray, options: dict[str, Any], plan: tuple[int, int]) -> tuple:
+def _run_torch(kind: str, inputs: dict[str, Any], coef: np.ndarray, options: dict[str, Any], tuning: lossspec.HeadTuning) -> tuple:
     bf = lambda a: torch.tensor(np.asarray(a, np.float32)).to(DEVICE, torch.bfloat16)  # noqa: E731  (exact)
     n = coef.size
     labels = torch.tensor(inputs["labels"].reshape(-1), device=DEVICE) if "labels" in inputs else None
     teacher = _teacher(kind, inputs, n, bf)
     out = torch_linear.head_forward(lossspec.make_config(kind, **options), bf(inputs["hidden"].reshape(n, H)), bf(inputs["weight"]),
                                     bf(inputs["bias"]), labels, teacher, torch.tensor(coef, device=DEVICE), need_grad=True,
-                                    block_elements=plan[0], blocked_rows=plan[1])
+                                    tuning=tuning)
     assert all(a.dtype == torch.float32 for a in out)
     return tuple(a.double().cpu().numpy() for a in out)
 
 
-def _run_jax(kind: str, inputs: dict[str, Any], coef: np.ndarray, options: dict[str, Any], plan: tuple[int, int]) -> tuple:
+def _run_jax(kind: str, inputs: dict[str, Any], coef: np.ndarray, options: dict[str, Any], tuning: lossspec.HeadTuning) -> tuple:
     bf = lambda a: jnp.asarray(np.asarray(a, np.float32), jnp.bfloat16)  # noqa: E731  (exact)
     n = coef.size
     cfg = KernelConfig.of(lossspec.make_config(kind, **options))
     labels = jnp.asarray(inputs["labels"].reshape(-1), jnp.int32) if "labels" in inputs else None
     teacher = _teacher(kind, inputs, n, bf)
     out = jax_linear.head_forward(cfg, bf(inputs["hidden"].reshape(n, H)), bf(inputs["weight"]), bf(inputs["bias"]), labels, teacher,
-                                  jnp.asarray(coef), with_grad=True, block_elements=plan[0], blocked_rows=plan[1])
+                                  jnp.asarray(coef), with_grad=True, tuning=tuning)
     assert all(a.dtype == jnp.float32 for a in out)
     return tuple(np.asarray(a, np.float64) for a in out)
 
 
-@pytest.fixture
-def gpu_branch(monkeypatch: pytest.MonkeyPatch) -> None:
-    # opt-in on every device (off by default: docs/linear_head.md)
-    monkeypatch.setattr(torch_linear, "BF16_MATMUL_DEVICES", ("cpu", "cuda"))
-    monkeypatch.setattr(jax_linear, "BF16_BACKWARD_PLATFORMS", ("cpu", "cuda"))
-
-
-@pytest.fixture
-def triton_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the Triton kernel on every device (the interpreter on the CPU)
-    monkeypatch.setattr(torch_linear, "TRITON_MATMUL_DEVICES", ("cpu", "cuda"))
+# opt-in on every device (off by default: docs/linear_head.md)
+GPU_BRANCH = {"bf16_matmul_devices": ("cpu", "cuda")}
+# the Triton kernel on every device (the interpreter on the CPU)
+TRITON_MATMULS = {"triton_matmul_devices": ("cpu", "cuda")}
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("kind", list(lossspec.HEAD_KINDS))
 @pytest.mark.parametrize("framework", ["torch", "jax"])
-def test_bf16_matmuls_match_the_oracle_in_fp32(gpu_branch: None, framework: str, kind: str, plan: str) -> None:
-    _check_head(framework, kind, plan)
+def test_bf16_matmuls_match_the_oracle_in_fp32(framework: str, kind: str, plan: str) -> None:
+    _check_head(framework, kind, block_budget(*PLANS[plan], **GPU_BRANCH))
 
 
 @pytest.mark.slow  # the Triton interpreter
 @pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("kind", list(lossspec.HEAD_KINDS))
-def test_triton_bf16_matmuls_match_the_oracle_in_fp32(gpu_branch: None, triton_matmuls: None, kind: str, plan: str) -> None:
-    assert torch_linear._triton_matmuls(torch.device(DEVICE))
-    _check_head("torch", kind, plan)
+def test_triton_bf16_matmuls_match_the_oracle_in_fp32(kind: str, plan: str) -> None:
+    tuning = block_budget(*PLANS[plan], **GPU_BRANCH, **TRITON_MATMULS)
+    assert torch_linear._triton_matmuls(torch.device(DEVICE), tuning)
+    _check_head("torch", kind, tuning)
 
 
-def _check_head(framework: str, kind: str, plan: str) -> None:
+def _check_head(framework: str, kind: str, tuning: lossspec.HeadTuning) -> None:
     inputs = make_inputs(kind, "bfloat16", seed=3)
     options = options_for(kind)
     if "labels" in inputs:
         inputs["labels"] = np.abs(inputs["labels"]) % V  # the drivers take safe labels
     coef = inputs["loss_mask"].reshape(-1).astype(np.float32)
     run = _run_torch if framework == "torch" else _run_jax
-    loss, dh, dw, db = run(kind, inputs, coef, options, PLANS[plan])
+    loss, dh, dw, db = run(kind, inputs, coef, options, tuning)
     ref_loss, ref_dh, ref_dw, ref_db = _reference(kind, inputs, coef, options)
     lossspec.compare_loss(float(np.sum(coef * loss)), ref_loss, f"{framework} bf16-matmul loss").check()
     for name, got, want in (("hidden", dh, ref_dh), ("weight", dw, ref_dw), ("bias", db, ref_db)):
@@ -147,21 +141,20 @@ def _matmul_inputs(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, tor
 
 @pytest.mark.slow  # the Triton interpreter
 @pytest.mark.parametrize("terms", [1, 2, 3])
-def test_triton_matmul_multiplies_fp32_exactly_as_three_bf16_terms(monkeypatch: pytest.MonkeyPatch, terms: int) -> None:
+def test_triton_matmul_multiplies_fp32_exactly_as_three_bf16_terms(terms: int) -> None:
     # G [M, K] fp32 times a signed power-of-two permutation: every output is one product, exact
-    # in fp32, so the kernel must return it bit for bit; a split into fewer terms rounds G.
-    from torchloss.backends import triton_matmul as _triton_matmul
-
-    monkeypatch.setattr(spec_linear, "HEAD_SPLIT_TERMS", terms)
-    monkeypatch.setitem(_triton_matmul.GPU_BLOCKS, terms, _triton_matmul.GPU_BLOCKS[3])
+    # in fp32, so the kernel must return it bit for bit; a split into fewer terms rounds G. The
+    # head's matmul (mm_f32) passes HeadTuning.split_terms (default 3) down to the kernel.
+    tuning = lossspec.HeadTuning(split_terms=terms, **TRITON_MATMULS)
+    assert torch_linear._triton_matmuls(torch.device(DEVICE), tuning)
     g, p, perm = _matmul_inputs(37, 45, 29, seed=1)
     want = g[:, perm] * p[perm, torch.arange(29)].float()
-    got = _triton_matmul.matmul_f32(g, p)
+    got = torch_linear.mm_f32(g, p, tuning=tuning)
     assert torch.equal(got, want) == (terms == 3), (terms, (got - want).abs().max().item())
     # a transposed view of G (the weight gradient's G^T h), accumulated into a strided slice
     out = torch.full((64, 40), 7.0, device=DEVICE)
     g_t, p_t, perm_t = _matmul_inputs(45, 37, 29, seed=2)
-    _triton_matmul.matmul_f32(g_t.t().contiguous().t(), p_t, out[3:48, 5:34], accumulate=True)
+    torch_linear.mm_f32(g_t.t().contiguous().t(), p_t, out[3:48, 5:34], accumulate=True, tuning=tuning)
     exact = g_t[:, perm_t].double() * p_t[perm_t, torch.arange(29)].double() + 7.0
     assert torch.equal(out[3:48, 5:34], exact.float()) == (terms == 3)
     assert bool((out[:3] == 7.0).all() and (out[48:] == 7.0).all() and (out[:, :5] == 7.0).all() and (out[:, 34:] == 7.0).all())

@@ -38,9 +38,10 @@ pytestmark = pytest.mark.slow
 from parity_tests.support.head_kernels import H, HT, IMPLS, KINDS, LEAD, V, grad_output_for, make_inputs, run  # noqa: F401
 
 
-def check(impl: str, kind: str, dtype: str, with_bias: bool, options: dict[str, Any], seed: int = 0) -> None:
+def check(impl: str, kind: str, dtype: str, with_bias: bool, options: dict[str, Any], seed: int = 0, tuning: Any = None) -> None:
+    """The kernels against the oracle; ``tuning`` (a ``lossspec.HeadTuning``) goes to the head only."""
     inputs = make_inputs(kind, dtype, seed)
-    loss, grads = run(impl, kind, inputs, dtype, with_bias, options)
+    loss, grads = run(impl, kind, inputs, dtype, with_bias, options if tuning is None else {**options, "tuning": tuning})
     ref_loss, ref = spec_linear.oracle_head(kind, inputs["hidden"], inputs["weight"], head_target(kind, inputs), inputs["loss_mask"],
                                             bias=inputs["bias"] if with_bias else None, grad_output=grad_output_for(options), **options)
     lossspec.compare_loss(loss, ref_loss, f"{impl} {kind} loss").check()
@@ -55,6 +56,15 @@ def check(impl: str, kind: str, dtype: str, with_bias: bool, options: dict[str, 
 def test_kernels_match_oracle(impl: str, kind: str, dtype: str) -> None:
     """Every kind with its options and a bias, a scalar upstream gradient, fp32 and bf16."""
     check(impl, kind, dtype, True, options_for(kind))
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_kernels_take_their_tiles_from_tuning(impl: str) -> None:
+    """``tuning=lossspec.HeadTuning(block_rows=, block_vocab=, block_hidden=, num_warps=)``: other
+    tiles than the interpreted defaults (16 x 16 x 16, 1 warp): vocabulary blocks of 32 columns
+    (a ragged last one), 2 warps; the same numbers against the oracle."""
+    tuning = lossspec.HeadTuning(block_rows=16, block_vocab=32, block_hidden=16, num_warps=2)
+    check(impl, "jensen_shannon", "float32", True, options_for("jensen_shannon"), seed=2, tuning=tuning)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -9,7 +9,8 @@ token chunks (the last moved back likewise), from the rows' statistics of either
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +19,8 @@ import pytest
 import torch
 
 import jaxloss
-import jaxloss.head as jax_linear
+import lossspec
 import torchloss
-import torchloss.head as torch_linear
 from lossspec import linear as spec_linear
 
 from parity_tests.support.head_cases import HT, KINDS, NORMS, RUNNERS, options_for, peak_extra, cases, check, make_inputs, plan  # noqa: F401  (plan: the fixture)
@@ -32,14 +32,18 @@ RECOMPUTE = {"recompute_logits": True}
 
 
 @pytest.fixture(params=["planned", "small"])
-def backward_plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The backward's ``(R, B)``: as planned (at these tiny shapes, dominated by the ``[B, H]``
-    slices: one or all tokens per chunk), or 5 rows x 8 columns in both frameworks (``N = 12``:
-    chunks 5, 5 and a moved-back 2; ``V = 37``: four slices of 8 and a moved-back 5)."""
-    forced = None if request.param == "planned" else (5, 8)
-    for module in (jax_linear, torch_linear):
-        monkeypatch.setattr(module, "RECOMPUTE_PLAN", forced)
-    return request.param
+def backward_plan(request: pytest.FixtureRequest) -> Optional[tuple[int, int]]:
+    """The backward's ``(R, B)`` (``HeadTuning.recompute_plan``): as planned (``None``; at these
+    tiny shapes, dominated by the ``[B, H]`` slices: one or all tokens per chunk), or 5 rows x 8
+    columns in both frameworks (``N = 12``: chunks 5, 5 and a moved-back 2; ``V = 37``: four slices
+    of 8 and a moved-back 5)."""
+    return None if request.param == "planned" else (5, 8)
+
+
+def recompute(forward: lossspec.HeadTuning, backward_plan: Optional[tuple[int, int]]) -> dict[str, Any]:
+    """The head options of a ``recompute_logits`` call: the forward's block budget ``forward``
+    (a ``tuning``) and the backward's ``(R, B)``."""
+    return {**RECOMPUTE, "tuning": dataclasses.replace(forward, recompute_plan=backward_plan)}
 
 
 def test_the_backward_plan_fits_its_budget() -> None:
@@ -65,22 +69,25 @@ def test_the_backward_plan_fits_its_budget() -> None:
 @cases("framework,kind,norm,dtype,backward_plan", [list(RUNNERS), list(KINDS), list(NORMS), ["float32", "bfloat16"], ["planned", "small"]],
        slow=lambda framework, kind, norm, dtype, backward_plan: framework == "jax" and (norm != "valid_tokens" or dtype != "float32" or backward_plan == "planned"),
        indirect=("backward_plan",))
-def test_recompute_matches_oracle(framework: str, kind: str, norm: str, dtype: str, backward_plan: str, plan: str) -> None:
-    check(framework, kind, dtype, True, {**options_for(kind), **NORMS[norm]}, head_options=RECOMPUTE)
+def test_recompute_matches_oracle(framework: str, kind: str, norm: str, dtype: str, backward_plan: Optional[tuple[int, int]], plan: lossspec.HeadTuning) -> None:
+    check(framework, kind, dtype, True, {**options_for(kind), **NORMS[norm]}, head_options=recompute(plan, backward_plan))
 
 
 @pytest.mark.parametrize("plan", ["blocked"], indirect=True)
 @cases("framework,kind,dtype,backward_plan", [list(RUNNERS), list(KINDS), ["float32", "bfloat16"], ["small"]],
        slow=lambda framework, kind, dtype, backward_plan: framework == "jax" and (kind != "cross_entropy" or dtype != "float32"),
        indirect=("backward_plan",))
-def test_recompute_after_the_vocabulary_blocked_forward(framework: str, kind: str, dtype: str, backward_plan: str, plan: str) -> None:
-    check(framework, kind, dtype, True, {**options_for(kind), **NORMS["valid_tokens"]}, head_options=RECOMPUTE)
+def test_recompute_after_the_vocabulary_blocked_forward(
+    framework: str, kind: str, dtype: str, backward_plan: Optional[tuple[int, int]], plan: lossspec.HeadTuning
+) -> None:
+    check(framework, kind, dtype, True, {**options_for(kind), **NORMS["valid_tokens"]}, head_options=recompute(plan, backward_plan))
 
 
 @cases("framework,kind,norm,backward_plan", [list(RUNNERS), ["cross_entropy", "reverse_kl"], ["valid_tokens", "none"], ["small"]],
        slow=lambda framework, kind, norm, backward_plan: framework == "jax", indirect=("backward_plan",))
-def test_recompute_without_bias_causal_shift(framework: str, kind: str, norm: str, backward_plan: str) -> None:
-    check(framework, kind, "float32", False, {**options_for(kind), **NORMS[norm], "causal_shift": True}, head_options=RECOMPUTE)
+def test_recompute_without_bias_causal_shift(framework: str, kind: str, norm: str, backward_plan: Optional[tuple[int, int]]) -> None:
+    head_options = recompute(lossspec.HeadTuning(), backward_plan)
+    check(framework, kind, "float32", False, {**options_for(kind), **NORMS[norm], "causal_shift": True}, head_options=head_options)
 
 
 def test_recompute_with_a_nan_row_gives_a_nan_gradient_row() -> None:

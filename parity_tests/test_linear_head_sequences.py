@@ -24,7 +24,7 @@ import lossspec
 import torchloss
 from lossspec import linear as spec_linear
 
-from parity_tests.support.head_cases import set_block_budget
+from parity_tests.support.head_cases import block_budget
 from parity_tests.support.head_problem import BATCH, KINDS, OPTIONS, make_problem, reference, target_args
 
 VOCAB = 29
@@ -36,9 +36,8 @@ PLANS = {"whole": (7 * VOCAB, 64), "blocked": (20, 5)}
 
 
 @pytest.fixture
-def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    set_block_budget(monkeypatch, *PLANS[request.param])
-    return request.param
+def plan(request: pytest.FixtureRequest) -> lossspec.HeadTuning:
+    return block_budget(*PLANS[request.param])
 
 
 def run(framework: str, kind: str, problem: dict[str, Any], rows: slice = slice(None), grad_output: Any = 1.0, **options: Any) -> tuple[Any, dict[str, np.ndarray]]:
@@ -94,10 +93,10 @@ SEQUENCE_FAST = (("cross_entropy", "sequence_mean", True), ("reverse_kl", "seque
         for shift in (False, True)
     ],
 )
-def test_sequence_modes_match_oracle(framework: str, kind: str, mode: str, causal_shift: bool, plan: str) -> None:
+def test_sequence_modes_match_oracle(framework: str, kind: str, mode: str, causal_shift: bool, plan: lossspec.HeadTuning) -> None:
     problem = make_problem(kind, VOCAB, seed=1)
     options = dict(OPTIONS[kind], normalization=mode, causal_shift=causal_shift, segment_ids=True)
-    loss, grads = run(framework, kind, problem, grad_output=1.75, **options)
+    loss, grads = run(framework, kind, problem, grad_output=1.75, tuning=plan, **options)
     ref_loss, ref = reference(kind, problem, grad_output=1.75, **options)
     assert_matches(loss, grads, ref_loss, ref, f"{framework} {kind} {mode} shift={causal_shift}")
 
@@ -107,10 +106,10 @@ def test_sequence_modes_match_oracle(framework: str, kind: str, mode: str, causa
     "framework,kind",
     [pytest.param(f, k, marks=_jax_cover(f, k, fast=(("reverse_kl",),))) for f in FRAMEWORKS for k in ("cross_entropy", "reverse_kl")],
 )
-def test_sequence_mean_on_the_blocked_fallback(framework: str, kind: str, plan: str) -> None:
+def test_sequence_mean_on_the_blocked_fallback(framework: str, kind: str, plan: lossspec.HeadTuning) -> None:
     problem = make_problem(kind, VOCAB, seed=2)
     options = dict(OPTIONS[kind], normalization="sequence_mean", causal_shift=True, segment_ids=True)
-    loss, grads = run(framework, kind, problem, **options)
+    loss, grads = run(framework, kind, problem, tuning=plan, **options)
     ref_loss, ref = reference(kind, problem, **options)
     assert_matches(loss, grads, ref_loss, ref, f"{framework} {kind} blocked")
 

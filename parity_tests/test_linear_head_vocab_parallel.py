@@ -23,7 +23,6 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxloss
-import jaxloss.head as jax_linear
 import jaxloss.nnx  # noqa: F401  (the module forms)
 import lossspec
 from lossspec import linear as spec_linear
@@ -47,7 +46,7 @@ NORMS = {
     "module": {"module": True},
     "recompute": {"recompute_logits": True},
 }
-HEAD_ONLY = ("module", "recompute_logits")  # how the head is called, not what the oracle computes
+HEAD_ONLY = ("module", "recompute_logits", "tuning")  # how the head is called, not what the oracle computes
 FAST = {("cross_entropy", "whole", "valid_tokens"), ("reverse_kl", "blocked", "none"), ("jensen_shannon", "blocked", "valid_tokens")}
 
 
@@ -129,11 +128,10 @@ def run_jax(kind: str, options: dict[str, Any], problem: dict[str, Any], dtype: 
     [pytest.param(k, p, n, marks=[] if (k, p, n) in FAST else [pytest.mark.slow]) for k in KINDS for p in PLANS for n in NORMS
      if not (n == "sequence_mean_shift" and p == "blocked") and not (n == "module" and (k, p) != ("cross_entropy", "blocked"))],
 )
-def test_jax_vocab_parallel_head_matches_oracle(kind: str, plan: str, norm: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jax_linear, "BLOCK_ELEMENTS", PLANS[plan][0])
-    monkeypatch.setattr(jax_linear, "BLOCKED_ROWS", PLANS[plan][1])
+def test_jax_vocab_parallel_head_matches_oracle(kind: str, plan: str, norm: str) -> None:
     problem = make_problem(kind, VOCAB, seed=12)
-    options = dict(OPTIONS[kind], **NORMS[norm])
+    block_elements, blocked_rows = PLANS[plan]
+    options = dict(OPTIONS[kind], **NORMS[norm], tuning=lossspec.HeadTuning(block_elements=block_elements, blocked_rows=blocked_rows))
     width = VOCAB // SHARDS
     results = run_jax(kind, options, problem)
     options = {name: value for name, value in options.items() if name not in HEAD_ONLY}

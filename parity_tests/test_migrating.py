@@ -655,6 +655,48 @@ def test_optax_per_token(row: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# The fused head's module knobs are tuning=lossspec.HeadTuning(...)
+# --------------------------------------------------------------------------------------------
+
+# removed (module, global) -> the HeadTuning field that replaces it (docs/migrating.md)
+HEAD_KNOBS = {
+    ("jaxloss.head", "BLOCK_ELEMENTS"): "block_elements", ("torchloss.head", "BLOCK_ELEMENTS"): "block_elements",
+    ("jaxloss.head", "BLOCKED_ROWS"): "blocked_rows", ("torchloss.head", "BLOCKED_ROWS"): "blocked_rows",
+    ("jaxloss.head", "RECOMPUTE_PLAN"): "recompute_plan", ("torchloss.head", "RECOMPUTE_PLAN"): "recompute_plan",
+    ("jaxloss.head", "BF16_BACKWARD_PLATFORMS"): "bf16_matmul_devices", ("torchloss.head", "BF16_MATMUL_DEVICES"): "bf16_matmul_devices",
+    ("torchloss.head", "TRITON_MATMUL_DEVICES"): "triton_matmul_devices",
+    ("jaxloss.backends.pallas_head", "TUNING"): "block_rows", ("jaxloss.backends.pallas_head", "HeadTuning"): "block_vocab",
+}
+
+
+def test_head_knobs_are_head_tuning_fields() -> None:
+    """Each removed global is gone (no alias) and its ``lossspec.HeadTuning`` field exists;
+    ``HEAD_SPLIT_TERMS`` is ``split_terms``' default; a head call with the guide's example
+    ``tuning=`` (and a forced small block budget) gives the default call's loss and gradients."""
+    import dataclasses
+
+    fields = {field.name for field in dataclasses.fields(lossspec.HeadTuning)}
+    for (module, name), field in HEAD_KNOBS.items():
+        assert not hasattr(importlib.import_module(module), name), f"{module}.{name} is still there"
+        assert field in fields, field
+    assert {"block_hidden", "num_warps", "num_stages", "interpret", "split_terms"} <= fields
+    assert lossspec.HeadTuning().split_terms == lossspec.linear.HEAD_SPLIT_TERMS
+    rng = np.random.default_rng(0)
+    hidden = torch.tensor(rng.standard_normal((3, 4, 8)), dtype=torch.float32)
+    weight = torch.tensor(0.5 * rng.standard_normal((37, 8)), dtype=torch.float32)
+    labels = torch.tensor(rng.integers(0, 37, (3, 4)))
+    results = []
+    for tuning in (None, lossspec.HeadTuning(bf16_matmul_devices=("cuda",)), lossspec.HeadTuning(block_elements=15, blocked_rows=5)):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss = torchloss.linear_cross_entropy(h, w, labels, tuning=tuning)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    for other in results[1:]:
+        for got, want in zip(other, results[0]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
 # The guide and this file stay in step
 # --------------------------------------------------------------------------------------------
 

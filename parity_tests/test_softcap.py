@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 from jax.sharding import Mesh, PartitionSpec as P
-from parity_tests.support.head_cases import PLANS, grad_output_for, make_inputs, reference, run_jax, run_torch, set_block_budget
+from parity_tests.support.head_cases import PLANS, block_budget, grad_output_for, make_inputs, reference, run_jax, run_torch
 from parity_tests.support.torch_cases import TORCH_DTYPES, quiet
 
 import jaxloss
@@ -416,9 +416,8 @@ def _head_options(kind: str) -> dict[str, Any]:
 
 
 @pytest.fixture
-def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    set_block_budget(monkeypatch, *PLANS[request.param])
-    return request.param
+def plan(request: pytest.FixtureRequest) -> lossspec.HeadTuning:
+    return block_budget(*PLANS[request.param])
 
 
 @_params(
@@ -427,14 +426,12 @@ def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     fast=lambda framework, kind, dtype, plan: framework == "torch" or (kind == "cross_entropy" and dtype == "float32" and plan == "whole"),
     indirect=("plan",),
 )
-def test_fused_head(framework: str, kind: str, dtype: str, plan: str) -> None:
-    import jaxloss.head as jax_linear
-
-    assert jax_linear.BLOCK_ELEMENTS == PLANS[plan][0]  # the plan fixture set it
+def test_fused_head(framework: str, kind: str, dtype: str, plan: lossspec.HeadTuning) -> None:
+    assert plan.block_elements in (budget for budget, _ in PLANS.values())  # the plan fixture's tuning
     inputs = make_inputs(kind, dtype, seed=5)
     options = _head_options(kind)
     grad_output = grad_output_for("valid_tokens")
-    loss, grads = {"jax": run_jax, "torch": run_torch}[framework](kind, inputs, dtype, True, options, grad_output)
+    loss, grads = {"jax": run_jax, "torch": run_torch}[framework](kind, inputs, dtype, True, {**options, "tuning": plan}, grad_output)
     ref_loss, ref_grads = reference(kind, inputs, True, options, grad_output)
     lossspec.compare_loss(loss, ref_loss, f"{framework} {kind} loss").check()
     for name, grad in grads.items():

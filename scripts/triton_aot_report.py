@@ -187,7 +187,7 @@ def _compile_matmul(variant: str, arch: int) -> tuple[Any, int]:
 
     a_dtype, unit, accumulate = MATMUL_VARIANTS[variant]
     split = 1 if a_dtype == "bfloat16" else spec_linear.HEAD_SPLIT_TERMS
-    tiles = _triton_matmul.GPU_BLOCKS[split]
+    tiles = _triton_matmul.GPU_BLOCKS[a_dtype]
     constants = _triton_matmul.constexprs(split, accumulate, tiles)
     constants["UPCAST"] = False  # compiled, not interpreted
     pointer_types = {"a_ptr": "*" + _TL_NAMES[a_dtype], "b_ptr": "*bf16", "c_ptr": "*fp32"}

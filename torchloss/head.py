@@ -19,7 +19,7 @@ chunk's logits when a row fits, else over the blocks once more, two more matmuls
 16-bit inputs are upcast to fp32 (exact; the weight a slice at a time into one reused buffer,
 :class:`WeightRows`) so every product is accumulated in fp32; the fp32 gradients are rounded
 once to the parameters' dtypes. (On CUDA, torch's ``allow_tf32`` switches apply to these
-matmuls as to any other.) Opt-in (:data:`BF16_MATMUL_DEVICES`): bf16 inputs go to the matmuls
+matmuls as to any other.) Opt-in (``tuning=lossspec.HeadTuning(bf16_matmul_devices=("cuda",))``): bf16 inputs go to the matmuls
 as they are (fp32 results: :func:`mm_f32`) and the backward multiplies the fp32 ``G`` as three
 exact bf16 terms (:func:`split_bf16`): the same exact products, accumulated in fp32. On CUDA
 these matmuls are one Triton kernel (:mod:`torchloss.backends.triton_matmul`, the split in registers):
@@ -70,15 +70,6 @@ __all__ = [
     "LinearHeadFunction",
 ]
 
-#: the elements of one [R, B] block in the compute dtype; ``None``: lossspec.linear.head_plan's
-#: default. Tests set it small to exercise the vocabulary-blocked fallback.
-BLOCK_ELEMENTS: Optional[int] = None
-#: rows of a chunk in the vocabulary-blocked fallback (lossspec.linear.HEAD_BLOCKED_ROWS)
-BLOCKED_ROWS: int = spec_linear.HEAD_BLOCKED_ROWS
-#: ``(R, B)`` of the ``recompute_logits`` backward; ``None``: lossspec.linear.head_plan_recompute's.
-#: Tests set it small to exercise several vocabulary slices and token chunks.
-RECOMPUTE_PLAN: Optional[tuple[int, int]] = None
-
 Head = tuple  # (hidden [N, H], weight WeightRows [V, H], bias [V] | None), in the compute dtype
 
 
@@ -118,35 +109,32 @@ def _with_mixture(config: LossConfig, fin: Any, sums: Tensor, shards: Optional[S
     return _vocab_parallel.reduce_mixture(config, fin, sums, shards.group)
 
 
-#: Devices whose head matmuls read bf16 operands as they are (fp32 results) with the backward's
-#: ``G`` multiplied as exact bf16 terms. None by default: on an H200 with torch 2.11 the head ran
-#: slower this way through cuBLAS (16384 x 4096 x 131072 CE: 6057 ms against 2445 ms in fp32;
-#: ``mm(out_dtype=float32)`` ran at ~20 TFLOP/s, no faster than fp32 GEMMs); the Triton kernel
-#: that replaced it there (:data:`TRITON_MATMUL_DEVICES`) has not run on a GPU yet. Correct on
-#: that GPU (parity_tests/test_linear_head_bf16_matmuls.py); ``("cuda",)`` opts in.
-BF16_MATMUL_DEVICES: tuple[str, ...] = ()
-#: Devices whose bf16 matmuls run on the Triton kernel of :mod:`torchloss.backends.triton_matmul`
-#: (tensor cores, ``G`` split in registers); elsewhere ``torch.mm`` (CUDA without Triton:
-#: ``out_dtype``; the CPU: exact fp32 upcasts). The tests add ``"cpu"`` to run the kernel in the
-#: Triton interpreter.
-TRITON_MATMUL_DEVICES: tuple[str, ...] = ("cuda",)
+# ``HeadTuning.bf16_matmul_devices``: the devices whose head matmuls read bf16 operands as they
+# are (fp32 results) with the backward's ``G`` multiplied as exact bf16 terms. None by default: on
+# an H200 with torch 2.11 the head ran slower this way through cuBLAS (16384 x 4096 x 131072 CE:
+# 6057 ms against 2445 ms in fp32; ``mm(out_dtype=float32)`` ran at ~20 TFLOP/s, no faster than
+# fp32 GEMMs); the Triton kernel that replaced it there (``HeadTuning.triton_matmul_devices``,
+# ``("cuda",)`` by default) has not run on a GPU yet. Correct on that GPU
+# (parity_tests/test_linear_head_bf16_matmuls.py); ``("cuda",)`` opts in. Elsewhere than on the
+# ``triton_matmul_devices`` the bf16 matmuls are ``torch.mm`` (CUDA without Triton: ``out_dtype``;
+# the CPU: exact fp32 upcasts); the tests add ``"cpu"`` to run the kernel in the Triton interpreter.
 
 
-def bf16_matmuls(device: torch.device, *dtypes: torch.dtype) -> bool:
+def bf16_matmuls(device: torch.device, tuning: spec_linear.HeadTuning, *dtypes: torch.dtype) -> bool:
     """Whether the head's matmuls read bf16 operands as they are (fp32 results) instead of fp32
-    upcasts: on the :data:`BF16_MATMUL_DEVICES` when every operand is bf16 (with TF32 off, torch's
-    default, the fp32 matmuls ran the head at ~30x its bf16 matmuls on an H200). On the CPU torch
-    has no bf16 matmul with an fp32 result (``mm``'s ``out_dtype`` has no CPU kernel in torch
+    upcasts: on the ``tuning.bf16_matmul_devices`` when every operand is bf16 (with TF32 off,
+    torch's default, the fp32 matmuls ran the head at ~30x its bf16 matmuls on an H200). On the CPU
+    torch has no bf16 matmul with an fp32 result (``mm``'s ``out_dtype`` has no CPU kernel in torch
     2.13), and rounding the result to bf16 is what the fused head exists to avoid."""
-    if device.type not in BF16_MATMUL_DEVICES or not all(d == torch.bfloat16 for d in dtypes):
+    if device.type not in tuning.bf16_matmul_devices or not all(d == torch.bfloat16 for d in dtypes):
         return False
-    return device.type != "cuda" or _triton_matmuls(device) or _cuda_mm_out_dtype(device)
+    return device.type != "cuda" or _triton_matmuls(device, tuning) or _cuda_mm_out_dtype(device)
 
 
-def _triton_matmuls(device: torch.device) -> bool:
-    """Whether the bf16 matmuls on ``device`` use the Triton kernel (:data:`TRITON_MATMUL_DEVICES`,
+def _triton_matmuls(device: torch.device, tuning: spec_linear.HeadTuning) -> bool:
+    """Whether the bf16 matmuls on ``device`` use the Triton kernel (``tuning.triton_matmul_devices``,
     with Triton installed)."""
-    if device.type not in TRITON_MATMUL_DEVICES:
+    if device.type not in tuning.triton_matmul_devices:
         return False
     try:
         from .backends import triton_matmul as _triton_matmul  # noqa: F401
@@ -171,17 +159,20 @@ def _cuda_mm_out_dtype(device: torch.device) -> bool:
     return _MM_OUT_DTYPE[key]
 
 
-def mm_f32(a: Tensor, b: Tensor, out: Optional[Tensor] = None, *, accumulate: bool = False) -> Tensor:
+def mm_f32(
+    a: Tensor, b: Tensor, out: Optional[Tensor] = None, *, accumulate: bool = False, tuning: spec_linear.HeadTuning = spec_linear.DEFAULT_HEAD_TUNING
+) -> Tensor:
     """``a @ b`` (``out + a @ b`` with ``accumulate``) in fp32 from bf16 ``b`` and ``a`` bf16, or
-    fp32 multiplied as exact bf16 terms (:func:`split_bf16`): each product exact, accumulated
-    and returned in fp32 (into ``out`` when given). On the :data:`TRITON_MATMUL_DEVICES` one
-    Triton kernel (the split in registers); else cuBLAS with fp32 compute (``out_dtype``) on CUDA,
-    exact fp32 upcasts elsewhere (the same numbers; the tests exercise this path on the CPU)."""
-    if _triton_matmuls(a.device):
+    fp32 multiplied as ``tuning.split_terms`` exact bf16 terms (:func:`split_bf16`): each product
+    exact, accumulated and returned in fp32 (into ``out`` when given). On the
+    ``tuning.triton_matmul_devices`` one Triton kernel (the split in registers); else cuBLAS with
+    fp32 compute (``out_dtype``) on CUDA, exact fp32 upcasts elsewhere (the same numbers; the tests
+    exercise this path on the CPU)."""
+    if _triton_matmuls(a.device, tuning):
         from .backends import triton_matmul as _triton_matmul
 
-        return _triton_matmul.matmul_f32(a, b, out, accumulate=accumulate)
-    terms = split_bf16(a) if a.dtype == torch.float32 else [a]
+        return _triton_matmul.matmul_f32(a, b, out, accumulate=accumulate, split_terms=tuning.split_terms)
+    terms = split_bf16(a, tuning.split_terms) if a.dtype == torch.float32 else [a]
     if a.is_cuda:
         parts = [torch.mm(term, b, out_dtype=torch.float32) for term in terms]
     else:
@@ -209,11 +200,11 @@ def split_bf16(g: Tensor, terms: int = spec_linear.HEAD_SPLIT_TERMS) -> list[Ten
     return parts
 
 
-def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
+def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor], tuning: spec_linear.HeadTuning) -> Tensor:
     """``h @ w.T + b`` ``[R, B]``, contiguous, in the compute dtype (into ``out`` when given);
     bf16 ``h`` and ``w`` (:func:`bf16_matmuls`) give an fp32 result (:func:`mm_f32`)."""
     if h.dtype == torch.bfloat16:
-        z = mm_f32(h, w.t(), out)
+        z = mm_f32(h, w.t(), out, tuning=tuning)
         return z if b is None else z.add_(b)
     if b is None:
         return torch.mm(h, w.t(), out=out)
@@ -274,24 +265,32 @@ class _ChunkRows:
         return self.hidden[r0:r1]
 
 
-def _head_logits(h: Tensor, w: WeightRows, b: Optional[Tensor], v0: int, v1: int, out: Optional[Tensor] = None) -> Tensor:
-    """Columns ``[v0, v1)`` of ``h @ w.T + b``, ``[R, v1 - v0]`` (into ``out`` when given)."""
+def _head_logits(
+    h: Tensor, w: WeightRows, b: Optional[Tensor], v0: int, v1: int, out: Optional[Tensor] = None,
+    tuning: spec_linear.HeadTuning = spec_linear.DEFAULT_HEAD_TUNING,
+) -> Tensor:
+    """Columns ``[v0, v1)`` of ``h @ w.T + b``, ``[R, v1 - v0]`` (into ``out`` when given;
+    ``tuning``: the bf16 matmuls' settings, :func:`mm_f32`)."""
     if out is None:
         out = torch.empty((h.shape[0], v1 - v0), dtype=compute_dtype(h.dtype), device=h.device)
     for a, c, rows in w.slices(v0, v1):
-        _logits(h, rows, None if b is None else b[a:c], out=out[:, a - v0 : c - v0])
+        _logits(h, rows, None if b is None else b[a:c], out[:, a - v0 : c - v0], tuning)
     return out
 
 
-def _add_head_grads(g: Tensor, h: Tensor, w: WeightRows, v0: int, dh: Tensor, dw: Tensor, db: Optional[Tensor], first: bool) -> None:
+def _add_head_grads(
+    g: Tensor, h: Tensor, w: WeightRows, v0: int, dh: Tensor, dw: Tensor, db: Optional[Tensor], first: bool,
+    tuning: spec_linear.HeadTuning = spec_linear.DEFAULT_HEAD_TUNING,
+) -> None:
     """``dh (+)= g W[v0:v1]``, ``dW[v0:v1] += g^T h``, ``db[v0:v1] += sum g`` for the block
-    ``g`` ``[R, v1 - v0]`` (``first``: ``dh`` is written, not added to)."""
+    ``g`` ``[R, v1 - v0]`` (``first``: ``dh`` is written, not added to; ``tuning``: the bf16
+    matmuls' settings, :func:`mm_f32`)."""
     v1 = v0 + g.shape[1]
     for a, c, rows in w.slices(v0, v1):
         part = g[:, a - v0 : c - v0]
         if rows.dtype == torch.bfloat16:  # bf16 matmuls: G as exact bf16 terms (mm_f32)
-            mm_f32(part, rows, dh, accumulate=not first)
-            mm_f32(part.t(), h, dw[a:c], accumulate=True)
+            mm_f32(part, rows, dh, accumulate=not first, tuning=tuning)
+            mm_f32(part.t(), h, dw[a:c], accumulate=True, tuning=tuning)
         else:
             if first:
                 torch.mm(part, rows, out=dh)
@@ -347,6 +346,7 @@ def _chunk_shard(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
 def _chunk_blocked(
     config: LossConfig, block: int, hc: Tensor, student: Head, teacher: Optional[Head], y: Optional[Tensor], cc: Tensor,
     need_grad: bool, dh: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], shards: Optional[Shards] = None,
+    tuning: spec_linear.HeadTuning = spec_linear.DEFAULT_HEAD_TUNING,
 ) -> tuple[Tensor, Any]:
     """Rows ``hc`` over vocabulary blocks of ``block`` columns: pass 1 folds the blocks'
     statistics, pass 2 writes each block's gradient over its recomputed logits and adds its
@@ -363,8 +363,8 @@ def _chunk_blocked(
     x_y = None if y is None else torch.zeros(n, dtype=acc, device=hc.device)
 
     def window(v0: int, v1: int) -> tuple[Tensor, Optional[Tensor]]:
-        z = _head_logits(hc, w, b, v0, v1)
-        t = None if teacher is None else _head_logits(teacher[0], teacher[1], teacher[2], v0, v1)
+        z = _head_logits(hc, w, b, v0, v1, tuning=tuning)
+        t = None if teacher is None else _head_logits(teacher[0], teacher[1], teacher[2], v0, v1, tuning=tuning)
         return z, t
 
     for v0 in range(0, vocab, block):
@@ -395,7 +395,7 @@ def _chunk_blocked(
         v1 = min(vocab, v0 + block)
         z, t = window(v0, v1)
         _block.block_grad(config, fin, cc, z, t, y, offset + v0, vocab if shards is None else shards.vocab, z, _torch.row_views(flat, n, v1 - v0), None)
-        _add_head_grads(z, hc, w, v0, dh, dw, db, first=False)
+        _add_head_grads(z, hc, w, v0, dh, dw, db, False, tuning)
     return loss, fin
 
 
@@ -409,8 +409,7 @@ def head_forward(
     coef: Tensor,
     *,
     need_grad: bool,
-    block_elements: Optional[int] = None,
-    blocked_rows: int = spec_linear.HEAD_BLOCKED_ROWS,
+    tuning: spec_linear.HeadTuning = spec_linear.DEFAULT_HEAD_TUNING,
     shards: Optional[Shards] = None,
     keep_final: bool = False,
 ) -> tuple:
@@ -423,7 +422,9 @@ def head_forward(
       teacher: ``(teacher_hidden [N, Ht], teacher_weight [V, Ht], teacher_bias | None)`` or ``None``.
       coef: ``[N]`` per-token coefficient (compute dtype).
       need_grad: also compute the gradients.
-      block_elements, blocked_rows: the plan's budget (:func:`lossspec.linear.head_plan`).
+      tuning: the call's :class:`lossspec.HeadTuning`: the plan's budget ``block_elements``,
+        ``blocked_rows`` (:func:`lossspec.linear.head_plan`) and the opt-in bf16 matmuls
+        (``bf16_matmul_devices``, ``triton_matmul_devices``, ``split_terms``).
       shards: ``vocab_parallel``: ``weight`` ``[V_local, H]`` (and bias, the teacher's weight and
         bias) is this rank's contiguous slice of the head along ``V`` (Megatron's column-parallel
         head), ``hidden`` is the same on every rank of ``shards.group``, labels are global ids.
@@ -444,12 +445,12 @@ def head_forward(
     vocab = weight.shape[0]
     acc = compute_dtype(hidden.dtype)
     device = hidden.device
-    rows, block = _plan(config, hidden, weight, block_elements, blocked_rows, shards)
+    rows, block = _plan(config, hidden, weight, tuning, shards)
     # A 16-bit weight is read in fp32 slices whose buffer is at most a quarter block (WeightRows).
     slice_rows = max(1, (rows * block) // (4 * max(1, width)))
     up = lambda a: None if a is None else a.detach().to(acc)  # noqa: E731  (16-bit: exact)
     operands = [hidden.dtype, weight.dtype] + ([] if teacher is None else [teacher[0].dtype, teacher[1].dtype])
-    as_is = bf16_matmuls(device, *operands)
+    as_is = bf16_matmuls(device, tuning, *operands)
     rows_in = (lambda a: a.detach()) if as_is else up  # the matmuls' hidden rows
     student = (None, WeightRows(weight, acc, slice_rows, as_is), up(bias))
     teacher_acc = None if teacher is None else (None, WeightRows(teacher[1], acc, slice_rows, as_is), up(teacher[2]))
@@ -471,7 +472,7 @@ def head_forward(
                 tt = (rows_in(teacher[0][r0:r1]),) + teacher_acc[1:]
             dh_c = None if dh is None else dh[r0:r1]
             if block < vocab:
-                loss[r0:r1], fin = _chunk_blocked(config, block, hc, student, tt, y, cc, need_grad, dh_c, dw, db, shards)
+                loss[r0:r1], fin = _chunk_blocked(config, block, hc, student, tt, y, cc, need_grad, dh_c, dw, db, shards, tuning)
                 if keep_final:
                     _keep_final(final, fin, n, r0)
                 continue
@@ -480,8 +481,8 @@ def head_forward(
             if z_buf is None:
                 z_buf = torch.empty(rows * vocab, dtype=acc, device=device)
                 t_buf = None if tt is None else torch.empty(rows * vocab, dtype=acc, device=device)
-            z = _head_logits(hc, student[1], student[2], 0, vocab, out=z_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab))
-            t = None if tt is None else _head_logits(*tt, 0, vocab, out=t_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab))
+            z = _head_logits(hc, student[1], student[2], 0, vocab, z_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab), tuning)
+            t = None if tt is None else _head_logits(*tt, 0, vocab, t_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab), tuning)
             if shards is None:
                 part, g, fin = _chunk_whole(config, z, t, y, cc, need_grad)
             else:
@@ -490,7 +491,7 @@ def head_forward(
             if keep_final:
                 _keep_final(final, fin, n, r0)
             if g is not None:
-                _add_head_grads(g, hc, student[1], 0, dh_c, dw, db, first=True)
+                _add_head_grads(g, hc, student[1], 0, dh_c, dw, db, True, tuning)
         if shards is not None and dh is not None and n > 0:
             # hidden feeds every shard: its gradient is the sum of the shards' G_k W_k.
             import torch.distributed as dist
@@ -501,10 +502,11 @@ def head_forward(
     return loss, dh, dw, db
 
 
-def _plan(config: LossConfig, hidden: Tensor, weight: Tensor, block_elements: Optional[int], blocked_rows: int, shards: Optional[Shards]) -> tuple[int, int]:
+def _plan(config: LossConfig, hidden: Tensor, weight: Tensor, tuning: spec_linear.HeadTuning, shards: Optional[Shards]) -> tuple[int, int]:
     """``(R, B)`` of :func:`lossspec.linear.head_plan` (of the widest shard with ``shards``) for
     these inputs: the blocks fit 1/8 of the logits buffer in the inputs' dtype (half as many
-    fp32 elements for 16-bit)."""
+    fp32 elements for 16-bit), or ``tuning.block_elements``; ``tuning.blocked_rows``."""
+    block_elements, blocked_rows = tuning.block_elements, spec_linear.head_blocked_rows(tuning)
     n, vocab = hidden.shape[0], weight.shape[0]
     live = _block.head_live_blocks(config.kind, shards is not None)
     sizes = (torch.promote_types(hidden.dtype, weight.dtype).itemsize, compute_dtype(hidden.dtype).itemsize)
@@ -533,10 +535,8 @@ def head_backward(
     coef: Tensor,
     final: Any,
     *,
-    block_elements: Optional[int] = None,
-    blocked_rows: int = spec_linear.HEAD_BLOCKED_ROWS,
+    tuning: spec_linear.HeadTuning = spec_linear.DEFAULT_HEAD_TUNING,
     shards: Optional[Shards] = None,
-    plan: Optional[tuple[int, int]] = None,
 ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """The gradients of ``sum_i coef_i l_i`` from the rows' statistics (``recompute_logits``).
 
@@ -549,11 +549,11 @@ def head_backward(
     ``need_grad`` (two with a teacher).
 
     Args:
-      config, hidden, weight, bias, labels, teacher, block_elements, blocked_rows, shards: as
-        for :func:`head_forward` (the same plan's budget).
+      config, hidden, weight, bias, labels, teacher, tuning, shards: as for :func:`head_forward`
+        (the same plan's budget; ``tuning.recompute_plan``: this pass's ``(R, B)`` instead of the
+        planned ones).
       coef: ``[N]``, the per-token coefficient times the upstream gradient (compute dtype).
       final: the rows' ``Final`` statistics (``head_forward(..., keep_final=True)``).
-      plan: ``(R, B)`` instead of the planned ones (tests).
 
     Returns:
       ``(dh [N, H] compute dtype, dW [V, H] in weight.dtype, db [V] in bias.dtype | None)``;
@@ -563,7 +563,7 @@ def head_backward(
     vocab = weight.shape[0]
     acc = compute_dtype(hidden.dtype)
     device = hidden.device
-    plan_rows, plan_block = _plan(config, hidden, weight, block_elements, blocked_rows, shards)
+    plan_rows, plan_block = _plan(config, hidden, weight, tuning, shards)
     # The forward's live blocks' elements, shared by this pass's blocks (the logits, the
     # teacher's, block_grad's scratch: none for cross-entropy, whose gradient forms in place)
     # and [B, H] slices (the gradient, the widened weight rows, the teacher's).
@@ -571,12 +571,12 @@ def head_backward(
     blocks = 1 + (teacher is not None) + scratch
     live = _block.head_live_blocks(config.kind, shards is not None)
     operands = [hidden.dtype, weight.dtype] + ([] if teacher is None else [teacher[0].dtype, teacher[1].dtype])
-    as_is = bf16_matmuls(device, *operands)
+    as_is = bf16_matmuls(device, tuning, *operands)
     # 16-bit hidden states: the fp32 dh [N, H] and each chunk's rows widened to fp32 share the
     # budget too (fp32 inputs: dh is the result, rows are not copied).
     budget = spec_linear.head_recompute_budget(plan_rows * plan_block * live, n, width, hidden.dtype != acc)
     row_elements = 0 if as_is else sum(h.shape[1] for h in (hidden, None if teacher is None else teacher[0]) if h is not None and h.dtype != acc)
-    rows, cols = plan or spec_linear.head_plan_recompute(n, vocab, width, budget, blocks, 2 + (teacher is not None), row_elements)
+    rows, cols = tuning.recompute_plan or spec_linear.head_plan_recompute(n, vocab, width, budget, blocks, 2 + (teacher is not None), row_elements)
     rows, cols = min(rows, max(1, n)), min(cols, max(1, vocab))
     student_rows = WeightRows(weight, acc, cols, as_is)
     teacher_rows = None if teacher is None else WeightRows(teacher[1], acc, cols, as_is)
@@ -607,17 +607,17 @@ def head_backward(
                 r1 = min(n, r0 + rows)
                 views = _torch.row_views(flat, r1 - r0, v1 - v0)
                 hc = hidden_rows(r0, r1)
-                z = _head_logits(hc, w_j, b_j, 0, v1 - v0, out=views[0])
+                z = _head_logits(hc, w_j, b_j, 0, v1 - v0, views[0], tuning)
                 t = None
                 if t_j is not None:
                     assert teacher is not None
                     assert teacher_rows_in is not None
                     tc = teacher_rows_in(r0, r1)
-                    t = _head_logits(tc, t_j[0], t_j[1], 0, v1 - v0, out=views[1])
+                    t = _head_logits(tc, t_j[0], t_j[1], 0, v1 - v0, views[1], tuning)
                 fin = _block.Final(**{name: None if value is None else value[r0:r1] for name, value in final._asdict().items()})
                 y = None if labels is None else labels[r0:r1]
                 _block.block_grad(config, fin, coef[r0:r1], z, t, y, offset + v0, vocab_total, z, views[1 + (t is not None) :], None)
-                _add_head_grads(z, hc, w_j, 0, dh[r0:r1], dw_j[: v1 - v0], None if db_j is None else db_j[: v1 - v0], first=False)
+                _add_head_grads(z, hc, w_j, 0, dh[r0:r1], dw_j[: v1 - v0], None if db_j is None else db_j[: v1 - v0], False, tuning)
             # The one rounding of the slice's gradients.
             dw[v0:v1] = dw_j[: v1 - v0]
             if db is not None:
@@ -686,14 +686,14 @@ class LinearHeadFunction(torch.autograd.Function):
         args = (config, hidden, weight, bias, labels, teacher)
         ctx.recompute, ctx.dtypes = plan.recompute_logits, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         if plan.recompute_logits:  # recompute_logits: the rows' statistics only; the backward computes the gradients
-            per_token, final = head_forward(*args, coef, need_grad=False, block_elements=plan.block_elements, blocked_rows=plan.blocked_rows, shards=shards, keep_final=True)
+            per_token, final = head_forward(*args, coef, need_grad=False, tuning=plan.tuning, shards=shards, keep_final=True)
             if need_grad:
                 _save_inputs(ctx, config, hidden, weight, bias, labels, t_hidden, t_weight, t_bias, coef)
                 ctx.final, ctx.plan, ctx.shards = final, plan, shards
             contribution = torch.where(coef != 0, coef * per_token, 0.0)
             return contribution.sum() if reduced else contribution
         per_token, dh, dw, db = _head_forward(plan)(
-            *args, coef, need_grad=need_grad and reduced, block_elements=plan.block_elements, blocked_rows=plan.blocked_rows, shards=shards
+            *args, coef, need_grad=need_grad and reduced, tuning=plan.tuning, shards=shards
         )
         ctx.reduced = reduced
         ctx.grads = (dh, dw, db)
@@ -719,8 +719,7 @@ class LinearHeadFunction(torch.autograd.Function):
             args, coef = _saved_inputs(ctx)
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
             dh, dw, db = head_backward(
-                *args, scaled, ctx.final, block_elements=ctx.plan.block_elements, blocked_rows=ctx.plan.blocked_rows, shards=ctx.shards,
-                plan=ctx.plan.recompute_plan,
+                *args, scaled, ctx.final, tuning=ctx.plan.tuning, shards=ctx.shards,
             )
             return (dh.to(ctx.dtypes[0]), dw, db)
         if ctx.reduced:
@@ -730,7 +729,7 @@ class LinearHeadFunction(torch.autograd.Function):
             args, coef = _saved_inputs(ctx)
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
             _, dh, dw, db = _head_forward(ctx.plan)(
-                *args, scaled, need_grad=True, block_elements=ctx.plan.block_elements, blocked_rows=ctx.plan.blocked_rows, shards=ctx.shards
+                *args, scaled, need_grad=True, tuning=ctx.plan.tuning, shards=ctx.shards
             )
             scale = None
         # Scaled in place unless the graph is kept for another backward (retain_graph=True),
@@ -790,6 +789,7 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     options = {name: args[name] for name in spec.option_names}
     # jensen_shannon at beta = 0 / 1 is computed as forward / reverse KL, exactly (LossConfig.formula).
     config = lossspec.make_config(kind, normalization=args["normalization"], **options).kernel_config()
+    tuning = lossspec.check_head_tuning(args["tuning"])
     ce = config.has_labels
     hidden, weight = _prepare.require_tensor("hidden", args["hidden"]), _prepare.require_tensor("weight", args["weight"])
     bias = _optional("bias", args["bias"])
@@ -823,7 +823,7 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     recompute = spec_linear.check_recompute_logits(args["recompute_logits"], backend.name, backends.PLAIN)
     loss = LinearHeadFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad,
-        spec_linear.HeadPlan(BLOCK_ELEMENTS, BLOCKED_ROWS, backend.name, recompute, RECOMPUTE_PLAN), shards,
+        spec_linear.HeadPlan(backend.name, recompute, tuning), shards,
         _autodiff.second_order_anchor(hidden, weight, bias) if need_grad else None,
     )
     return _prepare.finish(call, prepared, loss)
@@ -848,6 +848,7 @@ def linear_cross_entropy(
     impl: str = "auto",
     recompute_logits: bool = False,
     vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
+    tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
 ) -> Tensor:
     """Fused LM head + cross_entropy: ``cross_entropy(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -913,6 +914,13 @@ def linear_cross_entropy(
         of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's
         all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only
         ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
+        (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
+        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
+        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
+        compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
+        computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -930,6 +938,7 @@ def linear_cross_entropy(
         label_smoothing=label_smoothing, z_loss=z_loss, logit_scale=logit_scale, logit_softcap=logit_softcap,
         causal_shift=causal_shift, normalization=normalization, denominator=denominator, segment_ids=segment_ids,
         impl=impl, recompute_logits=recompute_logits, vocab_parallel=vocab_parallel,
+        tuning=tuning,
     )
 
 
@@ -954,6 +963,7 @@ def linear_soft_cross_entropy(
     impl: str = "auto",
     recompute_logits: bool = False,
     vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
+    tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
 ) -> Tensor:
     """Fused LM head + soft_cross_entropy: ``soft_cross_entropy(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -1023,6 +1033,13 @@ def linear_soft_cross_entropy(
         of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's
         all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only
         ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
+        (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
+        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
+        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
+        compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
+        computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -1042,6 +1059,7 @@ def linear_soft_cross_entropy(
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
         denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
         vocab_parallel=vocab_parallel,
+        tuning=tuning,
     )
 
 
@@ -1066,6 +1084,7 @@ def linear_forward_kl(
     impl: str = "auto",
     recompute_logits: bool = False,
     vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
+    tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
 ) -> Tensor:
     """Fused LM head + forward_kl: ``forward_kl(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -1135,6 +1154,13 @@ def linear_forward_kl(
         of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's
         all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only
         ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
+        (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
+        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
+        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
+        compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
+        computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -1154,6 +1180,7 @@ def linear_forward_kl(
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
         denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
         vocab_parallel=vocab_parallel,
+        tuning=tuning,
     )
 
 
@@ -1178,6 +1205,7 @@ def linear_reverse_kl(
     impl: str = "auto",
     recompute_logits: bool = False,
     vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
+    tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
 ) -> Tensor:
     """Fused LM head + reverse_kl: ``reverse_kl(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -1247,6 +1275,13 @@ def linear_reverse_kl(
         of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's
         all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only
         ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
+        (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
+        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
+        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
+        compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
+        computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -1266,6 +1301,7 @@ def linear_reverse_kl(
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
         denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
         vocab_parallel=vocab_parallel,
+        tuning=tuning,
     )
 
 
@@ -1285,6 +1321,7 @@ def linear_entropy(
     impl: str = "auto",
     recompute_logits: bool = False,
     vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
+    tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
 ) -> Tensor:
     """Fused LM head + entropy: ``entropy(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -1346,6 +1383,13 @@ def linear_entropy(
         of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's
         all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only
         ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
+        (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
+        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
+        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
+        compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
+        computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -1362,6 +1406,7 @@ def linear_entropy(
         hidden=hidden, weight=weight, loss_mask=loss_mask, bias=bias, temperature=temperature, logit_scale=logit_scale,
         logit_softcap=logit_softcap, causal_shift=causal_shift, normalization=normalization, denominator=denominator,
         segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, vocab_parallel=vocab_parallel,
+        tuning=tuning,
     )
 
 
@@ -1387,6 +1432,7 @@ def linear_jensen_shannon(
     impl: str = "auto",
     recompute_logits: bool = False,
     vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
+    tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
 ) -> Tensor:
     """Fused LM head + jensen_shannon: ``jensen_shannon(hidden @ weight.T + bias, ...)`` without the ``[N, V]`` logits.
@@ -1459,6 +1505,13 @@ def linear_jensen_shannon(
         of ``hidden`` is the whole one (all-reduced over the group inside the call: do not add Megatron's
         all-reduce-in-backward copy in front of the head), those of ``weight`` and ``bias`` the rank's slices. Only
         ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
+      tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
+        (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
+        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
+        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
+        compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
+        computed.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -1478,4 +1531,5 @@ def linear_jensen_shannon(
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
         denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
         vocab_parallel=vocab_parallel,
+        tuning=tuning,
     )

@@ -450,6 +450,7 @@ class LinearCrossEntropyLoss(_LinearLoss):
         impl: str = "auto",
         recompute_logits: bool = False,
         vocab_parallel: Optional[api.ProcessGroup] = None,
+        tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -464,6 +465,7 @@ class LinearCrossEntropyLoss(_LinearLoss):
                 impl=impl,
                 recompute_logits=recompute_logits,
                 vocab_parallel=vocab_parallel,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -494,6 +496,7 @@ class LinearSoftCrossEntropyLoss(_LinearLoss):
         impl: str = "auto",
         recompute_logits: bool = False,
         vocab_parallel: Optional[api.ProcessGroup] = None,
+        tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -508,6 +511,7 @@ class LinearSoftCrossEntropyLoss(_LinearLoss):
                 impl=impl,
                 recompute_logits=recompute_logits,
                 vocab_parallel=vocab_parallel,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -538,6 +542,7 @@ class LinearForwardKLLoss(_LinearLoss):
         impl: str = "auto",
         recompute_logits: bool = False,
         vocab_parallel: Optional[api.ProcessGroup] = None,
+        tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -552,6 +557,7 @@ class LinearForwardKLLoss(_LinearLoss):
                 impl=impl,
                 recompute_logits=recompute_logits,
                 vocab_parallel=vocab_parallel,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -582,6 +588,7 @@ class LinearReverseKLLoss(_LinearLoss):
         impl: str = "auto",
         recompute_logits: bool = False,
         vocab_parallel: Optional[api.ProcessGroup] = None,
+        tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -596,6 +603,7 @@ class LinearReverseKLLoss(_LinearLoss):
                 impl=impl,
                 recompute_logits=recompute_logits,
                 vocab_parallel=vocab_parallel,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -624,6 +632,7 @@ class LinearEntropyLoss(_LinearLoss):
         impl: str = "auto",
         recompute_logits: bool = False,
         vocab_parallel: Optional[api.ProcessGroup] = None,
+        tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -636,6 +645,7 @@ class LinearEntropyLoss(_LinearLoss):
                 impl=impl,
                 recompute_logits=recompute_logits,
                 vocab_parallel=vocab_parallel,
+                tuning=tuning,
             ),
             unexpected,
         )
@@ -667,6 +677,7 @@ class LinearJensenShannonLoss(_LinearLoss):
         impl: str = "auto",
         recompute_logits: bool = False,
         vocab_parallel: Optional[api.ProcessGroup] = None,
+        tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -682,6 +693,7 @@ class LinearJensenShannonLoss(_LinearLoss):
                 impl=impl,
                 recompute_logits=recompute_logits,
                 vocab_parallel=vocab_parallel,
+                tuning=tuning,
             ),
             unexpected,
         )

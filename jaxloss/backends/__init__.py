@@ -22,7 +22,8 @@ losses' kernels take the call's :class:`lossspec.Tuning` (``tuning=``, read fiel
   ``shard_stats(cfg, x, target, *, tuning) -> Stats`` and
   ``shard_grad(cfg, fin, x, target, coef, *, vocab, tuning) -> grad``;
 - ``head`` (``None``: ``head.py``'s framework path): ``head_forward(cfg, hidden, weight,
-  bias, labels, teacher, coef, *, with_grad, softcaps, tuning) -> (l, dh, dW, db)`` and ``TUNING``.
+  bias, labels, teacher, coef, *, with_grad, softcaps, tuning) -> (l, dh, dW, db)`` (``tuning``: the
+  call's ``lossspec.HeadTuning``).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class Backend:
         return None if self.shard is None else self.shard()
 
     def head_kernels(self) -> Optional[ModuleType]:
-        """The fused head's kernels (``head_forward``, ``TUNING``), or ``None``."""
+        """The fused head's kernels (``head_forward``), or ``None``."""
         return None if self.head is None else self.head()
 
 

@@ -49,32 +49,17 @@ Array = jax.Array
 HIGHEST = lax.Precision.HIGHEST
 
 
-@dataclasses.dataclass(frozen=True)
-class HeadTuning:
-    """Tile sizes (powers of two, >= 16 for the GPU's ``tl.dot``); ``None``: the default of the
-    platform (GPU: 32 x 32 x 16, 4 warps, as the Triton head kernels; interpret mode: 16 x 16 x 16,
-    so the tests' small shapes take several blocks on every axis and ragged tails)."""
-
-    block_rows: Optional[int] = None
-    block_vocab: Optional[int] = None
-    block_hidden: Optional[int] = None
-    num_warps: Optional[int] = None
-    num_stages: Optional[int] = None
-    interpret: Optional[bool] = None  # None: per lowering platform (Triton on CUDA/ROCm, else interpret)
+#: The tiles ``(block_rows, block_vocab, block_hidden)`` where :class:`lossspec.HeadTuning` leaves
+#: them ``None`` (its fields are powers of two, checked there; >= 16 for the GPU's ``tl.dot``): on a
+#: GPU 32 x 32 x 16, 4 warps, as the Triton head kernels; in interpret mode 16 x 16 x 16, so the
+#: tests' small shapes take several blocks on every axis and ragged tails.
+GPU_BLOCKS: tuple[int, int, int] = (32, 32, 16)
+INTERPRET_BLOCKS: tuple[int, int, int] = (16, 16, 16)
 
 
-TUNING = HeadTuning()
-_GPU = (32, 32, 16)
-_INTERPRET = (16, 16, 16)
-
-
-def _blocks(tuning: HeadTuning, on_gpu: bool) -> tuple[int, int, int]:
-    default = _GPU if on_gpu else _INTERPRET
-    sizes = (tuning.block_rows or default[0], tuning.block_vocab or default[1], tuning.block_hidden or default[2])
-    for value in sizes:
-        if value & (value - 1):
-            raise ValueError(f"head block sizes must be powers of two; got {sizes}")
-    return sizes
+def _blocks(tuning: lossspec.HeadTuning, on_gpu: bool) -> tuple[int, int, int]:
+    default = GPU_BLOCKS if on_gpu else INTERPRET_BLOCKS
+    return (tuning.block_rows or default[0], tuning.block_vocab or default[1], tuning.block_hidden or default[2])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +252,7 @@ def _dw_kernel(*refs: Any, cfg: KernelConfig, shape: HeadShape, blocks: tuple[in
 
 
 def _call(kernel: Callable[..., None], name: str, grid_of: Callable[[tuple[int, int, int]], int], cfg: KernelConfig, shape: HeadShape,
-          inputs: tuple, out_shapes: tuple, tuning: HeadTuning, aliases: Optional[dict[int, int]] = None) -> tuple:
+          inputs: tuple, out_shapes: tuple, tuning: lossspec.HeadTuning, aliases: Optional[dict[int, int]] = None) -> tuple:
     """Run ``kernel`` (Triton on CUDA/ROCm, interpret mode elsewhere unless ``tuning`` says)."""
 
     def call(interpret: bool) -> Callable[..., Any]:
@@ -298,12 +283,13 @@ def head_forward(
     *,
     with_grad: bool,
     softcaps: tuple[Optional[float], Optional[float]] = (None, None),
-    tuning: Optional[HeadTuning] = None,
+    tuning: lossspec.HeadTuning = lossspec.DEFAULT_HEAD_TUNING,
 ) -> tuple[Array, Optional[Array], Optional[Array], Optional[Array]]:
     """``jaxloss.head.head_forward`` on the Pallas kernels: ``(l [N], dh [N, H], dW [V, H],
     db [V] | None)``, fp32 (the loss 0 where ``coef == 0``; with ``with_grad`` the gradients of
-    ``sum_i coef_i l_i``). ``softcaps``: ``(logit_softcap, teacher_logit_softcap)``."""
-    tuning = tuning or TUNING
+    ``sum_i coef_i l_i``). ``softcaps``: ``(logit_softcap, teacher_logit_softcap)``. ``tuning``:
+    the call's :class:`lossspec.HeadTuning`, of which the kernels read ``block_rows``,
+    ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages`` and ``interpret``."""
     n, width = hidden.shape
     vocab = weight.shape[0]
     ce, distill = cfg.is_ce, cfg.has_teacher

@@ -1,5 +1,6 @@
 """The fused LM head's shared test cases (``linear_<kind>`` in both frameworks): seeded inputs,
-the float64 head oracle, one runner per framework, the block-budget ``plan`` fixture, the checks
+the float64 head oracle, one runner per framework, the block-budget ``plan`` fixture (a
+``tuning=lossspec.HeadTuning``), the checks
 at SPEC section 8's bounds and the torch profiler's peak-memory reading. Not a test module: the
 head suites (``test_linear_head*.py``, ``test_softcap.py``) import it."""
 
@@ -15,10 +16,8 @@ import pytest
 import torch
 
 import jaxloss
-import jaxloss.head as jax_linear
 import lossspec
 import torchloss
-import torchloss.head as torch_linear
 from lossspec import linear as spec_linear
 
 KINDS = tuple(lossspec.HEAD_KINDS)  # the fused head's kinds: every kind whose table row has head=True
@@ -162,17 +161,15 @@ def cases(names: str, axes: list[list[Any]], slow: Any, indirect: tuple[str, ...
 
 
 @pytest.fixture
-def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Set both frameworks' block budget to ``PLANS[request.param]``."""
-    set_block_budget(monkeypatch, *PLANS[request.param])
-    return request.param
+def plan(request: pytest.FixtureRequest) -> lossspec.HeadTuning:
+    """The ``tuning=`` of ``PLANS[request.param]``'s block budget (both frameworks)."""
+    return block_budget(*PLANS[request.param])
 
 
-def set_block_budget(monkeypatch: pytest.MonkeyPatch, block_elements: int, blocked_rows: int) -> None:
-    """Both frameworks' fused-head block budget (``lossspec.linear.head_plan``'s inputs) for one test."""
-    for module in (jax_linear, torch_linear):
-        monkeypatch.setattr(module, "BLOCK_ELEMENTS", block_elements)
-        monkeypatch.setattr(module, "BLOCKED_ROWS", blocked_rows)
+def block_budget(block_elements: int, blocked_rows: int, **fields: Any) -> lossspec.HeadTuning:
+    """The fused head's ``tuning=`` with this block budget (``lossspec.linear.head_plan``'s
+    inputs) and the other ``fields`` of :class:`lossspec.HeadTuning`."""
+    return lossspec.HeadTuning(block_elements=block_elements, blocked_rows=blocked_rows, **fields)
 
 
 def check(

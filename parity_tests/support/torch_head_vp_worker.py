@@ -20,8 +20,8 @@ import torch.distributed as dist
 from parity_tests.support.head_problem import BATCH, KINDS, OPTIONS, TIME, make_problem, target_args
 from parity_tests.support.ranks import finish, init_gloo
 
+import lossspec
 import torchloss
-import torchloss.head as torch_linear
 
 WORLD = 2
 VOCAB = 23
@@ -53,9 +53,9 @@ def upstream(options: dict[str, Any]) -> np.ndarray:
 
 
 def run_case(kind: str, plan: str, options: dict[str, Any], lo: int, hi: int, group: Any) -> dict[str, np.ndarray]:
-    torch_linear.BLOCK_ELEMENTS, torch_linear.BLOCKED_ROWS = PLANS[plan]
     problem = make_problem(kind, VOCAB, seed=11)
-    options = dict(options)
+    block_elements, blocked_rows = PLANS[plan]
+    options = dict(options, tuning=lossspec.HeadTuning(block_elements=block_elements, blocked_rows=blocked_rows))
     if options.pop("segment_ids", False):
         options["segment_ids"] = torch.tensor(problem["segment_ids"])
     hidden = torch.tensor(problem["hidden"], requires_grad=True)

@@ -368,14 +368,24 @@ def _head_dw_kernel(
 # Driver
 # ================================================================================================
 
-#: (BLOCK_N, BLOCK_V, BLOCK_H, num_warps) on a GPU (registers and spills:
-#: ``scripts/triton_aot_report.py``) and in the interpreter (small, so that the tests' shapes take
-#: several blocks of each axis and ragged tails). ``tl.dot`` needs every block >= 16. The fp32
-#: ``ieee`` dot holds its operands' whole ``BLOCK_H`` slice in registers: 32 x 32 x 16 with 4 warps
-#: fits; 64 x 64 x 32 spilled up to ~8 KB, 32 x 32 x 32 a few bytes on sm_80.
+#: The default (BLOCK_N, BLOCK_V, BLOCK_H, num_warps), where :class:`lossspec.HeadTuning`'s
+#: ``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps`` are ``None``: on a GPU
+#: (registers and spills: ``scripts/triton_aot_report.py``) and in the interpreter (small, so that
+#: the tests' shapes take several blocks of each axis and ragged tails). ``tl.dot`` needs every
+#: block >= 16. The fp32 ``ieee`` dot holds its operands' whole ``BLOCK_H`` slice in registers:
+#: 32 x 32 x 16 with 4 warps fits; 64 x 64 x 32 spilled up to ~8 KB, 32 x 32 x 32 a few bytes on sm_80.
 GPU_BLOCKS: tuple[int, int, int, int] = (32, 32, 16, 4)
 INTERPRETER_BLOCKS: tuple[int, int, int, int] = (16, 16, 16, 1)
-BLOCKS: tuple[int, int, int, int] = INTERPRETER_BLOCKS if _triton.INTERPRETED else GPU_BLOCKS
+
+
+def blocks(tuning: lossspec.HeadTuning) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_V, BLOCK_H, num_warps)`` of a call: ``tuning``'s fields where given, else
+    :data:`INTERPRETER_BLOCKS` (interpreted) or :data:`GPU_BLOCKS`."""
+    default = INTERPRETER_BLOCKS if _triton.INTERPRETED else GPU_BLOCKS
+    given = (tuning.block_rows, tuning.block_vocab, tuning.block_hidden, tuning.num_warps)
+    return tuple(d if g is None else int(g) for g, d in zip(given, default))  # type: ignore[return-value]
+
+
 #: ``.maxnreg`` of the GPU launches: without it ptxas aims at a higher occupancy (64-128 registers)
 #: and spills a few bytes (8-32 B on sm_80); with it none of the head kernels spills.
 MAXNREG: int = 255
@@ -421,16 +431,16 @@ def head_forward(
     coef: Tensor,
     *,
     need_grad: bool,
-    block_elements: Optional[int] = None,
-    blocked_rows: int = 0,
+    tuning: lossspec.HeadTuning = lossspec.DEFAULT_HEAD_TUNING,
 ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """``torchloss.head.head_forward`` on the Triton kernels (fp32, fp16, bf16 inputs).
 
     Returns ``(l [N], dh [N, H], dW [V, H], db [V] | None)`` in fp32: the per-token loss (0 where
     ``coef == 0``) and, with ``need_grad``, the gradients of ``sum_i coef_i l_i``. Three
     launches: the forward (loss and final statistics), ``dh`` over token blocks and ``dW``,
-    ``db`` over vocabulary blocks. ``block_elements`` / ``blocked_rows`` (the torch path's
-    memory plan) are not used: the tiles are ``BLOCKS``.
+    ``db`` over vocabulary blocks. Of ``tuning`` (:class:`lossspec.HeadTuning`) the kernels read
+    the tiles ``block_rows``, ``block_vocab``, ``block_hidden`` and ``num_warps``, ``num_stages``
+    (:func:`blocks`); the torch path's memory plan and bf16 matmul fields are not used.
     """
     _triton.check_runnable(hidden)
     n, width = hidden.shape
@@ -454,13 +464,16 @@ def head_forward(
     if n == 0:
         return loss, dh, dw, db
     cap, t_cap = softcaps(config)
-    meta = constexprs(config, bias is not None, tb is not None, BLOCKS)
-    block_n, block_v, _, warps = BLOCKS
+    tiles = blocks(tuning)
+    meta = constexprs(config, bias is not None, tb is not None, tiles)
+    block_n, block_v, _, warps = tiles
     params = _triton.params_for(config, f32, device)
     head = (hidden, weight, bias if bias is not None else weight, th, tw, tb if tb is not None else tw, y, coef, params)
     sizes = (n, vocab, width, th.shape[1], hidden.stride(0), weight.stride(0), th.stride(0), tw.stride(0), fin.stride(0))
     caps = (1.0 if cap is None else float(cap), 1.0 if t_cap is None else float(t_cap))
     launch = {"num_warps": warps}
+    if tuning.num_stages is not None:
+        launch["num_stages"] = tuning.num_stages
     guard = contextlib.ExitStack()
     if not _triton.INTERPRETED:
         launch["maxnreg"] = MAXNREG

@@ -107,18 +107,19 @@ def _matmul_kernel(
     tl.store(out, acc, mask=out_ok)
 
 
-#: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)`` per ``SPLIT`` on a GPU (the
+#: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)`` per dtype of ``A`` on a GPU (the
 #: Triton matmul tutorial's Hopper / Ampere shapes: 128 x 128 tiles, 8 warps; the fp32 ``A`` of
 #: a split product takes a shorter ``K`` slice so that its stages fit the shared memory;
 #: registers, shared memory and spills: ``scripts/triton_aot_report.py``), and in the interpreter
 #: (small: the tests' shapes take several tiles of every axis and ragged tails).
-GPU_BLOCKS: dict[int, tuple[int, int, int, int, int, int]] = {1: (128, 128, 64, 8, 8, 3), spec_linear.HEAD_SPLIT_TERMS: (128, 128, 32, 8, 8, 3)}
+GPU_BLOCKS: dict[str, tuple[int, int, int, int, int, int]] = {"bfloat16": (128, 128, 64, 8, 8, 3), "float32": (128, 128, 32, 8, 8, 3)}
 INTERPRETER_BLOCKS: tuple[int, int, int, int, int, int] = (16, 16, 16, 2, 1, 1)
 
 
-def blocks(split: int) -> tuple[int, int, int, int, int, int]:
-    """The tiles of a launch with ``split`` terms (:data:`GPU_BLOCKS`, or the interpreter's)."""
-    return INTERPRETER_BLOCKS if _triton.INTERPRETED else GPU_BLOCKS[split]
+def blocks(a_dtype: str) -> tuple[int, int, int, int, int, int]:
+    """The tiles of a launch whose ``A`` has dtype ``a_dtype`` (``"bfloat16"``, or ``"float32"``
+    split into terms: :data:`GPU_BLOCKS`, or the interpreter's)."""
+    return INTERPRETER_BLOCKS if _triton.INTERPRETED else GPU_BLOCKS[a_dtype]
 
 
 def constexprs(split: int, accumulate: bool, tiles: tuple[int, ...]) -> dict[str, Any]:
@@ -127,9 +128,12 @@ def constexprs(split: int, accumulate: bool, tiles: tuple[int, ...]) -> dict[str
     return {"SPLIT": split, "ACCUMULATE": accumulate, "UPCAST": _triton.INTERPRETED, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m}
 
 
-def matmul_f32(a: Tensor, b: Tensor, out: Optional[Tensor] = None, *, accumulate: bool = False) -> Tensor:
+def matmul_f32(
+    a: Tensor, b: Tensor, out: Optional[Tensor] = None, *, accumulate: bool = False, split_terms: int = spec_linear.HEAD_SPLIT_TERMS
+) -> Tensor:
     """``a @ b`` in fp32 from bf16 ``b`` ``[K, N]`` and ``a`` ``[M, K]``: bf16 (each product exact), or
-    fp32, multiplied as :data:`lossspec.linear.HEAD_SPLIT_TERMS` exact bf16 terms; the products are
+    fp32, multiplied as ``split_terms`` exact bf16 terms (``lossspec.HeadTuning.split_terms``,
+    :data:`lossspec.linear.HEAD_SPLIT_TERMS` by default; fewer round it); the products are
     accumulated in fp32 on tensor cores.
 
     Returns ``out`` ``[M, N]`` fp32 (a new tensor when ``None``; any strides), holding ``a @ b``, or
@@ -148,8 +152,8 @@ def matmul_f32(a: Tensor, b: Tensor, out: Optional[Tensor] = None, *, accumulate
         return out
     if k == 0:
         return out if accumulate else out.zero_()
-    split = 1 if a.dtype == torch.bfloat16 else spec_linear.HEAD_SPLIT_TERMS
-    tiles = blocks(split)
+    split = 1 if a.dtype == torch.bfloat16 else split_terms
+    tiles = blocks("bfloat16" if a.dtype == torch.bfloat16 else "float32")
     grid = (triton.cdiv(m, tiles[0]) * triton.cdiv(n, tiles[1]),)
     guard = contextlib.ExitStack()
     if _triton.INTERPRETED:
