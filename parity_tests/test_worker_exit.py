@@ -1,12 +1,19 @@
 """The end of an xdist worker's session (``conftest.pytest_sessionfinish``): the garbage is
 collected before the worker reports that it has finished, and what survives is frozen, so that
 pytest's last collection does not outlast execnet's 5 s exit allowance (a SIGINT printed as a
-``KeyboardInterrupt`` in JAX's ``_xla_gc_callback`` at the end of a passing run)."""
+``KeyboardInterrupt`` in JAX's ``_xla_gc_callback`` at the end of a passing run), and the worker
+leaves its peak memory for the controller's summary (``conftest.pytest_terminal_summary``)."""
 
 from __future__ import annotations
 
 import gc
+import os
+import re
+import resource
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import conftest
 import pytest
@@ -19,8 +26,9 @@ class _Node:
         self.me = self
 
 
-def test_a_worker_collects_then_freezes_at_session_end(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_worker_collects_then_freezes_at_session_end(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw7")
+    monkeypatch.setenv(conftest.CRASH_DIR_VARIABLE, str(tmp_path))
     frozen_before = gc.get_freeze_count()
     gc.disable()  # no automatic collection between building the cycle and the hook
     try:
@@ -31,13 +39,17 @@ def test_a_worker_collects_then_freezes_at_session_end(monkeypatch: pytest.Monke
         conftest.pytest_sessionfinish(session=None)
         assert collected() is None  # collected first: the cycle is not among the frozen objects
         assert gc.get_freeze_count() > frozen_before
+        # and it leaves its peak memory for the controller's summary: this process's, in GiB
+        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        assert abs(float((tmp_path / "gw7.peak.txt").read_text()) - peak_gib) <= 0.051
     finally:
         gc.unfreeze()
         gc.enable()
 
 
-def test_a_run_without_workers_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_without_workers_is_left_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setenv(conftest.CRASH_DIR_VARIABLE, str(tmp_path))
     gc.disable()
     try:
         garbage = _Node()
@@ -45,6 +57,50 @@ def test_a_run_without_workers_is_left_alone(monkeypatch: pytest.MonkeyPatch) ->
         del garbage
         conftest.pytest_sessionfinish(session=None)
         assert collected() is not None and gc.get_freeze_count() == 0
+        assert not list(tmp_path.iterdir())
     finally:
         gc.collect()
         gc.enable()
+
+
+CRASHING_TESTS = '''
+import faulthandler
+import os
+import signal
+
+
+def test_passes():
+    pass
+
+
+def test_segfaults():
+    faulthandler._sigsegv()
+
+
+def test_is_killed():
+    os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+@pytest.mark.slow  # a pytest run with two xdist workers in a subprocess
+def test_a_crashed_workers_traceback_and_the_peaks_end_the_run(tmp_path: Path) -> None:
+    """xdist alone reports a dead worker as one line; the run's end shows the fatal error's
+    traceback (faulthandler, naming the test), says that a crash without one was a kill, and
+    gives each worker's peak memory."""
+    (tmp_path / "test_crashing.py").write_text(CRASHING_TESTS)
+    env = dict(os.environ, PYTHONPATH=str(Path(conftest.__file__).parent))
+    env.pop(conftest.CRASH_DIR_VARIABLE, None)
+    env.pop("PYTEST_XDIST_WORKER", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "2", "-p", "conftest", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+         str(tmp_path / "test_crashing.py")],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300,
+    )
+    out = run.stdout
+    assert run.returncode == 1, out + run.stderr
+    assert "1 passed" in out and "2 failed" in out, out
+    assert "fatal error in worker gw" in out and "Segmentation fault" in out, out
+    assert 'test_crashing.py", line 12 in test_segfaults' in out, out
+    assert "2 worker crash(es); a crash without a fatal-error traceback above is a kill" in out, out
+    peaks = re.search(r"workers' peak memory: (.*)", out)
+    assert peaks is not None and re.fullmatch(r"gw\d+ \d+\.\d GiB(, gw\d+ \d+\.\d GiB)*", peaks.group(1)), out
