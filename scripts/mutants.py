@@ -612,9 +612,25 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "worker_exit_no_freeze",
         "an xdist worker leaves its whole heap to pytest's last collection (past execnet's 5 s: a KeyboardInterrupt in _xla_gc_callback)",
-        "parity_tests/conftest.py::pytest_sessionfinish",
+        "parity_tests/support/workers.py::pytest_sessionfinish",
         "    gc.freeze()",
         "    pass",
+        ("parity_tests/test_worker_exit.py",),
+    ),
+    Mutant(
+        "jax_caches_kept_between_files",
+        "the test processes keep every JAX executable for the whole run (a worker's memory grew to 6 GB)",
+        "parity_tests/support/workers.py::pytest_runtest_teardown",
+        "        jax.clear_caches()",
+        "        pass",
+        ("parity_tests/test_worker_exit.py",),
+    ),
+    Mutant(
+        "worker_crash_without_traceback",
+        "a crashed xdist worker leaves no fatal-error traceback for the end of the run (xdist says only that it crashed)",
+        "parity_tests/support/workers.py::pytest_configure",
+        "        faulthandler.enable(file=report, all_threads=True)",
+        "        pass",
         ("parity_tests/test_worker_exit.py",),
     ),
     Mutant(

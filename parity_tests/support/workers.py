@@ -1,0 +1,132 @@
+"""The hooks of the test processes' lives, registered by parity_tests/conftest.py (which imports
+them by name) and loadable as a plugin (``-p parity_tests.support.workers``):
+
+* an xdist worker's end: collect the garbage, then freeze the survivors (:func:`pytest_sessionfinish`);
+* JAX's compiled executables dropped after each test file (:func:`pytest_runtest_teardown`);
+* a dead worker's fatal-error traceback and every worker's peak memory at the end of the run
+  (:func:`pytest_configure`, :func:`pytest_terminal_summary`).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import resource
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+# Where each xdist worker writes a fatal error's traceback (faulthandler) and, at its end, its peak
+# memory; set by the controller before it starts the workers, which inherit it.
+CRASH_DIR_VARIABLE = "PARITY_TESTS_CRASH_DIR"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker's last act before it reports that it has finished: collect the garbage now,
+    then freeze what survives (``gc.freeze``: later collections skip it).
+
+    Why: once every worker has reported, xdist closes the workers, and execnet gives each one 5 s
+    to return before it sends itself a SIGINT. What a worker still does then is pytest's final
+    ``gc.collect()`` (flushing unraisable exceptions), over the ~550k objects that JAX, torch and
+    the test modules leave: 1-2 s at a load of 18 on 2 cores, more under heavier load. A SIGINT
+    that arrives during the collection (C code) is raised at the next Python code, which is the
+    ``gc.callbacks`` hook JAX registers (``_xla_gc_callback``); an exception there is printed as
+    "Exception ignored in ... KeyboardInterrupt" at the end of a passing run. Collecting here,
+    before the countdown, with pytest's unraisable-exception hook still installed, reports what
+    the collection finds exactly as before; frozen objects are the live ones (the process ends
+    next), so the final collection only walks what is created after this point.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    folder = os.environ.get(CRASH_DIR_VARIABLE)
+    if folder and Path(folder).is_dir():
+        (Path(folder) / f"{worker}.peak.txt").write_text(f"{_peak_memory_gib():.2f}\n")
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
+    """After a test file's last test (in this process), drop JAX's compiled executables.
+
+    Why: every jitted function, shape and static argument compiles anew and JAX keeps each
+    executable for the life of the process; over the ~5600 tests a worker's memory grew to 6 GB
+    (2 workers, a 24 GiB machine, beside the multi-process tests' ranks and the CLI's
+    subprocesses). Files rarely share compiled functions, so clearing at a file's end costs few
+    recompilations; clearing after every test costs ten times the run time.
+    """
+    if nextitem is not None and nextitem.path == item.path:
+        return
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller makes a folder for the workers' crash reports; each worker sends
+    faulthandler's fatal-error tracebacks (segmentation fault, abort) to its own file there, so
+    that the end of the run can show them (xdist alone prints only "worker 'gw0' crashed")."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        if getattr(config.option, "numprocesses", None):
+            os.environ[CRASH_DIR_VARIABLE] = tempfile.mkdtemp(prefix="parity_tests_workers_")
+        return
+    folder = os.environ.get(CRASH_DIR_VARIABLE)
+    if folder:
+        report = open(Path(folder) / f"{worker}.fatal.txt", "w")  # open until the process ends
+        faulthandler.enable(file=report, all_threads=True)
+
+
+def _peak_memory_gib() -> float:
+    """This process's peak resident memory (``ru_maxrss``: KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The controller's last words: each worker's peak memory, and any fatal-error traceback a
+    worker left (a worker that crashed without one was killed, most often for memory)."""
+    folder = os.environ.get(CRASH_DIR_VARIABLE)
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None or not folder or not Path(folder).is_dir():
+        return
+    peaks = sorted(Path(folder).glob("*.peak.txt"))
+    if peaks:
+        terminalreporter.write_line(
+            "workers' peak memory: " + ", ".join(f"{p.name.split('.')[0]} {p.read_text().strip()} GiB" for p in peaks)
+        )
+    for report in sorted(Path(folder).glob("*.fatal.txt")):
+        text = report.read_text(errors="replace").strip()
+        if text:
+            terminalreporter.section(f"fatal error in worker {report.name.split('.')[0]}", sep="-")
+            terminalreporter.write_line(_crashing_thread_first(text))
+    crashed = [r for r in terminalreporter.stats.get("failed", []) if "crashed while running" in str(r.longrepr)]
+    if crashed:
+        terminalreporter.write_line(
+            f"{len(crashed)} worker crash(es); a crash without a fatal-error traceback above is a kill "
+            f"(SIGKILL: the kernel's out-of-memory killer, most often). Memory now: {_meminfo()}"
+        )
+
+
+def _meminfo() -> str:
+    """MemTotal and MemAvailable of /proc/meminfo, in GiB (empty off Linux)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    except OSError:
+        return ""
+    gib = {name: int(fields[name].split()[0]) / 2**20 for name in ("MemTotal", "MemAvailable") if name in fields}
+    return ", ".join(f"{name} {value:.1f} GiB" for name, value in gib.items())
+
+
+def _crashing_thread_first(report: str, max_lines: int = 80) -> str:
+    """faulthandler's report with the crashing thread's stack ("Current thread ...") first, then
+    the other threads', at most ``max_lines`` lines: the first lines are what a CI log shows."""
+    head, *blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", report)
+    blocks.sort(key=lambda block: not block.startswith("Current thread"))
+    return "\n".join("\n".join([head, *blocks]).splitlines()[:max_lines])
