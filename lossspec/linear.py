@@ -35,6 +35,7 @@ from .checks import FLOAT_KIND, LOGIT_DTYPES, ArrayMeta, shape_text, meta
 from .config import HEAD_KINDS, check_impl
 from .kinds import KIND_SPECS, KindSpec
 from .oracle import oracle
+from .tuning import check_size_field
 from .tolerances import GRAD_RTOL, GRAD_ULPS_16BIT, SIXTEEN_BIT, Comparison, worst_comparison, gradient_scale, ulp
 
 _P = inspect.Parameter
@@ -362,7 +363,7 @@ class HeadTuning:
 
     def __post_init__(self) -> None:
         for name in HEAD_SIZE_FIELDS:
-            _check_size(name, getattr(self, name))
+            object.__setattr__(self, name, check_size_field("HeadTuning", name, getattr(self, name)))
         for name in HEAD_TILE_FIELDS:
             value = getattr(self, name)
             if value is not None and value & (value - 1):
@@ -371,24 +372,13 @@ class HeadTuning:
         if plan is not None:
             if not isinstance(plan, (tuple, list)) or len(plan) != 2:
                 raise TypeError(f"HeadTuning.recompute_plan must be None or a pair (R, B) of ints; got {plan!r}")
-            for value in plan:
-                _check_size("recompute_plan", value)
-            object.__setattr__(self, "recompute_plan", (int(plan[0]), int(plan[1])))
+            sizes = tuple(check_size_field("HeadTuning", "recompute_plan", value) for value in plan)
+            object.__setattr__(self, "recompute_plan", sizes)
         for name in ("bf16_matmul_devices", "triton_matmul_devices"):
             object.__setattr__(self, name, _device_types(name, getattr(self, name)))
-        _check_size("split_terms", self.split_terms, optional=False)
+        object.__setattr__(self, "split_terms", check_size_field("HeadTuning", "split_terms", self.split_terms, optional=False))
         if self.interpret is not None and not isinstance(self.interpret, bool):
             raise TypeError(f"HeadTuning.interpret must be None, True or False; got {self.interpret!r}")
-
-
-def _check_size(name: str, value: Any, optional: bool = True) -> None:
-    """``value`` of :class:`HeadTuning`'s field ``name``: ``None`` (where ``optional``) or an ``int >= 1``."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"HeadTuning.{name} must be {'None or ' if optional else ''}an int; got {value!r}")
-    if value < 1:
-        raise ValueError(f"HeadTuning.{name} must be >= 1; got {value}")
 
 
 #: every field of :class:`HeadTuning` at its default (an immutable value, never a knob)

@@ -37,6 +37,7 @@ field                    read by (default when ``None``)
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Optional
 
 #: the fields holding a size (``None`` or a positive ``int``)
@@ -60,18 +61,25 @@ class Tuning:
     debug: bool = False
 
     def __post_init__(self) -> None:
-        for name in SIZE_FIELDS:
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"Tuning.{name} must be None or an int; got {value!r}")
-            if value < 1:
-                raise ValueError(f"Tuning.{name} must be >= 1; got {value}")
+        for name in SIZE_FIELDS:  # frozen: set through object.__setattr__
+            object.__setattr__(self, name, check_size_field("Tuning", name, getattr(self, name)))
         if self.interpret is not None and not isinstance(self.interpret, bool):
             raise TypeError(f"Tuning.interpret must be None, True or False; got {self.interpret!r}")
         if not isinstance(self.debug, bool):
             raise TypeError(f"Tuning.debug must be True or False; got {self.debug!r}")
+
+
+def check_size_field(owner: str, name: str, value: Any, optional: bool = True) -> Optional[int]:
+    """A size field of a tuning dataclass (:class:`Tuning`, ``lossspec.HeadTuning``): ``None``
+    (where ``optional``) or an integer ``>= 1``, returned as a Python ``int`` (a NumPy integer
+    too); ``TypeError`` / ``ValueError`` naming ``owner.name``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{owner}.{name} must be {'None or ' if optional else ''}an int; got {value!r}")
+    if value < 1:
+        raise ValueError(f"{owner}.{name} must be >= 1; got {value}")
+    return int(value)
 
 
 #: every field at its backend's default

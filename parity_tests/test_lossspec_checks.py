@@ -373,3 +373,25 @@ def test_validation_gaps_have_clear_errors() -> None:
             lossspec.check_vocab_size_arg(bad)
         assert str(info.value) == f"vocab_size must be an int (the last dimension of logits); got {got}"
     assert lossspec.check_vocab_size_arg(np.int64(7)) == 7
+
+
+@pytest.mark.parametrize(
+    "fields, error, match",
+    [
+        ({"vocab_block": 0}, ValueError, r"Tuning.vocab_block must be >= 1; got 0"),
+        ({"chunk_elements": 2.0}, TypeError, r"Tuning.chunk_elements must be None or an int; got 2.0"),
+        ({"block_rows": True}, TypeError, r"Tuning.block_rows must be None or an int; got True"),
+        ({"interpret": 1}, TypeError, r"Tuning.interpret must be None, True or False"),
+        ({"debug": None}, TypeError, r"Tuning.debug must be True or False"),
+    ],
+)
+def test_tuning_fields_are_checked_on_construction(fields: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        lossspec.Tuning(**fields)
+
+
+def test_tuning_sizes_may_be_numpy_integers() -> None:
+    """A size read from a NumPy computation (``np.int64``) is an int like any other."""
+    tuning, head = lossspec.Tuning(vocab_block=np.int64(64)), lossspec.HeadTuning(block_elements=np.int32(1024), recompute_plan=(np.int64(4), 8))
+    assert (tuning.vocab_block, head.block_elements, head.recompute_plan) == (64, 1024, (4, 8))
+    assert type(tuning.vocab_block) is type(head.block_elements) is type(head.recompute_plan[0]) is int  # Python ints: static arguments as any other
