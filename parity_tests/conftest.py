@@ -32,6 +32,7 @@ from parity_tests.support.workers import (  # noqa: E402, F401
     pytest_runtest_teardown,
     pytest_sessionfinish,
     pytest_terminal_summary,
+    pytest_unconfigure,
 )
 
 # The fast lane (`pytest -m "not slow"`) leaves out what the developers' guide puts in the slow

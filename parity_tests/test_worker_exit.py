@@ -43,7 +43,7 @@ def test_a_worker_collects_then_freezes_at_session_end(monkeypatch: pytest.Monke
         assert gc.get_freeze_count() > frozen_before
         # and it leaves its peak memory for the controller's summary: this process's, in GiB
         peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        assert abs(float((tmp_path / "gw7.peak.txt").read_text()) - peak_gib) <= 0.0051
+        assert abs(float((tmp_path / f"gw7.{os.getpid()}.peak.txt").read_text()) - peak_gib) <= 0.0051
     finally:
         gc.unfreeze()
         gc.enable()
@@ -93,6 +93,7 @@ def test_a_crashed_workers_traceback_and_the_peaks_end_the_run(tmp_path: Path) -
     env = dict(os.environ, PYTHONPATH=str(Path(workers.__file__).parents[2]))
     env.pop(workers.CRASH_DIR_VARIABLE, None)
     env.pop("PYTEST_XDIST_WORKER", None)
+    env["TMPDIR"] = str(tmp_path)  # where the run makes its folder of reports (removed at its end)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-n", "2", "-p", "parity_tests.support.workers", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
          str(tmp_path / "test_crashing.py")],
@@ -104,6 +105,7 @@ def test_a_crashed_workers_traceback_and_the_peaks_end_the_run(tmp_path: Path) -
     assert "fatal error in worker gw" in out and "Segmentation fault" in out, out
     assert 'test_crashing.py", line 12 in test_segfaults' in out, out
     assert "2 worker crash(es); a crash without a fatal-error traceback above is a kill" in out, out
+    assert not list(tmp_path.glob("parity_tests_workers_*")), "the run's folder of reports is left behind"
     peaks = re.search(r"workers' peak memory: (.*)", out)
     assert peaks is not None and re.fullmatch(r"gw\d+ \d+\.\d\d GiB(, gw\d+ \d+\.\d\d GiB)*", peaks.group(1)), out
 

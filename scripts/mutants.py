@@ -634,6 +634,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_worker_exit.py",),
     ),
     Mutant(
+        "worker_reports_left_behind",
+        "every -n run leaves its folder of worker reports in the temporary directory",
+        "parity_tests/support/workers.py::pytest_unconfigure",
+        "        shutil.rmtree(folder, ignore_errors=True)",
+        "        pass",
+        ("parity_tests/test_worker_exit.py",),
+    ),
+    Mutant(
         "head_bf16_split_rounds_jax",
         "JAX's opt-in bf16 head backward takes G as one bf16 term (what XLA's GPU compiler made of the first split)",
         "jaxloss/head.py::_head_grads.split",

@@ -4,7 +4,7 @@ them by name) and loadable as a plugin (``-p parity_tests.support.workers``):
 * an xdist worker's end: collect the garbage, then freeze the survivors (:func:`pytest_sessionfinish`);
 * JAX's compiled executables dropped after each test file (:func:`pytest_runtest_teardown`);
 * a dead worker's fatal-error traceback and every worker's peak memory at the end of the run
-  (:func:`pytest_configure`, :func:`pytest_terminal_summary`).
+  (:func:`pytest_configure`, :func:`pytest_terminal_summary`, :func:`pytest_unconfigure`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import faulthandler
 import os
 import re
 import resource
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -50,7 +51,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     gc.freeze()
     folder = os.environ.get(CRASH_DIR_VARIABLE)
     if folder and Path(folder).is_dir():
-        (Path(folder) / f"{worker}.peak.txt").write_text(f"{_peak_memory_gib():.2f}\n")
+        (Path(folder) / f"{worker}.{os.getpid()}.peak.txt").write_text(f"{_peak_memory_gib():.2f}\n")
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
@@ -81,8 +82,18 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     folder = os.environ.get(CRASH_DIR_VARIABLE)
     if folder:
-        report = open(Path(folder) / f"{worker}.fatal.txt", "w")  # open until the process ends
+        # named by process too: a replacement worker, or a pytest run inside a test (which inherits
+        # PYTEST_XDIST_WORKER), never overwrites another process's report
+        report = open(Path(folder) / f"{worker}.{os.getpid()}.fatal.txt", "w")  # open until the process ends
         faulthandler.enable(file=report, all_threads=True)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The controller removes the folder it made (after its summary has read it)."""
+    folder = os.environ.get(CRASH_DIR_VARIABLE)
+    if os.environ.get("PYTEST_XDIST_WORKER") is None and getattr(config.option, "numprocesses", None) and folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        del os.environ[CRASH_DIR_VARIABLE]
 
 
 def _peak_memory_gib() -> float:
