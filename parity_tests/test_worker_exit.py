@@ -124,3 +124,30 @@ def test_jax_caches_are_dropped_after_each_files_last_test(monkeypatch: pytest.M
     assert drops == [1]
     workers.pytest_runtest_teardown(other, None)
     assert drops == [1, 1]
+
+
+FAULTHANDLER_REPORT = """Fatal Python error: Segmentation fault
+
+Thread 0x00007f00000000aa (most recent call first):
+  File "/x/execnet/gateway_base.py", line 534 in read
+
+Current thread 0x00007f00000000bb (most recent call first):
+""" + "".join(f'  File "/x/jax/_src/inner{i}.py", line {i} in f{i}\n' for i in range(20)) + """  File "/repo/parity_tests/test_rounding_16bit.py", line 99 in _grad
+  File "/repo/parity_tests/test_rounding_16bit.py", line 150 in test_rounded
+  File "/x/_pytest/python.py", line 187 in pytest_pyfunc_call
+"""
+
+
+def test_the_crash_report_names_the_test_below_deep_frames() -> None:
+    """A CI log shows its last lines: the crash report keeps to the crashing thread's innermost
+    frames and, beyond them, its innermost frame in a test file."""
+    lines = workers.crashing_thread(FAULTHANDLER_REPORT, max_frames=12).splitlines()
+    assert lines[0] == "Fatal Python error: Segmentation fault"
+    assert lines[1].startswith("Current thread 0x00007f00000000bb")
+    assert lines[2:14] == [f'  File "/x/jax/_src/inner{i}.py", line {i} in f{i}' for i in range(12)]
+    assert lines[14:] == [
+        "  ... 8 frames",
+        '  File "/repo/parity_tests/test_rounding_16bit.py", line 99 in _grad',
+        "  ... 2 outer frames",
+        "(1 other thread(s) not shown)",
+    ]

@@ -642,6 +642,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_worker_exit.py",),
     ),
     Mutant(
+        "crash_report_without_the_test",
+        "a crash deep inside a library reports only its innermost frames, not which test ran",
+        "parity_tests/support/workers.py::crashing_thread",
+        '            lines += [f"  ... {in_tests[0] - max_frames} frames", frames[in_tests[0]]]',
+        "            pass",
+        ("parity_tests/test_worker_exit.py",),
+    ),
+    Mutant(
         "head_bf16_split_rounds_jax",
         "JAX's opt-in bf16 head backward takes G as one bf16 term (what XLA's GPU compiler made of the first split)",
         "jaxloss/head.py::_head_grads.split",

@@ -101,27 +101,30 @@ def _peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+@pytest.hookimpl(trylast=True)  # after --durations: right above the short test summary
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The controller's last words: each worker's peak memory, and any fatal-error traceback a
-    worker left (a worker that crashed without one was killed, most often for memory)."""
+    """The controller's last words, kept short because a CI log often shows only its last ~50
+    lines: any fatal-error traceback a worker left (the crashing thread's innermost frames), that
+    a worker which crashed without one was killed (most often for memory), and each worker's peak
+    memory."""
     folder = os.environ.get(CRASH_DIR_VARIABLE)
     if os.environ.get("PYTEST_XDIST_WORKER") is not None or not folder or not Path(folder).is_dir():
         return
-    peaks = sorted(Path(folder).glob("*.peak.txt"))
-    if peaks:
-        terminalreporter.write_line(
-            "workers' peak memory: " + ", ".join(f"{p.name.split('.')[0]} {p.read_text().strip()} GiB" for p in peaks)
-        )
     for report in sorted(Path(folder).glob("*.fatal.txt")):
         text = report.read_text(errors="replace").strip()
         if text:
             terminalreporter.section(f"fatal error in worker {report.name.split('.')[0]}", sep="-")
-            terminalreporter.write_line(_crashing_thread_first(text))
+            terminalreporter.write_line(crashing_thread(text))
     crashed = [r for r in terminalreporter.stats.get("failed", []) if "crashed while running" in str(r.longrepr)]
     if crashed:
         terminalreporter.write_line(
             f"{len(crashed)} worker crash(es); a crash without a fatal-error traceback above is a kill "
             f"(SIGKILL: the kernel's out-of-memory killer, most often). Memory now: {_meminfo()}"
+        )
+    peaks = sorted(Path(folder).glob("*.peak.txt"))
+    if peaks:
+        terminalreporter.write_line(
+            "workers' peak memory: " + ", ".join(f"{p.name.split('.')[0]} {p.read_text().strip()} GiB" for p in peaks)
         )
 
 
@@ -135,9 +138,23 @@ def _meminfo() -> str:
     return ", ".join(f"{name} {value:.1f} GiB" for name, value in gib.items())
 
 
-def _crashing_thread_first(report: str, max_lines: int = 80) -> str:
-    """faulthandler's report with the crashing thread's stack ("Current thread ...") first, then
-    the other threads', at most ``max_lines`` lines: the first lines are what a CI log shows."""
+def crashing_thread(report: str, max_frames: int = 12) -> str:
+    """The part of faulthandler's ``report`` that says where the process died: the error line,
+    the crashing thread's ("Current thread ...") ``max_frames`` innermost frames and, if deeper,
+    its innermost frame in a ``test_*.py`` file (which test); the other threads are counted, not
+    shown."""
     head, *blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", report)
-    blocks.sort(key=lambda block: not block.startswith("Current thread"))
-    return "\n".join("\n".join([head, *blocks]).splitlines()[:max_lines])
+    current = [block for block in blocks if block.startswith("Current thread")]
+    lines = head.strip().splitlines()
+    if current:
+        title, *frames = current[0].strip().splitlines()
+        frames = [frame for frame in frames if frame.strip()]
+        lines += [title, *frames[:max_frames]]
+        in_tests = [i for i, frame in enumerate(frames) if re.search(r'/test_[^/"]*\.py"', frame)]
+        if in_tests and in_tests[0] >= max_frames:
+            lines += [f"  ... {in_tests[0] - max_frames} frames", frames[in_tests[0]]]
+        shown = max(max_frames, in_tests[0] + 1 if in_tests else 0)
+        if len(frames) > shown:
+            lines.append(f"  ... {len(frames) - shown} outer frames")
+    lines.append(f"({len(blocks) - len(current)} other thread(s) not shown)")
+    return "\n".join(lines)
