@@ -103,6 +103,9 @@ BACKENDS: dict[str, Backend] = {
         Backend("head-torchloss-fused-bf16mm", "torch", "ours", "head", ("cross_entropy",), ("gpu",),
                 "torchloss.linear_cross_entropy, opted in to bf16 tensor-core matmuls (tuning=HeadTuning("
                 "bf16_matmul_devices=('cuda',)): the Triton matmul, G as exact bf16 terms)", mem=(0.3, 0.3), dtypes=("bfloat16",)),
+        Backend("head-torchloss-fused-tensor", "torch", "ours", "head", ("cross_entropy",), _CPU_GPU,
+                "torchloss.linear_cross_entropy(precision='tensor'): G rounded once to bf16, bf16 x bf16 products "
+                "accumulated in fp32 (on the CPU from exact fp32 products)", mem=(0.3, 0.3), cpu_ns=5.0, dtypes=("bfloat16",)),
         Backend("head-torchloss-fused-recompute", "torch", "ours", "head", ("cross_entropy",), _CPU_GPU,
                 "torchloss.linear_cross_entropy(recompute_logits=True): the weight gradient formed in the backward, a "
                 "vocabulary slice at a time (no fp32 [V, H] accumulator; one more matmul)", mem=(0.3, 0.3), cpu_ns=6.0),
@@ -124,11 +127,17 @@ BACKENDS: dict[str, Backend] = {
         Backend("head-jaxloss-fused-bf16mm", "jax", "ours", "head", ("cross_entropy",), ("gpu",),
                 "jaxloss.linear_cross_entropy, opted in to bf16 tensor-core matmuls (tuning=HeadTuning("
                 "bf16_matmul_devices=('cuda',)): XLA's dots, G as exact bf16 terms)", mem=(0.3, 0.3), dtypes=("bfloat16",)),
+        Backend("head-jaxloss-fused-tensor", "jax", "ours", "head", ("cross_entropy",), _CPU_GPU,
+                "jaxloss.linear_cross_entropy(precision='tensor'): G rounded once to bf16, bf16 x bf16 dots with fp32 "
+                "results", mem=(0.3, 0.3), cpu_ns=4.0, dtypes=("bfloat16",)),
         Backend("head-jaxloss-fused-recompute", "jax", "ours", "head", ("cross_entropy",), _CPU_GPU,
                 "jaxloss.linear_cross_entropy(recompute_logits=True): the weight gradient formed in the backward, a "
                 "vocabulary slice at a time (no fp32 [V, H] accumulator; one more matmul)", mem=(0.3, 0.3), cpu_ns=10.0),
         Backend("head-jaxloss", "jax", "ours", "head", ("cross_entropy",), _CPU_GPU,
                 "h @ w.T + jaxloss.cross_entropy (unfused)", mem=(2.3, 2.3), cpu_ns=6.0),
+        Backend("head-tokamax", "jax", "peer", "head", ("cross_entropy",), _CPU_GPU,
+                "tokamax.linear_softmax_cross_entropy_loss (its XLA implementation: the logits materialised; no mask, "
+                "every token counted)", needs="tokamax", mem=(2.5, 2.5), cpu_ns=6.0),
         Backend("head-jax-matmul-sol", "jax", "sol", "head", ("cross_entropy",), _CPU_GPU,
                 "the three head matmuls alone (forward, grad of input, grad of weight; products accumulated in fp32, "
                 "fp32 logits), into donated buffers", mem=(1.1, 1.1), cpu_ns=4.0),

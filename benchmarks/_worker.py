@@ -267,7 +267,7 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
             return masked_mean(per_token, mask)
 
         program, args = jax.value_and_grad(loss), (x, target, mask)
-    elif spec.backend in ("head-jaxloss-fused", "head-jaxloss-fused-bf16mm", "head-jaxloss-fused-recompute", "head-jaxloss"):
+    elif spec.backend in ("head-jaxloss-fused", "head-jaxloss-fused-bf16mm", "head-jaxloss-fused-tensor", "head-jaxloss-fused-recompute", "head-jaxloss"):
         import jaxloss
 
         h, w = shared["h"], shared["w"]
@@ -281,6 +281,10 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
                 # opted in for this contender's calls only (the default contender shares the process)
                 tuning = lossspec.HeadTuning(bf16_matmul_devices=("cuda",))
                 return jaxloss.linear_cross_entropy(h, w, labels, mask, tuning=tuning)
+        elif spec.backend == "head-jaxloss-fused-tensor":
+
+            def head_loss(h: Any, w: Any, labels: Any, mask: Any) -> Any:
+                return jaxloss.linear_cross_entropy(h, w, labels, mask, precision="tensor")
         elif spec.backend == "head-jaxloss-fused-recompute":
 
             def head_loss(h: Any, w: Any, labels: Any, mask: Any) -> Any:
@@ -291,6 +295,18 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
                 return jaxloss.cross_entropy(jnp.dot(h, w.T), labels, mask)
 
         program, args = jax.value_and_grad(head_loss, argnums=(0, 1)), (h, w, labels, mask)
+    elif spec.backend == "head-tokamax":
+        try:
+            import tokamax
+        except Exception as error:  # noqa: BLE001
+            raise Unavailable(f"tokamax not importable: {type(error).__name__}: {error}") from None
+        h, w = shared["h"], shared["w"]
+
+        def head_loss(h: Any, w: Any, labels: Any) -> Any:
+            # its XLA implementation (the Pallas one is for TPUs); weights [H, V]; no mask
+            return tokamax.linear_softmax_cross_entropy_loss(h, labels, w.T, reduction="mean", implementation="xla")
+
+        program, args = jax.value_and_grad(head_loss, argnums=(0, 1)), (h, w, labels)
     elif spec.backend == "head-jax-matmul-sol":
         from jax import lax
 
@@ -456,6 +472,11 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
             def forward() -> Any:
                 # opted in for this contender's calls only (the head's gradients are formed in its forward)
                 return torchloss.linear_cross_entropy(h, w, labels, mask, tuning=lossspec.HeadTuning(bf16_matmul_devices=("cuda",)))
+        elif spec.backend == "head-torchloss-fused-tensor":
+            import torchloss
+
+            def forward() -> Any:
+                return torchloss.linear_cross_entropy(h, w, labels, mask, precision="tensor")
         elif spec.backend == "head-torchloss-fused-recompute":
             import torchloss
 

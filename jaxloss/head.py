@@ -785,7 +785,9 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     if spec.has_teacher:
         teacher = (_prepare.as_array(args["teacher_hidden"]), _prepare.as_array(args["teacher_weight"]), _optional(args["teacher_bias"]))
     meta = lambda a: None if a is None else _prepare.array_meta(a)  # noqa: E731
-    logits_meta, teacher_meta = spec_linear.check_head(kind, meta(hidden), meta(weight), meta(bias), None if teacher is None else tuple(meta(a) for a in teacher))
+    logits_meta, teacher_meta = spec_linear.check_head(
+        kind, meta(hidden), meta(weight), meta(bias), None if teacher is None else tuple(meta(a) for a in teacher), args["precision"]
+    )
     labels = _prepare.as_array(args["labels"]) if ce else None
     loss_mask = _optional(args["loss_mask"])
     segment_ids = _optional(args["segment_ids"])
@@ -837,7 +839,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     backend = backends.resolve(args["impl"], head=True, vocab_parallel=shards is not None)  # the one resolution of this call's impl
     recompute = spec_linear.check_recompute_logits(args["recompute_logits"], backend.name, backends.PLAIN)
     softcaps = (getattr(config, "logit_softcap", None), getattr(config, "teacher_logit_softcap", None))
-    plan = spec_linear.HeadPlan(backend.name, recompute, args["tuning"])
+    plan = spec_linear.HeadPlan(backend.name, recompute, spec_linear.head_matmul_tuning(args["tuning"], args["precision"]), args["precision"])
     head_spec = Spec(kcfg, config.normalization != "none", plan, softcaps, dtypes, shards)
     device = lambda a: None if a is None else _prepare.to_device(a)  # noqa: E731
     teacher_arrays = None if teacher is None else tuple(device(a) for a in teacher)
@@ -868,6 +870,7 @@ def linear_cross_entropy(
     segment_ids: Optional[api.ArrayLike] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
+    precision: str = "exact",
     vocab_parallel: Optional[api.AxisNames] = None,
     tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
@@ -928,6 +931,13 @@ def linear_cross_entropy(
         over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
         accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
         Same bounds either way; the XLA / torch path only.
+      precision: ``"exact"`` (default): every product exact, accumulated in fp32 (a bf16 head's backward multiplies
+        the fp32 logits gradient ``G`` exactly, in fp32). ``"tensor"`` (bfloat16 ``hidden`` and ``weight`` only; a
+        ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
+        bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
+        exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
+        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
       vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
         inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
         ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
@@ -958,7 +968,7 @@ def linear_cross_entropy(
         hidden=hidden, weight=weight, labels=labels, loss_mask=loss_mask, bias=bias, ignore_index=ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, logit_scale=logit_scale, logit_softcap=logit_softcap,
         causal_shift=causal_shift, normalization=normalization, denominator=denominator, segment_ids=segment_ids,
-        impl=impl, recompute_logits=recompute_logits, vocab_parallel=vocab_parallel,
+        impl=impl, recompute_logits=recompute_logits, precision=precision, vocab_parallel=vocab_parallel,
         tuning=tuning,
     )
 
@@ -983,6 +993,7 @@ def linear_soft_cross_entropy(
     segment_ids: Optional[api.ArrayLike] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
+    precision: str = "exact",
     vocab_parallel: Optional[api.AxisNames] = None,
     tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
@@ -1047,6 +1058,13 @@ def linear_soft_cross_entropy(
         over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
         accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
         Same bounds either way; the XLA / torch path only.
+      precision: ``"exact"`` (default): every product exact, accumulated in fp32 (a bf16 head's backward multiplies
+        the fp32 logits gradient ``G`` exactly, in fp32). ``"tensor"`` (bfloat16 ``hidden`` and ``weight`` only; a
+        ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
+        bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
+        exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
+        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
       vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
         inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
         ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
@@ -1078,7 +1096,7 @@ def linear_soft_cross_entropy(
         bias=bias, teacher_bias=teacher_bias, temperature=temperature, logit_scale=logit_scale,
         teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
-        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
+        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, precision=precision,
         vocab_parallel=vocab_parallel,
         tuning=tuning,
     )
@@ -1104,6 +1122,7 @@ def linear_forward_kl(
     segment_ids: Optional[api.ArrayLike] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
+    precision: str = "exact",
     vocab_parallel: Optional[api.AxisNames] = None,
     tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
@@ -1168,6 +1187,13 @@ def linear_forward_kl(
         over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
         accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
         Same bounds either way; the XLA / torch path only.
+      precision: ``"exact"`` (default): every product exact, accumulated in fp32 (a bf16 head's backward multiplies
+        the fp32 logits gradient ``G`` exactly, in fp32). ``"tensor"`` (bfloat16 ``hidden`` and ``weight`` only; a
+        ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
+        bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
+        exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
+        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
       vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
         inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
         ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
@@ -1199,7 +1225,7 @@ def linear_forward_kl(
         bias=bias, teacher_bias=teacher_bias, temperature=temperature, logit_scale=logit_scale,
         teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
-        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
+        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, precision=precision,
         vocab_parallel=vocab_parallel,
         tuning=tuning,
     )
@@ -1225,6 +1251,7 @@ def linear_reverse_kl(
     segment_ids: Optional[api.ArrayLike] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
+    precision: str = "exact",
     vocab_parallel: Optional[api.AxisNames] = None,
     tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
@@ -1289,6 +1316,13 @@ def linear_reverse_kl(
         over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
         accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
         Same bounds either way; the XLA / torch path only.
+      precision: ``"exact"`` (default): every product exact, accumulated in fp32 (a bf16 head's backward multiplies
+        the fp32 logits gradient ``G`` exactly, in fp32). ``"tensor"`` (bfloat16 ``hidden`` and ``weight`` only; a
+        ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
+        bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
+        exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
+        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
       vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
         inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
         ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
@@ -1320,7 +1354,7 @@ def linear_reverse_kl(
         bias=bias, teacher_bias=teacher_bias, temperature=temperature, logit_scale=logit_scale,
         teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
-        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
+        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, precision=precision,
         vocab_parallel=vocab_parallel,
         tuning=tuning,
     )
@@ -1341,6 +1375,7 @@ def linear_entropy(
     segment_ids: Optional[api.ArrayLike] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
+    precision: str = "exact",
     vocab_parallel: Optional[api.AxisNames] = None,
     tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
@@ -1397,6 +1432,13 @@ def linear_entropy(
         over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
         accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
         Same bounds either way; the XLA / torch path only.
+      precision: ``"exact"`` (default): every product exact, accumulated in fp32 (a bf16 head's backward multiplies
+        the fp32 logits gradient ``G`` exactly, in fp32). ``"tensor"`` (bfloat16 ``hidden`` and ``weight`` only; a
+        ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
+        bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
+        exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
+        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
       vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
         inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
         ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
@@ -1426,7 +1468,7 @@ def linear_entropy(
         "entropy",
         hidden=hidden, weight=weight, loss_mask=loss_mask, bias=bias, temperature=temperature, logit_scale=logit_scale,
         logit_softcap=logit_softcap, causal_shift=causal_shift, normalization=normalization, denominator=denominator,
-        segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, vocab_parallel=vocab_parallel,
+        segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, precision=precision, vocab_parallel=vocab_parallel,
         tuning=tuning,
     )
 
@@ -1452,6 +1494,7 @@ def linear_jensen_shannon(
     segment_ids: Optional[api.ArrayLike] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
+    precision: str = "exact",
     vocab_parallel: Optional[api.AxisNames] = None,
     tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
@@ -1519,6 +1562,13 @@ def linear_jensen_shannon(
         over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
         accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
         Same bounds either way; the XLA / torch path only.
+      precision: ``"exact"`` (default): every product exact, accumulated in fp32 (a bf16 head's backward multiplies
+        the fp32 logits gradient ``G`` exactly, in fp32). ``"tensor"`` (bfloat16 ``hidden`` and ``weight`` only; a
+        ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
+        bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
+        exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
+        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
       vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
         inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
         ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
@@ -1550,7 +1600,7 @@ def linear_jensen_shannon(
         bias=bias, teacher_bias=teacher_bias, beta=beta, temperature=temperature, logit_scale=logit_scale,
         teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
-        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
+        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, precision=precision,
         vocab_parallel=vocab_parallel,
         tuning=tuning,
     )

@@ -432,7 +432,7 @@ class LinearCrossEntropyLoss(_LinearLoss):
     """Module form of :func:`jaxloss.linear_cross_entropy` (fused LM head + cross_entropy).
 
     The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_cross_entropy` but the arrays,
-    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``denominator`` and ``segment_ids``; validated there, ``impl``, ``recompute_logits`` and ``precision`` included); called as
     ``module(hidden, weight, labels, loss_mask=None, *, bias=None, denominator=None, segment_ids=None)``. ``weight`` may
     be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in the ``[V, H]`` layout and its bias
     (unless ``bias=`` is given) are used. It holds no parameters.
@@ -452,6 +452,7 @@ class LinearCrossEntropyLoss(_LinearLoss):
         normalization: str = "valid_tokens",
         impl: str = "auto",
         recompute_logits: bool = False,
+        precision: str = "exact",
         vocab_parallel: Optional[api.AxisNames] = None,
         tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
@@ -467,6 +468,7 @@ class LinearCrossEntropyLoss(_LinearLoss):
                 normalization=normalization,
                 impl=impl,
                 recompute_logits=recompute_logits,
+                precision=precision,
                 vocab_parallel=vocab_parallel,
                 tuning=tuning,
             ),
@@ -478,7 +480,7 @@ class LinearSoftCrossEntropyLoss(_LinearLoss):
     """Module form of :func:`jaxloss.linear_soft_cross_entropy` (fused LM head + soft_cross_entropy).
 
     The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_soft_cross_entropy` but the
-    arrays, ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    arrays, ``denominator`` and ``segment_ids``; validated there, ``impl``, ``recompute_logits`` and ``precision`` included); called as
     ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
     ``weight`` (and ``teacher_weight``) may be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in
     the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.
@@ -498,6 +500,7 @@ class LinearSoftCrossEntropyLoss(_LinearLoss):
         normalization: str = "valid_tokens",
         impl: str = "auto",
         recompute_logits: bool = False,
+        precision: str = "exact",
         vocab_parallel: Optional[api.AxisNames] = None,
         tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
@@ -513,6 +516,7 @@ class LinearSoftCrossEntropyLoss(_LinearLoss):
                 normalization=normalization,
                 impl=impl,
                 recompute_logits=recompute_logits,
+                precision=precision,
                 vocab_parallel=vocab_parallel,
                 tuning=tuning,
             ),
@@ -524,7 +528,7 @@ class LinearForwardKLLoss(_LinearLoss):
     """Module form of :func:`jaxloss.linear_forward_kl` (fused LM head + forward_kl).
 
     The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_forward_kl` but the arrays,
-    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``denominator`` and ``segment_ids``; validated there, ``impl``, ``recompute_logits`` and ``precision`` included); called as
     ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
     ``weight`` (and ``teacher_weight``) may be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in
     the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.
@@ -544,6 +548,7 @@ class LinearForwardKLLoss(_LinearLoss):
         normalization: str = "valid_tokens",
         impl: str = "auto",
         recompute_logits: bool = False,
+        precision: str = "exact",
         vocab_parallel: Optional[api.AxisNames] = None,
         tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
@@ -559,6 +564,7 @@ class LinearForwardKLLoss(_LinearLoss):
                 normalization=normalization,
                 impl=impl,
                 recompute_logits=recompute_logits,
+                precision=precision,
                 vocab_parallel=vocab_parallel,
                 tuning=tuning,
             ),
@@ -570,7 +576,7 @@ class LinearReverseKLLoss(_LinearLoss):
     """Module form of :func:`jaxloss.linear_reverse_kl` (fused LM head + reverse_kl).
 
     The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_reverse_kl` but the arrays,
-    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``denominator`` and ``segment_ids``; validated there, ``impl``, ``recompute_logits`` and ``precision`` included); called as
     ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
     ``weight`` (and ``teacher_weight``) may be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in
     the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.
@@ -590,6 +596,7 @@ class LinearReverseKLLoss(_LinearLoss):
         normalization: str = "valid_tokens",
         impl: str = "auto",
         recompute_logits: bool = False,
+        precision: str = "exact",
         vocab_parallel: Optional[api.AxisNames] = None,
         tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
@@ -605,6 +612,7 @@ class LinearReverseKLLoss(_LinearLoss):
                 normalization=normalization,
                 impl=impl,
                 recompute_logits=recompute_logits,
+                precision=precision,
                 vocab_parallel=vocab_parallel,
                 tuning=tuning,
             ),
@@ -616,7 +624,7 @@ class LinearEntropyLoss(_LinearLoss):
     """Module form of :func:`jaxloss.linear_entropy` (fused LM head + entropy).
 
     The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_entropy` but the arrays,
-    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``denominator`` and ``segment_ids``; validated there, ``impl``, ``recompute_logits`` and ``precision`` included); called as
     ``module(hidden, weight, loss_mask=None, *, bias=None, denominator=None, segment_ids=None)``.
     ``weight`` may be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in
     the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.
@@ -634,6 +642,7 @@ class LinearEntropyLoss(_LinearLoss):
         normalization: str = "valid_tokens",
         impl: str = "auto",
         recompute_logits: bool = False,
+        precision: str = "exact",
         vocab_parallel: Optional[api.AxisNames] = None,
         tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
@@ -647,6 +656,7 @@ class LinearEntropyLoss(_LinearLoss):
                 normalization=normalization,
                 impl=impl,
                 recompute_logits=recompute_logits,
+                precision=precision,
                 vocab_parallel=vocab_parallel,
                 tuning=tuning,
             ),
@@ -658,7 +668,7 @@ class LinearJensenShannonLoss(_LinearLoss):
     """Module form of :func:`jaxloss.linear_jensen_shannon` (fused LM head + jensen_shannon).
 
     The options are fixed at construction (keyword only: those of :func:`jaxloss.linear_jensen_shannon` but the arrays,
-    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``denominator`` and ``segment_ids``; validated there, ``impl``, ``recompute_logits`` and ``precision`` included); called as
     ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
     ``weight`` (and ``teacher_weight``) may be a ``flax.nnx.Linear`` (kernel ``[H, V]``, transposed here): its weight in
     the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It holds no parameters.
@@ -679,6 +689,7 @@ class LinearJensenShannonLoss(_LinearLoss):
         normalization: str = "valid_tokens",
         impl: str = "auto",
         recompute_logits: bool = False,
+        precision: str = "exact",
         vocab_parallel: Optional[api.AxisNames] = None,
         tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
@@ -695,6 +706,7 @@ class LinearJensenShannonLoss(_LinearLoss):
                 normalization=normalization,
                 impl=impl,
                 recompute_logits=recompute_logits,
+                precision=precision,
                 vocab_parallel=vocab_parallel,
                 tuning=tuning,
             ),

@@ -83,7 +83,7 @@ from . import accumulation
 from .accumulation import check_accumulation
 from .kinds import KIND_SPECS, KindSpec
 from .tuning import DEFAULT_TUNING, Tuning, check_tuning
-from .linear import DEFAULT_HEAD_TUNING, HeadTuning, check_head_tuning
+from .linear import DEFAULT_HEAD_TUNING, HEAD_PRECISIONS, HeadTuning, check_head_precision, check_head_tuning
 from .stats import FINAL_STAT_INDEX, FINAL_STATS, KIND_IDS, MIXTURE_STATS, ROW_STAT_INDEX, ROW_STATS, final_used, stats_used
 from .generators import SCENARIOS, Case, Reference, all_cases, make_case
 from .oracle import count_denominator, oracle, oracle_vocab_parallel, per_token_oracle, token_weights

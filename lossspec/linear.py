@@ -36,7 +36,7 @@ from .config import HEAD_KINDS, check_impl
 from .kinds import KIND_SPECS, KindSpec
 from .oracle import oracle
 from .tuning import check_size_field
-from .tolerances import GRAD_RTOL, GRAD_ULPS_16BIT, SIXTEEN_BIT, Comparison, worst_comparison, gradient_scale, ulp
+from .tolerances import GRAD_RTOL, GRAD_ULPS_16BIT, SIXTEEN_BIT, Comparison, worst_comparison, gradient_scale, loss_bound, ulp
 
 _P = inspect.Parameter
 
@@ -45,7 +45,65 @@ LINEAR_NAMES: dict[str, str] = {kind: f"linear_{kind}" for kind in HEAD_KINDS}
 
 #: the head's arguments shared by both frameworks after ``impl`` (then each framework's
 #: ``vocab_parallel`` and ``tuning``, :class:`HeadTuning`), as ``(name, default)``
-HEAD_ARGS: tuple[tuple[str, Any], ...] = (("recompute_logits", False),)
+HEAD_ARGS: tuple[tuple[str, Any], ...] = (("recompute_logits", False), ("precision", "exact"))
+
+# --------------------------------------------------------------------------------------------
+# The two precision contracts (SPEC section 8)
+# --------------------------------------------------------------------------------------------
+
+#: ``precision=`` of the fused head: ``"exact"`` (every product exact, accumulated in fp32: the
+#: default) or ``"tensor"`` (bf16 heads: the backward's ``G`` rounded once to bf16, so that all
+#: three matmuls are bf16 x bf16 products accumulated in fp32, the tensor cores' form)
+HEAD_PRECISIONS: tuple[str, ...] = ("exact", "tensor")
+#: the dtypes of ``hidden`` and ``weight`` that ``precision="tensor"`` takes: bf16 has fp32's
+#: exponent range, so rounding ``G`` to it loses significand bits only (float16 would flush the
+#: small entries of ``G``, ``1 / N`` and below, to its subnormals)
+HEAD_TENSOR_DTYPES: tuple[str, ...] = ("bfloat16",)
+#: the ``"tensor"`` contract's extra gradient term, relative to the componentwise magnitude ``M``:
+#: twice bf16's unit roundoff ``2^-9`` (``G``'s one rounding to nearest even takes half of it)
+HEAD_TENSOR_GRAD_RTOL: float = 2.0**-8
+#: the unit of the ``"tensor"`` contract's logits bound: one fp32 ulp of 1 (``2^-23``) per
+#: addition, twice the round-to-nearest unit, for accumulators that truncate (tensor cores)
+HEAD_TENSOR_ADD_ERROR: float = 2.0**-23
+#: the devices (torch device types, JAX platforms) on which ``precision="tensor"`` runs the
+#: head's matmuls on bf16 operands (where a device has no such matmul with an fp32 result, the
+#: head computes the exact contract's numbers, which meet the tensor bounds too)
+HEAD_TENSOR_DEVICES: tuple[str, ...] = ("cpu", "cuda", "rocm", "tpu")
+
+
+def check_head_precision(precision: Any, dtype: Optional[str] = None) -> str:
+    """``precision=`` checked: one of :data:`HEAD_PRECISIONS`; ``"tensor"`` only for the dtypes
+    of :data:`HEAD_TENSOR_DTYPES` (``dtype``: that of ``hidden`` and ``weight``; ``None`` at a
+    module's construction, before any array)."""
+    if not isinstance(precision, str) or precision not in HEAD_PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(repr(p) for p in HEAD_PRECISIONS)}; got {precision!r}")
+    if precision == "tensor" and dtype is not None and dtype not in HEAD_TENSOR_DTYPES:
+        raise ValueError(
+            f"precision='tensor' is the contract of bfloat16 heads (bf16 x bf16 products accumulated in fp32, the "
+            f"logits gradient rounded once to bf16); hidden and weight are {dtype}: use precision='exact'"
+        )
+    return precision
+
+
+def head_logits_gamma(width: int) -> float:
+    """``gamma_H`` of the ``"tensor"`` contract: ``|z_hat - z| <= gamma_H (|h| |W|^T + |b|)`` for
+    logits formed from bf16 ``h`` ``[., H]`` and ``W`` whose products are exact in fp32 and whose
+    ``H`` additions (the bias's included) each err by at most :data:`HEAD_TENSOR_ADD_ERROR` of
+    their result, in any order: ``gamma_H = k e / (1 - k e)`` with ``k = H``, ``e = 2^-23``
+    (Higham's bound for recursive summation, with the unit doubled for truncating adders)."""
+    k = max(1, int(width)) * HEAD_TENSOR_ADD_ERROR
+    return k / (1.0 - k)
+
+
+def head_matmul_tuning(tuning: "HeadTuning", precision: str) -> "HeadTuning":
+    """The :class:`HeadTuning` that carries out ``precision``: ``"exact"`` leaves ``tuning`` as it
+    is; ``"tensor"`` turns the bf16 matmuls on for every device of :data:`HEAD_TENSOR_DEVICES`
+    with ``G`` as one bf16 term (``split_terms=1``: rounded once, to nearest even). Both
+    frameworks' plain paths read only these two fields for it; the head kernels compute the
+    exact contract's numbers under either."""
+    if precision == "exact":
+        return tuning
+    return dataclasses.replace(tuning, bf16_matmul_devices=HEAD_TENSOR_DEVICES, split_terms=1)
 
 
 def check_recompute_logits(recompute_logits: Any, impl: str, plain: str) -> bool:
@@ -146,13 +204,16 @@ def check_head(
     weight: ArrayMeta,
     bias: Optional[ArrayMeta],
     teacher: Optional[tuple[ArrayMeta, ArrayMeta, Optional[ArrayMeta]]] = None,
+    precision: str = "exact",
 ) -> tuple[ArrayMeta, Optional[ArrayMeta]]:
-    """Check the head's arrays; return the metadata of the (never formed) student and teacher
+    """Check the head's arrays and ``precision`` (:func:`check_head_precision`, against the dtype
+    of ``hidden`` and ``weight``); return the metadata of the (never formed) student and teacher
     logits ``[..., V]``, for :func:`lossspec.check_inputs` (labels, mask, causal shift).
 
     ``teacher``: ``(teacher_hidden, teacher_weight, teacher_bias)`` for the kinds with a teacher.
     """
     vocab = _check_projection("hidden", "weight", "bias", hidden, weight, bias)
+    check_head_precision(precision, hidden.dtype)
     logits = meta(hidden.shape[:-1] + (vocab,), FLOAT_KIND, hidden.dtype)
     if not KIND_SPECS[kind].has_teacher:
         return logits, None
@@ -193,6 +254,7 @@ def oracle_head(
     loss_mask: Optional[np.ndarray] = None,
     *,
     bias: Optional[np.ndarray] = None,
+    precision: str = "exact",
     **options: Any,
 ) -> tuple[Any, dict[str, Optional[np.ndarray]]]:
     """The float64 reference of ``linear_<kind>``: ``(loss, grads)``.
@@ -205,8 +267,14 @@ def oracle_head(
 
     ``grads``: ``{"hidden", "weight", "bias"}`` (``bias``: ``None`` without a bias), a
     :class:`HeadGrads` whose ``magnitude`` holds the same products of the absolute values,
-    ``|G| @ |weight|``, ``|G|.T @ |h|`` and ``sum_n |G|``, for :func:`compare_head_grad`.
+    ``|G| @ |weight|``, ``|G|.T @ |h|`` and ``sum_n |G|``, for :func:`compare_head_grad`, and
+    whose ``loss_slack`` is the loss's extra bound under ``precision`` (:func:`compare_head_loss`):
+    0 for ``"exact"``; for ``"tensor"`` the logits' error propagated to the loss,
+    ``sum_{n,v} |dL/dz_nv| gamma_H (|h_n| |W_v| + |b_v|)`` (:func:`head_logits_gamma`; ``dL/dz`` of
+    the loss itself, without ``grad_output``), per token for ``normalization="none"`` and for the
+    whole loss otherwise (an element of a per-sequence loss gets the total: a bound for each).
     """
+    precision = check_head_precision(precision)
     logits = head_logits(hidden, weight, bias)
     if KIND_SPECS[kind].has_teacher:
         t_hidden, t_weight, t_bias = target
@@ -228,6 +296,16 @@ def oracle_head(
         "weight": np.abs(g).T @ np.abs(h),
         "bias": None if bias is None else np.abs(g).sum(axis=0),
     }
+    grads.loss_slack = np.zeros(np.shape(loss))
+    if precision == "tensor":
+        unit = {key: value for key, value in options.items() if key != "grad_output"}  # dL/dz of the loss itself
+        _, grad_unit = oracle(kind, logits, target, loss_mask, **unit)
+        error = head_logits_gamma(width) * (np.abs(h) @ np.abs(w).T + (0.0 if bias is None else np.abs(np.asarray(bias, np.float64))))
+        per_token = np.sum(np.nan_to_num(np.abs(grad_unit.reshape(-1, vocab)), nan=0.0, posinf=0.0) * error, axis=1)
+        if options.get("normalization") == "none":
+            grads.loss_slack = per_token.reshape(np.shape(loss))
+        else:
+            grads.loss_slack = np.full(np.shape(loss), per_token.sum())
     return loss, grads
 
 
@@ -236,16 +314,25 @@ class HeadGrads(dict):
     absolute values (``|G| @ |weight|`` for ``hidden``), the scale SPEC section 8 measures it in."""
 
     magnitude: dict[str, Optional[np.ndarray]]
+    loss_slack: np.ndarray
+
+
+def compare_head_loss(actual: Any, reference: Any, slack: Any = 0.0, what: str = "loss") -> Comparison:
+    """SPEC section 8's loss bound: section 6's (:func:`lossspec.compare_loss`) plus ``slack``, the
+    logits' error propagated to the loss under the call's precision (``oracle_head``'s
+    ``grads.loss_slack``: 0 for ``"exact"``)."""
+    return worst_comparison(what, np.asarray(actual), np.asarray(reference), loss_bound(reference) + np.asarray(slack, np.float64))
 
 
 def compare_head_grad(
-    actual: Any, reference: np.ndarray, dtype: str, what: str = "grad", magnitude: Optional[np.ndarray] = None
+    actual: Any, reference: np.ndarray, dtype: str, what: str = "grad", magnitude: Optional[np.ndarray] = None, precision: str = "exact"
 ) -> Comparison:
     """SPEC section 8's bound for one head gradient, per element:
     ``4e-6 * max(S, M)`` (plus one ulp of ``dtype`` for 16-bit), with ``S = max |reference|`` of
     that tensor and ``M`` the element's componentwise magnitude (``oracle_head``'s
     ``grads.magnitude[name]``: ``(|G| @ |weight|)`` for ``hidden``). Without ``magnitude``, the
-    stricter ``4e-6 S`` alone (``M = 0``).
+    stricter ``4e-6 S`` alone (``M = 0``). ``precision="tensor"`` adds
+    :data:`HEAD_TENSOR_GRAD_RTOL` ``* M`` (``G`` rounded once to bf16 before the products).
 
     Why ``M``: every gradient of the head is a product with the logits' gradient ``G``, whose
     fp32 errors are relative to ``G``'s own entries (section 6) and partly shared by a whole row
@@ -262,6 +349,10 @@ def compare_head_grad(
         finite = np.nan_to_num(np.asarray(magnitude, np.float64), nan=0.0, posinf=0.0)
         scale = np.maximum(scale, np.broadcast_to(finite, reference.shape))
     bound = GRAD_RTOL * scale
+    if check_head_precision(precision) == "tensor":
+        if magnitude is None:
+            raise ValueError("precision='tensor' bounds a head gradient by its componentwise magnitude: pass magnitude")
+        bound = bound + HEAD_TENSOR_GRAD_RTOL * np.broadcast_to(finite, reference.shape)
     if dtype in SIXTEEN_BIT:
         bound = bound + GRAD_ULPS_16BIT * ulp(np.nan_to_num(reference), dtype)
     # An all-zero reference (D == 0) must be matched exactly.
@@ -401,11 +492,13 @@ class HeadPlan:
     (:func:`head_impl`), whether the backward recomputes the logits
     (:func:`check_recompute_logits`) and the call's :class:`HeadTuning` (the block budget of
     :func:`head_plan`, the ``recompute_logits`` backward's ``(R, B)``, the bf16 matmuls, the
-    kernels' tiles). Frozen and hashable: JAX's ``custom_vjp`` takes it as a static argument."""
+    kernels' tiles; with ``precision``'s matmuls applied, :func:`head_matmul_tuning`) and the
+    precision contract (:data:`HEAD_PRECISIONS`). Frozen and hashable: JAX's ``custom_vjp`` takes it as a static argument."""
 
     impl: str = "auto"
     recompute_logits: bool = False
     tuning: HeadTuning = DEFAULT_HEAD_TUNING
+    precision: str = "exact"
 
     @property
     def block_elements(self) -> Optional[int]:
@@ -529,14 +622,16 @@ def head_module_name(kind: str) -> str:
 
 def head_module_settings(kind: str, settings: dict[str, Any], unexpected: dict[str, Any], owner: str, impls: tuple[str, ...], plain: str) -> dict[str, Any]:
     """A head module's ``settings`` (its constructor's keyword arguments: ``kind``'s options,
-    ``normalization``, ``impl``, ``recompute_logits``, ``vocab_parallel``, ``tuning``), validated
+    ``normalization``, ``impl``, ``recompute_logits``, ``precision``, ``vocab_parallel``, ``tuning``), validated
     with the functions' own errors (:func:`lossspec.kinds.module_settings`; ``unexpected`` keywords
     are a ``TypeError`` naming ``owner``): ``impl`` against the framework's ``impls``
     (:func:`head_impl`, ``plain`` its XLA / torch path), ``recompute_logits`` against the
-    resolved path (:func:`check_recompute_logits`) and ``tuning`` (:func:`check_head_tuning`)."""
+    resolved path (:func:`check_recompute_logits`), ``precision``'s name (:func:`check_head_precision`;
+    its dtype rule per call) and ``tuning`` (:func:`check_head_tuning`)."""
     from .kinds import module_settings
 
     settings = module_settings(KIND_SPECS[kind], settings, unexpected, owner, head=True)
     resolved = head_impl(settings["impl"], impls, plain, settings.get("vocab_parallel") is not None)
     check_recompute_logits(settings["recompute_logits"], resolved, plain)
+    check_head_precision(settings.get("precision", "exact"))
     return settings

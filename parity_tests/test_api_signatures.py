@@ -83,7 +83,7 @@ def test_heads_are_written_out_with_the_tables_signature(framework: str, kind: s
 def _module_classes(framework: str) -> list[tuple[type, str, list[inspect.Parameter]]]:
     """``(class, its function's name, the options its constructor takes)`` of every module class:
     a loss's module takes the function's keyword arguments but ``denominator`` and ``segment_ids``
-    (given per call); a head's module takes them and ``recompute_logits``, ``vocab_parallel``, ``tuning``."""
+    (given per call); a head's module takes them and ``recompute_logits``, ``precision``, ``vocab_parallel``, ``tuning``."""
     _, modules, extra = FRAMEWORKS[framework]
     out = []
     for kind, spec in lossspec.KIND_SPECS.items():
@@ -92,7 +92,7 @@ def _module_classes(framework: str) -> list[tuple[type, str, list[inspect.Parame
     for kind in HEAD_KINDS:
         spec = lossspec.KIND_SPECS[kind]
         head = [p for p in spec_linear.head_parameters(spec, HEAD_ARGS) if p.kind == P.KEYWORD_ONLY]
-        order = [*spec.option_names, "normalization", "impl", "recompute_logits", "vocab_parallel", "tuning"]
+        order = [*spec.option_names, "normalization", "impl", "recompute_logits", "precision", "vocab_parallel", "tuning"]
         by_name = {p.name: p for p in head}
         out.append((getattr(modules, spec_linear.head_module_name(kind)), spec_linear.LINEAR_NAMES[kind], [by_name[n] for n in order]))
     return out

@@ -801,7 +801,7 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
             _optional("teacher_bias", args["teacher_bias"]),
         )
     meta = lambda a: None if a is None else _prepare.array_meta(a)  # noqa: E731
-    spec_linear.check_head(kind, meta(hidden), meta(weight), meta(bias), None if teacher is None else tuple(meta(a) for a in teacher))
+    spec_linear.check_head(kind, meta(hidden), meta(weight), meta(bias), None if teacher is None else tuple(meta(a) for a in teacher), args["precision"])
     named = {"weight": weight, "bias": bias}
     if teacher is not None:
         named.update(teacher_hidden=teacher[0], teacher_weight=teacher[1], teacher_bias=teacher[2])
@@ -823,7 +823,7 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     recompute = spec_linear.check_recompute_logits(args["recompute_logits"], backend.name, backends.PLAIN)
     loss = LinearHeadFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad,
-        spec_linear.HeadPlan(backend.name, recompute, tuning), shards,
+        spec_linear.HeadPlan(backend.name, recompute, spec_linear.head_matmul_tuning(tuning, args["precision"]), args["precision"]), shards,
         _autodiff.second_order_anchor(hidden, weight, bias) if need_grad else None,
     )
     return _prepare.finish(call, prepared, loss)
@@ -847,6 +847,7 @@ def linear_cross_entropy(
     segment_ids: Optional[Tensor] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
+    precision: str = "exact",
     vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
     tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
@@ -907,6 +908,13 @@ def linear_cross_entropy(
         over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
         accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
         Same bounds either way; the XLA / torch path only.
+      precision: ``"exact"`` (default): every product exact, accumulated in fp32 (a bf16 head's backward multiplies
+        the fp32 logits gradient ``G`` exactly, in fp32). ``"tensor"`` (bfloat16 ``hidden`` and ``weight`` only; a
+        ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
+        bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
+        exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
+        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
       vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
         (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
         rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
@@ -937,7 +945,7 @@ def linear_cross_entropy(
         hidden=hidden, weight=weight, labels=labels, loss_mask=loss_mask, bias=bias, ignore_index=ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, logit_scale=logit_scale, logit_softcap=logit_softcap,
         causal_shift=causal_shift, normalization=normalization, denominator=denominator, segment_ids=segment_ids,
-        impl=impl, recompute_logits=recompute_logits, vocab_parallel=vocab_parallel,
+        impl=impl, recompute_logits=recompute_logits, precision=precision, vocab_parallel=vocab_parallel,
         tuning=tuning,
     )
 
@@ -962,6 +970,7 @@ def linear_soft_cross_entropy(
     segment_ids: Optional[Tensor] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
+    precision: str = "exact",
     vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
     tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
@@ -1026,6 +1035,13 @@ def linear_soft_cross_entropy(
         over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
         accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
         Same bounds either way; the XLA / torch path only.
+      precision: ``"exact"`` (default): every product exact, accumulated in fp32 (a bf16 head's backward multiplies
+        the fp32 logits gradient ``G`` exactly, in fp32). ``"tensor"`` (bfloat16 ``hidden`` and ``weight`` only; a
+        ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
+        bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
+        exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
+        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
       vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
         (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
         rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
@@ -1057,7 +1073,7 @@ def linear_soft_cross_entropy(
         bias=bias, teacher_bias=teacher_bias, temperature=temperature, logit_scale=logit_scale,
         teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
-        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
+        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, precision=precision,
         vocab_parallel=vocab_parallel,
         tuning=tuning,
     )
@@ -1083,6 +1099,7 @@ def linear_forward_kl(
     segment_ids: Optional[Tensor] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
+    precision: str = "exact",
     vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
     tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
@@ -1147,6 +1164,13 @@ def linear_forward_kl(
         over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
         accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
         Same bounds either way; the XLA / torch path only.
+      precision: ``"exact"`` (default): every product exact, accumulated in fp32 (a bf16 head's backward multiplies
+        the fp32 logits gradient ``G`` exactly, in fp32). ``"tensor"`` (bfloat16 ``hidden`` and ``weight`` only; a
+        ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
+        bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
+        exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
+        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
       vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
         (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
         rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
@@ -1178,7 +1202,7 @@ def linear_forward_kl(
         bias=bias, teacher_bias=teacher_bias, temperature=temperature, logit_scale=logit_scale,
         teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
-        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
+        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, precision=precision,
         vocab_parallel=vocab_parallel,
         tuning=tuning,
     )
@@ -1204,6 +1228,7 @@ def linear_reverse_kl(
     segment_ids: Optional[Tensor] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
+    precision: str = "exact",
     vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
     tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
@@ -1268,6 +1293,13 @@ def linear_reverse_kl(
         over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
         accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
         Same bounds either way; the XLA / torch path only.
+      precision: ``"exact"`` (default): every product exact, accumulated in fp32 (a bf16 head's backward multiplies
+        the fp32 logits gradient ``G`` exactly, in fp32). ``"tensor"`` (bfloat16 ``hidden`` and ``weight`` only; a
+        ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
+        bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
+        exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
+        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
       vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
         (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
         rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
@@ -1299,7 +1331,7 @@ def linear_reverse_kl(
         bias=bias, teacher_bias=teacher_bias, temperature=temperature, logit_scale=logit_scale,
         teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
-        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
+        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, precision=precision,
         vocab_parallel=vocab_parallel,
         tuning=tuning,
     )
@@ -1320,6 +1352,7 @@ def linear_entropy(
     segment_ids: Optional[Tensor] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
+    precision: str = "exact",
     vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
     tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
@@ -1376,6 +1409,13 @@ def linear_entropy(
         over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
         accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
         Same bounds either way; the XLA / torch path only.
+      precision: ``"exact"`` (default): every product exact, accumulated in fp32 (a bf16 head's backward multiplies
+        the fp32 logits gradient ``G`` exactly, in fp32). ``"tensor"`` (bfloat16 ``hidden`` and ``weight`` only; a
+        ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
+        bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
+        exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
+        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
       vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
         (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
         rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
@@ -1405,7 +1445,7 @@ def linear_entropy(
         "entropy",
         hidden=hidden, weight=weight, loss_mask=loss_mask, bias=bias, temperature=temperature, logit_scale=logit_scale,
         logit_softcap=logit_softcap, causal_shift=causal_shift, normalization=normalization, denominator=denominator,
-        segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, vocab_parallel=vocab_parallel,
+        segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, precision=precision, vocab_parallel=vocab_parallel,
         tuning=tuning,
     )
 
@@ -1431,6 +1471,7 @@ def linear_jensen_shannon(
     segment_ids: Optional[Tensor] = None,
     impl: str = "auto",
     recompute_logits: bool = False,
+    precision: str = "exact",
     vocab_parallel: Optional[torch.distributed.ProcessGroup] = None,
     tuning: Optional[lossspec.HeadTuning] = None,
     **unexpected: Never,
@@ -1498,6 +1539,13 @@ def linear_jensen_shannon(
         over all tokens and writes each slice of the weight gradient in the weight's dtype, so no fp32 ``[V, H]``
         accumulator exists (for 16-bit weights, 4 V H bytes less at the peak) for one more matmul (two with a teacher).
         Same bounds either way; the XLA / torch path only.
+      precision: ``"exact"`` (default): every product exact, accumulated in fp32 (a bf16 head's backward multiplies
+        the fp32 logits gradient ``G`` exactly, in fp32). ``"tensor"`` (bfloat16 ``hidden`` and ``weight`` only; a
+        ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
+        bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
+        exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
+        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
       vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
         (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
         rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
@@ -1529,7 +1577,7 @@ def linear_jensen_shannon(
         bias=bias, teacher_bias=teacher_bias, beta=beta, temperature=temperature, logit_scale=logit_scale,
         teacher_logit_scale=teacher_logit_scale, logit_softcap=logit_softcap,
         teacher_logit_softcap=teacher_logit_softcap, causal_shift=causal_shift, normalization=normalization,
-        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits,
+        denominator=denominator, segment_ids=segment_ids, impl=impl, recompute_logits=recompute_logits, precision=precision,
         vocab_parallel=vocab_parallel,
         tuning=tuning,
     )

@@ -429,7 +429,7 @@ class LinearCrossEntropyLoss(_LinearLoss):
     """Module form of :func:`torchloss.linear_cross_entropy` (fused LM head + cross_entropy).
 
     The options are fixed at construction (keyword only: those of :func:`torchloss.linear_cross_entropy` but the arrays,
-    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``denominator`` and ``segment_ids``; validated there, ``impl``, ``recompute_logits`` and ``precision`` included); called as
     ``module(hidden, weight, labels, loss_mask=None, *, bias=None, denominator=None, segment_ids=None)``. ``weight`` may
     be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias (unless ``bias=`` is given) are used. It
     holds no parameters.
@@ -449,6 +449,7 @@ class LinearCrossEntropyLoss(_LinearLoss):
         normalization: str = "valid_tokens",
         impl: str = "auto",
         recompute_logits: bool = False,
+        precision: str = "exact",
         vocab_parallel: Optional[api.ProcessGroup] = None,
         tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
@@ -464,6 +465,7 @@ class LinearCrossEntropyLoss(_LinearLoss):
                 normalization=normalization,
                 impl=impl,
                 recompute_logits=recompute_logits,
+                precision=precision,
                 vocab_parallel=vocab_parallel,
                 tuning=tuning,
             ),
@@ -475,7 +477,7 @@ class LinearSoftCrossEntropyLoss(_LinearLoss):
     """Module form of :func:`torchloss.linear_soft_cross_entropy` (fused LM head + soft_cross_entropy).
 
     The options are fixed at construction (keyword only: those of :func:`torchloss.linear_soft_cross_entropy` but the
-    arrays, ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    arrays, ``denominator`` and ``segment_ids``; validated there, ``impl``, ``recompute_logits`` and ``precision`` included); called as
     ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
     ``weight`` (and ``teacher_weight``) may be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias
     (unless ``bias=`` is given) are used. It holds no parameters.
@@ -495,6 +497,7 @@ class LinearSoftCrossEntropyLoss(_LinearLoss):
         normalization: str = "valid_tokens",
         impl: str = "auto",
         recompute_logits: bool = False,
+        precision: str = "exact",
         vocab_parallel: Optional[api.ProcessGroup] = None,
         tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
@@ -510,6 +513,7 @@ class LinearSoftCrossEntropyLoss(_LinearLoss):
                 normalization=normalization,
                 impl=impl,
                 recompute_logits=recompute_logits,
+                precision=precision,
                 vocab_parallel=vocab_parallel,
                 tuning=tuning,
             ),
@@ -521,7 +525,7 @@ class LinearForwardKLLoss(_LinearLoss):
     """Module form of :func:`torchloss.linear_forward_kl` (fused LM head + forward_kl).
 
     The options are fixed at construction (keyword only: those of :func:`torchloss.linear_forward_kl` but the arrays,
-    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``denominator`` and ``segment_ids``; validated there, ``impl``, ``recompute_logits`` and ``precision`` included); called as
     ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
     ``weight`` (and ``teacher_weight``) may be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias
     (unless ``bias=`` is given) are used. It holds no parameters.
@@ -541,6 +545,7 @@ class LinearForwardKLLoss(_LinearLoss):
         normalization: str = "valid_tokens",
         impl: str = "auto",
         recompute_logits: bool = False,
+        precision: str = "exact",
         vocab_parallel: Optional[api.ProcessGroup] = None,
         tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
@@ -556,6 +561,7 @@ class LinearForwardKLLoss(_LinearLoss):
                 normalization=normalization,
                 impl=impl,
                 recompute_logits=recompute_logits,
+                precision=precision,
                 vocab_parallel=vocab_parallel,
                 tuning=tuning,
             ),
@@ -567,7 +573,7 @@ class LinearReverseKLLoss(_LinearLoss):
     """Module form of :func:`torchloss.linear_reverse_kl` (fused LM head + reverse_kl).
 
     The options are fixed at construction (keyword only: those of :func:`torchloss.linear_reverse_kl` but the arrays,
-    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``denominator`` and ``segment_ids``; validated there, ``impl``, ``recompute_logits`` and ``precision`` included); called as
     ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
     ``weight`` (and ``teacher_weight``) may be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias
     (unless ``bias=`` is given) are used. It holds no parameters.
@@ -587,6 +593,7 @@ class LinearReverseKLLoss(_LinearLoss):
         normalization: str = "valid_tokens",
         impl: str = "auto",
         recompute_logits: bool = False,
+        precision: str = "exact",
         vocab_parallel: Optional[api.ProcessGroup] = None,
         tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
@@ -602,6 +609,7 @@ class LinearReverseKLLoss(_LinearLoss):
                 normalization=normalization,
                 impl=impl,
                 recompute_logits=recompute_logits,
+                precision=precision,
                 vocab_parallel=vocab_parallel,
                 tuning=tuning,
             ),
@@ -613,7 +621,7 @@ class LinearEntropyLoss(_LinearLoss):
     """Module form of :func:`torchloss.linear_entropy` (fused LM head + entropy).
 
     The options are fixed at construction (keyword only: those of :func:`torchloss.linear_entropy` but the arrays,
-    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``denominator`` and ``segment_ids``; validated there, ``impl``, ``recompute_logits`` and ``precision`` included); called as
     ``module(hidden, weight, loss_mask=None, *, bias=None, denominator=None, segment_ids=None)``.
     ``weight`` may be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias
     (unless ``bias=`` is given) are used. It holds no parameters.
@@ -631,6 +639,7 @@ class LinearEntropyLoss(_LinearLoss):
         normalization: str = "valid_tokens",
         impl: str = "auto",
         recompute_logits: bool = False,
+        precision: str = "exact",
         vocab_parallel: Optional[api.ProcessGroup] = None,
         tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
@@ -644,6 +653,7 @@ class LinearEntropyLoss(_LinearLoss):
                 normalization=normalization,
                 impl=impl,
                 recompute_logits=recompute_logits,
+                precision=precision,
                 vocab_parallel=vocab_parallel,
                 tuning=tuning,
             ),
@@ -655,7 +665,7 @@ class LinearJensenShannonLoss(_LinearLoss):
     """Module form of :func:`torchloss.linear_jensen_shannon` (fused LM head + jensen_shannon).
 
     The options are fixed at construction (keyword only: those of :func:`torchloss.linear_jensen_shannon` but the arrays,
-    ``denominator`` and ``segment_ids``; validated there, ``impl`` and ``recompute_logits`` included); called as
+    ``denominator`` and ``segment_ids``; validated there, ``impl``, ``recompute_logits`` and ``precision`` included); called as
     ``module(hidden, weight, teacher_hidden, teacher_weight, loss_mask=None, *, bias=None, teacher_bias=None, denominator=None, segment_ids=None)``.
     ``weight`` (and ``teacher_weight``) may be a ``torch.nn.Linear``: its weight in the ``[V, H]`` layout and its bias
     (unless ``bias=`` is given) are used. It holds no parameters.
@@ -676,6 +686,7 @@ class LinearJensenShannonLoss(_LinearLoss):
         normalization: str = "valid_tokens",
         impl: str = "auto",
         recompute_logits: bool = False,
+        precision: str = "exact",
         vocab_parallel: Optional[api.ProcessGroup] = None,
         tuning: Optional[lossspec.HeadTuning] = None,
         **unexpected: Never,
@@ -692,6 +703,7 @@ class LinearJensenShannonLoss(_LinearLoss):
                 normalization=normalization,
                 impl=impl,
                 recompute_logits=recompute_logits,
+                precision=precision,
                 vocab_parallel=vocab_parallel,
                 tuning=tuning,
             ),
