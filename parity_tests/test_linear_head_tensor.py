@@ -122,7 +122,7 @@ def _drivers(framework: str, kind: str, inputs: dict[str, Any], coef: np.ndarray
     return tuple(np.asarray(a, np.float64) for a in out[:3])
 
 
-def _rounded_g_misses(framework: str, kind: str, precision: str, plan: str = "whole") -> float:
+def _rounded_g_misses(framework: str, kind: str, precision: str, plan: str = "whole", **fields: Any) -> float:
     """The worst error of the drivers' fp32 ``dh`` and ``dW`` against the rounded-``G``
     reference, in units of its bound: the exact contract's fp32 bound (``4e-6 max(S, M)``) plus
     the allowance of ``G``'s entries at a rounding boundary."""
@@ -131,7 +131,7 @@ def _rounded_g_misses(framework: str, kind: str, precision: str, plan: str = "wh
         inputs["labels"] = np.abs(inputs["labels"]) % V  # the drivers take safe labels
     options = options_for(kind)
     coef = inputs["loss_mask"].reshape(-1).astype(np.float32)
-    tuning = spec_linear.head_matmul_tuning(block_budget(*PLANS[plan]), precision)
+    tuning = spec_linear.head_matmul_tuning(block_budget(*PLANS[plan], **fields), precision)
     loss, dh, dw = _drivers(framework, kind, inputs, coef, options, tuning)
     ref_loss, ref_dh, ref_dw, allow_h, allow_w, mag_h, mag_w = _rounded_g_reference(kind, inputs, coef, options)
     lossspec.compare_loss(float(np.sum(coef * loss)), ref_loss, f"{framework} {kind} loss").check()
@@ -154,6 +154,14 @@ def test_tensor_drivers_round_g_once_to_nearest_even(framework: str, kind: str) 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_tensor_drivers_in_the_vocabulary_blocked_plan(framework: str) -> None:
     assert _rounded_g_misses(framework, "jensen_shannon", "tensor", plan="blocked") <= 1.0
+
+
+@pytest.mark.slow  # the Triton interpreter
+def test_tensor_drivers_on_the_triton_matmul() -> None:
+    """torch's bf16 matmuls on CUDA are the Triton kernel: run in the interpreter, G is rounded to
+    nearest even before it (the interpreter's own cast truncates)."""
+    assert torch_head._triton_matmuls(torch.device("cpu"), lossspec.HeadTuning(triton_matmul_devices=("cpu",)))
+    assert _rounded_g_misses("torch", "cross_entropy", "tensor", triton_matmul_devices=("cpu",)) <= 1.0
 
 
 def test_truncating_g_misses_the_rounded_reference() -> None:

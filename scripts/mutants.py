@@ -722,6 +722,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_linear_head_tensor.py", "-k", "lossspec"),
     ),
     Mutant(
+        "tensor_g_left_to_the_triton_matmul",
+        "torchloss's mm_f32 leaves the one-term rounding of G to the Triton matmul (the interpreter's cast truncates)",
+        "torchloss/head.py::mm_f32",
+        "        a = a.to(torch.bfloat16)",
+        "        pass",
+        ("parity_tests/test_linear_head_tensor.py", "-k", "triton_matmul"),
+    ),
+    Mutant(
         "head_recompute_plan_ignored_torch",
         "torch's recompute_logits backward ignores HeadTuning.recompute_plan (always its own plan)",
         "torchloss/head.py::head_backward",

@@ -168,6 +168,10 @@ def mm_f32(
     ``tuning.triton_matmul_devices`` one Triton kernel (the split in registers); else cuBLAS with
     fp32 compute (``out_dtype``) on CUDA, exact fp32 upcasts elsewhere (the same numbers; the tests
     exercise this path on the CPU)."""
+    if a.dtype == torch.float32 and tuning.split_terms == 1:
+        # one term: ``a`` rounded to bf16 here, to nearest even on every device (the Triton
+        # interpreter's cast in the kernel would truncate); precision="tensor" runs this way
+        a = a.to(torch.bfloat16)
     if _triton_matmuls(a.device, tuning):
         from .backends import triton_matmul as _triton_matmul
 
