@@ -43,6 +43,14 @@ for _kind in KINDS:
     )
 # The module form, vocab_parallel given at construction.
 CASES["cross_entropy/blocked/module"] = ("cross_entropy", "blocked", dict(OPTIONS["cross_entropy"], module=True))
+# precision="tensor" (bfloat16 problems: dtype_of)
+CASES["cross_entropy/blocked/tensor"] = ("cross_entropy", "blocked", dict(OPTIONS["cross_entropy"], precision="tensor"))
+CASES["reverse_kl/whole/tensor"] = ("reverse_kl", "whole", dict(OPTIONS["reverse_kl"], precision="tensor"))
+
+
+def dtype_of(options: dict[str, Any]) -> str:
+    """The problem's dtype: bfloat16 for ``precision="tensor"`` (its only dtype), else float32."""
+    return "bfloat16" if options.get("precision") == "tensor" else "float32"
 
 
 def upstream(options: dict[str, Any]) -> np.ndarray:
@@ -53,16 +61,18 @@ def upstream(options: dict[str, Any]) -> np.ndarray:
 
 
 def run_case(kind: str, plan: str, options: dict[str, Any], lo: int, hi: int, group: Any) -> dict[str, np.ndarray]:
-    problem = make_problem(kind, VOCAB, seed=11)
+    dtype = getattr(torch, dtype_of(options))
+    problem = make_problem(kind, VOCAB, seed=11, dtype=dtype_of(options))
     block_elements, blocked_rows = PLANS[plan]
     options = dict(options, tuning=lossspec.HeadTuning(block_elements=block_elements, blocked_rows=blocked_rows))
     if options.pop("segment_ids", False):
         options["segment_ids"] = torch.tensor(problem["segment_ids"])
-    hidden = torch.tensor(problem["hidden"], requires_grad=True)
-    weight = torch.tensor(problem["weight"][lo:hi], requires_grad=True)
-    bias = torch.tensor(problem["bias"][lo:hi], requires_grad=True)
+    as_t = lambda a: torch.tensor(a).to(dtype) if np.issubdtype(np.asarray(a).dtype, np.floating) else torch.tensor(a)  # noqa: E731  (exact)
+    hidden = as_t(problem["hidden"]).requires_grad_(True)
+    weight = as_t(problem["weight"][lo:hi]).requires_grad_(True)
+    bias = as_t(problem["bias"][lo:hi]).requires_grad_(True)
     fn = getattr(torchloss, f"linear_{kind}")
-    target, extra = target_args(kind, problem, torch.tensor, vocab=slice(lo, hi))
+    target, extra = target_args(kind, problem, as_t, vocab=slice(lo, hi))
     mask = torch.tensor(problem["loss_mask"])
     if options.pop("module", False):
         loss = torchloss.nn.LinearCrossEntropyLoss(vocab_parallel=group, **options)(hidden, weight, *target, loss_mask=mask, bias=bias)
@@ -71,9 +81,9 @@ def run_case(kind: str, plan: str, options: dict[str, Any], lo: int, hi: int, gr
     loss.backward(torch.tensor(upstream(options)))
     return {
         "loss": loss.detach().numpy().copy(),
-        "hidden": hidden.grad.numpy().copy(),
-        "weight": weight.grad.numpy().copy(),
-        "bias": bias.grad.numpy().copy(),
+        "hidden": hidden.grad.float().numpy().copy(),
+        "weight": weight.grad.float().numpy().copy(),
+        "bias": bias.grad.float().numpy().copy(),
     }
 
 
