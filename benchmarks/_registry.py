@@ -116,6 +116,9 @@ BACKENDS: dict[str, Backend] = {
                 mem=(3.5, 3.5), cpu_ns=7.0),
         Backend("head-linear_ce", "torch", "peer", "head", ("cross_entropy",), _CPU_GPU,
                 "F.linear_cross_entropy (chunked, LinearCrossEntropyOptions())", mem=(1.0, 1.0), cpu_ns=25.0),
+        Backend("head-cce", "torch", "peer", "head", ("cross_entropy",), _CPU_GPU,
+                "Cut Cross-Entropy linear_cross_entropy (its Triton kernel on a GPU, impl='torch_compile' on the CPU; "
+                "filter_eps=None: no gradient filtering)", needs="cut_cross_entropy", mem=(1.0, 1.0), cpu_ns=25.0),
         Backend("head-liger", "torch", "peer", "head", ("cross_entropy",), ("gpu",),
                 "Liger-Kernel liger_fused_linear_cross_entropy", needs="liger_kernel", mem=(1.0, 1.0)),
         Backend("head-matmul-sol", "torch", "sol", "head", ("cross_entropy",), _CPU_GPU,

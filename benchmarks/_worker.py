@@ -498,6 +498,15 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
 
             def forward() -> Any:
                 return F.linear_cross_entropy(h, w, labels_ignore, ignore_index=-100, options=options)
+        elif spec.backend == "head-cce":
+            try:
+                import cut_cross_entropy
+            except Exception as error:  # noqa: BLE001
+                raise Unavailable(f"cut-cross-entropy not importable: {type(error).__name__}: {error}") from None
+            impl = "cce" if gpu else "torch_compile"
+
+            def forward() -> Any:
+                return cut_cross_entropy.linear_cross_entropy(h, w, labels_ignore, filter_eps=None, impl=impl)
         elif spec.backend == "head-liger":
             functional = _liger()
 

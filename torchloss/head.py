@@ -128,7 +128,13 @@ def bf16_matmuls(device: torch.device, tuning: spec_linear.HeadTuning, *dtypes: 
     2.13), and rounding the result to bf16 is what the fused head exists to avoid."""
     if device.type not in tuning.bf16_matmul_devices or not all(d == torch.bfloat16 for d in dtypes):
         return False
-    return device.type != "cuda" or _triton_matmuls(device, tuning) or _cuda_mm_out_dtype(device)
+    if device.type == "cuda":
+        return _triton_matmuls(device, tuning) or _cuda_mm_out_dtype(device)
+    # Elsewhere each bf16 matmul upcasts its operands (mm_f32), once per call: what the tests use
+    # to run the GPU's data flow on the CPU. G as one bf16 term (precision="tensor") takes the fp32
+    # flow instead, every operand upcast once, G rounded before its products (_add_head_grads):
+    # the same numbers, without a chunk's hidden rows widened again for every weight slice.
+    return tuning.split_terms > 1 or _triton_matmuls(device, tuning)
 
 
 def _triton_matmuls(device: torch.device, tuning: spec_linear.HeadTuning) -> bool:
@@ -290,17 +296,25 @@ def _add_head_grads(
     ``g`` ``[R, v1 - v0]`` (``first``: ``dh`` is written, not added to; ``tuning``: the bf16
     matmuls' settings, :func:`mm_f32`)."""
     v1 = v0 + g.shape[1]
+    # precision="tensor" on the fp32 flow (bf16_matmuls: the CPU): G rounded once to bf16, as the
+    # bf16 matmuls' one term would be, then multiplied exactly in fp32
+    round_g = tuning.split_terms == 1 and w.weight.dtype == torch.bfloat16 and g.device.type in tuning.bf16_matmul_devices
     for a, c, rows in w.slices(v0, v1):
         part = g[:, a - v0 : c - v0]
         if rows.dtype == torch.bfloat16:  # bf16 matmuls: G as exact bf16 terms (mm_f32)
             mm_f32(part, rows, dh, accumulate=not first, tuning=tuning)
             mm_f32(part.t(), h, dw[a:c], accumulate=True, tuning=tuning)
         else:
+            if db is not None:
+                db[a:c] += part.sum(dim=0)
+            product = part.to(torch.bfloat16).to(part.dtype) if round_g else part
             if first:
-                torch.mm(part, rows, out=dh)
+                torch.mm(product, rows, out=dh)
             else:
-                dh.addmm_(part, rows)
-            dw[a:c].addmm_(part.t(), h)
+                dh.addmm_(product, rows)
+            dw[a:c].addmm_(product.t(), h)
+            first = False
+            continue
         first = False
         if db is not None:
             db[a:c] += part.sum(dim=0)
