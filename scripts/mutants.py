@@ -982,8 +982,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the torch fused head's dh misses vocabulary column 0 (whole-row chunks) (dh missing a term; "
         "caught under SPEC section 8's componentwise bound on all-positive inputs)",
         "torchloss/head.py::_add_head_grads",
-        "                torch.mm(part, rows, out=dh)",
-        "                torch.mm(part[:, 1:], rows[1:], out=dh)",
+        "                torch.mm(product, rows, out=dh)",
+        "                torch.mm(product[:, 1:], rows[1:], out=dh)",
         ("parity_tests/test_linear_head.py", "-k", "torch and all_positive"),
     ),
     Mutant(
