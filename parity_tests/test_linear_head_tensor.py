@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,7 +35,8 @@ import torchloss.head as torch_head
 from jaxloss._block import KernelConfig
 from lossspec import linear as spec_linear
 from parity_tests.support.head_cases import (
-    H, HT, KINDS, LEAD, NORMS, PLANS, RUNNERS, V, block_budget, grad_output_for, head_target, make_inputs, options_for,
+    H, HT, KINDS, LEAD, MEM_N, MEM_V, NORMS, PLANS, RUNNERS, V, block_budget, grad_output_for, head_target, make_inputs, options_for,
+    peak_extra,
 )
 
 TENSOR = {"precision": "tensor"}
@@ -263,3 +265,32 @@ def test_tensor_bounds_in_lossspec() -> None:
     assert spec_linear.compare_head_grad(off, ref_grad, "float32", magnitude=magnitude, precision="tensor").ok
     assert not spec_linear.compare_head_grad(ref_grad + np.array([0.0, 2.0**-8 * 4.0 * 1.01 + 4e-6 * 4.0]), ref_grad, "float32",
                                              magnitude=magnitude, precision="tensor").ok
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: the tensor contract keeps the exact one's budget (1/8 of the logits + the gradients)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:`export_memory_timeline` is deprecated:FutureWarning")
+def test_tensor_head_memory_is_an_eighth_of_the_logits(tmp_path: Any) -> None:
+    """bf16, H = 128: torch's profiled peak and XLA's temporaries of the value-and-grad stay within
+    1/8 of the bf16 logits plus the fp32 and bf16 gradients and a few per-token vectors (``G``'s
+    bf16 copy is one [R, B] block's, inside the 1/8)."""
+    width = 128
+    rng = np.random.default_rng(5)
+    h_np, w_np, y_np = rng.standard_normal((MEM_N, width)), 0.5 * rng.standard_normal((MEM_V, width)), rng.integers(0, MEM_V, MEM_N)
+    logits_bytes = MEM_N * MEM_V * 2
+    vectors_bytes = 16 * MEM_N * 8
+    hidden = torch.tensor(h_np, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.tensor(w_np, dtype=torch.bfloat16, requires_grad=True)
+
+    def fused() -> None:
+        torchloss.linear_cross_entropy(hidden, weight, torch.tensor(y_np), precision="tensor").backward()
+
+    fused()  # warm-up
+    peak = peak_extra(fused, tmp_path)
+    assert peak <= logits_bytes / 8 + (MEM_N * width + MEM_V * width + MEM_V) * 6 + vectors_bytes, (peak, logits_bytes)
+    step = jax.jit(jax.value_and_grad(lambda h, w: jaxloss.linear_cross_entropy(h, w, jnp.asarray(y_np, jnp.int32), precision="tensor"), argnums=(0, 1)))
+    temp = int(step.lower(jnp.asarray(h_np, jnp.bfloat16), jnp.asarray(w_np, jnp.bfloat16)).compile().memory_analysis().temp_size_in_bytes)
+    assert temp <= logits_bytes / 8 + (MEM_N * width + MEM_V * width) * 4 + vectors_bytes, (temp, logits_bytes)
