@@ -30,21 +30,13 @@ import torchloss.head as torch_linear
 from jaxloss._block import KernelConfig
 from lossspec import linear as spec_linear
 
-from parity_tests.support.head_cases import H, HT, PLANS, V, block_budget, options_for, make_inputs
+from parity_tests.support.head_cases import H, HT, PLANS, V, block_budget, driver_reference, options_for, make_inputs
 
 
 def _reference(kind: str, inputs: dict[str, Any], coef: np.ndarray, options: dict[str, Any]) -> tuple:
     """``(sum_i coef_i l_i, dh, dW, db)`` in float64."""
-    h = inputs["hidden"].reshape(-1, H).astype(np.float64)
-    z = spec_linear.head_logits(h, inputs["weight"], inputs["bias"])
-    spec = lossspec.KIND_SPECS[kind]
-    target = None
-    if spec.has_labels:
-        target = inputs["labels"].reshape(-1)
-    elif spec.has_teacher:
-        target = spec_linear.head_logits(inputs["teacher_hidden"].reshape(-1, HT), inputs["teacher_weight"], inputs["teacher_bias"])
-    per_token, g = lossspec.oracle(kind, z, target, coef, normalization="none", **options)
-    return float(np.sum(per_token)), g @ inputs["weight"].astype(np.float64), g.T @ h, g.sum(axis=0)
+    per_token, g, h, w = driver_reference(kind, inputs, coef, options)
+    return float(np.sum(per_token)), g @ w, g.T @ h, g.sum(axis=0)
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

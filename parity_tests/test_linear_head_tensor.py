@@ -35,7 +35,7 @@ import torchloss.head as torch_head
 from jaxloss._block import KernelConfig
 from lossspec import linear as spec_linear
 from parity_tests.support.head_cases import (
-    H, HT, KINDS, LEAD, MEM_N, MEM_V, NORMS, PLANS, RUNNERS, V, block_budget, grad_output_for, head_target, make_inputs, options_for,
+    H, HT, KINDS, LEAD, MEM_N, MEM_V, NORMS, PLANS, RUNNERS, V, block_budget, driver_reference, grad_output_for, head_target, make_inputs, options_for,
     peak_extra,
 )
 
@@ -86,16 +86,7 @@ def _rounded_g_reference(kind: str, inputs: dict[str, Any], coef: np.ndarray, op
     with ``G`` (the oracle's) rounded to bf16 to nearest even. Entries of ``G`` within section 6's
     bound of a bf16 rounding boundary may round either way in fp32: their difference (one bf16 ulp)
     times ``|W|`` / ``|h|`` is the allowance."""
-    h = inputs["hidden"].reshape(-1, H).astype(np.float64)
-    w = inputs["weight"].astype(np.float64)
-    z = spec_linear.head_logits(h, w, inputs["bias"])
-    spec = lossspec.KIND_SPECS[kind]
-    target = None
-    if spec.has_labels:
-        target = inputs["labels"].reshape(-1)
-    elif spec.has_teacher:
-        target = spec_linear.head_logits(inputs["teacher_hidden"].reshape(-1, HT), inputs["teacher_weight"], inputs["teacher_bias"])
-    per_token, g = lossspec.oracle(kind, z, target, coef, normalization="none", **options)
+    per_token, g, h, w = driver_reference(kind, inputs, coef, options)
     g_error = lossspec.GRAD_RTOL * np.abs(g).max()
     low = lossspec.round_to_dtype(g - g_error, "bfloat16").astype(np.float64)
     high = lossspec.round_to_dtype(g + g_error, "bfloat16").astype(np.float64)

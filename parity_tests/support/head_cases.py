@@ -97,6 +97,23 @@ def make_inputs(
     return inputs
 
 
+def driver_reference(kind: str, inputs: dict[str, Any], coef: np.ndarray, options: dict[str, Any]) -> tuple[np.ndarray, ...]:
+    """The float64 oracle of the heads' drivers (``head_forward``: per-token losses, gradients of
+    ``sum_i coef_i l_i``): ``(l [N], G [N, V], h [N, H], W [V, H])``, ``h`` the flattened hidden."""
+    h = inputs["hidden"].reshape(-1, inputs["hidden"].shape[-1]).astype(np.float64)
+    w = inputs["weight"].astype(np.float64)
+    z = spec_linear.head_logits(h, w, inputs["bias"])
+    spec = lossspec.KIND_SPECS[kind]
+    target = None
+    if spec.has_labels:
+        target = inputs["labels"].reshape(-1)
+    elif spec.has_teacher:
+        t_hidden = inputs["teacher_hidden"]
+        target = spec_linear.head_logits(t_hidden.reshape(-1, t_hidden.shape[-1]), inputs["teacher_weight"], inputs["teacher_bias"])
+    per_token, g = lossspec.oracle(kind, z, target, coef, normalization="none", **options)
+    return per_token, g, h, w
+
+
 def grad_output_for(normalization: str, lead: tuple[int, ...] = LEAD) -> np.ndarray:
     """A non-unit upstream gradient: a scalar, or one value per token for ``"none"``."""
     if normalization == "none":
