@@ -11,6 +11,8 @@ import lossspec  # NumPy only
 # Every kind of the kind table (lossspec.KIND_SPECS), the ones with teacher logits, short labels.
 KINDS: tuple[str, ...] = lossspec.ALL_KINDS
 DISTILL: tuple[str, ...] = tuple(kind for kind in KINDS if lossspec.KIND_SPECS[kind].target == "teacher_logits")
+# The kinds with integer labels (cross-entropy): their GPU targets are Liger's time and a 1.1x floor.
+LABELS: tuple[str, ...] = tuple(kind for kind in KINDS if lossspec.KIND_SPECS[kind].target == "labels")
 SHORT_KIND: dict[str, str] = {kind: lossspec.KIND_SPECS[kind].short for kind in KINDS}
 # The loss kinds the peers' own functions cover (optax, F.cross_entropy / F.kl_div); the others
 # (entropy, jensen_shannon) are written for the eager / compiled peers from their formulas.
@@ -84,6 +86,9 @@ BACKENDS: dict[str, Backend] = {
         # ---- JAX --------------------------------------------------------------------------
         Backend("jaxloss-xla", "jax", "ours", "loss", _ALL, _CPU_GPU, 'jaxloss impl="xla"', ("cpu",), mem=(1.3, 1.3), mem_16bit=(2.3, 3.8), cpu_ns=2.0),
         Backend("jaxloss-pallas", "jax", "ours", "loss", _ALL, ("gpu",), 'jaxloss impl="pallas"', ("gpu",), mem=(1.3, 1.3)),
+        Backend("jaxloss-pallas-inplace", "jax", "ours", "loss", _ALL, ("gpu",),
+                'jaxloss impl="pallas", inplace=True, the logits donated (the gradient takes their buffer)', mem=(0.3, 0.3),
+                inplace_kinds=_ALL),
         Backend("optax", "jax", "peer", "loss", _ALL, _CPU_GPU,
                 "optax softmax_cross_entropy(_with_integer_labels) / kl_divergence (entropy, JSD: from those, by their formulas) under jax.grad", mem=(4.0, 6.0), mem_16bit=(4.0, 11.0), cpu_ns=4.5),
         Backend("jax-sol", "jax", "sol", "loss", _ALL, _CPU_GPU,
@@ -199,21 +204,14 @@ class Spec:
             return None
         return self.logits_bytes * (3 if self.kind in DISTILL else 2)
 
-    def floor_bytes(self) -> int | None:
-        """The two-read-one-write floor of a fused forward+backward (issue 32): each valid row reads
-        its logits twice (the statistics, then the gradient; the teacher's too for the distillation
-        kinds) and writes its gradient once; a masked row only writes zeros. None for the head group
-        and the speed-of-light passes (which read no mask)."""
-        if self.info.group == "head" or self.masked is None:
-            return None
-        return floor_bytes(self.n, self.v, self.dtype, self.kind, self.masked)
-
 
 def floor_bytes(n: int, v: int, dtype: str, kind: str, masked: float) -> int:
-    """Bytes of the two-read-one-write floor (:meth:`Spec.floor_bytes`) at N x V with the exact
-    masked count of :func:`benchmarks._worker.token_mask` (``round(masked * n)`` tokens): at
-    16384 x 131072 bf16 with 30% masked, 10.3 GB for cross-entropy and entropy, 16.3 GB for the
-    kinds with teacher logits."""
+    """Bytes of the two-read-one-write floor of a fused forward+backward (issue 32) at N x V with a
+    fraction ``masked`` of the tokens masked (``round(masked * n)``, as
+    :func:`benchmarks._worker.token_mask`): each valid row reads its logits twice (the statistics,
+    then the gradient; the teacher's too for the distillation kinds) and writes its gradient once; a
+    masked row only writes zeros. At 16384 x 131072 bf16 with 30% masked: 10.3 GB for
+    cross-entropy and entropy, 16.3 GB for the kinds with teacher logits."""
     row = v * ITEMSIZE[dtype]
     masked_rows = int(round(masked * n))
     reads = 2 * (2 if kind in DISTILL else 1)  # logits (and teacher) twice per valid row

@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from benchmarks._registry import BACKENDS, DISTILL, ITEMSIZE, KINDS, MIN_REPS, SHORT_KIND, floor_bytes, nominal_hbm_bandwidth
+from benchmarks._registry import BACKENDS, DISTILL, ITEMSIZE, KINDS, LABELS, MIN_REPS, SHORT_KIND, floor_bytes, nominal_hbm_bandwidth
 
 # Targets of the issue (measured, not asserted).
 CPU_PEER_RATIO = 0.6
@@ -73,7 +73,8 @@ def bytes_moved(spec: dict[str, Any]) -> int | None:
 
 
 def spec_floor_bytes(spec: dict[str, Any]) -> int | None:
-    """The two-read-one-write floor's bytes (:meth:`benchmarks._registry.Spec.floor_bytes`)."""
+    """The two-read-one-write floor's bytes of a result's spec (:func:`benchmarks._registry.floor_bytes`;
+    None for the head group and the speed-of-light passes, which read no mask)."""
     if BACKENDS[spec["backend"]].group == "head" or spec.get("masked") is None:
         return None
     return floor_bytes(spec["n"], spec["v"], spec["dtype"], spec["kind"], spec["masked"])
@@ -81,7 +82,7 @@ def spec_floor_bytes(spec: dict[str, Any]) -> int | None:
 
 def floor_ratio(kind: str) -> float:
     """The GPU target on ours / the two-read-one-write floor."""
-    return GPU_CE_FLOOR_RATIO if kind == "cross_entropy" else GPU_FLOOR_RATIO
+    return GPU_CE_FLOOR_RATIO if kind in LABELS else GPU_FLOOR_RATIO
 
 
 def spread_of(result: dict[str, Any] | None) -> tuple[float, float, float] | None:
@@ -256,7 +257,7 @@ def summarize(results: list[dict[str, Any]], meta: dict[str, Any] | None = None)
                     row["floor_verdict"] = verdict(o, (f, f, f), floor_ratio(kind), reps_ok)
             if liger is not None:
                 row["vs_liger"] = ours["time_s"] / liger["time_s"]
-                if device == "gpu" and group == "loss" and kind == "cross_entropy" and framework == "torch":
+                if device == "gpu" and group == "loss" and kind in LABELS and framework == "torch":
                     row["liger_verdict"] = verdict(o, spread_of(liger), GPU_CE_LIGER_RATIO,
                                                    reps_ok and liger.get("reps", 0) >= MIN_REPS)
             if triton is not None and framework == "jax" and group == "loss" and ours["spec"]["backend"] == "jaxloss-pallas":
@@ -431,8 +432,8 @@ def summary_notes(rows: list[dict[str, Any]], meta: dict[str, Any] | None = None
                          "machine can meet that target.")
     gpu = [r for r in measured if r["device"] == "gpu"]
     if gpu:
-        ce = [r for r in gpu if r["kind"] == "cross_entropy"]
-        others = [r for r in gpu if r["kind"] != "cross_entropy"]
+        ce = [r for r in gpu if r["kind"] in LABELS]
+        others = [r for r in gpu if r["kind"] not in LABELS]
         lines.append(
             "Two-read-one-write floor (2R1W, GPU): each valid row reads its logits (and teacher) twice and writes its "
             "gradient once, a masked row writes zeros only; those bytes over the copy rate of the speed-of-light pass's "

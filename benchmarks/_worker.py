@@ -295,16 +295,18 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
     target = labels if target_kind == "labels" else teacher
     donate: tuple[int, ...] = ()
 
-    if spec.backend in ("jaxloss-xla", "jaxloss-pallas"):
+    if spec.backend in ("jaxloss-xla", "jaxloss-pallas", "jaxloss-pallas-inplace"):
         import jaxloss
 
-        impl = spec.backend.split("-")[1]
+        options = {"impl": spec.backend.split("-")[1], "inplace": spec.backend.endswith("-inplace")}
         fn = getattr(jaxloss, spec.kind)
 
         def loss(x: Any, target: Any, mask: Any) -> Any:
-            return fn(x, mask, impl=impl) if target_kind is None else fn(x, target, mask, impl=impl)
+            return fn(x, mask, **options) if target_kind is None else fn(x, target, mask, **options)
 
         program, args = jax.value_and_grad(loss), (x, target, mask)
+        if options["inplace"]:
+            donate = (0,)  # the logits die at the call: the kernel's gradient takes their buffer
     elif spec.backend == "optax":
         import optax
 
@@ -400,7 +402,20 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
     except Exception:  # noqa: BLE001 - not every backend reports it
         bench.analysis = None
 
-    if donate:
+    if spec.info.writes_logits(spec.kind):
+        # Each call consumes (donates) its logits: a fresh copy of the cell's before every call,
+        # outside the timed region (Bench.prepare), as FreshLogits does for torch.
+        state = list(args)
+
+        def prepare() -> None:
+            state[0] = None
+            state[0] = jax.block_until_ready(jnp.copy(x))
+
+        def step() -> Any:
+            return jax.block_until_ready(compiled(*state))
+
+        bench.prepare = prepare
+    elif donate:
         state = list(args)
 
         def step() -> Any:

@@ -57,7 +57,7 @@ if [ -n "$short" ]; then
   pytest_seconds=${GPU_CHECK_PYTEST_SECONDS:-120}
   sweep_seconds=${GPU_CHECK_SWEEP_SECONDS:-30}
   # the suites of the kernels issue 32 changed: the Pallas and Triton loss kernels
-  kernel_tests=(parity_tests/test_jaxloss_kernels.py parity_tests/test_torchloss_triton_kernels.py)
+  kernel_tests=(parity_tests/test_jaxloss_kernels.py parity_tests/test_torchloss_triton_kernels.py parity_tests/test_jaxloss_inplace.py)
   kernel_filter="pallas or triton"
   skip_parity=1
   bench_args="--gpu-quick --name gpu_quick_short --no-head --skip-backends torch-compile,torch-eager,optax,torchloss

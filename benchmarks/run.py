@@ -285,7 +285,8 @@ class Estimator:
 
     STARTUP = {"jax": 4.0, "torch": 5.0}
     COMPILE = {"torch-compile": 25.0, "liger": 8.0, "flash-attn-ce": 8.0, "head-liger": 8.0,
-               "jaxloss-pallas": 5.0, "torchloss-triton": 5.0, "torchloss-triton-inplace": 5.0}
+               "jaxloss-pallas": 5.0, "jaxloss-pallas-inplace": 5.0, "torchloss-triton": 5.0,
+               "torchloss-triton-inplace": 5.0}
 
     def __init__(self, device: str) -> None:
         self.device = device

@@ -221,11 +221,14 @@ def _call(
     vocab: int,
     fields: tuple[str, ...] = (),
     tuning: Optional[Tuning] = None,
+    aliases: Optional[dict[int, int]] = None,
 ) -> tuple[Array, ...]:
     """Run the kernel in ``mode`` over ``inputs`` (``inputs[0]`` is ``x [N, n_cols]``), with the
     :class:`lossspec.Tuning` fields ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``,
     ``interpret`` and ``debug`` of ``tuning`` (``None``: :data:`GPU_DEFAULTS` /
-    :data:`INTERPRET_DEFAULTS`)."""
+    :data:`INTERPRET_DEFAULTS`). ``aliases``: ``{input index: output index}``, outputs written into
+    their input's buffer (``pallas_call``'s ``input_output_aliases``; XLA copies an input that is
+    still needed)."""
     tuning = tuning or DEFAULT_TUNING
     n = inputs[0].shape[0]
     # Inside shard_map (check_vma) every operand and result must carry the same varying axes.
@@ -245,6 +248,7 @@ def _call(
                 jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat if typed else None) for shape, dtype in out_shapes
             ),
             grid=(pl.cdiv(n, block_rows),),
+            input_output_aliases=dict(aliases or {}),
             interpret=interpret,
             debug=tuning.debug,
             compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps or GPU_DEFAULTS.num_warps, num_stages=tuning.num_stages),
@@ -308,13 +312,18 @@ def fused(
     *,
     with_grad: bool = True,
     tuning: Optional[Tuning] = None,
+    inplace: bool = False,
     mode: str = "fused",
 ) -> tuple[Array, Optional[Array]]:
     """Per-token loss ``[N]`` fp32 (0 where ``coef == 0``, not multiplied by ``coef``) and the
     gradient ``coef * c * dl/dz`` ``[N, V]`` in the logits' dtype (see :func:`jaxloss.backends.xla.fused`).
 
-    The kernel always writes the gradient; ``with_grad=False`` only drops it. (The "stats" and
-    "grad" modes are :func:`shard_stats` and :func:`shard_grad`.)
+    The kernel always writes the gradient; ``with_grad=False`` only drops it. ``inplace``: the
+    gradient is written into the buffer of ``x`` (``input_output_aliases``): no new logits-sized
+    buffer where ``x`` dies at this call (an intermediate under ``jax.jit``, or donated); where it
+    is still needed XLA copies it first. Each block of columns is read by both passes before pass 2
+    overwrites it, so the aliased kernel computes the same numbers. (The "stats" and "grad" modes
+    are :func:`shard_stats` and :func:`shard_grad`.)
     """
     if mode != "fused":
         raise NotImplementedError(f"kernel mode {mode!r} in fused(); the modes are {', '.join(MODES)} "
@@ -323,7 +332,7 @@ def fused(
     if n == 0:
         return jnp.zeros((0,), F32), (jnp.zeros(x.shape, x.dtype) if with_grad else None)
     loss, grad = _call(cfg, "fused", (x, _target_operand(cfg, target), coef), (((n,), F32), ((n, vocab), x.dtype)),
-                       n_cols=vocab, vocab=vocab, tuning=tuning)
+                       n_cols=vocab, vocab=vocab, tuning=tuning, aliases={0: 1} if inplace else None)
     return loss, (grad if with_grad else None)
 
 
