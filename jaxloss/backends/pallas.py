@@ -15,6 +15,12 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
   inside and cast once on store. Ragged vocabulary tails are masked loads/stores.
   ``jensen_shannon`` loops once more in between (its mixture sums need the global ``lse``'s,
   :mod:`lossspec.stats`); ``entropy`` reads no target (an empty ``[N, 0]`` stand-in).
+* Rows with ``coef == 0`` (masked, or ``D == 0``) are never read: their lanes are masked off every
+  load and their zero gradient is stored; a block of such rows skips the passes (``pl.when``) and
+  stores zeros only (the Triton kernels' ``_zero_row``). The "stats" mode, which has no ``coef``,
+  reads every row.
+* ``inplace`` (the losses' ``inplace=True``): the gradient output aliases ``x``
+  (``input_output_aliases``); pass 2 writes a block only after both passes have read it.
 * The label's logit is picked with a compare against the column ids (no gather), so the kernel
   needs nothing beyond loads, stores, elementwise math and row reductions.
 * Offsets: the kernel indexes with (row, column) pairs and never forms ``row * V`` itself;
