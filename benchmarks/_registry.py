@@ -11,6 +11,8 @@ import lossspec  # NumPy only
 # Every kind of the kind table (lossspec.KIND_SPECS), the ones with teacher logits, short labels.
 KINDS: tuple[str, ...] = lossspec.ALL_KINDS
 DISTILL: tuple[str, ...] = tuple(kind for kind in KINDS if lossspec.KIND_SPECS[kind].target == "teacher_logits")
+# The kinds with integer labels (cross-entropy): their GPU targets are Liger's time and a 1.1x floor.
+LABELS: tuple[str, ...] = tuple(kind for kind in KINDS if lossspec.KIND_SPECS[kind].target == "labels")
 SHORT_KIND: dict[str, str] = {kind: lossspec.KIND_SPECS[kind].short for kind in KINDS}
 # The loss kinds the peers' own functions cover (optax, F.cross_entropy / F.kl_div); the others
 # (entropy, jensen_shannon) are written for the eager / compiled peers from their formulas.
@@ -61,6 +63,13 @@ class Backend:
     skips_masked_16bit: tuple[str, ...] = ()
     # The logits dtypes it applies to (an opt-in 16-bit path: bf16 only).
     dtypes: tuple[str, ...] = tuple(ITEMSIZE)
+    # The kinds for which it writes the gradient into the logits' buffer (Liger's cross-entropy,
+    # our inplace=True): each of its calls gets fresh logits, copied from pristine ones before the
+    # call and outside its timed region (and before its memory baseline), never its own last gradient.
+    inplace_kinds: tuple[str, ...] = ()
+
+    def writes_logits(self, kind: str) -> bool:
+        return kind in self.inplace_kinds
 
     def skips_masked(self, dtype: str, device: str) -> bool:
         return device in self.skips_masked_16bit and ITEMSIZE[dtype] == 2
@@ -77,6 +86,9 @@ BACKENDS: dict[str, Backend] = {
         # ---- JAX --------------------------------------------------------------------------
         Backend("jaxloss-xla", "jax", "ours", "loss", _ALL, _CPU_GPU, 'jaxloss impl="xla"', ("cpu",), mem=(1.3, 1.3), mem_16bit=(2.3, 3.8), cpu_ns=2.0),
         Backend("jaxloss-pallas", "jax", "ours", "loss", _ALL, ("gpu",), 'jaxloss impl="pallas"', ("gpu",), mem=(1.3, 1.3)),
+        Backend("jaxloss-pallas-inplace", "jax", "ours", "loss", _ALL, ("gpu",),
+                'jaxloss impl="pallas", inplace=True, the logits donated (the gradient takes their buffer)', mem=(0.3, 0.3),
+                inplace_kinds=_ALL),
         Backend("optax", "jax", "peer", "loss", _ALL, _CPU_GPU,
                 "optax softmax_cross_entropy(_with_integer_labels) / kl_divergence (entropy, JSD: from those, by their formulas) under jax.grad", mem=(4.0, 6.0), mem_16bit=(4.0, 11.0), cpu_ns=4.5),
         Backend("jax-sol", "jax", "sol", "loss", _ALL, _CPU_GPU,
@@ -86,12 +98,16 @@ BACKENDS: dict[str, Backend] = {
                 skips_masked_16bit=("cpu",)),
         Backend("torchloss-triton", "torch", "ours", "loss", _ALL, ("gpu",), 'torchloss impl="triton"', ("gpu",),
                 mem=(1.3, 1.3)),
+        Backend("torchloss-triton-inplace", "torch", "ours", "loss", _ALL, ("gpu",),
+                'torchloss impl="triton", inplace=True (the gradient written into the logits: no logits-sized output)',
+                mem=(0.3, 0.3), inplace_kinds=_ALL),
         Backend("torch-eager", "torch", "peer", "loss", _ALL, _CPU_GPU,
                 "F.cross_entropy (int or soft targets) / F.kl_div(log_target=True) (entropy, JSD: their formulas in torch ops)", mem=(3.5, 5.5), cpu_ns=5.0),
         Backend("torch-compile", "torch", "peer", "loss", _ALL, _CPU_GPU, "torch.compile of the torch-eager expression",
                 mem=(2.0, 2.0), cpu_ns=1.8),
         Backend("liger", "torch", "peer", "loss", ("cross_entropy", "forward_kl"), ("gpu",),
-                "Liger-Kernel liger_cross_entropy / liger_kl_div", needs="liger_kernel", mem=(1.5, 5.0)),
+                "Liger-Kernel liger_cross_entropy (writes the gradient into the logits) / liger_kl_div", needs="liger_kernel",
+                mem=(1.5, 5.0), inplace_kinds=("cross_entropy",)),
         Backend("flash-attn-ce", "torch", "peer", "loss", ("cross_entropy",), ("gpu",),
                 "flash-attn Triton cross_entropy_loss", needs="flash_attn_ce", mem=(2.0, 2.0)),
         Backend("torch-sol", "torch", "sol", "loss", _ALL, _CPU_GPU,
@@ -194,11 +210,24 @@ class Spec:
         return int(self.input_bytes() + factor * self.logits_bytes)
 
     def bytes_moved(self) -> int | None:
-        """The least HBM/DRAM traffic of a fused forward+backward: read the logits (and the teacher),
-        write the gradient. None for the head group (dominated by the matmuls)."""
+        """What the speed-of-light pass moves: it reads the logits (and the teacher) and writes a
+        logits-sized buffer. None for the head group (dominated by the matmuls)."""
         if self.info.group == "head":
             return None
         return self.logits_bytes * (3 if self.kind in DISTILL else 2)
+
+
+def floor_bytes(n: int, v: int, dtype: str, kind: str, masked: float) -> int:
+    """Bytes of the two-read-one-write floor of a fused forward+backward (issue 32) at N x V with a
+    fraction ``masked`` of the tokens masked (``round(masked * n)``, as
+    :func:`benchmarks._worker.token_mask`): each valid row reads its logits twice (the statistics,
+    then the gradient; the teacher's too for the distillation kinds) and writes its gradient once; a
+    masked row only writes zeros. At 16384 x 131072 bf16 with 30% masked: 10.3 GB for
+    cross-entropy and entropy, 16.3 GB for the kinds with teacher logits."""
+    row = v * ITEMSIZE[dtype]
+    masked_rows = int(round(masked * n))
+    reads = 2 * (2 if kind in DISTILL else 1)  # logits (and teacher) twice per valid row
+    return (n - masked_rows) * row * (reads + 1) + masked_rows * row
 
 
 def parse_shape(text: str) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from benchmarks._registry import BACKENDS, DISTILL, ITEMSIZE, KINDS, MIN_REPS, SHORT_KIND, nominal_hbm_bandwidth
+from benchmarks._registry import BACKENDS, DISTILL, ITEMSIZE, KINDS, LABELS, MIN_REPS, SHORT_KIND, floor_bytes, nominal_hbm_bandwidth
 
 # Targets of the issue (measured, not asserted).
 CPU_PEER_RATIO = 0.6
@@ -26,7 +26,13 @@ FUSED_HEADS = (
     "head-torchloss-fused-recompute", "head-jaxloss-fused-recompute",
 )
 MEM_SLACK = (0.02, 16 << 20)  # allocator/page rounding: 2% of a logits buffer or 16 MiB, whichever is larger
-GPU_HBM_FRACTION = 0.85
+# GPU targets (issue 32), against the two-read-one-write floor (Spec.floor_bytes over the copy
+# rate of the speed-of-light pass): cross-entropy <= 0.85x Liger's time and <= 1.1x its floor;
+# every other kind <= 1.15x its floor; the Pallas kernel <= 1.1x the Triton kernel's time.
+GPU_CE_LIGER_RATIO = 0.85
+GPU_CE_FLOOR_RATIO = 1.1
+GPU_FLOOR_RATIO = 1.15
+GPU_PALLAS_TRITON_RATIO = 1.1
 LOSS_TOL = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 NOISE = "within noise"
 
@@ -60,9 +66,23 @@ def logits_bytes(spec: dict[str, Any]) -> int:
 
 
 def bytes_moved(spec: dict[str, Any]) -> int | None:
+    """What the speed-of-light pass moves (reads the logits, and the teacher; writes a buffer)."""
     if BACKENDS[spec["backend"]].group == "head":
         return None
     return logits_bytes(spec) * (3 if spec["kind"] in DISTILL else 2)
+
+
+def spec_floor_bytes(spec: dict[str, Any]) -> int | None:
+    """The two-read-one-write floor's bytes of a result's spec (:func:`benchmarks._registry.floor_bytes`;
+    None for the head group and the speed-of-light passes, which read no mask)."""
+    if BACKENDS[spec["backend"]].group == "head" or spec.get("masked") is None:
+        return None
+    return floor_bytes(spec["n"], spec["v"], spec["dtype"], spec["kind"], spec["masked"])
+
+
+def floor_ratio(kind: str) -> float:
+    """The GPU target on ours / the two-read-one-write floor."""
+    return GPU_CE_FLOOR_RATIO if kind in LABELS else GPU_FLOOR_RATIO
 
 
 def spread_of(result: dict[str, Any] | None) -> tuple[float, float, float] | None:
@@ -110,8 +130,10 @@ def _rows(results: list[dict[str, Any]]) -> dict[RowKey, list[dict[str, Any]]]:
 
 def annotate(results: list[dict[str, Any]], hbm_bandwidth: float | None = None) -> None:
     """Adds, per result: memory in logits buffers, median ratios to the row's best peer and to
-    the speed-of-light floor, whether its best time lies below that floor (it must not), achieved
-    bandwidth (GPU), loss agreement with our default path at the same mask."""
+    the speed-of-light floor, whether its best time lies below that floor (it must not), the
+    two-read-one-write floor (its bytes over the copy rate of the speed-of-light pass, else over
+    ``hbm_bandwidth``, the nominal one) and the time against it, loss agreement with our default
+    path at the same mask, and whether every repetition gave the same loss."""
     floors = sol_floors(results)
     for r in results:
         if r.get("mem_extra_bytes") is not None:
@@ -131,18 +153,36 @@ def annotate(results: list[dict[str, Any]], hbm_bandwidth: float | None = None) 
             r["sol_floor_backend"] = floor["spec"]["backend"] if floor else None
             r["vs_sol"] = r["time_s"] / floor["min_s"] if floor else None
             r["below_sol_floor"] = bool(floor and r.get("min_s", r["time_s"]) < floor["min_s"])
-            moved = bytes_moved(spec)
-            if moved is not None:
-                r["bytes_moved"] = moved
-                r["achieved_bytes_per_s"] = moved / r["time_s"]
-                if device == "gpu" and hbm_bandwidth:
-                    r["hbm_fraction"] = moved / r["time_s"] / hbm_bandwidth
-                    r["hbm_bound_s"] = moved / hbm_bandwidth
+            need = spec_floor_bytes(spec)
+            if need is not None:
+                r["floor_bytes"] = need
+                r["achieved_bytes_per_s"] = need / r["time_s"]
+                rate = copy_rate(floor)
+                if rate is not None:
+                    r["copy_bytes_per_s"], r["floor_source"] = rate, floor["spec"]["backend"]
+                elif device == "gpu" and hbm_bandwidth:
+                    rate, r["floor_source"] = hbm_bandwidth, "nominal HBM bandwidth"
+                if rate is not None:
+                    r["floor_s"] = need / rate
+                    r["vs_floor"] = r["time_s"] / r["floor_s"]
+            reps = [x for x in r.get("rep_losses") or [] if x is not None]
+            if reps and r.get("loss") is not None:
+                tol = LOSS_TOL.get(spec["dtype"], 1e-2)
+                r["loss_stable"] = all(abs(x - r["loss"]) <= tol * max(1.0, abs(r["loss"])) for x in reps)  # NaN: False
             if _ok(ours) and r.get("loss") is not None and ours.get("loss") is not None:
                 ref = ours["loss"]
                 rel = abs(r["loss"] - ref) / max(1.0, abs(ref))
                 r["loss_rel_diff_vs_ours"] = rel
                 r["loss_agrees"] = bool(rel <= LOSS_TOL.get(spec["dtype"], 1e-2))  # NaN: False
+
+
+def copy_rate(floor: dict[str, Any] | None) -> float | None:
+    """Bytes per second of the speed-of-light pass's best call (it reads the logits, and the
+    teacher, and writes a logits-sized buffer): the measured copy rate that turns the floor's bytes
+    into seconds."""
+    if floor is None or bytes_moved(floor["spec"]) is None or not floor.get("min_s"):
+        return None
+    return bytes_moved(floor["spec"]) / floor["min_s"]
 
 
 def default_ours(members: Iterable[dict[str, Any]], device: str) -> dict[str, Any] | None:
@@ -167,6 +207,8 @@ def summarize(results: list[dict[str, Any]], meta: dict[str, Any] | None = None)
         liger_name = "head-liger" if group == "head" else "liger"  # Liger is torch-only: JAX rows compare to it too
         liger = next((r for r in results if _ok(r) and r["spec"]["backend"] == liger_name and r["spec"].get("masked") == masked
                       and _spec_row_key(r["spec"])[:5] == key[:5]), None)
+        triton = next((r for r in results if _ok(r) and r["spec"]["backend"] == "torchloss-triton"
+                       and r["spec"].get("masked") == masked and _spec_row_key(r["spec"])[:5] == key[:5]), None)
         row: dict[str, Any] = {
             "device": device, "n": n, "v": v, "dtype": dtype, "kind": kind, "framework": framework, "group": group,
             "masked": masked,
@@ -186,6 +228,10 @@ def summarize(results: list[dict[str, Any]], meta: dict[str, Any] | None = None)
             "sol_s": floor["min_s"] if floor else None,  # the floor: the best repetition
             "peers": {p["spec"]["backend"]: spread_of(p) for p in peers},
             "below_sol_floor": sorted(r["spec"]["backend"] for r in members if r.get("below_sol_floor")),
+            # every contender's peak extra memory, in logits buffers (None: not measured)
+            "mem_buffers": {r["spec"]["backend"]: r.get("mem_logits_buffers") for r in members if _ok(r)},
+            "unstable_losses": sorted(r["spec"]["backend"] for r in members if r.get("loss_stable") is False),
+            "timer": (ours or {}).get("timer"),
         }
         if _ok(ours):
             o = spread_of(ours)
@@ -202,10 +248,22 @@ def summarize(results: list[dict[str, Any]], meta: dict[str, Any] | None = None)
                 # against the matmuls' spread (not only their best call): they are a cost the head pays, not a floor
                 row["head_sol_verdict"] = verdict(o, spread_of(floor), HEAD_SOL_RATIO,
                                                   reps_ok and floor.get("reps", 0) >= MIN_REPS)
-            row["hbm_fraction"] = ours.get("hbm_fraction")
+            if ours.get("floor_s"):
+                f = ours["floor_s"]
+                row["floor_s"], row["floor_source"] = f, ours.get("floor_source")
+                row["vs_floor_range"] = (o[0] / f, o[1] / f, o[2] / f)
+                row["vs_floor"] = o[1] / f
+                if device == "gpu":
+                    row["floor_verdict"] = verdict(o, (f, f, f), floor_ratio(kind), reps_ok)
             if liger is not None:
                 row["vs_liger"] = ours["time_s"] / liger["time_s"]
-                row["liger_verdict"] = verdict(o, spread_of(liger), 1.0, reps_ok and liger.get("reps", 0) >= MIN_REPS)
+                if device == "gpu" and group == "loss" and kind in LABELS and framework == "torch":
+                    row["liger_verdict"] = verdict(o, spread_of(liger), GPU_CE_LIGER_RATIO,
+                                                   reps_ok and liger.get("reps", 0) >= MIN_REPS)
+            if triton is not None and framework == "jax" and group == "loss" and ours["spec"]["backend"] == "jaxloss-pallas":
+                row["vs_triton"] = ours["time_s"] / triton["time_s"]
+                row["triton_verdict"] = verdict(o, spread_of(triton), GPU_PALLAS_TRITON_RATIO,
+                                                reps_ok and triton.get("reps", 0) >= MIN_REPS)
             mem = ours.get("mem_extra_bytes")
             lb = n * v * ITEMSIZE[dtype]
             if device == "cpu":
@@ -218,12 +276,6 @@ def summarize(results: list[dict[str, Any]], meta: dict[str, Any] | None = None)
                 if floor is not None and group == "loss":
                     row["sol_verdict"] = verdict(o, spread_of(floor), CPU_SOL_RATIO,
                                                  reps_ok and floor.get("reps", 0) >= MIN_REPS)
-            elif group == "loss" and row["hbm_fraction"] is not None:
-                moved = bytes_moved(ours["spec"])
-                hbm = moved / ours["time_s"] / row["hbm_fraction"]
-                fractions = (moved / o[2] / hbm, moved / o[0] / hbm)  # slowest, fastest repetition
-                row["hbm_verdict"] = ("met" if fractions[0] >= GPU_HBM_FRACTION else
-                                      "MISS" if fractions[1] < GPU_HBM_FRACTION else NOISE) if reps_ok else "too few reps"
             allowed = (HEAD_MEM_UNITS if fused_head else MEM_UNITS) * lb + max(MEM_SLACK[0] * lb, MEM_SLACK[1])
             if group == "head":  # the head's own gradients (hidden states and weight) are outputs too
                 allowed += (n + v) * ours["spec"]["hidden"] * ITEMSIZE[dtype]
@@ -288,7 +340,7 @@ def summary_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
     head = ["shape NxV", "dtype", "kind", "fw", "masked", "ours", "ours ms min/med/max", "best peer", "peer ms min/med/max",
             "ours/peer [range]", "SOL floor ms min/med/max", "ours/floor [range]", "mem ours", "mem peer"]
     if gpu:
-        head += ["%HBM", "ours/liger"]
+        head += ["2R1W floor ms", "ours/2R1W floor [range]", "ours/liger", "pallas/triton", "mem every contender"]
     lines = []
     for r in rows:
         fw = r["framework"] + ("+head" if r["group"] == "head" else "")
@@ -300,7 +352,7 @@ def summary_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
                      ours_cell, r["best_peer"] or "-", _ms3(r["best_peer_spread_s"]), "-", sol, "-", "-",
                      _x(r["best_peer_mem_buffers"])]
             if gpu:
-                cells += ["-", "-"]
+                cells += ["-", "-", "-", "-", _mems(r)]
             lines.append(cells)
             continue
         cpu = r["device"] == "cpu"
@@ -318,13 +370,28 @@ def summary_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
             _x(r.get("best_peer_mem_buffers")),
         ]
         if gpu:
-            frac = r.get("hbm_fraction")
-            cells += [("-" if frac is None else f"{100 * frac:.0f}%") + (f" {r['hbm_verdict']}" if r.get("hbm_verdict") else ""),
-                      _x(r.get("vs_liger")) + (f" {r['liger_verdict']}" if r.get("liger_verdict") else "")]
+            cells += [_ms(r.get("floor_s")),
+                      _ratio(r.get("vs_floor_range")) + (f" {r['floor_verdict']}" if r.get("floor_verdict") else ""),
+                      _x(r.get("vs_liger")) + (f" {r['liger_verdict']}" if r.get("liger_verdict") else ""),
+                      _x(r.get("vs_triton")) + (f" {r['triton_verdict']}" if r.get("triton_verdict") else ""),
+                      _mems(r)]
         if r.get("loss_disagreements"):
             cells[5] += " (loss differs: " + ",".join(r["loss_disagreements"]) + ")"
         lines.append(cells)
     return _render(head, lines, markdown)
+
+
+def _timers(rows: list[dict[str, Any]]) -> str:
+    """The clocks of our rows, per framework (results from before CUDA-event timing recorded none)."""
+    seen: dict[str, set[str]] = defaultdict(set)
+    for r in rows:
+        seen[r["framework"]].add(r.get("timer") or "host wall clock (not recorded: an earlier run)")
+    return "; ".join(f"{fw}: {', '.join(sorted(t))}" for fw, t in sorted(seen.items()))
+
+
+def _mems(row: dict[str, Any]) -> str:
+    """Every contender's peak extra memory in logits buffers: ``liger 0.00, torchloss-triton 1.00``."""
+    return ", ".join(f"{name} {_x(mem)}" for name, mem in sorted((row.get("mem_buffers") or {}).items())) or "-"
 
 
 def _tally(rows: list[dict[str, Any]], field: str) -> str:
@@ -365,8 +432,15 @@ def summary_notes(rows: list[dict[str, Any]], meta: dict[str, Any] | None = None
                          "machine can meet that target.")
     gpu = [r for r in measured if r["device"] == "gpu"]
     if gpu:
-        lines.append(f"Targets (GPU): >= {100 * GPU_HBM_FRACTION:.0f}% of nominal HBM bandwidth: {_tally(gpu, 'hbm_verdict')}; "
-                     f"faster than Liger: {_tally(gpu, 'liger_verdict')}.")
+        ce = [r for r in gpu if r["kind"] in LABELS]
+        others = [r for r in gpu if r["kind"] not in LABELS]
+        lines.append(
+            "Two-read-one-write floor (2R1W, GPU): each valid row reads its logits (and teacher) twice and writes its "
+            "gradient once, a masked row writes zeros only; those bytes over the copy rate of the speed-of-light pass's "
+            f"best call (the nominal HBM bandwidth where no pass ran). Clocks: {_timers(gpu)}. Targets (GPU): cross-entropy <= "
+            f"{GPU_CE_LIGER_RATIO}x Liger (torch): {_tally(ce, 'liger_verdict')}; cross-entropy <= {GPU_CE_FLOOR_RATIO}x "
+            f"its floor: {_tally(ce, 'floor_verdict')}; other kinds <= {GPU_FLOOR_RATIO}x their floor: "
+            f"{_tally(others, 'floor_verdict')}; Pallas <= {GPU_PALLAS_TRITON_RATIO}x Triton: {_tally(gpu, 'triton_verdict')}.")
     masks = sorted({r["masked"] for r in measured if r["masked"] is not None}, reverse=True)
     if len(masks) > 1:
         pairs = []
@@ -383,6 +457,11 @@ def summary_notes(rows: list[dict[str, Any]], meta: dict[str, Any] | None = None
                      f"contender is measured with {' and '.join(_pct(m) for m in masks)} of the tokens masked (elsewhere "
                      f"all do the same work at any mask: {_pct(masks[0])} only, unless `--all-masks`). Our median at "
                      f"{_pct(masks[-1])} / at {_pct(masks[0])}: " + "; ".join(pairs) + ".")
+    unstable = [f"{r['n']}x{r['v']} {r['dtype']} {SHORT_KIND[r['kind']]} {_pct(r['masked'])}: {', '.join(r['unstable_losses'])}"
+                for r in rows if r.get("unstable_losses")]
+    if unstable:
+        lines.append("WARNING: a contender's loss changed between repetitions of the same inputs (did a call see an "
+                     "earlier call's output?): " + "; ".join(unstable) + ".")
     below = [f"{r['n']}x{r['v']} {r['dtype']} {SHORT_KIND[r['kind']]} {_pct(r['masked'])}: {', '.join(r['below_sol_floor'])}"
              for r in rows if r.get("below_sol_floor")]
     if below:
@@ -399,7 +478,7 @@ def summary_notes(rows: list[dict[str, Any]], meta: dict[str, Any] | None = None
 
 def detail_table(results: list[dict[str, Any]], markdown: bool = False) -> str:
     head = ["shape NxV", "dtype", "kind", "masked", "backend", "role", "ms min/med/max", "reps", "x best peer", "x SOL floor",
-            "mem MiB", "mem (logits)", "XLA temp+out MiB", "loss", "status"]
+            "x 2R1W floor", "mem MiB", "mem (logits)", "XLA temp+out MiB", "loss", "status"]
     lines = []
     order = list(BACKENDS)
     for r in sorted(results, key=lambda r: (_row_order(_spec_row_key(r["spec"])[:7] + (None,)), order.index(r["spec"]["backend"]),
@@ -413,7 +492,7 @@ def detail_table(results: list[dict[str, Any]], markdown: bool = False) -> str:
             status = f"{status}: {r.get('error', '')}"[:70]
         lines.append([
             f"{s['n']}x{s['v']}", s["dtype"], SHORT_KIND[s["kind"]], _pct(s.get("masked")), s["backend"], info.role,
-            _ms3(spread_of(r)), str(r.get("reps", "-")), _x(r.get("vs_best_peer")), _x(r.get("vs_sol")),
+            _ms3(spread_of(r)), str(r.get("reps", "-")), _x(r.get("vs_best_peer")), _x(r.get("vs_sol")), _x(r.get("vs_floor")),
             "-" if mem is None else f"{mem / 2**20:.0f}", _x(r.get("mem_logits_buffers")),
             "-" if not analysis else f"{(analysis['temp_bytes'] + analysis['output_bytes']) / 2**20:.0f}",
             "-" if r.get("loss") is None else f"{r['loss']:.5g}" + ("" if r.get("loss_agrees", True) else " !"),

@@ -13,8 +13,12 @@ process
    ``memory_analysis()`` (temp + output bytes);
 3. time: ``reps`` rounds; each round runs every contender once (the speed-of-light pass
    ``sol_reps`` times), in an order rotated from round to round, so that a load that comes and
-   goes slows every contender alike. Each call is blocked on its results. The JSON keeps every
-   repetition; the report shows min / median / max.
+   goes slows every contender alike. Each call is blocked on its results; the clock is the host's
+   wall clock (the CPU; JAX on a GPU, around ``jax.block_until_ready``), or CUDA events for torch
+   on a GPU. A contender that writes its gradient into the logits (Liger's cross-entropy, our
+   ``inplace=True``) gets fresh logits before every call, copied from the pristine ones outside
+   the timed region (:class:`FreshLogits`). The JSON keeps every repetition (and every
+   repetition's loss); the report shows min / median / max.
 
 The speed-of-light pass writes into a buffer faulted in beforehand (torch ``out=``, a donated
 buffer in JAX), while every contender returns a fresh gradient: with the best of its many
@@ -199,6 +203,65 @@ class Bench:
     compile_s: float | None = None
     analysis: dict[str, int] | None = None
     reset: Callable[[], None] = staticmethod(lambda: None)
+    # Run before every call, outside its timed region and before its memory baseline: an in-place
+    # contender's fresh logits (FreshLogits.restore); nothing for the others.
+    prepare: Callable[[], None] = staticmethod(lambda: None)
+    # Times one call of step(): (its output, seconds). The host's wall clock (the call blocks on
+    # its results), or CUDA events for torch on a GPU (CudaEventClock).
+    clock: Callable[[Callable[[], Any]], tuple[Any, float]] = staticmethod(lambda step: wall_clock(step))
+    # Waits for the device (torch on a GPU: its steps do not synchronise, the clock does).
+    sync: Callable[[], None] = staticmethod(lambda: None)
+
+
+def wall_clock(step: Callable[[], Any]) -> tuple[Any, float]:
+    """The host's wall clock around a call that blocks on its results (the CPU; JAX on a GPU,
+    whose steps end in ``jax.block_until_ready``)."""
+    t0 = time.perf_counter()
+    out = step()
+    return out, time.perf_counter() - t0
+
+
+WALL_CLOCK = "host wall clock (time.perf_counter) around the blocked call"
+
+
+class CudaEventClock:
+    """torch on a GPU: CUDA events recorded on the stream before and after the call's work (the
+    copy that restores an in-place contender's logits was queued before the first, so it is not
+    counted; nor is the host's wait after the second)."""
+
+    method = "CUDA events (torch.cuda.Event(enable_timing=True)) around the call"
+
+    def __init__(self, torch: Any) -> None:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def __call__(self, step: Callable[[], Any]) -> tuple[Any, float]:
+        self.start.record()
+        out = step()
+        self.end.record()
+        self.end.synchronize()
+        return out, self.start.elapsed_time(self.end) / 1e3
+
+
+class FreshLogits:
+    """The logits of a contender that writes its gradient into them (Liger's cross-entropy, our
+    ``inplace=True``): :meth:`restore` makes a fresh copy of the pristine logits before each call
+    (``Bench.prepare``: outside the timed region and before the memory baseline), so every timed
+    repetition computes on the cell's inputs and not on the previous call's gradient. ``leaf``: a
+    leaf that requires grad (Liger); else the output of an operation (a ``clone`` of the pristine
+    leaf), as our ``inplace=True`` requires (it refuses a leaf, whose values it would overwrite)."""
+
+    def __init__(self, pristine: Any, leaf: bool) -> None:
+        self.pristine = pristine  # the cell's shared logits (a leaf that requires grad): never written
+        self.leaf = leaf
+        self.current: Any = None
+
+    def restore(self) -> None:
+        self.current = None  # the last copy (the last gradient) is freed before the next is made
+        self.current = self.pristine.detach().clone().requires_grad_(True) if self.leaf else self.pristine.clone()
+
+    def __call__(self) -> Any:
+        return self.current
 
 
 def jax_inputs(spec: Spec) -> dict[str, Any]:
@@ -232,16 +295,18 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
     target = labels if target_kind == "labels" else teacher
     donate: tuple[int, ...] = ()
 
-    if spec.backend in ("jaxloss-xla", "jaxloss-pallas"):
+    if spec.backend in ("jaxloss-xla", "jaxloss-pallas", "jaxloss-pallas-inplace"):
         import jaxloss
 
-        impl = spec.backend.split("-")[1]
+        options = {"impl": spec.backend.split("-")[1], "inplace": spec.backend.endswith("-inplace")}
         fn = getattr(jaxloss, spec.kind)
 
         def loss(x: Any, target: Any, mask: Any) -> Any:
-            return fn(x, mask, impl=impl) if target_kind is None else fn(x, target, mask, impl=impl)
+            return fn(x, mask, **options) if target_kind is None else fn(x, target, mask, **options)
 
         program, args = jax.value_and_grad(loss), (x, target, mask)
+        if options["inplace"]:
+            donate = (0,)  # the logits die at the call: the kernel's gradient takes their buffer
     elif spec.backend == "optax":
         import optax
 
@@ -353,7 +418,20 @@ def jax_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
     except Exception:  # noqa: BLE001 - not every backend reports it
         bench.analysis = None
 
-    if donate:
+    if spec.info.writes_logits(spec.kind):
+        # Each call consumes (donates) its logits: a fresh copy of the cell's before every call,
+        # outside the timed region (Bench.prepare), as FreshLogits does for torch.
+        state = list(args)
+
+        def prepare() -> None:
+            state[0] = None
+            state[0] = jax.block_until_ready(jnp.copy(x))
+
+        def step() -> Any:
+            return jax.block_until_ready(compiled(*state))
+
+        bench.prepare = prepare
+    elif donate:
         state = list(args)
 
         def step() -> Any:
@@ -456,6 +534,7 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
     count = weight.sum()
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     leaves: list[Any] = []
+    fresh: FreshLogits | None = None
 
     forward: Callable[[], Any]
     if spec.info.group == "head":
@@ -523,17 +602,19 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
                     torch.mm(hd, wd.t(), out=logits)  # [N, V], stands in for the gradient of the logits too
                     torch.mm(logits, wd, out=grad_h)
                     torch.mm(logits.t(), hd, out=grad_w)
-                sync()
                 return None
 
             forward = None  # type: ignore[assignment]
         else:
             raise ValueError(f"unknown head backend {spec.backend}")
     else:
-        x = shared["x"]
-        if spec.backend == "liger" and spec.kind == "cross_entropy":
-            x = x.detach().clone().requires_grad_(True)  # Liger writes the gradient into the logits: a copy of its own
-        leaves.append(x)
+        if spec.info.writes_logits(spec.kind):
+            # Liger takes a leaf; our inplace=True the output of an operation
+            fresh = FreshLogits(shared["x"], leaf=spec.info.role == "peer")
+            X = fresh
+        else:
+            leaves.append(shared["x"])
+            X = lambda: shared["x"]  # noqa: E731 - the contenders that do not write the logits share them
         target_kind = lossspec.KIND_SPECS[spec.kind].target  # "labels", "teacher_logits" or None
         target = labels if target_kind == "labels" else teacher
 
@@ -556,44 +637,45 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
                              + (1.0 - JSD_BETA) * F.kl_div(log_m, log_q, reduction="none", log_target=True).sum(-1))
             return (per_token * weight).sum() / count
 
-        if spec.backend in ("torchloss", "torchloss-triton"):
+        if spec.backend in ("torchloss", "torchloss-triton", "torchloss-triton-inplace"):
             import torchloss
 
-            impl = "triton" if spec.backend == "torchloss-triton" else "torch"
+            impl = "torch" if spec.backend == "torchloss" else "triton"
             fn = getattr(torchloss, spec.kind)
+            options = {"impl": impl, "inplace": spec.backend.endswith("-inplace")}
 
             def forward() -> Any:
-                return fn(x, mask, impl=impl) if target_kind is None else fn(x, target, mask, impl=impl)
+                return fn(X(), mask, **options) if target_kind is None else fn(X(), target, mask, **options)
         elif spec.backend == "torch-eager":
 
             def forward() -> Any:
-                return eager(x, teacher, labels_ignore, weight, count)
+                return eager(X(), teacher, labels_ignore, weight, count)
         elif spec.backend == "torch-compile":
             compiled = torch.compile(eager)
 
             def forward() -> Any:
-                return compiled(x, teacher, labels_ignore, weight, count)
+                return compiled(X(), teacher, labels_ignore, weight, count)
         elif spec.backend == "liger":
             functional = _liger()
             if spec.kind == "cross_entropy":  # note: Liger writes the gradient into the logits' buffer
 
                 def forward() -> Any:
-                    return functional.liger_cross_entropy(x, labels_ignore)
+                    return functional.liger_cross_entropy(X(), labels_ignore)
             else:
                 valid = mask.nonzero().squeeze(1)
 
                 def forward() -> Any:  # batchmean over the valid rows = sum / count
-                    log_q = F.log_softmax(x[valid], -1)
+                    log_q = F.log_softmax(X()[valid], -1)
                     log_p = F.log_softmax(teacher[valid], -1)
                     return functional.liger_kl_div(log_q, log_p, reduction="batchmean", log_target=True)
         elif spec.backend == "flash-attn-ce":
             ce = _load_flash_attn_ce()
 
             def forward() -> Any:
-                losses, _ = ce(x, labels_ignore)
+                losses, _ = ce(X(), labels_ignore)
                 return losses.sum() / count
         elif spec.backend == "torch-sol":
-            xd = x.detach()
+            xd = X().detach()
             out = torch.zeros_like(xd)  # faulted in now: the pass only reads and writes memory
 
             def sol_step() -> Any:
@@ -601,7 +683,6 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
                     torch.add(xd, teacher, out=out)
                 else:
                     torch.mul(xd, 2.0, out=out)
-                sync()
                 return None
 
             forward = None  # type: ignore[assignment]
@@ -615,18 +696,34 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
     if spec.info.role == "sol":
         bench.step = sol_step
         bench.loss_value = lambda out: None
+    elif fresh is not None:
+
+        def step() -> Any:
+            logits = fresh()
+            loss = forward()
+            # The gradient of the call's own copy (autograd.grad: nothing accumulates into the
+            # pristine leaf that the copy was cloned from, nor is copied there).
+            (grad,) = torch.autograd.grad(loss, logits)
+            del grad
+            return loss.detach()
+
+        bench.step = step
+        bench.prepare = fresh.restore
+        bench.loss_value = lambda out: float(out)
     else:
 
         def step() -> Any:
             reset()
             loss = forward()
             loss.backward()
-            sync()
             return loss.detach()
 
         bench.step = step
         bench.loss_value = lambda out: float(out)
     bench.reset = reset
+    bench.sync = sync
+    if gpu:
+        bench.clock = CudaEventClock(torch)
     bench.memory = TorchCudaMemory(torch) if gpu else HostMemory()
     return bench
 
@@ -636,14 +733,16 @@ def torch_bench(spec: Spec, shared: dict[str, Any]) -> Bench:
 # ----------------------------------------------------------------------------------------------
 
 
-def _call(bench: Bench) -> float:
-    """One blocked call; its outputs freed at once. Returns the seconds it took."""
-    t0 = time.perf_counter()
-    out = bench.step()
-    seconds = time.perf_counter() - t0
+def _call(bench: Bench) -> tuple[float, float | None]:
+    """One timed call; its outputs freed at once. ``bench.prepare()`` (an in-place contender's
+    fresh logits) runs first, outside the timed region. Returns the seconds it took and its loss
+    (None for the speed-of-light passes), read after the clock stopped."""
+    bench.prepare()
+    out, seconds = bench.clock(bench.step)
+    loss = bench.loss_value(out)
     bench.release(out)
     del out
-    return seconds
+    return seconds, loss
 
 
 def round_order(count: int, round_index: int) -> list[int]:
@@ -693,8 +792,10 @@ def measure_cell(specs: list[Spec]) -> list[dict[str, Any]]:
         bench = benches[i]
 
         def warm_up() -> None:
+            bench.prepare()
             t0 = time.perf_counter()
             out = bench.step()
+            bench.sync()
             results[i]["first_call_s"] = time.perf_counter() - t0
             results[i]["loss"] = bench.loss_value(out)
             bench.release(out)
@@ -709,6 +810,7 @@ def measure_cell(specs: list[Spec]) -> list[dict[str, Any]]:
 
         def memory() -> None:
             bench.reset()
+            bench.prepare()  # an in-place contender's fresh logits are an input, not the call's memory
             time.sleep(0.2)  # let frees still in flight (allocator threads, munmap) land before the baseline
             bench.memory.start()
             out = bench.step()
@@ -725,6 +827,7 @@ def measure_cell(specs: list[Spec]) -> list[dict[str, Any]]:
 
     # Time: interleaved rounds.
     times: dict[int, list[float]] = {i: [] for i in benches}
+    losses: dict[int, list[float | None]] = {i: [] for i in benches}
     rounds = max(s.reps for s in specs)
     for r in range(rounds):
         order = list(benches)
@@ -732,15 +835,21 @@ def measure_cell(specs: list[Spec]) -> list[dict[str, Any]]:
             i = order[k]
             calls = specs[i].sol_reps if specs[i].info.role == "sol" else 1
             for _ in range(calls):
-                seconds = attempt(i, lambda: _call(benches[i]))
-                if seconds is None:
+                timed = attempt(i, lambda: _call(benches[i]))
+                if timed is None:
                     break
-                times[i].append(seconds)
+                times[i].append(timed[0])
+                losses[i].append(timed[1])
     for i in benches:
         results[i]["times_s"] = times[i]
         results[i].update(spread(times[i]))
         results[i]["reps"] = len(times[i])
         results[i]["rounds"] = rounds
+        results[i]["timer"] = getattr(benches[i].clock, "method", WALL_CLOCK)
+        if specs[i].info.role != "sol":
+            # every repetition's loss: the same inputs give the same loss (an in-place contender
+            # run on its last gradient would not; the report flags any that moves)
+            results[i]["rep_losses"] = losses[i]
     wall = time.perf_counter() - start
     for r in results:
         r["cell_s"] = wall

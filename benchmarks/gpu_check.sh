@@ -18,24 +18,89 @@
 # benchmarks/results/gpu_quick.{json,md} and gpu_quick_{time,memory}.png, which record the
 # commit, whether the tree was clean, the load average before and after and the versions.
 #
-# Environment: GPU_CHECK_SECONDS (default 600) the whole budget; GPU_CHECK_PYTEST_SECONDS (default
-# 150) the kernel tests' share of it; GPU_CHECK_SWEEP_SECONDS (default 60) the Triton launch-shape
-# sweep's; GPU_CHECK_BENCH_ARGS more arguments of the benchmark; GPU_CHECK_TESTS other test files;
-# GPU_CHECK_SKIP_PARITY=1 leaves lossparity out; PYTHON_BIN a Python to use as
-# it is. The project is imported from this checkout (PYTHONPATH), never installed.
-# Exit status: 0 when every check passed, 1 otherwise (the benchmark runs either way).
+# --short (or GPU_CHECK_SHORT=1): a lent machine's 15 minutes hold this whole run once, so the
+# short mode fits in about 6 minutes (GPU_CHECK_SECONDS 360): the kernel suites that issue 32
+# changed (the Pallas and Triton kernels' tests), no lossparity, a 30 s launch-shape sweep, and the
+# benchmark rows at the issue's shape (16384 x 131072 bf16, 30% masked, the loss group): our
+# kernels (with and without the in-place gradient), Liger, flash-attn and the speed-of-light
+# passes, cross-entropy first; the slow peers (torch.compile, eager, optax, the torch path) and the
+# LM head are left out. --dry-run (or GPU_CHECK_DRY_RUN=1): print the plan and exit 0, run nothing
+# (on a machine without a GPU it says so first).
+#
+# Environment: GPU_CHECK_SECONDS (default 600, --short 360) the whole budget; GPU_CHECK_PYTEST_SECONDS
+# (default 150, --short 120) the kernel tests' share of it; GPU_CHECK_SWEEP_SECONDS (default 60,
+# --short 30) the Triton launch-shape sweep's; GPU_CHECK_BENCH_ARGS more arguments of the benchmark
+# (they replace the short mode's); GPU_CHECK_TESTS other test files; GPU_CHECK_SKIP_PARITY=1 leaves
+# lossparity out; PYTHON_BIN a Python to use as it is. The project is imported from this checkout
+# (PYTHONPATH), never installed.
+# Exit status: 0 when every check passed (or a dry run), 1 otherwise (the benchmark runs either way).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-budget=${GPU_CHECK_SECONDS:-600}
+short=${GPU_CHECK_SHORT:-}
+dry_run=${GPU_CHECK_DRY_RUN:-}
+for arg in "$@"; do
+  case "$arg" in
+    --short) short=1 ;;
+    --dry-run) dry_run=1 ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh [--short] [--dry-run]  (unknown argument: $arg)"; exit 2 ;;
+  esac
+done
+
+kernel_tests=(parity_tests/test_torchloss_triton_kernels.py parity_tests/test_linear_head_kernels.py
+              parity_tests/test_torchloss_triton_vocab_parallel.py parity_tests/test_jaxloss_kernels.py
+              parity_tests/test_jaxloss_oracle.py parity_tests/test_linear_head_bf16_matmuls.py)
+kernel_filter="pallas or triton or bf16_matmuls"
+bench_args="--gpu-quick --name gpu_quick"
+if [ -n "$short" ]; then
+  budget=${GPU_CHECK_SECONDS:-360}
+  pytest_seconds=${GPU_CHECK_PYTEST_SECONDS:-120}
+  sweep_seconds=${GPU_CHECK_SWEEP_SECONDS:-30}
+  # the suites of the kernels issue 32 changed: the Pallas and Triton loss kernels
+  kernel_tests=(parity_tests/test_jaxloss_kernels.py parity_tests/test_torchloss_triton_kernels.py parity_tests/test_jaxloss_inplace.py)
+  kernel_filter="pallas or triton"
+  skip_parity=1
+  bench_args="--gpu-quick --name gpu_quick_short --no-head --skip-backends torch-compile,torch-eager,optax,torchloss
+    --kinds cross_entropy,reverse_kl,forward_kl,soft_cross_entropy,entropy,jensen_shannon"
+else
+  budget=${GPU_CHECK_SECONDS:-600}
+  pytest_seconds=${GPU_CHECK_PYTEST_SECONDS:-150}
+  sweep_seconds=${GPU_CHECK_SWEEP_SECONDS:-60}
+  skip_parity=${GPU_CHECK_SKIP_PARITY:-}
+fi
+# GPU_CHECK_TESTS: another list of test files (a rerun of what changed, when device time is short)
+[ -n "${GPU_CHECK_TESTS:-}" ] && read -r -a kernel_tests <<< "$GPU_CHECK_TESTS"
+[ -n "${GPU_CHECK_BENCH_ARGS:-}" ] && bench_args="--gpu-quick --name gpu_quick $GPU_CHECK_BENCH_ARGS"
+bench_args=$(echo $bench_args)  # one line
+
 deadline=$(( $(date +%s) + budget ))
 left() { echo $(( deadline - $(date +%s) )); }
 at_least() { if [ "$1" -lt "$2" ]; then echo "$2"; else echo "$1"; fi; }  # timeout 0 would mean none
+step() { echo; echo "=== [$(date +%H:%M:%S), $(left) s left] $*"; }
+failures=()
+
+plan() {
+  echo "plan ($([ -n "$short" ] && echo short || echo full) mode, budget ${budget} s):"
+  echo "  1. the GPU, the driver, the Python with CUDA torch and JAX, the carried peers (.whl/), the versions"
+  echo "  2. kernel tests (${pytest_seconds} s): pytest ${kernel_tests[*]} -k '$kernel_filter'"
+  if [ -n "$skip_parity" ]; then echo "  3. lossparity: skipped"; else echo "  3. lossparity: Pallas and Triton vs the oracle"; fi
+  echo "  4. Triton launch shapes (${sweep_seconds} s): python -m benchmarks.gpu_triton_sweep --max-seconds $sweep_seconds --head"
+  echo "  5. benchmark (the time left): python -m benchmarks.run $bench_args"
+}
+
+if [ -n "$dry_run" ]; then
+  if ! nvidia-smi -L 2>/dev/null; then
+    echo "no NVIDIA GPU visible (nvidia-smi -L failed): a real run would stop here (exit 1)"
+  fi
+  plan
+  echo "dry run: nothing run"
+  exit 0
+fi
+
 mkdir -p benchmarks/results
 log=benchmarks/results/gpu_check_$(date +%Y%m%d_%H%M%S).log
 exec > >(tee -a "$log") 2>&1
-step() { echo; echo "=== [$(date +%H:%M:%S), $(left) s left] $*"; }
-failures=()
+plan
 
 step "GPU"
 if ! nvidia-smi -L; then
@@ -105,14 +170,9 @@ EOF
 # ---- 3. kernel checks against the oracle -----------------------------------------------------
 # The kernel suites (compiled for the GPU here, where CPU machines interpret them); every failure
 # is listed (-rf, no -x). A worker per two host cores: each compiles its own kernels.
-kernel_tests=(parity_tests/test_torchloss_triton_kernels.py parity_tests/test_linear_head_kernels.py
-              parity_tests/test_torchloss_triton_vocab_parallel.py parity_tests/test_jaxloss_kernels.py
-              parity_tests/test_jaxloss_oracle.py parity_tests/test_linear_head_bf16_matmuls.py)
-# GPU_CHECK_TESTS: another list of test files (a rerun of what changed, when device time is short)
-[ -n "${GPU_CHECK_TESTS:-}" ] && read -r -a kernel_tests <<< "$GPU_CHECK_TESTS"
 workers=$(( $(nproc) / 2 )); [ "$workers" -ge 1 ] || workers=1
-step "kernel tests on the GPU: pytest ${kernel_tests[*]} -k 'pallas or triton' -n $workers"
-timeout "${GPU_CHECK_PYTEST_SECONDS:-150}" "$py" -m pytest -q -rf -n "$workers" -p no:cacheprovider "${kernel_tests[@]}" -k "pallas or triton or bf16_matmuls"
+step "kernel tests on the GPU: pytest ${kernel_tests[*]} -k '$kernel_filter' -n $workers"
+timeout "$pytest_seconds" "$py" -m pytest -q -rf -n "$workers" -p no:cacheprovider "${kernel_tests[@]}" -k "$kernel_filter"
 code=$?
 if [ $code -eq 5 ]; then
   echo "(no kernel tests selected)"
@@ -120,8 +180,8 @@ elif [ $code -ne 0 ]; then
   failures+=("pytest kernel tests (exit $code)")
 fi
 
-if [ -n "${GPU_CHECK_SKIP_PARITY:-}" ]; then
-  step "lossparity: skipped (GPU_CHECK_SKIP_PARITY)"
+if [ -n "$skip_parity" ]; then
+  step "lossparity: skipped (GPU_CHECK_SKIP_PARITY or --short)"
 else
 step "lossparity: Pallas and Triton kernels vs the oracle (V=32768 and a ragged V=50257)"
 mkdir -p benchmarks/results/gpu_parity
@@ -132,17 +192,17 @@ timeout 30 "$py" -m lossparity --quiet --backends jax-pallas,torch-triton --shap
 fi
 
 step "Triton launch shapes: python -m benchmarks.gpu_triton_sweep (vocabulary block x warps)"
-timeout "$(( ${GPU_CHECK_SWEEP_SECONDS:-60} + 50 ))" "$py" -m benchmarks.gpu_triton_sweep --max-seconds "${GPU_CHECK_SWEEP_SECONDS:-60}" --head \
+timeout "$(( sweep_seconds + 50 ))" "$py" -m benchmarks.gpu_triton_sweep --max-seconds "$sweep_seconds" --head \
   --json benchmarks/results/gpu_triton_sweep.json || failures+=("Triton sweep")
 
 # ---- 4. benchmark ----------------------------------------------------------------------------
 remaining=$(left)
 minutes=$(awk -v r="$remaining" 'BEGIN { printf "%.1f", (r - 45) / 60 }')
-step "benchmark: python -m benchmarks.run --gpu-quick --name gpu_quick --max-minutes $minutes"
+step "benchmark: python -m benchmarks.run $bench_args --max-minutes $minutes"
 if [ $(( remaining - 45 )) -ge 60 ]; then
   # GPU_CHECK_BENCH_ARGS: more arguments, e.g. --kinds in the order the cells should run
-  timeout 60 "$py" -m benchmarks.run --gpu-quick --name gpu_quick ${GPU_CHECK_BENCH_ARGS:-} --dry-run || true
-  timeout "$(at_least $(( remaining - 10 )) 30)" "$py" -m benchmarks.run --gpu-quick --name gpu_quick ${GPU_CHECK_BENCH_ARGS:-} --max-minutes "$minutes" \
+  timeout 60 "$py" -m benchmarks.run $bench_args --dry-run || true
+  timeout "$(at_least $(( remaining - 10 )) 30)" "$py" -m benchmarks.run $bench_args --max-minutes "$minutes" \
     || failures+=("benchmark (exit $?)")
 else
   failures+=("benchmark: no time left")

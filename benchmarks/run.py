@@ -6,7 +6,7 @@ measures the peak extra memory of one call, for
 - JAX: ``jaxloss`` (impl="xla"; on a GPU also "pallas"), optax under ``jax.grad``, and the
   speed-of-light pass (a jitted elementwise op reading the logits, and the teacher for the
   distillation kinds, and writing a logits-sized buffer faulted in beforehand);
-- torch: ``torchloss`` (impl="torch"; on a GPU also "triton"), ``F.cross_entropy`` /
+- torch: ``torchloss`` (impl="torch"; on a GPU also "triton", with and without ``inplace=True``), ``F.cross_entropy`` /
   ``F.kl_div``, ``torch.compile`` of that expression, Liger-Kernel and flash-attn's Triton
   cross-entropy (GPU, where installed), the speed-of-light pass; and for cross-entropy with the LM
   head: ``F.linear`` + ``torchloss.cross_entropy(inplace=True)`` against
@@ -15,7 +15,11 @@ measures the peak extra memory of one call, for
 Every contender runs with 30% and with 0% of the tokens masked (``--masked``): torchloss skips
 the masked rows of 16-bit logits on the CPU, which the peers compute. The contenders of one cell
 (framework, shape, dtype, kind) share one process and are timed in interleaved rounds (at least 7);
-the report gives min / median / max and says "within noise" where the spreads overlap. Writes
+the report gives min / median / max and says "within noise" where the spreads overlap. On a GPU
+torch is timed with CUDA events, JAX with the host's clock around ``jax.block_until_ready``; a
+contender that writes its gradient into the logits (Liger's cross-entropy, ``inplace=True``) gets
+fresh logits before every call, outside the timed region; each row is also set against the
+two-read-one-write floor (``benchmarks/_registry.py``: ``floor_bytes``). Writes
 ``<out-dir>/<name>.json`` (commit, clean tree or not, load average before and after, machine,
 versions, every repetition), ``<name>.md`` and ``<name>_time.png`` / ``<name>_memory.png``.
 
@@ -170,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="one mid shape, N=4096 x V=32768 (all kinds, both dtypes)")
     mode.add_argument("--gpu-quick", action="store_true",
-                      help="GPU: N=16384 x V=131072, bf16, all kinds (the bandwidth-target shape)")
+                      help="GPU: N=16384 x V=131072, bf16, all kinds (the shape of the GPU targets)")
     mode.add_argument("--head-quick", action="store_true",
                       help="the fused LM head: cross-entropy, N=4096 x V=32768, hidden 1024, both dtypes, the head "
                            "group only (ours fused and unfused, the peers, the three matmuls)")
@@ -197,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time budget: cells that would not finish in it are skipped (reported), the run ends cleanly")
     p.add_argument("--mem-limit-gib", type=float, default=None,
                    help="skip backends whose estimated peak memory exceeds this (default: 20 on CPU, 90%% of the GPU's)")
-    p.add_argument("--hbm-gbps", type=float, default=None, help="GPU memory bandwidth in GB/s (default: from the GPU's name)")
+    p.add_argument("--hbm-gbps", type=float, default=None,
+                   help="GPU memory bandwidth in GB/s (default: from the GPU's name): the floor's rate where no "
+                        "speed-of-light pass ran (else that pass's measured copy rate)")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--name", default=None, help="file stem of the outputs (default: <device>_<mode>)")
     p.add_argument("--resume", type=Path, action="append", default=[], metavar="JSON",
@@ -279,7 +285,8 @@ class Estimator:
 
     STARTUP = {"jax": 4.0, "torch": 5.0}
     COMPILE = {"torch-compile": 25.0, "liger": 8.0, "flash-attn-ce": 8.0, "head-liger": 8.0,
-               "jaxloss-pallas": 5.0, "torchloss-triton": 5.0}
+               "jaxloss-pallas": 5.0, "jaxloss-pallas-inplace": 5.0, "torchloss-triton": 5.0,
+               "torchloss-triton-inplace": 5.0}
 
     def __init__(self, device: str) -> None:
         self.device = device

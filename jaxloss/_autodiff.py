@@ -1,8 +1,9 @@
 """The losses' ``jax.custom_vjp``: the kernel (XLA or Pallas, ``jaxloss.backends.xla`` / ``jaxloss.backends.pallas``)
 computes the per-token loss and, in the same pass, the gradient ``coef * c * dl/dz`` in the
 logits' dtype, the only residual; the backward scales it by the upstream gradient (16-bit logits:
-recomputed with ``coef * g`` and rounded once). Vocab-parallel: the same contract over
-``jaxloss.backends.vocab_parallel``. The twin of ``torchloss._autodiff``."""
+recomputed with ``coef * g`` and rounded once, except with ``inplace=True``, where the logits are
+not kept and the scaling may round once more, as in torchloss). Vocab-parallel: the same contract
+over ``jaxloss.backends.vocab_parallel``. The twin of ``torchloss._autodiff``."""
 
 from __future__ import annotations
 
@@ -33,12 +34,14 @@ VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE = (
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """What the loss's ``custom_vjp`` takes as static (hashable): the kernel's config, the
-    resolved impl (a name of :data:`jaxloss.backends.IMPLEMENTATIONS`) and the call's tuning (each kernel
-    reads its fields)."""
+    resolved impl (a name of :data:`jaxloss.backends.IMPLEMENTATIONS`), the call's tuning (each kernel
+    reads its fields) and ``inplace`` (the gradient may take the logits' buffer: the logits are not
+    kept for the backward)."""
 
     config: KernelConfig
     impl: str
     tuning: Tuning
+    inplace: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +52,9 @@ class VpSpec(Spec):
     vocab: int = 0
 
 
-def _kernel(spec: Spec, x: Array, target: Array, coef: Array, with_grad: bool) -> tuple[Array, Optional[Array]]:
+def _kernel(spec: Spec, x: Array, target: Array, coef: Array, with_grad: bool, inplace: bool = False) -> tuple[Array, Optional[Array]]:
     kernels = IMPLEMENTATIONS[spec.impl].kernels()
-    return kernels.fused(spec.config, x, target, coef, with_grad=with_grad, tuning=spec.tuning)
+    return kernels.fused(spec.config, x, target, coef, with_grad=with_grad, tuning=spec.tuning, inplace=inplace)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -61,26 +64,33 @@ def _weighted_loss(spec: Spec, x: Array, target: Array, coef: Array) -> Array:
     return jnp.where(coef != 0, coef * loss, 0.0)
 
 
-def _weighted_loss_fwd(spec: Spec, x: Array, target: Array, coef: Array) -> tuple[Array, tuple[Array, ...]]:
-    loss, grad = _kernel(spec, x, target, coef, with_grad=True)
+def _weighted_loss_fwd(spec: Spec, x: Array, target: Array, coef: Array) -> tuple[Array, tuple[Any, ...]]:
+    # inplace: only the gradient that is handed on may take the logits' buffer (the primal call
+    # above, a loss without its gradient, keeps the logits whole)
+    loss, grad = _kernel(spec, x, target, coef, with_grad=True, inplace=spec.inplace)
     # Residuals: the gradient (one logits-sized buffer, logits' dtype), [N] vectors, and a
-    # reference to the logits (no copy) for the 16-bit recompute below.
-    return jnp.where(coef != 0, coef * loss, 0.0), (grad, coef, target, x)
+    # reference to the logits (no copy) for the 16-bit recompute below; with inplace none (the
+    # logits would stay alive, and XLA would copy them before the kernel writes their buffer).
+    return jnp.where(coef != 0, coef * loss, 0.0), (grad, coef, target, None if spec.inplace else x)
 
 
-def _weighted_loss_bwd(spec: Spec, res: tuple[Array, ...], g: Array) -> tuple[Any, Any, Any]:
+def _weighted_loss_bwd(spec: Spec, res: tuple[Any, ...], g: Array) -> tuple[Any, Any, Any]:
     grad, coef, target, x = res
+    if x is None:
+        return backward(grad, coef, g, None)
     return backward(grad, coef, g, lambda scaled: _kernel(spec, x, target, scaled, with_grad=True)[1])
 
 
 def backward(grad: Array, coef: Array, g: Array, recompute: Any) -> tuple[Array, None, None]:
     """Cotangents of ``(x, target, coef)`` from the forward's gradient buffer ``grad`` and the
-    upstream ``g`` ``[N]``; ``recompute(coef')`` recomputes the gradient with coefficient ``coef'``.
+    upstream ``g`` ``[N]``; ``recompute(coef')`` recomputes the gradient with coefficient ``coef'``
+    (``None``: the logits were not kept, ``inplace=True``: the buffer is scaled instead).
 
     The target (labels, or the teacher: stop-gradient) and ``coef`` (from the mask and the
     denominator, which are data: stop-gradient) get no cotangent (``None``: zero)."""
-    if jnp.dtype(grad.dtype).itemsize >= 4:
-        # fp32/fp64: one more rounding stays far inside the 4e-6 bound (exact when g == 1).
+    if jnp.dtype(grad.dtype).itemsize >= 4 or recompute is None:
+        # fp32/fp64: one more rounding stays far inside the 4e-6 bound (exact when g == 1); 16-bit
+        # logits with inplace=True: one more rounding where g != 1 (documented, as in torchloss).
         dx = (grad.astype(F32) * g[:, None]).astype(grad.dtype)
     else:
         # 16-bit logits: scaling an already rounded gradient would round twice (up to ~1.5
@@ -121,13 +131,16 @@ def _weighted_loss_vp(spec: VpSpec, x: Array, target: Array, coef: Array) -> Arr
 
 def _weighted_loss_vp_fwd(spec: VpSpec, x: Array, target: Array, coef: Array) -> tuple[Array, tuple[Any, ...]]:
     loss, grad, fin = _vp_losses(spec, x, target, coef, with_grad=True)
-    # The global statistics ([N] vectors) are kept: a 16-bit recompute needs no collective.
-    return jnp.where(coef != 0, coef * loss, 0.0), (grad, coef, target, x, fin)
+    # The global statistics ([N] vectors) are kept: a 16-bit recompute needs no collective. With
+    # inplace the logits are not kept (the shard's gradient comes from its own step: no alias).
+    return jnp.where(coef != 0, coef * loss, 0.0), (grad, coef, target, None if spec.inplace else x, fin)
 
 
 def _weighted_loss_vp_bwd(spec: VpSpec, res: tuple[Any, ...], g: Array) -> tuple[Any, Any, Any]:
     grad, coef, target, x, fin = res
     cfg, impl, tuning, vocab = spec.config, spec.impl, spec.tuning, spec.vocab
+    if x is None:
+        return backward(grad, coef, g, None)
 
     def recompute(scaled: Array) -> Array:
         return _vocab_parallel.shard_grad(cfg, fin, x, target, scaled, vocab=vocab, impl=impl, tuning=tuning)

@@ -120,6 +120,7 @@ def cross_entropy(
     sequence_parallel: Optional[AxisNames] = None,
     impl: str = "auto",
     tuning: Optional[lossspec.Tuning] = None,
+    inplace: bool = False,
     **unexpected: Never,
 ) -> Array:
     """Masked cross-entropy with integer labels, label smoothing and z-loss.
@@ -182,6 +183,12 @@ def cross_entropy(
         ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
         field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
         are split into blocks, which may move the result by a rounding, never what is computed.
+      inplace: let the gradient take the logits' buffer: the Pallas kernel's gradient aliases the logits
+        (``input_output_aliases``), and the logits are not kept for the backward (16-bit logits with a non-unit
+        upstream gradient: one more rounding, as with torchloss's). A logits-sized buffer is saved only where the
+        logits die at the call (an intermediate inside ``jax.jit``, such as the LM head's output, or a donated
+        argument); elsewhere XLA copies them first (the same numbers). The XLA path aliases nothing. See
+        docs/jaxloss.md.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -200,7 +207,7 @@ def cross_entropy(
         logit_softcap=logit_softcap,
         causal_shift=causal_shift,
     )
-    return _loss(config, logits, labels, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
+    return _loss(config, logits, labels, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning, inplace)
 
 
 def soft_cross_entropy(
@@ -221,6 +228,7 @@ def soft_cross_entropy(
     sequence_parallel: Optional[AxisNames] = None,
     impl: str = "auto",
     tuning: Optional[lossspec.Tuning] = None,
+    inplace: bool = False,
     **unexpected: Never,
 ) -> Array:
     """Masked cross-entropy against the teacher's distribution p.
@@ -285,6 +293,12 @@ def soft_cross_entropy(
         ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
         field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
         are split into blocks, which may move the result by a rounding, never what is computed.
+      inplace: let the gradient take the logits' buffer: the Pallas kernel's gradient aliases the logits
+        (``input_output_aliases``), and the logits are not kept for the backward (16-bit logits with a non-unit
+        upstream gradient: one more rounding, as with torchloss's). A logits-sized buffer is saved only where the
+        logits die at the call (an intermediate inside ``jax.jit``, such as the LM head's output, or a donated
+        argument); elsewhere XLA copies them first (the same numbers). The XLA path aliases nothing. See
+        docs/jaxloss.md.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -303,7 +317,7 @@ def soft_cross_entropy(
         teacher_logit_softcap=teacher_logit_softcap,
         causal_shift=causal_shift,
     )
-    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
+    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning, inplace)
 
 
 def forward_kl(
@@ -324,6 +338,7 @@ def forward_kl(
     sequence_parallel: Optional[AxisNames] = None,
     impl: str = "auto",
     tuning: Optional[lossspec.Tuning] = None,
+    inplace: bool = False,
     **unexpected: Never,
 ) -> Array:
     """Masked forward KL, KL(p || q), of the student q from the teacher p (mean seeking).
@@ -388,6 +403,12 @@ def forward_kl(
         ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
         field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
         are split into blocks, which may move the result by a rounding, never what is computed.
+      inplace: let the gradient take the logits' buffer: the Pallas kernel's gradient aliases the logits
+        (``input_output_aliases``), and the logits are not kept for the backward (16-bit logits with a non-unit
+        upstream gradient: one more rounding, as with torchloss's). A logits-sized buffer is saved only where the
+        logits die at the call (an intermediate inside ``jax.jit``, such as the LM head's output, or a donated
+        argument); elsewhere XLA copies them first (the same numbers). The XLA path aliases nothing. See
+        docs/jaxloss.md.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -406,7 +427,7 @@ def forward_kl(
         teacher_logit_softcap=teacher_logit_softcap,
         causal_shift=causal_shift,
     )
-    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
+    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning, inplace)
 
 
 def reverse_kl(
@@ -427,6 +448,7 @@ def reverse_kl(
     sequence_parallel: Optional[AxisNames] = None,
     impl: str = "auto",
     tuning: Optional[lossspec.Tuning] = None,
+    inplace: bool = False,
     **unexpected: Never,
 ) -> Array:
     """Masked reverse KL, KL(q || p), of the student q from the teacher p (mode seeking).
@@ -491,6 +513,12 @@ def reverse_kl(
         ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
         field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
         are split into blocks, which may move the result by a rounding, never what is computed.
+      inplace: let the gradient take the logits' buffer: the Pallas kernel's gradient aliases the logits
+        (``input_output_aliases``), and the logits are not kept for the backward (16-bit logits with a non-unit
+        upstream gradient: one more rounding, as with torchloss's). A logits-sized buffer is saved only where the
+        logits die at the call (an intermediate inside ``jax.jit``, such as the LM head's output, or a donated
+        argument); elsewhere XLA copies them first (the same numbers). The XLA path aliases nothing. See
+        docs/jaxloss.md.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -509,7 +537,7 @@ def reverse_kl(
         teacher_logit_softcap=teacher_logit_softcap,
         causal_shift=causal_shift,
     )
-    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
+    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning, inplace)
 
 
 def entropy(
@@ -527,6 +555,7 @@ def entropy(
     sequence_parallel: Optional[AxisNames] = None,
     impl: str = "auto",
     tuning: Optional[lossspec.Tuning] = None,
+    inplace: bool = False,
     **unexpected: Never,
 ) -> Array:
     """Masked entropy of the student's distribution q (the entropy regulariser of policy-gradient trainers).
@@ -585,6 +614,12 @@ def entropy(
         ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
         field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
         are split into blocks, which may move the result by a rounding, never what is computed.
+      inplace: let the gradient take the logits' buffer: the Pallas kernel's gradient aliases the logits
+        (``input_output_aliases``), and the logits are not kept for the backward (16-bit logits with a non-unit
+        upstream gradient: one more rounding, as with torchloss's). A logits-sized buffer is saved only where the
+        logits die at the call (an intermediate inside ``jax.jit``, such as the LM head's output, or a donated
+        argument); elsewhere XLA copies them first (the same numbers). The XLA path aliases nothing. See
+        docs/jaxloss.md.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -601,7 +636,7 @@ def entropy(
         logit_softcap=logit_softcap,
         causal_shift=causal_shift,
     )
-    return _loss(config, logits, None, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
+    return _loss(config, logits, None, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning, inplace)
 
 
 def jensen_shannon(
@@ -623,6 +658,7 @@ def jensen_shannon(
     sequence_parallel: Optional[AxisNames] = None,
     impl: str = "auto",
     tuning: Optional[lossspec.Tuning] = None,
+    inplace: bool = False,
     **unexpected: Never,
 ) -> Array:
     """Masked generalised Jensen-Shannon divergence of the student q and the teacher p (on-policy distillation).
@@ -690,6 +726,12 @@ def jensen_shannon(
         ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
         field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
         are split into blocks, which may move the result by a rounding, never what is computed.
+      inplace: let the gradient take the logits' buffer: the Pallas kernel's gradient aliases the logits
+        (``input_output_aliases``), and the logits are not kept for the backward (16-bit logits with a non-unit
+        upstream gradient: one more rounding, as with torchloss's). A logits-sized buffer is saved only where the
+        logits die at the call (an intermediate inside ``jax.jit``, such as the LM head's output, or a donated
+        argument); elsewhere XLA copies them first (the same numbers). The XLA path aliases nothing. See
+        docs/jaxloss.md.
       **unexpected: none: any other keyword is a ``TypeError``, which names the argument to write instead of torch's
         ``reduction=`` and Liger-Kernel's option names (``lossspec.foreign_keyword_hint``).
 
@@ -709,7 +751,7 @@ def jensen_shannon(
         teacher_logit_softcap=teacher_logit_softcap,
         causal_shift=causal_shift,
     )
-    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning)
+    return _loss(config, logits, teacher_logits, loss_mask, segment_ids, denominator, vocab_parallel, sequence_parallel, impl, tuning, inplace)
 
 
 def count_denominator(
@@ -795,9 +837,11 @@ def _loss(
     sequence_parallel: Any,
     impl: str,
     tuning: Optional[lossspec.Tuning],
+    inplace: bool = False,
 ) -> Array:
     backend = backends.resolve(impl)  # the one resolution of this call's impl
     tuning = lossspec.check_tuning(tuning)
+    lossspec.check_inplace(inplace)
     logits = as_array(logits)
     if target is None:
         # No target (entropy): an empty [..., 0] stand-in carries the leading shape through the
@@ -860,9 +904,10 @@ def _loss(
     kcfg = KernelConfig.of(formula)
     try:
         if axes is None:
-            tokens = loss_tokens(Spec(kcfg, backend.name, tuning), to_device(logits), safe_target, coef)
+            tokens = loss_tokens(Spec(kcfg, backend.name, tuning, inplace), to_device(logits), safe_target, coef)
         else:
-            tokens = loss_tokens_vocab_parallel(VpSpec(kcfg, backend.name, tuning, axes, vocab), to_device(logits), safe_target, coef)
+            spec = VpSpec(kcfg, backend.name, tuning, inplace, axes=axes, vocab=vocab)
+            tokens = loss_tokens_vocab_parallel(spec, to_device(logits), safe_target, coef)
     except TypeError as err:
         if "forward-mode" not in str(err):
             raise

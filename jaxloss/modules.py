@@ -124,6 +124,7 @@ class CrossEntropyLoss(_Loss):
         sequence_parallel: Optional[api.AxisNames] = None,
         impl: str = "auto",
         tuning: Optional[lossspec.Tuning] = None,
+        inplace: bool = False,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -139,6 +140,7 @@ class CrossEntropyLoss(_Loss):
                 sequence_parallel=sequence_parallel,
                 impl=impl,
                 tuning=tuning,
+                inplace=inplace,
             ),
             unexpected,
         )
@@ -171,6 +173,7 @@ class SoftCrossEntropyLoss(_Loss):
         sequence_parallel: Optional[api.AxisNames] = None,
         impl: str = "auto",
         tuning: Optional[lossspec.Tuning] = None,
+        inplace: bool = False,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -186,6 +189,7 @@ class SoftCrossEntropyLoss(_Loss):
                 sequence_parallel=sequence_parallel,
                 impl=impl,
                 tuning=tuning,
+                inplace=inplace,
             ),
             unexpected,
         )
@@ -219,6 +223,7 @@ class ForwardKLLoss(_Loss):
         sequence_parallel: Optional[api.AxisNames] = None,
         impl: str = "auto",
         tuning: Optional[lossspec.Tuning] = None,
+        inplace: bool = False,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -234,6 +239,7 @@ class ForwardKLLoss(_Loss):
                 sequence_parallel=sequence_parallel,
                 impl=impl,
                 tuning=tuning,
+                inplace=inplace,
             ),
             unexpected,
         )
@@ -267,6 +273,7 @@ class ReverseKLLoss(_Loss):
         sequence_parallel: Optional[api.AxisNames] = None,
         impl: str = "auto",
         tuning: Optional[lossspec.Tuning] = None,
+        inplace: bool = False,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -282,6 +289,7 @@ class ReverseKLLoss(_Loss):
                 sequence_parallel=sequence_parallel,
                 impl=impl,
                 tuning=tuning,
+                inplace=inplace,
             ),
             unexpected,
         )
@@ -313,6 +321,7 @@ class EntropyLoss(_TargetlessLoss):
         sequence_parallel: Optional[api.AxisNames] = None,
         impl: str = "auto",
         tuning: Optional[lossspec.Tuning] = None,
+        inplace: bool = False,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -326,6 +335,7 @@ class EntropyLoss(_TargetlessLoss):
                 sequence_parallel=sequence_parallel,
                 impl=impl,
                 tuning=tuning,
+                inplace=inplace,
             ),
             unexpected,
         )
@@ -361,6 +371,7 @@ class JensenShannonLoss(_Loss):
         sequence_parallel: Optional[api.AxisNames] = None,
         impl: str = "auto",
         tuning: Optional[lossspec.Tuning] = None,
+        inplace: bool = False,
         **unexpected: Never,
     ) -> None:
         super().__init__(
@@ -377,6 +388,7 @@ class JensenShannonLoss(_Loss):
                 sequence_parallel=sequence_parallel,
                 impl=impl,
                 tuning=tuning,
+                inplace=inplace,
             ),
             unexpected,
         )

@@ -34,6 +34,8 @@ from .checks import (
     mask_broadcasts,
     squeezed_mask_shape,
     check_count_args,
+    check_inplace,
+    inplace_refusal,
     check_denominator_allowed,
     check_denominator_shape,
     check_denominator_type,

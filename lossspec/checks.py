@@ -398,6 +398,32 @@ def foreign_keyword_hint(names: Any, values: dict[str, Any] | None = None) -> st
     return "; ".join(hints)
 
 
+def check_inplace(inplace: Any) -> bool:
+    """The ``inplace=`` argument of a loss, both frameworks: ``True`` lets the gradient take the
+    logits' buffer (torchloss writes it there; jaxloss aliases the Pallas kernel's gradient to the
+    logits, a saving only when the logits are donated or die at the call). A ``bool``, else a
+    ``TypeError``."""
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool; got {type(inplace).__name__}")
+    return inplace
+
+
+def inplace_refusal(reason: str, what: str = "") -> ValueError:
+    """The error of an ``inplace=True`` call whose logits cannot take the gradient, one message per
+    ``reason``: ``"leaf"`` (``what``: "a leaf tensor" or "a view of a leaf tensor" that requires
+    grad: its values would be overwritten) or ``"contiguous"`` (the buffer must be one block).
+    torchloss raises these; jaxloss never refuses (arrays are immutable: XLA copies logits that are
+    still needed before the kernel writes their buffer)."""
+    if reason == "leaf":
+        return ValueError(
+            f"inplace=True writes the gradient into the logits' buffer, but logits is {what} that requires grad "
+            "(its values would be overwritten); pass the output of an operation (e.g. the LM head) instead"
+        )
+    if reason == "contiguous":
+        return ValueError("inplace=True needs contiguous logits (their buffer receives the gradient)")
+    raise ValueError(f"unknown inplace refusal {reason!r}")
+
+
 def begin_call(name: str, unexpected: dict[str, Any], normalization: Any, causal_shift: Any, denominator: Any) -> None:
     """The first step of every public loss and fused head ``name`` (both frameworks): a keyword
     the function does not take (``unexpected``, its ``**unexpected``) is a ``TypeError`` naming the

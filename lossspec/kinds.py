@@ -173,4 +173,8 @@ def module_settings(spec: KindSpec, settings: dict[str, Any], unexpected: dict[s
         from .tuning import check_tuning
 
         check_tuning(settings["tuning"])
+    if "inplace" in settings:
+        from .checks import check_inplace
+
+        check_inplace(settings["inplace"])
     return dict(settings)

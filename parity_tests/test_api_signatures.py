@@ -1,8 +1,9 @@
 """The public losses, fused heads and module classes are written out in both frameworks (plain
 ``def`` / ``class`` statements, so that IDEs and type checkers see their signatures), with the
 signatures the kind table implies (``lossspec.kinds.parameters``, ``lossspec.linear.head_parameters``),
-the same in ``jaxloss`` and ``torchloss`` except the documented framework-only arguments (torch's
-``inplace``). Annotations are not compared (they name each framework's array type)."""
+the same in ``jaxloss`` and ``torchloss`` except the documented framework-only arguments (none
+today: ``inplace`` is in both since issue 32). Annotations are not compared (they name each
+framework's array type)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from lossspec import linear as spec_linear
 
 P = inspect.Parameter
 # The framework arguments after segment_ids, in order (docs/spec.md, section 3).
-JAX_ARGS: tuple[tuple[str, Any], ...] = (("vocab_parallel", None), ("sequence_parallel", None), ("impl", "auto"), ("tuning", None))
-TORCH_ARGS: tuple[tuple[str, Any], ...] = JAX_ARGS + (("inplace", False),)
-TORCH_ONLY = ("inplace",)  # torchloss writes the gradient into the logits' buffer (docs/torchloss.md)
+JAX_ARGS: tuple[tuple[str, Any], ...] = (("vocab_parallel", None), ("sequence_parallel", None), ("impl", "auto"), ("tuning", None),
+                                         ("inplace", False))
+TORCH_ARGS: tuple[tuple[str, Any], ...] = JAX_ARGS
+TORCH_ONLY: tuple[str, ...] = ()  # torch-only arguments of the losses (inplace is in both: docs/spec.md section 7)
 HEAD_ARGS: tuple[tuple[str, Any], ...] = (("vocab_parallel", None), ("tuning", None))  # both frameworks, after lossspec.linear.HEAD_ARGS
 # Every function ends with **unexpected: any other keyword is a TypeError with lossspec's hint.
 UNEXPECTED = P("unexpected", P.VAR_KEYWORD)
@@ -116,7 +118,7 @@ def test_module_classes_are_written_out_with_the_tables_options(framework: str) 
 
 
 def test_frameworks_differ_only_in_their_documented_arguments() -> None:
-    """The same names, order, kinds and defaults in jaxloss and torchloss, less torch's ``inplace``."""
+    """The same names, order, kinds and defaults in jaxloss and torchloss, less the torch-only arguments (none)."""
     names = [*lossspec.KIND_SPECS, *(spec_linear.LINEAR_NAMES[kind] for kind in HEAD_KINDS)]
     for name in names:
         jax_params = _plain(inspect.signature(getattr(jaxloss, name)).parameters.values())

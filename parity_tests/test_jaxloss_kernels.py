@@ -78,6 +78,39 @@ def test_pallas_small_blocks(kind: str) -> None:
         check(case, "pallas", tuning, **({} if scenario == "neg_inf" else OPTIONS[kind]))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", lossspec.ALL_KINDS)
+def test_pallas_masked_rows_write_zeros_only(kind: str) -> None:
+    """Rows with ``coef == 0`` are never read: two whole row blocks masked (both passes skipped,
+    zeros written), a masked row beside a live one (its lanes masked off the loads), a live row
+    alone in the ragged last block. NaN / +inf in the masked rows leak nowhere; the loss and the
+    gradient are the oracle's, the masked rows' gradient exactly 0."""
+    n, vocab = 9, 70
+    rng = np.random.default_rng(32)
+    x = rng.normal(0.0, 2.0, (n, vocab)).astype(np.float32)
+    teacher = rng.normal(0.0, 2.0, (n, vocab)).astype(np.float32)
+    labels = rng.integers(0, vocab, n).astype(np.int32)
+    mask = np.ones(n, dtype=bool)
+    mask[[0, 1, 2, 3, 5]] = False
+    ref_loss, ref_grad = lossspec.oracle(kind, x.astype(np.float64), labels if kind == "cross_entropy" else teacher.astype(np.float64), mask)
+    x[1, 3], x[5, :], teacher[2, 7], teacher[3, :] = np.nan, np.inf, np.nan, np.inf  # masked rows only
+    spec = lossspec.KIND_SPECS[kind]
+    target = jnp.asarray(labels) if spec.target == "labels" else jnp.asarray(teacher)
+    fn = getattr(jaxloss, kind)
+    tuning = lossspec.Tuning(block_rows=2, vocab_block=32)
+
+    def loss_of(x: jax.Array) -> jax.Array:
+        if spec.target is None:
+            return fn(x, jnp.asarray(mask), impl="pallas", tuning=tuning)
+        return fn(x, target, jnp.asarray(mask), impl="pallas", tuning=tuning)
+
+    loss, grad = jax.value_and_grad(loss_of)(jnp.asarray(x))
+    grad = np.asarray(grad)
+    assert np.all(grad[~mask] == 0.0), kind
+    compare_loss(np.asarray(loss), ref_loss).check()
+    np.testing.assert_allclose(grad[mask], ref_grad[mask], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_statistics_combine_like_shards(kind: str) -> None:
     """Per-shard statistics of uneven vocabulary shards, combined in either order, give the
@@ -186,6 +219,22 @@ def test_pallas_uses_64_bit_offsets_for_large_arrays(capsys: pytest.CaptureFixtu
         pointers[n] = [line for line in triton_ir.splitlines() if "tt.addptr" in line and "bf16" in line]
     assert pointers[1000] and all("x1024xi32>" in line for line in pointers[1000])
     assert pointers[70000] and all("x1024xi64>" in line for line in pointers[70000])
+
+
+def test_pallas_skips_masked_row_blocks_in_the_triton_kernel(capsys: pytest.CaptureFixture[str]) -> None:
+    """The GPU kernel branches on its rows' coefficients: a block with a live row runs both passes,
+    a block of masked rows only stores zeros (two ``scf.if`` regions); the stats-only mode of the
+    vocab-parallel shards has no coefficients and no branch."""
+    cfg = _xla.KernelConfig("cross_entropy")
+    tuning = lossspec.Tuning(interpret=False, debug=True)
+    x = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((64,), jnp.int32)
+    coef = jax.ShapeDtypeStruct((64,), jnp.float32)
+    capsys.readouterr()
+    _export_cuda(lambda x, t, c: _pallas.fused(cfg, x, t, c, tuning=tuning), x, labels, coef)
+    assert capsys.readouterr().out.count("scf.if") == 2
+    _export_cuda(lambda x, t: _pallas.shard_stats(cfg, x, t, tuning=tuning), x, labels)
+    assert capsys.readouterr().out.count("scf.if") == 0
 
 
 # The two mesh tests lower for CUDA from a CPU machine's 8 host devices (parity_tests/conftest.py);

@@ -132,7 +132,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "pallas_tail_mask",
         "the Pallas kernel's ragged vocabulary tail mask off by one",
-        "jaxloss/backends/pallas.py::_kernel.load",
+        "jaxloss/backends/pallas.py::_kernel.columns",
         "        col_ok = (cols < n_cols)[None, :]",
         "        col_ok = (cols < n_cols - 1)[None, :]",
         ("parity_tests/test_jaxloss_kernels.py",),
@@ -1026,6 +1026,38 @@ MUTANTS: tuple[Mutant, ...] = (
         "            kl_pm = kl_pm + tl.sum(tl.where(p > 0, p * log_pm, 0.0), axis=1)",
         "            kl_pm = kl_pm + tl.sum(tl.where(p > 0, p * log_qm, 0.0), axis=1)",
         ("parity_tests/test_linear_head_kernels.py", "-k", "triton and jensen_shannon and match_oracle"),
+    ),
+    Mutant(
+        "liger_timed_on_its_own_gradient",
+        "an in-place contender (Liger's cross-entropy, inplace=True) is timed on its own last gradient: no fresh logits before the call",
+        "benchmarks/_worker.py::_call",
+        "    bench.prepare()",
+        "    pass",
+        ("parity_tests/test_benchmarks_smoke.py", "-k", "fresh or liger"),
+    ),
+    Mutant(
+        "floor_reads_once",
+        "the two-read-one-write floor counts one read of each valid row",
+        "benchmarks/_registry.py::floor_bytes",
+        "    reads = 2 * (2 if kind in DISTILL else 1)  # logits (and teacher) twice per valid row",
+        "    reads = 1 * (2 if kind in DISTILL else 1)",
+        ("parity_tests/test_benchmarks_smoke.py", "-k", "floor"),
+    ),
+    Mutant(
+        "pallas_inplace_not_aliased",
+        "jaxloss inplace=True: the Pallas gradient gets a buffer of its own (no input_output_aliases)",
+        "jaxloss/backends/pallas.py::fused",
+        "                       n_cols=vocab, vocab=vocab, tuning=tuning, aliases={0: 1} if inplace else None)",
+        "                       n_cols=vocab, vocab=vocab, tuning=tuning, aliases=None)",
+        ("parity_tests/test_jaxloss_inplace.py", "-k", "aliases"),
+    ),
+    Mutant(
+        "inplace_keeps_the_logits_jax",
+        "jaxloss inplace=True keeps the logits for the backward (XLA then copies them before the aliased kernel)",
+        "jaxloss/_autodiff.py::_weighted_loss_fwd",
+        "    return jnp.where(coef != 0, coef * loss, 0.0), (grad, coef, target, None if spec.inplace else x)",
+        "    return jnp.where(coef != 0, coef * loss, 0.0), (grad, coef, target, x)",
+        ("parity_tests/test_jaxloss_inplace.py", "-k", "aliases"),
     ),
 )
 

@@ -108,20 +108,17 @@ def _check_no_functorch(*tensors: Optional[Tensor]) -> None:
 
 
 def _check_inplace(logits: Tensor, need_grad: bool) -> None:
-    """``inplace=True`` overwrites the logits with their gradient: never a leaf's storage."""
+    """``inplace=True`` overwrites the logits with their gradient: never a leaf's storage (the
+    messages: :func:`lossspec.inplace_refusal`)."""
     if not need_grad:
         return
     base = logits
     while base is not None:
         if base.is_leaf and base.requires_grad:
-            what = "a leaf tensor" if base is logits else "a view of a leaf tensor"
-            raise ValueError(
-                f"inplace=True writes the gradient into the logits' buffer, but logits is {what} that requires grad "
-                "(its values would be overwritten); pass the output of an operation (e.g. the LM head) instead"
-            )
+            raise lossspec.inplace_refusal("leaf", "a leaf tensor" if base is logits else "a view of a leaf tensor")
         base = base._base
     if not logits.is_contiguous():
-        raise ValueError("inplace=True needs contiguous logits (their buffer receives the gradient)")
+        raise lossspec.inplace_refusal("contiguous")
 
 
 @dataclasses.dataclass
@@ -184,8 +181,7 @@ def validate(
         lossspec.check_denominator_shape(tuple(denominator.shape))
     elif denominator is not None:
         lossspec.check_denominator_type(denominator)
-    if not isinstance(inplace, bool):
-        raise TypeError(f"inplace must be a bool; got {type(inplace).__name__}")
+    lossspec.check_inplace(inplace)
     _check_no_functorch(logits, target, loss_mask)
     device = logits.device
     check_device(target_name, target, device)

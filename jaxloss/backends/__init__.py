@@ -15,8 +15,9 @@ first used and its functions are read at each call (so a test may replace one of
 losses' kernels take the call's :class:`lossspec.Tuning` (``tuning=``, read field by field, a
 ``None`` field being the module's default). What each module offers:
 
-- ``loss``: ``fused(cfg, x [N, V], target, coef [N], *, with_grad, tuning) -> (loss [N] fp32,
-  grad [N, V] in x's dtype or None)``; without
+- ``loss``: ``fused(cfg, x [N, V], target, coef [N], *, with_grad, tuning, inplace) -> (loss [N] fp32,
+  grad [N, V] in x's dtype or None)`` (``inplace``: the gradient may take ``x``'s buffer; Pallas
+  aliases it, XLA leaves it to its buffer assignment); without
   ``higher_order``, ``HIGHER_ORDER_MESSAGE`` (the error of a second derivative);
 - ``shard`` (``None``: the XLA steps of ``backends/vocab_parallel.py``):
   ``shard_stats(cfg, x, target, *, tuning) -> Stats`` and

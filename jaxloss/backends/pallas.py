@@ -15,6 +15,12 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
   inside and cast once on store. Ragged vocabulary tails are masked loads/stores.
   ``jensen_shannon`` loops once more in between (its mixture sums need the global ``lse``'s,
   :mod:`lossspec.stats`); ``entropy`` reads no target (an empty ``[N, 0]`` stand-in).
+* Rows with ``coef == 0`` (masked, or ``D == 0``) are never read: their lanes are masked off every
+  load and their zero gradient is stored; a block of such rows skips the passes (``pl.when``) and
+  stores zeros only (the Triton kernels' ``_zero_row``). The "stats" mode, which has no ``coef``,
+  reads every row.
+* ``inplace`` (the losses' ``inplace=True``): the gradient output aliases ``x``
+  (``input_output_aliases``); pass 2 writes a block only after both passes have read it.
 * The label's logit is picked with a compare against the column ids (no gather), so the kernel
   needs nothing beyond loads, stores, elementwise math and row reductions.
 * Offsets: the kernel indexes with (row, column) pairs and never forms ``row * V`` itself;
@@ -122,18 +128,27 @@ def _kernel(
     x_ref, t_ref = refs[0], refs[1]
     rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     row_ok = rows < n_rows
-    labels = plgpu.load(t_ref.at[rows], mask=row_ok, other=0) if ce else None
+    # A row with coef == 0 (masked, or D == 0) needs only its zero gradient written: neither pass
+    # reads its logits (or teacher), like the Triton kernels' _zero_row. Its lanes are masked off
+    # every load, and a block with no such live row skips both passes (see the end). The "stats"
+    # mode has no coef: every row is live.
+    coef = None if mode == "stats" else plgpu.load(refs[2].at[rows], mask=row_ok, other=0.0)
+    live = row_ok if coef is None else row_ok & (coef != 0)
+    labels = plgpu.load(t_ref.at[rows], mask=live, other=0) if ce else None
     num_blocks = pl.cdiv(n_cols, block_vocab)
 
-    def load(j: Array) -> tuple[tuple[Array, Array], Array, Array, Array, Optional[Array], Optional[Array]]:
+    def columns(j: Array) -> tuple[tuple[Array, Array], Array, Array]:
         cols = j * block_vocab + jnp.arange(block_vocab, dtype=jnp.int32)
         col_ok = (cols < n_cols)[None, :]
-        mask = row_ok[:, None] & col_ok
-        index = (rows[:, None], cols[None, :])
+        return (rows[:, None], cols[None, :]), col_ok, row_ok[:, None] & col_ok
+
+    def load(j: Array) -> tuple[tuple[Array, Array], Array, Array, Array, Optional[Array], Optional[Array]]:
+        index, col_ok, mask = columns(j)
+        read = live[:, None] & col_ok
         # Masked lanes read 0 (finite); block_stats masks them to -inf through col_ok.
-        x = plgpu.load(x_ref.at[index], mask=mask, other=0.0).astype(F32)
-        t = plgpu.load(t_ref.at[index], mask=mask, other=0.0).astype(F32) if cfg.has_teacher else None
-        hit = (cols[None, :] == labels[:, None]) if ce else None
+        x = plgpu.load(x_ref.at[index], mask=read, other=0.0).astype(F32)
+        t = plgpu.load(t_ref.at[index], mask=read, other=0.0).astype(F32) if cfg.has_teacher else None
+        hit = (index[1] == labels[:, None]) if ce else None
         return index, col_ok, mask, x, t, hit
 
     def pass1() -> Stats:
@@ -159,7 +174,18 @@ def _kernel(
         def body(j: Array, carry: int) -> int:
             index, _, mask, x, t, hit = load(j)
             grad = grad_block(cfg, fin, coef, x, t, hit=hit, vocab=vocab)
+            # where, not coef *: a dead row's stand-in zeros against the global statistics ("grad"
+            # mode) may overflow
+            grad = jnp.where(live[:, None], grad, 0.0)
             plgpu.store(grad_ref.at[index], grad.astype(grad_ref.dtype), mask=mask)
+            return carry
+
+        lax.fori_loop(0, num_blocks, body, 0)
+
+    def zero_grad(grad_ref) -> None:
+        def body(j: Array, carry: int) -> int:
+            index, _, mask = columns(j)
+            plgpu.store(grad_ref.at[index], jnp.zeros((block_rows, block_vocab), grad_ref.dtype), mask=mask)
             return carry
 
         lax.fori_loop(0, num_blocks, body, 0)
@@ -169,17 +195,26 @@ def _kernel(
         for name, out_ref in zip(fields, refs[2:]):
             plgpu.store(out_ref.at[rows], getattr(stats, name), mask=row_ok)
         return
-    coef = plgpu.load(refs[2].at[rows], mask=row_ok, other=0.0)
-    if mode == "grad":
-        values = {name: plgpu.load(ref.at[rows], mask=row_ok, other=0.0) for name, ref in zip(fields, refs[3:-1])}
-        pass2(Final(**values), coef, refs[-1])
-        return
-    loss_ref, grad_ref = refs[3], refs[4]
-    fin = finalize(cfg, pass1(), vocab)
-    if cfg.kind == "jensen_shannon":
-        fin = mixture_pass(fin)
-    plgpu.store(loss_ref.at[rows], jnp.where(coef != 0, fin.l, 0.0), mask=row_ok)
-    pass2(fin, coef, grad_ref)
+    grad_ref = refs[-1]
+    any_live = jnp.sum(live.astype(jnp.int32)) > 0
+
+    @pl.when(any_live)
+    def _live_block() -> None:
+        if mode == "grad":
+            values = {name: plgpu.load(ref.at[rows], mask=row_ok, other=0.0) for name, ref in zip(fields, refs[3:-1])}
+            pass2(Final(**values), coef, grad_ref)
+            return
+        fin = finalize(cfg, pass1(), vocab)
+        if cfg.kind == "jensen_shannon":
+            fin = mixture_pass(fin)
+        plgpu.store(refs[3].at[rows], jnp.where(coef != 0, fin.l, 0.0), mask=row_ok)
+        pass2(fin, coef, grad_ref)
+
+    @pl.when(jnp.logical_not(any_live))
+    def _dead_block() -> None:  # every row masked: zeros out, nothing read
+        if mode == "fused":
+            plgpu.store(refs[3].at[rows], jnp.zeros((block_rows,), F32), mask=row_ok)
+        zero_grad(grad_ref)
 
 
 def _call(
@@ -192,11 +227,14 @@ def _call(
     vocab: int,
     fields: tuple[str, ...] = (),
     tuning: Optional[Tuning] = None,
+    aliases: Optional[dict[int, int]] = None,
 ) -> tuple[Array, ...]:
     """Run the kernel in ``mode`` over ``inputs`` (``inputs[0]`` is ``x [N, n_cols]``), with the
     :class:`lossspec.Tuning` fields ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``,
     ``interpret`` and ``debug`` of ``tuning`` (``None``: :data:`GPU_DEFAULTS` /
-    :data:`INTERPRET_DEFAULTS`)."""
+    :data:`INTERPRET_DEFAULTS`). ``aliases``: ``{input index: output index}``, outputs written into
+    their input's buffer (``pallas_call``'s ``input_output_aliases``; XLA copies an input that is
+    still needed)."""
     tuning = tuning or DEFAULT_TUNING
     n = inputs[0].shape[0]
     # Inside shard_map (check_vma) every operand and result must carry the same varying axes.
@@ -216,6 +254,7 @@ def _call(
                 jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat if typed else None) for shape, dtype in out_shapes
             ),
             grid=(pl.cdiv(n, block_rows),),
+            input_output_aliases=dict(aliases or {}),
             interpret=interpret,
             debug=tuning.debug,
             compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps or GPU_DEFAULTS.num_warps, num_stages=tuning.num_stages),
@@ -279,13 +318,18 @@ def fused(
     *,
     with_grad: bool = True,
     tuning: Optional[Tuning] = None,
+    inplace: bool = False,
     mode: str = "fused",
 ) -> tuple[Array, Optional[Array]]:
     """Per-token loss ``[N]`` fp32 (0 where ``coef == 0``, not multiplied by ``coef``) and the
     gradient ``coef * c * dl/dz`` ``[N, V]`` in the logits' dtype (see :func:`jaxloss.backends.xla.fused`).
 
-    The kernel always writes the gradient; ``with_grad=False`` only drops it. (The "stats" and
-    "grad" modes are :func:`shard_stats` and :func:`shard_grad`.)
+    The kernel always writes the gradient; ``with_grad=False`` only drops it. ``inplace``: the
+    gradient is written into the buffer of ``x`` (``input_output_aliases``): no new logits-sized
+    buffer where ``x`` dies at this call (an intermediate under ``jax.jit``, or donated); where it
+    is still needed XLA copies it first. Each block of columns is read by both passes before pass 2
+    overwrites it, so the aliased kernel computes the same numbers. (The "stats" and "grad" modes
+    are :func:`shard_stats` and :func:`shard_grad`.)
     """
     if mode != "fused":
         raise NotImplementedError(f"kernel mode {mode!r} in fused(); the modes are {', '.join(MODES)} "
@@ -294,7 +338,7 @@ def fused(
     if n == 0:
         return jnp.zeros((0,), F32), (jnp.zeros(x.shape, x.dtype) if with_grad else None)
     loss, grad = _call(cfg, "fused", (x, _target_operand(cfg, target), coef), (((n,), F32), ((n, vocab), x.dtype)),
-                       n_cols=vocab, vocab=vocab, tuning=tuning)
+                       n_cols=vocab, vocab=vocab, tuning=tuning, aliases={0: 1} if inplace else None)
     return loss, (grad if with_grad else None)
 
 

@@ -100,6 +100,7 @@ def fused(
     *,
     with_grad: bool = True,
     tuning: Optional[Tuning] = None,
+    inplace: bool = False,
 ) -> tuple[Array, Optional[Array]]:
     """Per-token loss and gradient in one pass over the logits (XLA).
 
@@ -112,6 +113,8 @@ def fused(
       tuning: the block and chunk sizes (:func:`blocking`: the fields ``vocab_block``,
         ``single_block_vocab`` and ``chunk_elements`` of :class:`lossspec.Tuning`; ``None`` or a
         ``None`` field: :data:`DEFAULTS`).
+      inplace: the gradient may take the logits' buffer (the losses' ``inplace=True``). Read by
+        the Pallas kernels only: here XLA's buffer assignment decides (nothing is aliased).
 
     Returns:
       ``(l, grad)``: the per-token loss ``l`` ``[N]`` fp32 (0 where ``coef == 0``; *not*
