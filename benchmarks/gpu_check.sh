@@ -24,8 +24,13 @@
 # benchmark rows at the issue's shape (16384 x 131072 bf16, 30% masked, the loss group): our
 # kernels (with and without the in-place gradient), Liger, flash-attn and the speed-of-light
 # passes, cross-entropy first; the slow peers (torch.compile, eager, optax, the torch path) and the
-# LM head are left out. --dry-run (or GPU_CHECK_DRY_RUN=1): print the plan and exit 0, run nothing
-# (on a machine without a GPU it says so first).
+# LM head are left out. --head (or GPU_CHECK_HEAD=1), issue 33's run in about 6 minutes too: the
+# fused head's tests on the GPU (precision="tensor", the bf16 matmuls), the head's matmuls alone
+# (benchmarks/gpu_matmul_probe.py: bf16->bf16, mm(out_dtype=fp32), the Triton matmul, fp32, JAX's
+# dot) and the head rows at 16384 x 4096 x 131072 bf16: the tensor heads, the opted-in bf16 split,
+# Liger's fused head, Cut Cross-Entropy, tokamax and both frameworks' three matmuls (the exact
+# fp32 heads, 1.4-2.4 s a call there, are left out). --dry-run (or GPU_CHECK_DRY_RUN=1): print the
+# plan and exit 0, run nothing (on a machine without a GPU it says so first).
 #
 # Environment: GPU_CHECK_SECONDS (default 600, --short 360) the whole budget; GPU_CHECK_PYTEST_SECONDS
 # (default 150, --short 120) the kernel tests' share of it; GPU_CHECK_SWEEP_SECONDS (default 60,
@@ -38,21 +43,34 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 short=${GPU_CHECK_SHORT:-}
+head=${GPU_CHECK_HEAD:-}
 dry_run=${GPU_CHECK_DRY_RUN:-}
 for arg in "$@"; do
   case "$arg" in
     --short) short=1 ;;
+    --head) head=1 ;;
     --dry-run) dry_run=1 ;;
-    *) echo "usage: bash benchmarks/gpu_check.sh [--short] [--dry-run]  (unknown argument: $arg)"; exit 2 ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh [--short | --head] [--dry-run]  (unknown argument: $arg)"; exit 2 ;;
   esac
 done
+probe_seconds=0
 
 kernel_tests=(parity_tests/test_torchloss_triton_kernels.py parity_tests/test_linear_head_kernels.py
               parity_tests/test_torchloss_triton_vocab_parallel.py parity_tests/test_jaxloss_kernels.py
               parity_tests/test_jaxloss_oracle.py parity_tests/test_linear_head_bf16_matmuls.py)
 kernel_filter="pallas or triton or bf16_matmuls"
 bench_args="--gpu-quick --name gpu_quick"
-if [ -n "$short" ]; then
+if [ -n "$head" ]; then
+  budget=${GPU_CHECK_SECONDS:-360}
+  pytest_seconds=${GPU_CHECK_PYTEST_SECONDS:-90}
+  sweep_seconds=0
+  probe_seconds=${GPU_CHECK_PROBE_SECONDS:-60}
+  # the fused head's suites that issue 33 changed (JAX's default device and torch's CUDA tensors)
+  kernel_tests=(parity_tests/test_linear_head_tensor.py parity_tests/test_linear_head_bf16_matmuls.py)
+  kernel_filter="not memory"
+  skip_parity=1
+  bench_args="--gpu-quick --name gpu_head --kinds cross_entropy --backends head-torchloss-fused-tensor,head-jaxloss-fused-tensor,head-torchloss-fused-bf16mm,head-jaxloss-fused-bf16mm,head-liger,head-cce,head-tokamax,head-matmul-sol,head-jax-matmul-sol"
+elif [ -n "$short" ]; then
   budget=${GPU_CHECK_SECONDS:-360}
   pytest_seconds=${GPU_CHECK_PYTEST_SECONDS:-120}
   sweep_seconds=${GPU_CHECK_SWEEP_SECONDS:-30}
@@ -80,11 +98,12 @@ step() { echo; echo "=== [$(date +%H:%M:%S), $(left) s left] $*"; }
 failures=()
 
 plan() {
-  echo "plan ($([ -n "$short" ] && echo short || echo full) mode, budget ${budget} s):"
+  echo "plan ($([ -n "$head" ] && echo head || { [ -n "$short" ] && echo short || echo full; }) mode, budget ${budget} s):"
   echo "  1. the GPU, the driver, the Python with CUDA torch and JAX, the carried peers (.whl/), the versions"
   echo "  2. kernel tests (${pytest_seconds} s): pytest ${kernel_tests[*]} -k '$kernel_filter'"
   if [ -n "$skip_parity" ]; then echo "  3. lossparity: skipped"; else echo "  3. lossparity: Pallas and Triton vs the oracle"; fi
-  echo "  4. Triton launch shapes (${sweep_seconds} s): python -m benchmarks.gpu_triton_sweep --max-seconds $sweep_seconds --head"
+  if [ "$sweep_seconds" -gt 0 ]; then echo "  4. Triton launch shapes (${sweep_seconds} s): python -m benchmarks.gpu_triton_sweep --max-seconds $sweep_seconds --head"; fi
+  if [ "$probe_seconds" -gt 0 ]; then echo "  4. the head's matmuls alone (${probe_seconds} s): python -m benchmarks.gpu_matmul_probe"; fi
   echo "  5. benchmark (the time left): python -m benchmarks.run $bench_args"
 }
 
@@ -151,7 +170,8 @@ step "versions"
 timeout 60 "$py" - <<'EOF' || failures+=("import torch/jax on the GPU")
 import platform
 from importlib import metadata
-for name in ("numpy", "jax", "jaxlib", "jax-cuda12-plugin", "optax", "torch", "triton", "liger-kernel", "flash-attn"):
+for name in ("numpy", "jax", "jaxlib", "jax-cuda12-plugin", "optax", "torch", "triton", "liger-kernel", "flash-attn",
+             "cut-cross-entropy", "tokamax"):
     try:
         print(f"{name:18} {metadata.version(name)}")
     except metadata.PackageNotFoundError:
@@ -191,9 +211,15 @@ timeout 30 "$py" -m lossparity --quiet --backends jax-pallas,torch-triton --shap
   --normalizations valid_tokens --no-plot --out benchmarks/results/gpu_parity/ragged || failures+=("lossparity 3x41x50257")
 fi
 
+if [ "$sweep_seconds" -gt 0 ]; then
 step "Triton launch shapes: python -m benchmarks.gpu_triton_sweep (vocabulary block x warps)"
 timeout "$(( sweep_seconds + 50 ))" "$py" -m benchmarks.gpu_triton_sweep --max-seconds "$sweep_seconds" --head \
   --json benchmarks/results/gpu_triton_sweep.json || failures+=("Triton sweep")
+fi
+if [ "$probe_seconds" -gt 0 ]; then
+step "the head's matmuls alone: python -m benchmarks.gpu_matmul_probe (R=2048, H=4096, V=131072)"
+timeout "$probe_seconds" "$py" -m benchmarks.gpu_matmul_probe --json benchmarks/results/gpu_matmul_probe.json || failures+=("matmul probe")
+fi
 
 # ---- 4. benchmark ----------------------------------------------------------------------------
 remaining=$(left)

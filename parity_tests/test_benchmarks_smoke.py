@@ -433,3 +433,19 @@ def test_gpu_check_short_dry_run_plans_without_running() -> None:
     assert "benchmarks.run --gpu-quick --name gpu_quick_short --no-head" in out
     if shutil.which("nvidia-smi") is None:
         assert "no NVIDIA GPU visible" in out
+
+
+def test_gpu_check_head_dry_run_plans_the_head_rows() -> None:
+    """``benchmarks/gpu_check.sh --head --dry-run``: issue 33's plan (the head's suites, the matmul
+    probe, the head rows at the GPU shape), every contender it names known to the registry and a
+    head contender (a misspelt name would measure nothing on a lent GPU's only run)."""
+    import re
+
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--head", "--dry-run"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "plan (head mode, budget 360 s)" in out and "test_linear_head_tensor.py" in out and "benchmarks.gpu_matmul_probe" in out
+    named = re.search(r"--backends (\S+)", out).group(1).split(",")
+    assert {"head-torchloss-fused-tensor", "head-jaxloss-fused-tensor", "head-liger", "head-cce", "head-tokamax"} <= set(named)
+    assert all(name in BACKENDS and BACKENDS[name].group == "head" and "gpu" in BACKENDS[name].devices for name in named), named
