@@ -79,3 +79,45 @@ def test_hbm_bytes_model() -> None:
     assert aot.hbm_bytes("entropy", 4, 10, 1) == 3 * 10 * 4
     assert aot.hbm_bytes("reverse_kl", 2, 10, 1) == 5 * 10 * 2
     assert aot.hbm_bytes("jensen_shannon", 2, 10, 1) == 7 * 10 * 2
+
+
+KERNELS = ROOT / "torchloss" / "backends" / "triton_kernels.py"
+
+
+def _hand_rounding_line() -> str:
+    """The right-hand side of the hand rounding in the kernel source (``_round_for_store``)."""
+    lines = [line.strip() for line in KERNELS.read_text().splitlines() if line.strip().startswith("bits = ((bits + 0x7FFF")]
+    assert len(lines) == 1, lines
+    return lines[0].split("=", 1)[1]
+
+
+def test_bf16_hand_rounding_is_round_to_nearest_even() -> None:
+    """The kernels' hand rounding (the interpreter's path, the kernel's own expression evaluated on
+    uint32 like the GPU's integer unit) gives the bits of an IEEE round-to-nearest-even fp32 ->
+    bf16 cast (torch's, the conversion ``cvt.rn.bf16.f32`` also makes) on every tie of every
+    exponent (subnormals included, both parities), one unit either side of the ties, the
+    subnormals, the overflow to inf and random patterns: so the compiled path, which leaves the
+    rounding to the cast, stores the same bits."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(0)
+    exponents = np.arange(255, dtype=np.uint32)  # 0: subnormals (and zero); 255 (inf / NaN) below
+    high = np.array([0, 1, 2, 0x3F, 0x40, 0x7E, 0x7F], dtype=np.uint32)  # bf16's 7 mantissa bits
+    low = np.array([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=np.uint32)  # 0x8000: the ties
+    grid = (exponents[:, None, None] << 23) | (high[None, :, None] << 16) | low[None, None, :]
+    bits = np.concatenate([grid.ravel(), rng.integers(0, 1 << 23, 4096, dtype=np.uint32),  # subnormals
+                           rng.integers(0, 0x7F800001, 65536, dtype=np.uint32), np.array([0x7F800000], np.uint32)])
+    bits = np.concatenate([bits, bits | np.uint32(0x80000000)])  # both signs
+    values = bits.view(np.float32)
+    assert not np.isnan(values).any()
+    rounded = eval(_hand_rounding_line(), {"bits": bits.copy()})  # noqa: S307  (the kernel's expression)
+    assert rounded.dtype == np.uint32
+    reference = torch.from_numpy(values.copy()).to(torch.bfloat16).float().numpy().view(np.uint32)
+    np.testing.assert_array_equal(rounded, reference)
+    ties = (bits & 0xFFFF) == 0x8000
+    assert ties.sum() >= 2 * 255 * 7 and ((bits >> 23) & 0xFF == 0)[ties].any()  # subnormal ties checked
+    assert np.isinf(rounded.view(np.float32)).sum() > 2  # the overflow to inf checked
+    # Ties go to the even neighbour: 1 + 2**-8 lies halfway between 1 and 1 + 2**-7.
+    one_tie = np.array([0x3F808000, 0x3F818000], np.uint32)
+    np.testing.assert_array_equal(eval(_hand_rounding_line(), {"bits": one_tie}), [0x3F800000, 0x3F820000])  # noqa: S307

@@ -219,6 +219,18 @@ def disassemble(cubin: bytes) -> str:
     return out.stdout
 
 
+def bf16_conversions(ptx: str, sass: str) -> dict[str, list[str]]:
+    """The fp32 -> bf16 conversions of a compiled kernel: the PTX ``cvt`` instructions to bf16
+    (``cvt.rn.bf16.f32``, ``cvt.rn.bf16x2.f32``: round to nearest even, subnormals kept; a
+    ``.rz`` or ``.ftz`` would show here), the SASS opcodes that carry them out (``F2FP.BF16...``)
+    and the PTX lines of the hand rounding's ``+ 0x7FFF`` (``_round_for_store``), if compiled in."""
+    return {
+        "ptx_cvt": sorted(set(re.findall(r"\bcvt(?:\.(?:rni?|rzi?|rmi?|rpi?|rna|rs|ftz|sat|relu|satfinite))*\.bf16(?:x2)?\.f32\b", ptx))),
+        "sass_f2fp": sorted({opcode(i) for _, i in sass_instructions(sass) if opcode(i).startswith("F2FP")}),
+        "hand_rounding": [line.strip() for line in ptx.splitlines() if re.search(r"\b(32767|0x7[fF]{3})\b", line)],
+    }
+
+
 def hbm_bytes(kind: str, itemsize: int, vocab: int, valid_rows: int, masked_rows: int = 0) -> int:
     """HBM traffic of the fused forward over ``valid_rows + masked_rows`` rows of ``vocab``
     logits of ``itemsize`` bytes: a valid row reads its logits once per pass (2; 3 with a
@@ -388,8 +400,11 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
-    """Compile one kernel (in a worker process with ``TRITON_INTERPRET=0``) and read its resources."""
+def compile_kernel(job: str, variant: str, dtype: str, arch: int, **overrides: Any) -> tuple[Any, int, int]:
+    """``(compiled, num_warps, block_v)`` of one kernel as a GPU launch specialises it
+    (``block_v``: the columns of one vocabulary pass, 0 for the head and matmul kernels); a loss
+    kernel's constexprs replaced by ``overrides`` (tests). Needs ``TRITON_INTERPRET=0`` when
+    triton is first imported."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -400,23 +415,26 @@ def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
 
     assert not _triton.INTERPRETED, "the AOT report must run with TRITON_INTERPRET=0"
     label, kind, options = next((v for v in VARIANTS if v[0] == variant), (variant, "", {}))
-    block_v = 0
     if job == LIGER_JOB:
-        compiled, warps = _compile_liger(dtype, arch)
-        block_v = LIGER_BLOCK
-    elif job in MATMUL_JOBS:
-        compiled, warps = _compile_matmul(variant, arch)
-    elif job in HEAD_JOBS:
-        compiled, warps = _compile_head(job, kind, options, dtype, arch)
-    else:
-        config = lossspec.make_config(kind, **options)
-        constants = _triton.constexprs(job, config, getattr(torch, dtype), GPU_BLOCK_V)
-        signature, attrs = _signature(job, kind, dtype)
-        warps = _triton.num_warps(GPU_BLOCK_V, job, constants["SOFTCAP"] or constants["TEACHER_SOFTCAP"])
-        kernel = _triton.KERNELS[job]
-        src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": _triton.FP_FUSION})
-        block_v = GPU_BLOCK_V
+        return (*_compile_liger(dtype, arch), LIGER_BLOCK)
+    if job in MATMUL_JOBS:
+        return (*_compile_matmul(variant, arch), 0)
+    if job in HEAD_JOBS:
+        return (*_compile_head(job, kind, options, dtype, arch), 0)
+    config = lossspec.make_config(kind, **options)
+    constants = {**_triton.constexprs(job, config, getattr(torch, dtype), GPU_BLOCK_V), **overrides}
+    signature, attrs = _signature(job, kind, dtype)
+    warps = _triton.num_warps(GPU_BLOCK_V, job, constants["SOFTCAP"] or constants["TEACHER_SOFTCAP"])
+    src = ASTSource(fn=_triton.KERNELS[job], signature=signature, constexprs=constants, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": _triton.FP_FUSION})
+    return compiled, warps, GPU_BLOCK_V
+
+
+def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
+    """Compile one kernel (in a worker process with ``TRITON_INTERPRET=0``) and read its resources."""
+    from torchloss.backends import triton as _triton
+
+    compiled, warps, block_v = compile_kernel(job, variant, dtype, arch)
     passes = vocabulary_passes(sass_loops(disassemble(compiled.asm["cubin"]))) if block_v else []
     # ptxas -v as Triton runs it (same binary, architecture name and flags), for its resource report.
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
