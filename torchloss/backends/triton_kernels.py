@@ -296,7 +296,9 @@ def _row_mixture(
         log_q = c * (x - m) - lse
         log_p = ct * (t - mt) - lse_t
         q = tl.exp2(log_q * LOG2E)
-        p = tl.exp2(log_p * LOG2E)
+        # p keeps tl.exp: with both in exp2, ptxas gave the bf16 fused kernel 64 registers on
+        # sm_80 and spilled 8 bytes (scripts/triton_aot_report.py)
+        p = tl.exp(log_p)
         log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
         kl_qm = kl_qm + tl.sum(tl.where(q > 0, q * log_qm, 0.0), axis=0)
         kl_pm = kl_pm + tl.sum(tl.where(p > 0, p * log_pm, 0.0), axis=0)
@@ -354,7 +356,12 @@ def _row_stats(
         inside = cols < V
         # The ragged tail reads -inf: probability 0, never a maximum, never a pivot.
         x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, SOFTCAP, ACC)
-        block_m = tl.max(x, axis=0)
+        if (KIND == REVERSE_KL) and not TEACHER_SOFTCAP:
+            # The maximum and its first column in one reduction (the pivot rule below).
+            block_m, first = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            first = v0 + first
+        else:
+            block_m = tl.max(x, axis=0)
         m_new = tl.maximum(m, block_m)
         r, dm = shift2(m, m_new, c2)
         u = x - finite(m_new)  # -inf on -inf logits and on the tail
@@ -376,9 +383,15 @@ def _row_stats(
                 b = rt * (b + st * dmt) + tl.sum(tl.where(et > 0, et * ut, 0.0), axis=0)
             if KIND == REVERSE_KL:
                 # The pivot rule of lossspec.stats: the first column of the maximum (an earlier
-                # block keeps it on ties), found with a min over the tying columns' ids.
-                first = tl.min(tl.where(inside & (x == block_m), cols, V), axis=0)
-                block_tau = tl.max(tl.where(cols == first, t, float("-inf")), axis=0)
+                # block keeps it on ties). Its teacher logit: one load of the column just read
+                # (a cache hit); with a teacher cap, reductions over the capped block instead (the
+                # cap of one value computed apart need not give the block's bits interpreted).
+                if TEACHER_SOFTCAP:
+                    first = tl.min(tl.where(inside & (x == block_m), cols, V), axis=0)
+                    block_tau = tl.max(tl.where(cols == first, t, float("-inf")), axis=0)
+                else:
+                    # masked: a NaN maximum (a bad row) may name a tail column
+                    block_tau = tl.load(t_row + first, mask=first < V, other=float("-inf")).to(ACC)
                 tau_new = tl.where(block_m > m, block_tau, tau)
                 # Old e_d re-expressed on (m', tau'): D gains c (m - m') - ct (tau - tau'); a prefix
                 # with r == 0 (empty, or far below) contributes exactly 0.
