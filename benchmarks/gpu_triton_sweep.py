@@ -29,7 +29,7 @@ import torchloss
 from torchloss.backends import triton as _triton
 
 KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
-BLOCKS = (2048, 4096, 8192, 16384)
+BLOCKS = (2048, 4096, 8192, 16384, 32768)  # 32768 x 16-32 warps: the peers' (Liger) blocks
 WARPS = (8, 16, 32)
 
 

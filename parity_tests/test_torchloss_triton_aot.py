@@ -45,6 +45,8 @@ def test_every_kernel_compiles_for_sm80_sm90_without_spills(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [aot.Row(**r) for r in json.loads(out.read_text())]
     expected = set(aot.tasks())  # the unfused kernels x every kind, the head kernels x the head's kinds
+    if aot.liger_available():  # and Liger-Kernel's cross-entropy, compiled the same way for comparison
+        expected |= {(aot.LIGER_JOB, "cross_entropy", dtype, arch) for dtype in aot.DTYPES for arch in aot.ARCHS}
     assert {(r.job, r.variant, r.dtype, r.arch) for r in rows} == expected
     for r in rows:
         assert r.spill_stores == 0 and r.spill_loads == 0, r
@@ -53,3 +55,39 @@ def test_every_kernel_compiles_for_sm80_sm90_without_spills(tmp_path: Path) -> N
         assert 0 < r.registers <= 255 and r.shared < shared_limit, r
     # The documented table is the current one (regenerate: python scripts/triton_aot_report.py).
     assert aot.markdown(rows) in DOC.read_text(), "docs/triton_kernels.md holds an outdated AOT table"
+
+
+_CONVERSIONS = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("triton_aot_report", sys.argv[1])
+aot = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = aot
+spec.loader.exec_module(aot)
+out = {}
+for name, job, variant, overrides in (("fused", "fused", "cross_entropy", {}), ("shard_grad", "shard_grad", "cross_entropy", {}),
+                                      ("hand", "fused", "cross_entropy", {"ROUND_BF16": True})):
+    compiled, _, _ = aot.compile_kernel(job, variant, "bfloat16", 90, **overrides)
+    out[name] = aot.bf16_conversions(compiled.asm["ptx"], aot.disassemble(compiled.asm["cubin"]))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _ptxas_available(), reason="needs triton with its bundled ptxas")
+def test_compiled_bf16_store_is_the_hardware_round_to_nearest_even() -> None:
+    """Compiled for a GPU, the kernels leave the bf16 rounding to the cast (``ROUND_BF16`` off):
+    every fp32 -> bf16 conversion is ``cvt.rn.bf16(x2).f32`` (round to nearest even; no ``.rz``,
+    no ``.ftz``: subnormals kept), carried out by ``F2FP.BF16.F32.PACK_AB`` in the sm_90 SASS,
+    and the hand rounding's ``+ 0x7FFF`` is not compiled in (the interpreter's setting compiles
+    it, which shows that the check sees it). That this rounding equals the hand rounding bit for
+    bit, ties and subnormals included, is ``test_torchloss_aot_counting.py``'s
+    ``test_bf16_hand_rounding_is_round_to_nearest_even``."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _CONVERSIONS, str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ("fused", "shard_grad"):
+        assert found[name]["ptx_cvt"] and set(found[name]["ptx_cvt"]) <= {"cvt.rn.bf16.f32", "cvt.rn.bf16x2.f32"}, found[name]
+        assert found[name]["sass_f2fp"] == ["F2FP.BF16.F32.PACK_AB"], found[name]
+        assert found[name]["hand_rounding"] == [], found[name]
+    assert found["hand"]["hand_rounding"], found["hand"]

@@ -4,6 +4,7 @@ registers, shared memory and spills of each (no GPU needed: Triton's own ``ptxas
 Usage::
 
     python scripts/triton_aot_report.py [--arch 80 90] [--jobs N] [--json PATH]
+    python scripts/triton_aot_report.py --instructions-only [--copy-rate 4.2] [--shape N V]
 
 Each kernel is compiled exactly as ``torchloss.backends.triton`` would launch it on a GPU: the
 constexprs of :func:`torchloss.backends.triton.constexprs` at the GPU block size (4096 columns, the
@@ -12,6 +13,27 @@ logits and every kind (cross-entropy plain and with label smoothing + z-loss; th
 the soft caps compiled in). Compilation runs
 with ``TRITON_INTERPRET=0`` in worker processes; ``ptxas -v`` on the generated PTX gives the
 registers and spill bytes, Triton's metadata the shared memory. Exit status 1 if anything spills.
+
+Instruction issue (the loss kernels; ``--instructions-only`` compiles just those, for sm_90, and
+Liger-Kernel's cross-entropy): the cubin Triton built is disassembled (``cuobjdump -sass``, bundled
+with Triton) and every loop is found from its back edge, a ``BRA`` to an address at or before its
+own (a branch to itself, the end-of-function trap, is not a loop): the loop body is the
+instructions from the target to the branch, counted statically (code behind a forward branch
+inside the body counts as if always run, so the count is an upper bound where a body branches).
+The loops that load from global memory (``LDG``) are the vocabulary passes of a valid row (pass
+1, jensen_shannon's mixture pass, pass 2); a loop that only stores is the zero-row loop of masked
+rows, left out. One iteration of a pass handles ``BLOCK_V`` columns with ``num_warps`` warps, so
+each warp issues the body once per ``BLOCK_V / num_warps`` elements::
+
+    warp-instructions per valid element = sum over the passes (body instructions) * num_warps / BLOCK_V
+
+(the instructions before and after the loops are left out: they run once per row, which a long
+row amortises). Barriers per block: the ``BAR`` instructions (``BAR.SYNC``, ``BAR.RED``, ...)
+in the passes' bodies, i.e. the block-wide synchronisations one vocabulary block costs. These are
+static counts of the compiled code, not GPU timings. The HBM model (:func:`hbm_bytes`): a valid
+row reads its logits once per pass (two passes, three for jensen_shannon), the teacher's as often
+on the distillation kinds, and writes the gradient once; a masked row writes zeros only; at a
+copy rate (``--copy-rate``, TB/s) that is a floor on the time.
 """
 
 from __future__ import annotations
@@ -97,6 +119,127 @@ class Row:
     stack: int
     spill_stores: int
     spill_loads: int
+    # The loss kernels' (and Liger's) vocabulary passes in the SASS (:func:`sass_loops`): the
+    # columns of one iteration, each pass's body instructions and barriers (empty elsewhere).
+    block_v: int = 0
+    pass_instructions: list[int] = dataclasses.field(default_factory=list)
+    pass_barriers: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def per_element(self) -> float:
+        """Warp-instructions per valid element: the passes' bodies, once per ``block_v / num_warps`` elements."""
+        return sum(self.pass_instructions) * self.num_warps / self.block_v if self.block_v else float("nan")
+
+
+# Liger-Kernel's cross-entropy (liger_kernel.ops.cross_entropy, 0.8.5) as it launches on a Hopper
+# GPU: BLOCK_SIZE = min(32768, next_power_of_2(V)) and 32 warps for every dtype (its
+# cross_entropy_forward), mean reduction, no weights, no smoothing / z-loss / soft cap, gradients on.
+LIGER_JOB = "liger"
+LIGER_BLOCK = 32768
+LIGER_WARPS = 32
+# Vocabulary passes of a valid row per job: pass 1 (statistics), jensen_shannon's mixture pass, pass 2.
+EXPECTED_PASSES = {"fused": 2, "regrad": 2, "shard_stats": 1, "shard_grad": 1, LIGER_JOB: 2}
+
+
+# --- SASS: loops, their bodies and barriers -------------------------------------------------------
+
+_SASS_INSTRUCTION = re.compile(r"/\*([0-9a-fA-F]{4,})\*/\s+([^;]*?)\s*;")
+_PREDICATE = re.compile(r"^@!?U?P[T0-9]+\s+")
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A loop of the SASS: the body runs from ``start`` (the back edge's target) to ``end`` (the
+    back edge, a ``BRA``), both addresses included."""
+
+    start: int
+    end: int
+    instructions: int
+    barriers: int  # BAR.SYNC, BAR.RED, BAR.ARV, ...
+    loads: int  # LDG: reads global memory (a vocabulary pass)
+    stores: int  # STG
+
+
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    """``(address, instruction)`` of the first function in ``cuobjdump -sass`` output, in order
+    (the instruction without its ``;`` and encoding)."""
+    out: list[tuple[int, str]] = []
+    for line in sass.splitlines():
+        if "Function :" in line and out:
+            break  # a second function: its addresses start at 0 again
+        found = _SASS_INSTRUCTION.search(line)
+        if found:
+            out.append((int(found.group(1), 16), found.group(2).strip()))
+    return out
+
+
+def opcode(instruction: str) -> str:
+    """The opcode with its modifiers (``BAR.SYNC.DEFER_BLOCKING``), predicate removed."""
+    return _PREDICATE.sub("", instruction).split(None, 1)[0]
+
+
+def sass_loops(sass: str) -> list[Loop]:
+    """The loops of ``sass`` (``cuobjdump -sass``), in address order: one per back edge, a ``BRA``
+    whose target lies before it (a ``BRA`` to itself is the trap after ``EXIT``, not a loop)."""
+    code = sass_instructions(sass)
+    loops = []
+    for address, instruction in code:
+        if opcode(instruction).split(".")[0] != "BRA":
+            continue
+        targets = re.findall(r"0x([0-9a-fA-F]+)", _PREDICATE.sub("", instruction))
+        if not targets:
+            continue
+        target = int(targets[-1], 16)
+        if target >= address:
+            continue
+        body = [opcode(i) for a, i in code if target <= a <= address]
+        loops.append(Loop(target, address, len(body), sum(op.split(".")[0] == "BAR" for op in body),
+                          sum(op.split(".")[0] == "LDG" for op in body), sum(op.split(".")[0] == "STG" for op in body)))
+    return sorted(loops, key=lambda loop: loop.start)
+
+
+def vocabulary_passes(loops: list[Loop]) -> list[Loop]:
+    """The loops a valid row runs: the outermost loops that read global memory (the zero-row loop
+    of masked rows only stores)."""
+    outer = [l for l in loops if not any(o is not l and o.start <= l.start and l.end <= o.end for o in loops)]
+    return [l for l in outer if l.loads]
+
+
+def disassemble(cubin: bytes) -> str:
+    """``cuobjdump -sass`` of ``cubin`` (Triton's bundled binary)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"cuobjdump -sass failed ({out.returncode}):\n{out.stderr}")
+    return out.stdout
+
+
+def bf16_conversions(ptx: str, sass: str) -> dict[str, list[str]]:
+    """The fp32 -> bf16 conversions of a compiled kernel: the PTX ``cvt`` instructions to bf16
+    (``cvt.rn.bf16.f32``, ``cvt.rn.bf16x2.f32``: round to nearest even, subnormals kept; a
+    ``.rz`` or ``.ftz`` would show here), the SASS opcodes that carry them out (``F2FP.BF16...``)
+    and the PTX lines of the hand rounding's ``+ 0x7FFF`` (``_round_for_store``), if compiled in."""
+    return {
+        "ptx_cvt": sorted(set(re.findall(r"\bcvt(?:\.(?:rni?|rzi?|rmi?|rpi?|rna|rs|ftz|sat|relu|satfinite))*\.bf16(?:x2)?\.f32\b", ptx))),
+        "sass_f2fp": sorted({opcode(i) for _, i in sass_instructions(sass) if opcode(i).startswith("F2FP")}),
+        "hand_rounding": [line.strip() for line in ptx.splitlines() if re.search(r"\b(32767|0x7[fF]{3})\b", line)],
+    }
+
+
+def hbm_bytes(kind: str, itemsize: int, vocab: int, valid_rows: int, masked_rows: int = 0) -> int:
+    """HBM traffic of the fused forward over ``valid_rows + masked_rows`` rows of ``vocab``
+    logits of ``itemsize`` bytes: a valid row reads its logits once per pass (2; 3 with a
+    mixture pass), the teacher's as often (distillation kinds), and writes its gradient once; a
+    masked row writes zeros only (labels, coefficients and losses, ``O(rows)``, left out)."""
+    spec = lossspec.KIND_SPECS[kind]
+    passes = 3 if spec.mixture_pass else 2
+    reads = passes * (2 if spec.has_teacher else 1)
+    return (valid_rows * (reads + 1) + masked_rows) * vocab * itemsize
 
 
 def _signature(job: str, kind: str, dtype: str) -> tuple[dict[str, str], dict]:
@@ -210,8 +353,58 @@ def _compile_matmul(variant: str, arch: int) -> tuple[Any, int]:
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options), tiles[4]
 
 
-def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
-    """Compile one kernel (in a worker process with ``TRITON_INTERPRET=0``) and read its resources."""
+def _compile_liger(dtype: str, arch: int) -> tuple[Any, int]:
+    """``(compiled, num_warps)`` of Liger-Kernel's cross-entropy kernel as its
+    ``cross_entropy_forward`` launches it for long rows on Hopper (:data:`LIGER_BLOCK`,
+    :data:`LIGER_WARPS`): ``None`` arguments and unit strides specialised to constants, the row
+    stride and ``n_cols`` divisible by 16, the loss in the logits' dtype."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from liger_kernel.ops import cross_entropy as liger_ce
+
+    from torchloss.backends import triton as _triton
+
+    kernel = liger_ce.liger_cross_entropy_kernel
+    constants: dict[str, Any] = {
+        "Y_stride": 1, "loss_stride": 1, "weight_ptr": None, "z_loss_ptr": None, "token_accuracy_ptr": None,
+        "predicted_tokens_ptr": None, "softcap": None, "lse_square_scale": 0.0, "label_smoothing": 0.0, "reduction": "mean",
+        "RETURN_Z_LOSS": False, "RETURN_TOKEN_ACCURACY": False, "RETURN_PREDICTED_TOKENS": False, "BLOCK_SIZE": LIGER_BLOCK,
+        "HAS_WEIGHT": False, "HAS_SOFTCAPPING": False, "HAS_GRADIENTS": True,
+    }
+    logits = "*" + _TL_NAMES[dtype]
+    signature: dict[str, str] = {}
+    attrs = {}
+    for i, param in enumerate(kernel.params):
+        name = param.name
+        if param.is_constexpr or name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = {"X_ptr": logits, "Y_ptr": "*i64", "loss_ptr": logits}[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "weight_sum":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name in ("X_stride", "n_cols"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    options = {"num_warps": LIGER_WARPS, "enable_fp_fusion": _triton.FP_FUSION}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options), LIGER_WARPS
+
+
+def liger_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def compile_kernel(job: str, variant: str, dtype: str, arch: int, **overrides: Any) -> tuple[Any, int, int]:
+    """``(compiled, num_warps, block_v)`` of one kernel as a GPU launch specialises it
+    (``block_v``: the columns of one vocabulary pass, 0 for the head and matmul kernels); a loss
+    kernel's constexprs replaced by ``overrides`` (tests). Needs ``TRITON_INTERPRET=0`` when
+    triton is first imported."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -222,18 +415,27 @@ def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
 
     assert not _triton.INTERPRETED, "the AOT report must run with TRITON_INTERPRET=0"
     label, kind, options = next((v for v in VARIANTS if v[0] == variant), (variant, "", {}))
+    if job == LIGER_JOB:
+        return (*_compile_liger(dtype, arch), LIGER_BLOCK)
     if job in MATMUL_JOBS:
-        compiled, warps = _compile_matmul(variant, arch)
-    elif job in HEAD_JOBS:
-        compiled, warps = _compile_head(job, kind, options, dtype, arch)
-    else:
-        config = lossspec.make_config(kind, **options)
-        constants = _triton.constexprs(job, config, getattr(torch, dtype), GPU_BLOCK_V)
-        signature, attrs = _signature(job, kind, dtype)
-        warps = _triton.num_warps(GPU_BLOCK_V, job, constants["SOFTCAP"] or constants["TEACHER_SOFTCAP"])
-        kernel = _triton.KERNELS[job]
-        src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": _triton.FP_FUSION})
+        return (*_compile_matmul(variant, arch), 0)
+    if job in HEAD_JOBS:
+        return (*_compile_head(job, kind, options, dtype, arch), 0)
+    config = lossspec.make_config(kind, **options)
+    constants = {**_triton.constexprs(job, config, getattr(torch, dtype), GPU_BLOCK_V), **overrides}
+    signature, attrs = _signature(job, kind, dtype)
+    warps = _triton.num_warps(GPU_BLOCK_V, job, constants["SOFTCAP"] or constants["TEACHER_SOFTCAP"])
+    src = ASTSource(fn=_triton.KERNELS[job], signature=signature, constexprs=constants, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": _triton.FP_FUSION})
+    return compiled, warps, GPU_BLOCK_V
+
+
+def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
+    """Compile one kernel (in a worker process with ``TRITON_INTERPRET=0``) and read its resources."""
+    from torchloss.backends import triton as _triton
+
+    compiled, warps, block_v = compile_kernel(job, variant, dtype, arch)
+    passes = vocabulary_passes(sass_loops(disassemble(compiled.asm["cubin"]))) if block_v else []
     # ptxas -v as Triton runs it (same binary, architecture name and flags), for its resource report.
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
@@ -253,7 +455,14 @@ def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
         return int(found.group(1)) if found else 0
 
     return Row(job, variant, dtype, arch, warps, number(r"Used (\d+) registers"), int(compiled.metadata.shared),
-               number(r"(\d+) bytes stack frame"), number(r"(\d+) bytes spill stores"), number(r"(\d+) bytes spill loads"))
+               number(r"(\d+) bytes stack frame"), number(r"(\d+) bytes spill stores"), number(r"(\d+) bytes spill loads"),
+               block_v, [l.instructions for l in passes], [l.barriers for l in passes])
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 def _worker_init() -> None:
@@ -262,9 +471,17 @@ def _worker_init() -> None:
         sys.path.insert(0, str(ROOT))  # this checkout's torchloss, not an installed one
 
 
-def report(archs: tuple[int, ...] = ARCHS, jobs: int = 2) -> list[Row]:
-    """Compile every (kernel, kind, dtype, arch) in ``jobs`` processes; rows in a fixed order."""
-    todo = tasks(archs)
+def instruction_tasks(arch: int = 90, liger: bool = True) -> list[tuple[str, str, str, int]]:
+    """The loss kernels for ``arch`` (every job, variant and dtype) and, with ``liger``, Liger's
+    cross-entropy: what ``--instructions-only`` compiles."""
+    out = [(job, variant[0], dtype, arch) for job in JOBS for variant in VARIANTS for dtype in DTYPES]
+    return out + ([(LIGER_JOB, "cross_entropy", dtype, arch) for dtype in DTYPES] if liger else [])
+
+
+def report(archs: tuple[int, ...] = ARCHS, jobs: int = 2, todo: list[tuple[str, str, str, int]] | None = None) -> list[Row]:
+    """Compile every (kernel, kind, dtype, arch) in ``jobs`` processes (or the tasks ``todo``);
+    rows in a fixed order."""
+    todo = tasks(archs) if todo is None else todo
     # Fresh processes (spawn): triton must be imported with TRITON_INTERPRET=0.
     env_before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"
@@ -301,18 +518,110 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def markdown_instructions(rows: list[Row], arch: int = 90) -> str:
+    """Per loss kernel (and Liger's) on ``arch``: the passes' body instructions and barriers per
+    block, warp-instructions per valid element, registers and spills."""
+    lines = ["| kernel | kind | logits | BLOCK_V / warps | pass bodies (instr.) | warp-instr. / valid element | barriers / block | regs | spill st+ld |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.arch != arch or not r.block_v:
+            continue
+        bodies = " + ".join(map(str, r.pass_instructions)) or "-"
+        barriers = " + ".join(map(str, r.pass_barriers)) or "-"
+        lines.append(f"| `{r.job}` | {r.variant} | {r.dtype} | {r.block_v} / {r.num_warps} | {bodies} | {r.per_element:.2f} | "
+                     f"{barriers} | {r.registers} | {r.spill_stores}+{r.spill_loads} B |")
+    return "\n".join(lines)
+
+
+def pass_count_problems(rows: list[Row]) -> list[str]:
+    """Rows whose SASS does not show the expected number of vocabulary passes (a loop split or
+    unrolled by ptxas, or a parse that missed one): their counts would be wrong."""
+    out = []
+    for r in rows:
+        if not r.block_v:
+            continue
+        expected = EXPECTED_PASSES[r.job] + (1 if r.job in ("fused", "regrad") and "jensen_shannon" in r.variant else 0)
+        if len(r.pass_instructions) != expected:
+            out.append(f"{r.job} {r.variant} {r.dtype} sm_{r.arch}: {len(r.pass_instructions)} passes found, {expected} expected")
+    return out
+
+
+def targets(rows: list[Row], arch: int = 90, ratio: float = 1.5) -> list[tuple[str, bool]]:
+    """The targets of issue 32 on ``arch``, each ``(statement, met)``: the fused cross-entropy
+    issues no more warp-instructions per valid element than Liger's (per dtype, where Liger was
+    compiled); every kind's fused kernel at most ``ratio`` times cross-entropy's; no spills."""
+    index = {(r.job, r.variant, r.dtype): r for r in rows if r.arch == arch}
+    out = []
+    for dtype in DTYPES:
+        ce = index.get(("fused", "cross_entropy", dtype))
+        liger = index.get((LIGER_JOB, "cross_entropy", dtype))
+        if ce is None:
+            continue
+        if liger is not None:
+            out.append((f"{dtype}: cross_entropy {ce.per_element:.2f} <= Liger {liger.per_element:.2f}", ce.per_element <= liger.per_element))
+        for label, kind, options in VARIANTS:
+            r = index.get(("fused", label, dtype))
+            if r is not None and label == kind and kind != "cross_entropy":
+                out.append((f"{dtype}: {kind} {r.per_element:.2f} <= {ratio} x cross_entropy = {ratio * ce.per_element:.2f}",
+                            r.per_element <= ratio * ce.per_element))
+    spilled = [r for r in rows if r.spill_stores or r.spill_loads]
+    out.append((f"no spills ({len(spilled)} of {len(rows)} kernels spill)", not spilled))
+    return out
+
+
+def markdown_hbm(vocab: int, rows_valid: int, rows_masked: int, rate_tb_s: float) -> str:
+    """:func:`hbm_bytes` per kind for fp32 and bf16 logits, and the time it takes at ``rate_tb_s``."""
+    lines = [f"| kind | bytes / valid element (fp32, bf16) | {rows_valid} + {rows_masked} masked rows x {vocab}: GB (fp32, bf16) | floor at {rate_tb_s} TB/s: ms (fp32, bf16) |",
+             "|---|---|---|---|"]
+    for kind in lossspec.KIND_SPECS:
+        per = [hbm_bytes(kind, size, 1, 1) for size in (4, 2)]
+        total = [hbm_bytes(kind, size, vocab, rows_valid, rows_masked) for size in (4, 2)]
+        lines.append(f"| {kind} | {per[0]}, {per[1]} | {total[0] / 1e9:.2f}, {total[1] / 1e9:.2f} | "
+                     f"{total[0] / (rate_tb_s * 1e12) * 1e3:.3f}, {total[1] / (rate_tb_s * 1e12) * 1e3:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--json", type=Path, help="also write the rows as JSON to this file")
+    parser.add_argument("--instructions-only", action="store_true",
+                        help="only the loss kernels for sm_90 (and Liger's): instructions, barriers, HBM model, targets")
+    parser.add_argument("--copy-rate", type=float, default=4.2, help="HBM copy rate of the floor time, TB/s (default 4.2)")
+    parser.add_argument("--shape", type=int, nargs=2, default=(16384, 131072), metavar=("ROWS", "V"),
+                        help="rows and vocabulary of the HBM model (default 16384 131072)")
+    parser.add_argument("--masked", type=float, default=0.0, help="fraction of masked rows in the HBM model (default 0)")
+    parser.add_argument("--no-liger", action="store_true", help="leave Liger-Kernel's cross-entropy out")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    rows = report(tuple(args.arch), args.jobs)
+    liger = not args.no_liger and liger_available()
+    if args.instructions_only:
+        rows = report(jobs=args.jobs, todo=instruction_tasks(90, liger))
+    else:
+        rows = report(tuple(args.arch), args.jobs)
+        if liger:
+            rows += report(jobs=args.jobs, todo=[(LIGER_JOB, "cross_entropy", d, a) for a in args.arch for d in DTYPES])
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
-    print(f"BLOCK_V = {GPU_BLOCK_V}, Triton's ptxas; spill = spill stores + spill loads (bytes)\n")
-    print(markdown(rows))
+    if not args.instructions_only:
+        print(f"BLOCK_V = {GPU_BLOCK_V}, Triton's ptxas; spill = spill stores + spill loads (bytes)\n")
+        print(markdown([r for r in rows if r.job != LIGER_JOB]))
+        print()
+    arch = 90 if 90 in {r.arch for r in rows} else max(r.arch for r in rows)
+    print(f"Instruction issue, sm_{arch} SASS (offline static counts, not GPU timings; Triton {_triton_version()}):\n")
+    print(markdown_instructions(rows, arch))
+    if not liger:
+        print("\n(Liger-Kernel not installed or left out: pip install --no-deps liger-kernel==0.8.5)")
+    for problem in pass_count_problems(rows):
+        print(f"WARNING: {problem}", file=sys.stderr)
+    n_rows, vocab = args.shape
+    masked = round(n_rows * args.masked)
+    print(f"\nHBM bytes model (two reads + one write per valid row, the teacher read too, masked rows write zeros):\n")
+    print(markdown_hbm(vocab, n_rows - masked, masked, args.copy_rate))
+    print(f"\nTargets (sm_{arch}):")
+    for statement, met in targets(rows, arch):
+        print(f"  {'MET' if met else 'MISSED':6}  {statement}")
     spilled = [r for r in rows if r.spill_stores or r.spill_loads]
     for r in spilled:
         print(f"SPILL: {r}", file=sys.stderr)

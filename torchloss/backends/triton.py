@@ -110,7 +110,9 @@ def constexprs(job: str, config: LossConfig, logits_dtype: torch.dtype, block_v:
     if job == "fused":
         out["WRITE_GRAD"] = write_grad
     if job != "shard_stats":
-        out["GRAD_BF16"] = logits_dtype == torch.bfloat16
+        # bf16 rounded to nearest even by hand only where the cast cannot (the interpreter's
+        # truncates); compiled, the cast's cvt.rn.bf16.f32 rounds the same bits.
+        out["ROUND_BF16"] = logits_dtype == torch.bfloat16 and INTERPRETED
     out["BLOCK_V"] = block_v
     out["ACC"] = _TL_DTYPES[compute_dtype(logits_dtype)]
     return out

@@ -32,7 +32,8 @@ Kernels (one program per row; ``row`` offsets are int64; the vocabulary is walke
 
 Helpers: :func:`_row_stats` (pass 1), :func:`finalize` (loss and what pass 2 needs),
 :func:`_row_mixture` (jensen_shannon's second pass, per entry :func:`mixture_log_ratios`),
-:func:`_row_grad` (the gradient pass), :func:`_zero_row`, :func:`_round_for_store`, :func:`shift`.
+:func:`_row_grad` (the gradient pass), :func:`_zero_row`, :func:`_round_for_store`, :func:`shift`,
+:func:`shift2` (base 2).
 
 Soft caps (``lossspec.stats``): with ``SOFTCAP`` / ``TEACHER_SOFTCAP`` (``constexpr``; the caps
 themselves are runtime scalars of the parameter tensor) every block of raw logits is replaced
@@ -43,8 +44,15 @@ the ragged tail's ``-inf`` kept), the fused kernels cap the label's logit ``x_y`
 rounding. Off, the branches are not compiled in: the code is that of a call without caps.
 
 Rows with ``coef == 0`` are skipped (loss 0, gradient 0, empty statistics). NaN or ``+inf`` in a
-row (student or teacher) is detected explicitly (a GPU ``max`` may drop NaN) and makes ``s`` NaN:
-the loss is NaN and, where ``coef != 0``, the whole gradient row is NaN.
+row (student or teacher) leaves ``s`` (or ``st``) NaN, whatever a GPU ``max`` does with NaN (the
+flag is read from the sums after pass 1, :func:`_row_stats`): the loss is NaN and, where
+``coef != 0``, the whole gradient row is NaN.
+
+Exponentials are ``exp2`` with ``log2(e)`` folded into the scale once per row (``c2 = LOG2E c``);
+cross-entropy's one-hot term is added to the label's entry once after pass 2 (a fix-up store
+behind a barrier), not compared for at every entry; bf16 gradients are rounded to nearest even
+by the cast on a GPU and by hand only in the interpreter (``ROUND_BF16``). Instructions per
+entry: ``scripts/triton_aot_report.py --instructions-only``, ``docs/triton_kernels.md``.
 
 Constants shared with Python are ``tl.constexpr`` globals derived from :mod:`lossspec`: the kind
 ids (:data:`lossspec.KIND_IDS`), the row index of each statistic in the shard-statistics buffer
@@ -85,6 +93,11 @@ P_LOG_REST = tl.constexpr(PARAMS.index("log_rest"))
 P_CAP = tl.constexpr(PARAMS.index("cap"))
 P_TEACHER_CAP = tl.constexpr(PARAMS.index("teacher_cap"))
 
+
+# exp(c v) = exp2(LOG2E c v): the loops fold LOG2E into the scale once per row, so an entry costs
+# one multiply before the hardware's exp2 (ex2.approx.ftz; tl.exp adds a multiply and a
+# subnormal-range fix-up per entry).
+LOG2E = tl.constexpr(1.4426950408889634)
 
 # tanh without libdevice (the interpreter has none): lossspec.stats.tanh's arithmetic, the series
 # below TANH_SERIES_LIMIT, (1 - e) / (1 + e) with e = exp(-2 |u|) above it.
@@ -153,6 +166,16 @@ def shift(m_old, m_new, scale):
     empty = m_old == float("-inf")
     delta = tl.where(empty, 0.0, finite(m_old) - finite(m_new))
     r = tl.where(empty, 0.0, tl.exp(scale * delta))
+    return r, delta
+
+
+@triton.jit
+def shift2(m_old, m_new, scale2):
+    """:func:`shift` with the exponential in base 2: ``scale2 = LOG2E * scale``,
+    ``r = exp2(scale2 * delta)``."""
+    empty = m_old == float("-inf")
+    delta = tl.where(empty, 0.0, finite(m_old) - finite(m_new))
+    r = tl.where(empty, 0.0, tl.exp2(scale2 * delta))
     return r, delta
 
 
@@ -272,7 +295,9 @@ def _row_mixture(
         t = _load_logits(t_row, cols, inside, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC)
         log_q = c * (x - m) - lse
         log_p = ct * (t - mt) - lse_t
-        q = tl.exp(log_q)
+        q = tl.exp2(log_q * LOG2E)
+        # p keeps tl.exp: with both in exp2, ptxas gave the bf16 fused kernel 64 registers on
+        # sm_80 and spilled 8 bytes (scripts/triton_aot_report.py)
         p = tl.exp(log_p)
         log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
         kl_qm = kl_qm + tl.sum(tl.where(q > 0, q * log_qm, 0.0), axis=0)
@@ -323,19 +348,24 @@ def _row_stats(
     tau = neg_inf
     e_d = zero
     h = zero
-    bad = tl.full((), 0, tl.int32)
+    c2 = c * LOG2E  # e = exp(c u) = exp2(c2 u)
+    ct2 = ct * LOG2E
     offs = tl.arange(0, BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs
         inside = cols < V
         # The ragged tail reads -inf: probability 0, never a maximum, never a pivot.
         x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, SOFTCAP, ACC)
-        bad = bad | tl.max(tl.where(inside, is_bad(x), 0), axis=0)
-        block_m = tl.max(x, axis=0)
+        if (KIND == REVERSE_KL) and not TEACHER_SOFTCAP:
+            # The maximum and its first column in one reduction (the pivot rule below).
+            block_m, first = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            first = v0 + first
+        else:
+            block_m = tl.max(x, axis=0)
         m_new = tl.maximum(m, block_m)
-        r, dm = shift(m, m_new, c)
+        r, dm = shift2(m, m_new, c2)
         u = x - finite(m_new)  # -inf on -inf logits and on the tail
-        e = tl.exp(c * u)
+        e = tl.exp2(c2 * u)
         if KIND == CROSS_ENTROPY:
             if SMOOTHING:
                 sum_shift = sum_shift + (v0 * 1.0) * dm + tl.sum(tl.where(inside, u, 0.0), axis=0)
@@ -343,20 +373,25 @@ def _row_stats(
             h = r * (h + s * dm) + tl.sum(tl.where(e > 0, e * u, 0.0), axis=0)
         else:
             t = _load_logits(t_row, cols, inside, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC)
-            bad = bad | tl.max(tl.where(inside, is_bad(t), 0), axis=0)
             mt_new = tl.maximum(mt, tl.max(t, axis=0))
-            rt, dmt = shift(mt, mt_new, ct)
+            rt, dmt = shift2(mt, mt_new, ct2)
             ut = t - finite(mt_new)
-            et = tl.exp(ct * ut)
+            et = tl.exp2(ct2 * ut)
             if KIND == SOFT_CROSS_ENTROPY or KIND == FORWARD_KL:
                 a = rt * (a + st * dm) + tl.sum(tl.where(et > 0, et * u, 0.0), axis=0)
             if KIND == FORWARD_KL:
                 b = rt * (b + st * dmt) + tl.sum(tl.where(et > 0, et * ut, 0.0), axis=0)
             if KIND == REVERSE_KL:
                 # The pivot rule of lossspec.stats: the first column of the maximum (an earlier
-                # block keeps it on ties), found with a min over the tying columns' ids.
-                first = tl.min(tl.where(inside & (x == block_m), cols, V), axis=0)
-                block_tau = tl.max(tl.where(cols == first, t, float("-inf")), axis=0)
+                # block keeps it on ties). Its teacher logit: one load of the column just read
+                # (a cache hit); with a teacher cap, reductions over the capped block instead (the
+                # cap of one value computed apart need not give the block's bits interpreted).
+                if TEACHER_SOFTCAP:
+                    first = tl.min(tl.where(inside & (x == block_m), cols, V), axis=0)
+                    block_tau = tl.max(tl.where(cols == first, t, float("-inf")), axis=0)
+                else:
+                    # masked: a NaN maximum (a bad row) may name a tail column
+                    block_tau = tl.load(t_row + first, mask=first < V, other=float("-inf")).to(ACC)
                 tau_new = tl.where(block_m > m, block_tau, tau)
                 # Old e_d re-expressed on (m', tau'): D gains c (m - m') - ct (tau - tau'); a prefix
                 # with r == 0 (empty, or far below) contributes exactly 0.
@@ -368,8 +403,13 @@ def _row_stats(
             mt = mt_new
         s = r * s + tl.sum(e, axis=0)
         m = m_new
-    # The explicit flag, not max(), decides: a GPU max may have dropped a NaN.
-    s = tl.where(bad != 0, float("nan"), s)
+    # The flag comes from the sums, not from max() (a GPU max may drop a NaN): a NaN entry makes
+    # its exponential NaN, a +inf entry makes the maximum +inf and its own x - m NaN, and either
+    # stays NaN through every later block (r s, r = NaN after an infinite maximum). Nothing else
+    # makes them NaN: x - m' <= 0 elsewhere, so every exponential is in [0, 1]. No per-entry test,
+    # no block reduction for the flag.
+    bad = tl.where((s != s) | (st != st), 1, 0)
+    s = tl.where(bad != 0, float("nan"), s)  # a bad teacher makes s NaN too (the shard statistics' rule)
     return m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad
 
 
@@ -424,12 +464,16 @@ def finalize(
 
 
 @triton.jit
-def _round_for_store(g, GRAD_BF16: tl.constexpr):
-    """Round fp32 to bf16, to nearest even, by hand: the interpreter's fp32 -> bf16 cast truncates
-    (and its ``rtne`` mode rounds half up). The cast on store is then exact, on the GPU (where
-    this is what ``cvt.rn`` would do) as in the interpreter. NaN and inf pass unchanged. fp16
-    needs nothing: both the interpreter (NumPy) and the GPU round it to nearest even."""
-    if GRAD_BF16:
+def _round_for_store(g, ROUND_BF16: tl.constexpr):
+    """Round fp32 to bf16, to nearest even, by hand, where ``ROUND_BF16`` (bf16 gradients in the
+    interpreter, whose fp32 -> bf16 cast truncates and whose ``rtne`` mode rounds half up): the
+    cast on store is then exact. Compiled, the cast itself rounds to nearest even
+    (``cvt.rn.bf16.f32``, subnormals kept: the same bits as this rounding, ties and subnormals
+    included; ``parity_tests/test_torchloss_triton_aot.py`` checks both), so the driver leaves
+    ``ROUND_BF16`` off there (~7 integer operations per entry saved). NaN and inf pass
+    unchanged. fp16 needs nothing: both the interpreter (NumPy) and the GPU round it to nearest
+    even."""
+    if ROUND_BF16:
         bits = g.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         g = tl.where(g != g, g, bits.to(tl.float32, bitcast=True))
@@ -438,9 +482,9 @@ def _round_for_store(g, GRAD_BF16: tl.constexpr):
 
 @triton.jit
 def _row_grad(
-    x_row, t_row, g_row, params_ptr, y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, V, V_total, c, ct, eps,
+    x_row, t_row, g_row, params_ptr, y, x_y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, V, V_total, c, ct, eps,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr, GRAD_BF16: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     """Pass 2: ``g_row[0:V] = scale * dl/dz`` (``scale = coef * c``) from the row's final
     statistics (finite maxima ``m``, ``mt``), formed in ``ACC`` and rounded once on store::
@@ -452,12 +496,20 @@ def _row_grad(
         jensen_shannon       (1 - beta) q (log q - log M - kl_qm); 0 where q == 0
 
     with ``q = e / s``, ``p = et / st``. ``y`` is the label's column in this row (out of
-    ``[0, V)`` when another shard owns it), ``V_total`` the global vocabulary. A bad row
-    (``bad != 0``) is NaN everywhere: a NaN loss never comes with a plausible gradient. With
-    ``SOFTCAP`` ``x`` is the capped block and the gradient is multiplied by the slope
-    (:func:`softcap_slope` of the raw block, 0 at ``+-inf``) before the rounding.
+    ``[0, V)`` when another shard owns it) and ``x_y`` its raw logit, read before this pass (which
+    may overwrite the logits), ``V_total`` the global vocabulary. The loop writes
+    cross-entropy's ``q_coef q - eps / V_total`` everywhere; the label's entry is then written
+    once more, from ``x_y`` with the one-hot term added before the one rounding (Liger-Kernel's
+    fix-up: no per-entry int64 compare), after a barrier so that it lands last. A bad row
+    (``bad != 0``) is NaN everywhere: a NaN loss never comes with a plausible gradient (every
+    entry is a product with a scale made NaN here, no per-entry select). With ``SOFTCAP`` ``x``
+    is the capped block and the gradient is multiplied by the slope (:func:`softcap_slope` of the
+    raw block, 0 at ``+-inf``) before the rounding.
     """
     offs = tl.arange(0, BLOCK_V)
+    scale = tl.where(bad != 0, float("nan"), scale)
+    c2 = c * LOG2E  # e = exp(c u) = exp2(c2 u)
+    ct2 = ct * LOG2E
     p_scale = scale / s
     if KIND == CROSS_ENTROPY:
         p_scale = p_scale * q_coef
@@ -477,9 +529,9 @@ def _row_grad(
         if SOFTCAP:
             x, slope = _softcap_with_slope(x, tl.load(params_ptr + P_CAP))
         u = x - m
-        e = tl.exp(c * u)
+        e = tl.exp2(c2 * u)
         if KIND == CROSS_ENTROPY:
-            g = e * p_scale + tl.where(cols == y, (eps - 1.0) * scale, 0.0)
+            g = e * p_scale
             if SMOOTHING:
                 g = g - scale * (eps / V_total)
         elif KIND == ENTROPY:
@@ -493,16 +545,30 @@ def _row_grad(
             elif KIND == JENSEN_SHANNON:
                 log_q = c * u - lse
                 log_p = ct * (t - mt) - lse_t
-                q = tl.exp(log_q)
+                q = tl.exp2(log_q * LOG2E)
                 log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
                 g = tl.where(q > 0, q * (log_qm - kl_qm), 0.0) * j_scale
             else:
-                g = e * p_scale - tl.exp(ct * (t - mt)) * t_scale
+                g = e * p_scale - tl.exp2(ct2 * (t - mt)) * t_scale
         if SOFTCAP:
             g = g * slope
-        g = tl.where(bad != 0, float("nan"), g)
-        g = _round_for_store(g, GRAD_BF16)
+        g = _round_for_store(g, ROUND_BF16)
         tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=inside)
+    if KIND == CROSS_ENTROPY:
+        if (y >= 0) & (y < V):
+            # The loop's operations on the label's entry, with the one-hot term in the same FMA
+            # the per-entry select fed: e * p_scale + (eps - 1) scale, then the smoothing term.
+            x_l = x_y
+            if SOFTCAP:
+                x_l, slope_l = _softcap_with_slope(x_l, tl.load(params_ptr + P_CAP))
+            g_l = tl.exp2(c2 * (x_l - m)) * p_scale + (eps - 1.0) * scale
+            if SMOOTHING:
+                g_l = g_l - scale * (eps / V_total)
+            if SOFTCAP:
+                g_l = g_l * slope_l
+            g_l = _round_for_store(g_l, ROUND_BF16)
+            tl.debug_barrier()  # the loop's store of this entry (another thread's) lands first
+            tl.store(g_row + y, g_l.to(g_row.dtype.element_ty))
 
 
 @triton.jit
@@ -522,17 +588,19 @@ def _row_forward(
     BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
     """Pass 1 and finalize of one whole row (and jensen_shannon's second pass):
-    ``(loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y)`` (``y``: the label,
-    cross-entropy; 0 otherwise)."""
+    ``(loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_y)`` (``y``: the label,
+    ``x_y`` its raw logit, cross-entropy; 0 otherwise)."""
     m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(
         x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
     )
     y = tl.full((), 0, tl.int64)
+    x_raw = s * 0.0
     x_y = s * 0.0
     if KIND == CROSS_ENTROPY:
         # The caller passes safe labels (0 where the token is masked; this row has coef != 0).
         y = tl.load(y_ptr + row).to(tl.int64)
-        x_y = tl.load(x_row + y).to(ACC)
+        x_raw = tl.load(x_row + y).to(ACC)
+        x_y = x_raw
         if SOFTCAP:
             x_y = softcap(x_y, tl.load(params_ptr + P_CAP))
     loss, m, mt, q_coef, mean_d, mean_h = finalize(
@@ -545,7 +613,7 @@ def _row_forward(
             x_row, t_row, params_ptr, V, m, tl.log(s), mt, tl.log(st), c, ct, log_beta, log_rest, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
         )
         loss = tl.where(bad != 0, float("nan"), beta * kl_pm + (1.0 - beta) * kl_qm)
-    return loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y
+    return loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_raw
 
 
 # ================================================================================================
@@ -558,7 +626,7 @@ def fused_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr,
     V, stride_x, stride_t, stride_g,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
     """The forward: ``loss[row] = l`` (0 where ``coef == 0``, not multiplied by ``coef``) and, with
     ``WRITE_GRAD``, ``grad[row, :] = coef * c * dl/dz`` (0 where ``coef == 0``).
@@ -572,13 +640,13 @@ def fused_kernel(
     coef = tl.load(coef_ptr + row)
     if coef != 0:
         c, ct, eps, lam = load_params(params_ptr)
-        loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y = _row_forward(
+        loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_y = _row_forward(
             x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
         )
         tl.store(loss_ptr + row, loss)
         if WRITE_GRAD:
-            _row_grad(x_row, t_row, g_row, params_ptr, y, coef * c, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
-                      V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, GRAD_BF16)
+            _row_grad(x_row, t_row, g_row, params_ptr, y, x_y, coef * c, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
+                      V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16)
     else:
         tl.store(loss_ptr + row, coef * 0.0)
         if WRITE_GRAD:
@@ -590,7 +658,7 @@ def regrad_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr,
     V, stride_x, stride_t, stride_g, stride_up,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    GRAD_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
     """The backward of 16-bit logits for an upstream gradient ``g = up[row * stride_up]`` read on
     the device (no host synchronisation): rows with ``g != 1`` and ``coef != 0`` are recomputed
@@ -606,11 +674,11 @@ def regrad_kernel(
         g_row = grad_ptr + row * stride_g
         c, ct, eps, lam = load_params(params_ptr)
         scale = (coef * up) * c  # one value live across pass 1, not two
-        loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y = _row_forward(
+        loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_y = _row_forward(
             x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
         )
-        _row_grad(x_row, t_row, g_row, params_ptr, y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
-                  V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, GRAD_BF16)
+        _row_grad(x_row, t_row, g_row, params_ptr, y, x_y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
+                  V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16)
 
 
 @triton.jit
@@ -673,7 +741,7 @@ def shard_grad_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, final_ptr, grad_ptr,
     V, V_total, offset, stride_x, stride_t, stride_g, stride_fin,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    GRAD_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
     """Vocab-parallel pass 2: ``grad[row, :] = coef * c * dl/dz`` of this shard from the global
     final statistics ``final[FIN_<name>, row]`` (``torchloss._block.finalize``; ``m``/``mt``
@@ -700,8 +768,13 @@ def shard_grad_kernel(
         mean_h = zero
         kl_qm = zero
         y = tl.full((), 0, tl.int64)
+        x_y = zero
         if KIND == CROSS_ENTROPY:
             y = tl.load(y_ptr + row).to(tl.int64) - offset
+            # The label's raw logit where this shard owns it, read before pass 2 (which may write
+            # over the logits).
+            owned = (y >= 0) & (y < V)
+            x_y = tl.load(x_row + tl.where(owned, y, 0), mask=owned, other=0.0).to(ACC)
             if Z_LOSS:
                 q_coef = tl.load(fin + FIN_Q_COEF * stride_fin)
         elif KIND == ENTROPY:
@@ -715,7 +788,7 @@ def shard_grad_kernel(
                 mean_d = tl.load(fin + FIN_MEAN_D * stride_fin)
             if KIND == JENSEN_SHANNON:
                 kl_qm = tl.load(fin + FIN_KL_QM * stride_fin)
-        _row_grad(x_row, t_row, g_row, params_ptr, y, coef * c, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
-                  V, V_total, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, GRAD_BF16)
+        _row_grad(x_row, t_row, g_row, params_ptr, y, x_y, coef * c, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
+                  V, V_total, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16)
     else:
         _zero_row(g_row, V, BLOCK_V)

@@ -1,0 +1,123 @@
+"""The counting of ``scripts/triton_aot_report.py`` (no compile: fast): loops, instructions and
+barriers read from a ``cuobjdump -sass`` listing with known counts, warp-instructions per valid
+element, the HBM bytes model. The compiled kernels' report itself runs in
+``test_torchloss_triton_aot.py`` (slow)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "triton_aot_report.py"
+
+
+def _report_module():
+    """scripts/triton_aot_report.py as a module (its top level imports lossspec only)."""
+    spec = importlib.util.spec_from_file_location("triton_aot_report", SCRIPT)
+    aot = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = aot  # its dataclasses look their module up while the classes are built
+    spec.loader.exec_module(aot)
+    return aot
+
+
+def _sass(body: list[str], start: int = 0x100) -> str:
+    """A cuobjdump-style listing: a prologue, ``body`` (instructions) at ``start``, then EXIT and the trap."""
+    lines = ["\tcode for sm_90a", "\t\tFunction : fused_kernel"]
+    code = ["LDC R1, c[0x0][0x28]"] * (start // 16) + body + ["EXIT", "BRA {here}"]
+    for i, ins in enumerate(code):
+        address = 16 * i
+        ins = ins.format(here=hex(address), start=hex(start))
+        lines.append(f"        /*{address:04x}*/                   {ins} ;   /* 0x000fe20000000a00 */")
+        lines.append("                                                          /* 0x000fe20000000a00 */")
+    return "\n".join(lines) + "\n"
+
+
+# Two vocabulary passes (loads, barriers, a predicated forward branch inside), a zero-row loop
+# (stores only): 7 + 5 instructions, 2 + 0 barriers.
+_PASS_1 = ["IADD3 R0, R26, UR4, RZ", "@!P1 LDG.E.128 R16, desc[UR16][R2.64]", "FADD R0, R31, -R28",
+           "BAR.SYNC.DEFER_BLOCKING 0x0", "@P0 BRA 0x{fwd:x}", "BAR.SYNC.DEFER_BLOCKING 0x0"]
+_PASS_2 = ["LDG.E R4, desc[UR14][R4.64]", "MUFU.EX2 R3, R18", "F2FP.BF16.F32.PACK_AB R3, R4, R3", "STG.E desc[UR14][R2.64], R3"]
+_ZERO = ["STG.E desc[UR14][R2.64], RZ", "IADD3 R0, R0, 0x1, RZ"]
+
+
+def _listing(extra_in_pass_2: int = 0) -> str:
+    body, starts = [], []
+    for loop in (_PASS_1, _PASS_2 + ["FMUL R3, R3, R3"] * extra_in_pass_2, _ZERO):
+        starts.append(0x100 + 16 * len(body))
+        body += loop + [f"@!P1 BRA {hex(starts[-1])}"]
+    body = [ins.replace("0x{fwd:x}", hex(starts[0] + 16 * 5)) for ins in body]
+    return _sass(body)
+
+
+def test_sass_loop_counts_on_a_listing_with_known_counts() -> None:
+    """The report's counter (scripts/triton_aot_report.py): loops from back edges (not the trap),
+    bodies counted from the target to the branch, barriers, passes = the loops that load; one
+    instruction more in a pass is one more in its count (the counter is not blind to the body)."""
+    aot = _report_module()
+    sass = _listing()
+    loops = aot.sass_loops(sass)
+    assert [(l.instructions, l.barriers, l.loads, l.stores) for l in loops] == [(7, 2, 1, 0), (5, 0, 1, 1), (3, 0, 0, 1)]
+    passes = aot.vocabulary_passes(loops)
+    assert [l.instructions for l in passes] == [7, 5] and [l.barriers for l in passes] == [2, 0]
+    mutant = aot.vocabulary_passes(aot.sass_loops(_listing(extra_in_pass_2=3)))
+    assert [l.instructions for l in mutant] == [7, 8]
+    row = aot.Row("fused", "cross_entropy", "bfloat16", 90, 8, 40, 32, 0, 0, 0, 4096, [7, 5], [2, 0])
+    assert row.per_element == 12 * 8 / 4096
+    assert aot.pass_count_problems([row]) == []
+    assert aot.pass_count_problems([dataclasses.replace(row, pass_instructions=[12])]) != []
+    assert aot.opcode("@!UP0 BAR.SYNC.DEFER_BLOCKING 0x0") == "BAR.SYNC.DEFER_BLOCKING"
+
+
+def test_hbm_bytes_model() -> None:
+    """Two reads and one write of the logits per valid row; the teacher read on both passes; a
+    third pass for jensen_shannon; masked rows write zeros only."""
+    aot = _report_module()
+    assert aot.hbm_bytes("cross_entropy", 2, 1000, 3, 1) == (3 * 3 + 1) * 1000 * 2
+    assert aot.hbm_bytes("entropy", 4, 10, 1) == 3 * 10 * 4
+    assert aot.hbm_bytes("reverse_kl", 2, 10, 1) == 5 * 10 * 2
+    assert aot.hbm_bytes("jensen_shannon", 2, 10, 1) == 7 * 10 * 2
+
+
+KERNELS = ROOT / "torchloss" / "backends" / "triton_kernels.py"
+
+
+def _hand_rounding_line() -> str:
+    """The right-hand side of the hand rounding in the kernel source (``_round_for_store``)."""
+    lines = [line.strip() for line in KERNELS.read_text().splitlines() if line.strip().startswith("bits = ((bits + 0x7FFF")]
+    assert len(lines) == 1, lines
+    return lines[0].split("=", 1)[1]
+
+
+def test_bf16_hand_rounding_is_round_to_nearest_even() -> None:
+    """The kernels' hand rounding (the interpreter's path, the kernel's own expression evaluated on
+    uint32 like the GPU's integer unit) gives the bits of an IEEE round-to-nearest-even fp32 ->
+    bf16 cast (torch's, the conversion ``cvt.rn.bf16.f32`` also makes) on every tie of every
+    exponent (subnormals included, both parities), one unit either side of the ties, the
+    subnormals, the overflow to inf and random patterns: so the compiled path, which leaves the
+    rounding to the cast, stores the same bits."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(0)
+    exponents = np.arange(255, dtype=np.uint32)  # 0: subnormals (and zero); 255 (inf / NaN) below
+    high = np.array([0, 1, 2, 0x3F, 0x40, 0x7E, 0x7F], dtype=np.uint32)  # bf16's 7 mantissa bits
+    low = np.array([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=np.uint32)  # 0x8000: the ties
+    grid = (exponents[:, None, None] << 23) | (high[None, :, None] << 16) | low[None, None, :]
+    bits = np.concatenate([grid.ravel(), rng.integers(0, 1 << 23, 4096, dtype=np.uint32),  # subnormals
+                           rng.integers(0, 0x7F800001, 65536, dtype=np.uint32), np.array([0x7F800000], np.uint32)])
+    bits = np.concatenate([bits, bits | np.uint32(0x80000000)])  # both signs
+    values = bits.view(np.float32)
+    assert not np.isnan(values).any()
+    rounded = eval(_hand_rounding_line(), {"bits": bits.copy()})  # noqa: S307  (the kernel's expression)
+    assert rounded.dtype == np.uint32
+    reference = torch.from_numpy(values.copy()).to(torch.bfloat16).float().numpy().view(np.uint32)
+    np.testing.assert_array_equal(rounded, reference)
+    ties = (bits & 0xFFFF) == 0x8000
+    assert ties.sum() >= 2 * 255 * 7 and ((bits >> 23) & 0xFF == 0)[ties].any()  # subnormal ties checked
+    assert np.isinf(rounded.view(np.float32)).sum() > 2  # the overflow to inf checked
+    # Ties go to the even neighbour: 1 + 2**-8 lies halfway between 1 and 1 + 2**-7.
+    one_tie = np.array([0x3F808000, 0x3F818000], np.uint32)
+    np.testing.assert_array_equal(eval(_hand_rounding_line(), {"bits": one_tie}), [0x3F800000, 0x3F820000])  # noqa: S307
