@@ -28,6 +28,7 @@ import pytest  # noqa: E402
 # workers' crash reports and peak memory): defined in parity_tests/support/workers.py, where their
 # tests import them, and registered here by name.
 from parity_tests.support.workers import (  # noqa: E402, F401
+    longest_first,
     pytest_configure,
     pytest_runtest_teardown,
     pytest_sessionfinish,
@@ -96,3 +97,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         elif item.path.name in FLOAT32_FAST_FILES and _SIXTEEN_BIT.search(item.name):
             item.add_marker(pytest.mark.slow)
+    longest_first(items)

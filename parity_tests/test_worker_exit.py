@@ -151,3 +151,21 @@ def test_the_crash_report_names_the_test_below_deep_frames() -> None:
         "  ... 2 outer frames",
         "(1 other thread(s) not shown)",
     ]
+
+
+def test_longest_tests_named_first_exist() -> None:
+    """Every test that ``longest_first`` moves to the front is one the suite has (a misspelt or
+    renamed one would silently lose the ordering's gain), and the sort keeps the others' order."""
+    import ast
+    from types import SimpleNamespace
+
+    from parity_tests.support.workers import LONGEST_FIRST, longest_first
+
+    here = Path(__file__).parent
+    for name in LONGEST_FIRST:
+        file, test = name.split("::")
+        tree = ast.parse((here / file).read_text())
+        assert test in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}, name
+    items = [SimpleNamespace(path=Path(f"/x/{n.split('::')[0]}"), name=n.split("::")[1]) for n in ("a.py::t1", LONGEST_FIRST[1], "b.py::t2", LONGEST_FIRST[0])]
+    longest_first(items)  # type: ignore[arg-type]
+    assert [f"{i.path.name}::{i.name}" for i in items] == [LONGEST_FIRST[0], LONGEST_FIRST[1], "a.py::t1", "b.py::t2"]

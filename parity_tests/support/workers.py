@@ -26,6 +26,25 @@ import pytest
 CRASH_DIR_VARIABLE = "PARITY_TESTS_CRASH_DIR"
 
 
+# The longest tests of a whole run (30 s to 100 s each on 2 cores, --durations), run first: xdist
+# hands the first tests out to the workers in turn, so they start together on both instead of one
+# of them ending the run alone (longest first: a 2-worker run's tail shrinks by up to the longest
+# test's time). Only the order changes (parity_tests/test_worker_exit.py checks the names exist).
+LONGEST_FIRST = (
+    "test_parity_cli.py::test_full_matrix_every_backend",
+    "test_torchloss_triton_aot.py::test_every_kernel_compiles_for_sm80_sm90_without_spills",
+    "test_end_to_end.py::test_jax_and_torch_train_identically",
+    "test_parity_cli.py::test_inputs_from_jax_and_torch_programs",
+)
+
+
+def longest_first(items: list[pytest.Item]) -> None:
+    """Move the tests of :data:`LONGEST_FIRST` to the front of ``items``, in that order (a stable
+    sort: every other test keeps its place; every process sorts the same collection alike)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(f"{item.path.name}::{item.name}", len(rank)))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """An xdist worker's last act before it reports that it has finished: collect the garbage now,
