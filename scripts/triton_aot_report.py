@@ -5,6 +5,7 @@ Usage::
 
     python scripts/triton_aot_report.py [--arch 80 90] [--jobs N] [--json PATH]
     python scripts/triton_aot_report.py --instructions-only [--copy-rate 4.2] [--shape N V]
+    python scripts/triton_aot_report.py --resources-only [--json PATH]   # no disassembly: the suite's check
 
 Each kernel is compiled exactly as ``torchloss.backends.triton`` would launch it on a GPU: the
 constexprs of :func:`torchloss.backends.triton.constexprs` at the GPU block size (4096 columns, the
@@ -430,12 +431,13 @@ def compile_kernel(job: str, variant: str, dtype: str, arch: int, **overrides: A
     return compiled, warps, GPU_BLOCK_V
 
 
-def compile_one(job: str, variant: str, dtype: str, arch: int) -> Row:
-    """Compile one kernel (in a worker process with ``TRITON_INTERPRET=0``) and read its resources."""
+def compile_one(job: str, variant: str, dtype: str, arch: int, sass: bool = True) -> Row:
+    """Compile one kernel (in a worker process with ``TRITON_INTERPRET=0``) and read its resources
+    (and, with ``sass``, its vocabulary passes' instructions and barriers from the disassembly)."""
     from torchloss.backends import triton as _triton
 
     compiled, warps, block_v = compile_kernel(job, variant, dtype, arch)
-    passes = vocabulary_passes(sass_loops(disassemble(compiled.asm["cubin"]))) if block_v else []
+    passes = vocabulary_passes(sass_loops(disassemble(compiled.asm["cubin"]))) if (block_v and sass) else []
     # ptxas -v as Triton runs it (same binary, architecture name and flags), for its resource report.
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
@@ -478,9 +480,9 @@ def instruction_tasks(arch: int = 90, liger: bool = True) -> list[tuple[str, str
     return out + ([(LIGER_JOB, "cross_entropy", dtype, arch) for dtype in DTYPES] if liger else [])
 
 
-def report(archs: tuple[int, ...] = ARCHS, jobs: int = 2, todo: list[tuple[str, str, str, int]] | None = None) -> list[Row]:
+def report(archs: tuple[int, ...] = ARCHS, jobs: int = 2, todo: list[tuple[str, str, str, int]] | None = None, sass: bool = True) -> list[Row]:
     """Compile every (kernel, kind, dtype, arch) in ``jobs`` processes (or the tasks ``todo``);
-    rows in a fixed order."""
+    rows in a fixed order (without ``sass``: resources only, no disassembly)."""
     todo = tasks(archs) if todo is None else todo
     # Fresh processes (spawn): triton must be imported with TRITON_INTERPRET=0.
     env_before = os.environ.get("TRITON_INTERPRET")
@@ -490,7 +492,7 @@ def report(archs: tuple[int, ...] = ARCHS, jobs: int = 2, todo: list[tuple[str, 
 
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init) as pool:
-            return list(pool.map(compile_one, *zip(*todo)))
+            return list(pool.map(compile_one, *zip(*todo), [sass] * len(todo)))
     finally:
         if env_before is None:
             os.environ.pop("TRITON_INTERPRET", None)
@@ -593,17 +595,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="rows and vocabulary of the HBM model (default 16384 131072)")
     parser.add_argument("--masked", type=float, default=0.0, help="fraction of masked rows in the HBM model (default 0)")
     parser.add_argument("--no-liger", action="store_true", help="leave Liger-Kernel's cross-entropy out")
+    parser.add_argument("--resources-only", action="store_true",
+                        help="registers, shared memory and spills only: no disassembly, no instruction counts (the suite's check)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     liger = not args.no_liger and liger_available()
     if args.instructions_only:
         rows = report(jobs=args.jobs, todo=instruction_tasks(90, liger))
     else:
-        rows = report(tuple(args.arch), args.jobs)
+        sass = not args.resources_only
+        rows = report(tuple(args.arch), args.jobs, sass=sass)
         if liger:
-            rows += report(jobs=args.jobs, todo=[(LIGER_JOB, "cross_entropy", d, a) for a in args.arch for d in DTYPES])
+            rows += report(jobs=args.jobs, todo=[(LIGER_JOB, "cross_entropy", d, a) for a in args.arch for d in DTYPES], sass=sass)
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+    if args.resources_only:
+        print(markdown([r for r in rows if r.job != LIGER_JOB]))
+        spilled = [r for r in rows if r.spill_stores or r.spill_loads]
+        for r in spilled:
+            print(f"SPILL: {r}", file=sys.stderr)
+        return 1 if spilled else 0
     if not args.instructions_only:
         print(f"BLOCK_V = {GPU_BLOCK_V}, Triton's ptxas; spill = spill stores + spill loads (bytes)\n")
         print(markdown([r for r in rows if r.job != LIGER_JOB]))
@@ -617,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: {problem}", file=sys.stderr)
     n_rows, vocab = args.shape
     masked = round(n_rows * args.masked)
-    print(f"\nHBM bytes model (two reads + one write per valid row, the teacher read too, masked rows write zeros):\n")
+    print("\nHBM bytes model (two reads + one write per valid row, the teacher read too, masked rows write zeros):\n")
     print(markdown_hbm(vocab, n_rows - masked, masked, args.copy_rate))
     print(f"\nTargets (sm_{arch}):")
     for statement, met in targets(rows, arch):
