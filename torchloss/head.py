@@ -305,16 +305,12 @@ def _add_head_grads(
             mm_f32(part, rows, dh, accumulate=not first, tuning=tuning)
             mm_f32(part.t(), h, dw[a:c], accumulate=True, tuning=tuning)
         else:
-            if db is not None:
-                db[a:c] += part.sum(dim=0)
             product = part.to(torch.bfloat16).to(part.dtype) if round_g else part
             if first:
                 torch.mm(product, rows, out=dh)
             else:
                 dh.addmm_(product, rows)
             dw[a:c].addmm_(product.t(), h)
-            first = False
-            continue
         first = False
         if db is not None:
             db[a:c] += part.sum(dim=0)
