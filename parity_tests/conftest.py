@@ -18,6 +18,12 @@ def _has_cuda() -> bool:
 
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Device-function calls skip the interpreter's repeated re-patching of triton.language (a
+    # quarter of the interpreted kernels' time; same bits: parity_tests/support/triton_interpreter.py).
+    from parity_tests.support import triton_interpreter  # noqa: E402
+
+    triton_interpreter.install()
 
 
 import re  # noqa: E402

@@ -1,0 +1,97 @@
+"""A faster Triton interpreter for the test processes: device-function calls stop re-patching
+``triton.language`` while a launch has already patched it.
+
+Why: Triton 3.9's interpreter (``triton/runtime/interpreter.py``) patches ``triton.language``'s
+builtins once per launch (``GridExecutor.__call__``) and then *again at every call of a
+``@triton.jit`` helper* from inside the kernel (``InterpretedFunction.__call__``: an
+``inspect.getmembers`` of ``tl``, ``tl.tensor`` and ``tl.math`` each time). Our kernels call
+small helpers (``finite``, ``shift2``, ``_load_logits``, ...) in every block of every row:
+profiled, the re-patching was ~45% of the interpreted kernels' time (20 of 45 s of
+``lossparity --full``).
+
+The re-patching is idempotent: it installs the same wrappers over the same module objects that
+the launch already patched (and the launch's own scope restores the originals at its end), so a
+device call made inside a launch skips it once the modules the helper sees have been patched in
+that launch (by the launch itself, or by an earlier device call: ``tl.max`` and ``tl.sum`` see
+``tl.core``). Outside a launch, and at a launch's first device call that sees another module, the
+interpreter's own code runs unchanged. Only the test processes install this (conftest.py, when
+``TRITON_INTERPRET=1``); the library never patches Triton. parity_tests/test_triton_interpreter_patch.py
+checks that kernels give the same bits with it and without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any, Callable
+
+_state = threading.local()
+INSTALLED_FLAG = "_parity_tests_skip_repeated_patching"
+
+
+def _lang_modules(fn: Callable[..., Any], tl: Any) -> frozenset[int]:
+    """The ids of the ``triton.language`` modules ``fn`` sees (what ``_patch_lang`` patches)."""
+    return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+
+def install() -> bool:
+    """Install the shortcut into Triton's interpreter (idempotent). False where this Triton's
+    interpreter does not have the expected shape (the interpreter then runs unchanged)."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    grid_executor = getattr(interpreter, "GridExecutor", None)
+    interpreted = getattr(interpreter, "InterpretedFunction", None)
+    if grid_executor is None or interpreted is None or not hasattr(interpreter, "_patch_lang"):
+        return False
+    if getattr(interpreted, INSTALLED_FLAG, False):
+        return True
+    launch = grid_executor.__call__
+    device_call = interpreted.__call__
+
+    @functools.wraps(launch)
+    def patched_launch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = getattr(_state, "patched", None)
+        _state.patched = _lang_modules(self.fn, tl)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            _state.patched = outer
+
+    @functools.wraps(device_call)
+    def patched_device_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        patched = getattr(_state, "patched", None)
+        if patched is None:
+            return device_call(self, *args, **kwargs)
+        langs = _lang_modules(self.fn, tl)
+        if not langs <= patched:
+            # The first call that sees another module (triton.language.standard's tl.max and
+            # tl.sum see tl.core) patches it the interpreter's way; the launch remembers it.
+            _state.patched = patched | langs
+            return device_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    grid_executor.__call__ = patched_launch
+    interpreted.__call__ = patched_device_call
+    setattr(interpreted, INSTALLED_FLAG, True)
+    interpreted._parity_tests_originals = (launch, device_call)
+    return True
+
+
+def uninstall() -> None:
+    """Put the interpreter's own methods back (for the equivalence test)."""
+    from triton.runtime import interpreter
+
+    originals = getattr(interpreter.InterpretedFunction, "_parity_tests_originals", None)
+    if originals is None:
+        return
+    interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__ = originals
+    setattr(interpreter.InterpretedFunction, INSTALLED_FLAG, False)
+    del interpreter.InterpretedFunction._parity_tests_originals
