@@ -30,9 +30,16 @@ _state = threading.local()
 INSTALLED_FLAG = "_parity_tests_skip_repeated_patching"
 
 
+_LANGS: dict[Callable[..., Any], frozenset[int]] = {}
+
+
 def _lang_modules(fn: Callable[..., Any], tl: Any) -> frozenset[int]:
-    """The ids of the ``triton.language`` modules ``fn`` sees (what ``_patch_lang`` patches)."""
-    return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+    """The ids of the ``triton.language`` modules ``fn`` sees (what ``_patch_lang`` patches),
+    once per function (a module's imports do not change)."""
+    langs = _LANGS.get(fn)
+    if langs is None:
+        langs = _LANGS[fn] = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+    return langs
 
 
 def install() -> bool:
