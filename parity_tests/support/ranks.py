@@ -28,10 +28,21 @@ if TYPE_CHECKING:
 RANK_TIMEOUT_S = 240  # a rank dumps its stack and exits after this long
 COLLECTIVE_TIMEOUT_S = 120  # one gloo collective (or the rendezvous) waits at most this long
 _ENV_INIT_FILE = "LOSS_TESTS_INIT_FILE"
+# A rank runs ``script`` as ``__main__`` (``python script args``), after installing the test
+# processes' Triton-interpreter shortcut where the interpreter is on (triton_interpreter.py:
+# the ranks' interpreted Triton rows are as slow as the workers' were without it).
+_RANK_BOOTSTRAP = (
+    "import os, runpy, sys\n"
+    "if os.environ.get('TRITON_INTERPRET') == '1':\n"
+    "    from parity_tests.support import triton_interpreter\n"
+    "    triton_interpreter.install()\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
 
 
 def launch(script: Path, args: list[str], world_size: int, log_dir: Path, timeout_s: float = RANK_TIMEOUT_S + 60) -> None:
-    """Run ``python script *args`` as ``world_size`` ranks (RANK/WORLD_SIZE in the environment);
+    """Run ``python script *args`` (through :data:`_RANK_BOOTSTRAP`) as ``world_size`` ranks (RANK/WORLD_SIZE in the environment);
     raise AssertionError with every rank's log unless all exit 0 within ``timeout_s``."""
     log_dir.mkdir(parents=True, exist_ok=True)
     init_file = log_dir / "init_store"
@@ -46,7 +57,7 @@ def launch(script: Path, args: list[str], world_size: int, log_dir: Path, timeou
     procs = []
     for rank in range(world_size):
         with open(logs[rank], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(script), *args], env=dict(env, RANK=str(rank)),
+            procs.append(subprocess.Popen([sys.executable, "-c", _RANK_BOOTSTRAP, str(script), *args], env=dict(env, RANK=str(rank)),
                                           stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout_s
     failed = ""
