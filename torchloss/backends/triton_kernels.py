@@ -180,9 +180,53 @@ def shift2(m_old, m_new, scale2):
 
 
 @triton.jit
+def _max2(a, b, c, d):
+    """Combine of two maxima reduced together (one reduction: one pair of barriers, not two)."""
+    return tl.maximum(a, c), tl.maximum(b, d)
+
+
+@triton.jit
+def _argmax_max(v1, i1, w1, v2, i2, w2):
+    """Combine of ``tl.max(v, return_indices=True, return_indices_tie_break_left=True)`` (Triton's
+    own rule: the larger value, the smaller index on ties) and of ``tl.max(w)``, one reduction."""
+    gt = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+    return tl.where(gt, v1, v2), tl.where(gt, i1, i2), tl.maximum(w1, w2)
+
+
+@triton.jit
+def _add2(a, b, c, d):
+    """Combine of two sums reduced together (``tl.sum``'s ``+``, the same tree)."""
+    return a + c, b + d
+
+
+@triton.jit
+def _add3(a, b, c, d, e, f):
+    """Combine of three sums reduced together (``tl.sum``'s ``+``, the same tree)."""
+    return a + d, b + e, c + f
+
+
+@triton.jit
+def _add4(a, b, c, d, e, f, g, h):
+    """Combine of four sums reduced together (``tl.sum``'s ``+``, the same tree)."""
+    return a + e, b + f, c + g, d + h
+
+
+@triton.jit
 def is_bad(v):
     """1 where ``v`` is NaN or ``+inf`` (int32, reduces with ``max``)."""
     return tl.where((v != v) | (v == float("inf")), 1, 0)
+
+
+@triton.jit
+def weighted_shift(w, v):
+    """``w v`` where the weight ``w`` (an exponential, ``>= 0``) is > 0, and 0 where it is 0, for
+    ``v <= 0`` (a logit minus its maximum, ``-inf`` at a ``-inf`` logit): the product is ``<= 0``
+    wherever it is a number, and its only NaN in a clean row is ``0 * -inf`` (an entry of
+    probability 0 at a ``-inf`` logit), so ``min(w v, 0)`` with the NaN-dropping minimum
+    (``min.f32``; ``np.fmin`` interpreted) is the select ``where(w > 0, w v, 0)`` in two operations,
+    not three. It differs only where ``w`` or ``v`` is NaN, i.e. in a bad row, whose loss and
+    gradient are NaN from ``s`` / ``st`` whatever this sum holds."""
+    return tl.minimum(w * v, 0.0)
 
 
 @triton.jit
@@ -235,10 +279,15 @@ def softcap_slope(v, cap):
 
 
 @triton.jit
-def _load_logits(row_ptr, cols, inside, params_ptr, CAP_SLOT: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
-    """A block of logits in ``ACC`` (the ragged tail reads ``-inf``), soft-capped with the cap in
-    ``params[CAP_SLOT]`` when ``SOFTCAP``."""
-    v = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(ACC)
+def _load_logits(row_ptr, cols, V, params_ptr, CAP_SLOT: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """A block of logits in ``ACC``, soft-capped with the cap in ``params[CAP_SLOT]`` when
+    ``SOFTCAP``. Every column is ``< V`` unless ``MASKED`` (the ragged tail, whose columns from
+    ``V`` on read ``-inf``): full blocks load without a mask."""
+    if MASKED:
+        v = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(ACC)
+    else:
+        v = tl.load(row_ptr + cols).to(ACC)
     if SOFTCAP:
         v = softcap(v, tl.load(params_ptr + CAP_SLOT))
     return v
@@ -278,31 +327,136 @@ def mixture_log_ratios(diff, log_beta, log_rest):
 
 
 @triton.jit
+def _mixture_block(
+    x_row, t_row, params_ptr, V, v0, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
+    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr, MASKED: tl.constexpr,
+):
+    """The terms of :func:`_row_mixture` of the columns ``[v0, v0 + BLOCK_V)`` (``MASKED``: the
+    ragged tail), summed: ``(sum q (log q - log M), sum p (log p - log M))`` over the block."""
+    cols = v0 + tl.arange(0, BLOCK_V)
+    x = _load_logits(x_row, cols, V, params_ptr, P_CAP, SOFTCAP, ACC, MASKED)
+    t = _load_logits(t_row, cols, V, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC, MASKED)
+    log_q = c * (x - m) - lse
+    log_p = ct * (t - mt) - lse_t
+    q = tl.exp2(log_q * LOG2E)
+    # p keeps tl.exp: with both in exp2, ptxas gave the bf16 fused kernel 64 registers on
+    # sm_80 and spilled 8 bytes (scripts/triton_aot_report.py)
+    p = tl.exp(log_p)
+    log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
+    # one reduction for both sums (one pair of barriers)
+    return tl.reduce((tl.where(q > 0, q * log_qm, 0.0), tl.where(p > 0, p * log_pm, 0.0)), 0, _add2)
+
+
+@triton.jit
 def _row_mixture(
     x_row, t_row, params_ptr, V, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
     SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
     """jensen_shannon's second pass over one row: ``(kl_qm, kl_pm) = (sum q (log q - log M),
     sum p (log p - log M))`` from the global ``m``, ``lse = log s``, ``mt``, ``lse_t = log st``
-    of pass 1 (``lossspec.stats``); an entry's term is 0 where its weight is 0."""
+    of pass 1 (``lossspec.stats``); an entry's term is 0 where its weight is 0. Full blocks, then
+    the ragged tail (:func:`_mixture_block`)."""
     kl_qm = tl.full((), 0.0, ACC)
     kl_pm = tl.full((), 0.0, ACC)
-    offs = tl.arange(0, BLOCK_V)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + offs
-        inside = cols < V
-        x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, SOFTCAP, ACC)
-        t = _load_logits(t_row, cols, inside, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC)
-        log_q = c * (x - m) - lse
-        log_p = ct * (t - mt) - lse_t
-        q = tl.exp2(log_q * LOG2E)
-        # p keeps tl.exp: with both in exp2, ptxas gave the bf16 fused kernel 64 registers on
-        # sm_80 and spilled 8 bytes (scripts/triton_aot_report.py)
-        p = tl.exp(log_p)
-        log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
-        kl_qm = kl_qm + tl.sum(tl.where(q > 0, q * log_qm, 0.0), axis=0)
-        kl_pm = kl_pm + tl.sum(tl.where(p > 0, p * log_pm, 0.0), axis=0)
+    full = (V // BLOCK_V) * BLOCK_V
+    for v0 in range(0, full, BLOCK_V):
+        qm, pm = _mixture_block(x_row, t_row, params_ptr, V, v0, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
+                                SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, False)
+        kl_qm = kl_qm + qm
+        kl_pm = kl_pm + pm
+    if full < V:
+        qm, pm = _mixture_block(x_row, t_row, params_ptr, V, full, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
+                                SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, True)
+        kl_qm = kl_qm + qm
+        kl_pm = kl_pm + pm
     return kl_qm, kl_pm
+
+
+@triton.jit
+def _stats_block(
+    x_row, t_row, params_ptr, V, v0, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr, MASKED: tl.constexpr,
+):
+    """:func:`_row_stats`' step: the columns ``[v0, v0 + BLOCK_V)`` folded into
+    ``(m, s, sum_shift, mt, st, a, b, tau, e_d, h)`` (``c2 = LOG2E c``, ``ct2 = LOG2E ct``).
+    ``MASKED``: the ragged tail, whose columns from ``V`` on read ``-inf`` (probability 0, never a
+    maximum, never a pivot); a full block needs no mask, no ``-inf`` fill and no column compare."""
+    cols = v0 + tl.arange(0, BLOCK_V)
+    x = _load_logits(x_row, cols, V, params_ptr, P_CAP, SOFTCAP, ACC, MASKED)
+    if KIND == CROSS_ENTROPY or KIND == ENTROPY:
+        block_m = tl.max(x, axis=0)
+    else:
+        t = _load_logits(t_row, cols, V, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC, MASKED)
+        # Both maxima in one reduction (one pair of barriers); reverse KL's with the student's
+        # first column of its maximum (the pivot rule below).
+        if (KIND == REVERSE_KL) and not TEACHER_SOFTCAP:
+            block_m, first, block_mt = tl.reduce((x, tl.arange(0, BLOCK_V), t), 0, _argmax_max)
+            first = v0 + first
+        else:
+            block_m, block_mt = tl.reduce((x, t), 0, _max2)
+    m_new = tl.maximum(m, block_m)
+    r, dm = shift2(m, m_new, c2)
+    u = x - finite(m_new)  # -inf on -inf logits and on the tail
+    e = tl.exp2(c2 * u)
+    if KIND == CROSS_ENTROPY:
+        if SMOOTHING:
+            if MASKED:
+                u = tl.where(cols < V, u, 0.0)  # the tail's -inf columns are no columns
+            sum_e, sum_u = tl.reduce((e, u), 0, _add2)
+            sum_shift = sum_shift + (v0 * 1.0) * dm + sum_u
+        else:
+            sum_e = tl.sum(e, axis=0)
+    elif KIND == ENTROPY:
+        sum_e, sum_h = tl.reduce((e, weighted_shift(e, u)), 0, _add2)
+        h = r * (h + s * dm) + sum_h
+    else:
+        mt_new = tl.maximum(mt, block_mt)
+        rt, dmt = shift2(mt, mt_new, ct2)
+        ut = t - finite(mt_new)
+        et = tl.exp2(ct2 * ut)
+        # The block's sums in one reduction (one pair of barriers, not one per sum)
+        if KIND == JENSEN_SHANNON:
+            sum_e, sum_et = tl.reduce((e, et), 0, _add2)
+        if KIND == SOFT_CROSS_ENTROPY:
+            sum_e, sum_et, sum_a = tl.reduce((e, et, weighted_shift(et, u)), 0, _add3)
+            a = rt * (a + st * dm) + sum_a
+        if KIND == FORWARD_KL:
+            sum_e, sum_et, sum_a, sum_b = tl.reduce(
+                (e, et, weighted_shift(et, u), weighted_shift(et, ut)), 0, _add4)
+            a = rt * (a + st * dm) + sum_a
+            b = rt * (b + st * dmt) + sum_b
+        if KIND == REVERSE_KL:
+            # The pivot rule of lossspec.stats: the first column of the maximum (an earlier
+            # block keeps it on ties). Its teacher logit: one load of the column just read
+            # (a cache hit); with a teacher cap, reductions over the capped block instead (the
+            # cap of one value computed apart need not give the block's bits interpreted).
+            if TEACHER_SOFTCAP:
+                at_max = x == block_m
+                if MASKED:
+                    at_max = at_max & (cols < V)
+                first = tl.min(tl.where(at_max, cols, V), axis=0)
+                block_tau = tl.max(tl.where(cols == first, t, float("-inf")), axis=0)
+            else:
+                if MASKED:
+                    # a NaN maximum (a bad row) may name a tail column
+                    block_tau = tl.load(t_row + first, mask=first < V, other=float("-inf")).to(ACC)
+                else:
+                    block_tau = tl.load(t_row + first).to(ACC)
+            tau_new = tl.where(block_m > m, block_tau, tau)
+            # Old e_d re-expressed on (m', tau'): D gains c (m - m') - ct (tau - tau'); a prefix
+            # with r == 0 (empty, or far below) contributes exactly 0.
+            e_d = tl.where(r > 0, r * (e_d + s * (c * dm - ct * (tau - tau_new))), 0.0)
+            d = c * u - ct * (t - tau_new)
+            # e > 0 keeps D's infinities where the teacher is -inf (no NaN-dropping shortcut)
+            sum_e, sum_et, sum_d = tl.reduce((e, et, tl.where(e > 0, e * d, 0.0)), 0, _add3)
+            e_d = e_d + sum_d
+            tau = tau_new
+        st = rt * st + sum_et
+        mt = mt_new
+    s = r * s + sum_e
+    m = m_new
+    return m, s, sum_shift, mt, st, a, b, tau, e_d, h
 
 
 @triton.jit
@@ -350,59 +504,16 @@ def _row_stats(
     h = zero
     c2 = c * LOG2E  # e = exp(c u) = exp2(c2 u)
     ct2 = ct * LOG2E
-    offs = tl.arange(0, BLOCK_V)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + offs
-        inside = cols < V
-        # The ragged tail reads -inf: probability 0, never a maximum, never a pivot.
-        x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, SOFTCAP, ACC)
-        if (KIND == REVERSE_KL) and not TEACHER_SOFTCAP:
-            # The maximum and its first column in one reduction (the pivot rule below).
-            block_m, first = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            first = v0 + first
-        else:
-            block_m = tl.max(x, axis=0)
-        m_new = tl.maximum(m, block_m)
-        r, dm = shift2(m, m_new, c2)
-        u = x - finite(m_new)  # -inf on -inf logits and on the tail
-        e = tl.exp2(c2 * u)
-        if KIND == CROSS_ENTROPY:
-            if SMOOTHING:
-                sum_shift = sum_shift + (v0 * 1.0) * dm + tl.sum(tl.where(inside, u, 0.0), axis=0)
-        elif KIND == ENTROPY:
-            h = r * (h + s * dm) + tl.sum(tl.where(e > 0, e * u, 0.0), axis=0)
-        else:
-            t = _load_logits(t_row, cols, inside, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC)
-            mt_new = tl.maximum(mt, tl.max(t, axis=0))
-            rt, dmt = shift2(mt, mt_new, ct2)
-            ut = t - finite(mt_new)
-            et = tl.exp2(ct2 * ut)
-            if KIND == SOFT_CROSS_ENTROPY or KIND == FORWARD_KL:
-                a = rt * (a + st * dm) + tl.sum(tl.where(et > 0, et * u, 0.0), axis=0)
-            if KIND == FORWARD_KL:
-                b = rt * (b + st * dmt) + tl.sum(tl.where(et > 0, et * ut, 0.0), axis=0)
-            if KIND == REVERSE_KL:
-                # The pivot rule of lossspec.stats: the first column of the maximum (an earlier
-                # block keeps it on ties). Its teacher logit: one load of the column just read
-                # (a cache hit); with a teacher cap, reductions over the capped block instead (the
-                # cap of one value computed apart need not give the block's bits interpreted).
-                if TEACHER_SOFTCAP:
-                    first = tl.min(tl.where(inside & (x == block_m), cols, V), axis=0)
-                    block_tau = tl.max(tl.where(cols == first, t, float("-inf")), axis=0)
-                else:
-                    # masked: a NaN maximum (a bad row) may name a tail column
-                    block_tau = tl.load(t_row + first, mask=first < V, other=float("-inf")).to(ACC)
-                tau_new = tl.where(block_m > m, block_tau, tau)
-                # Old e_d re-expressed on (m', tau'): D gains c (m - m') - ct (tau - tau'); a prefix
-                # with r == 0 (empty, or far below) contributes exactly 0.
-                e_d = tl.where(r > 0, r * (e_d + s * (c * dm - ct * (tau - tau_new))), 0.0)
-                d = c * u - ct * (t - tau_new)
-                e_d = e_d + tl.sum(tl.where(e > 0, e * d, 0.0), axis=0)
-                tau = tau_new
-            st = rt * st + tl.sum(et, axis=0)
-            mt = mt_new
-        s = r * s + tl.sum(e, axis=0)
-        m = m_new
+    # Full blocks unmasked, then the ragged tail (if any) masked: one copy of the step each.
+    full = (V // BLOCK_V) * BLOCK_V
+    for v0 in range(0, full, BLOCK_V):
+        m, s, sum_shift, mt, st, a, b, tau, e_d, h = _stats_block(
+            x_row, t_row, params_ptr, V, v0, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
+            KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, False)
+    if full < V:
+        m, s, sum_shift, mt, st, a, b, tau, e_d, h = _stats_block(
+            x_row, t_row, params_ptr, V, full, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
+            KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, True)
     # The flag comes from the sums, not from max() (a GPU max may drop a NaN): a NaN entry makes
     # its exponential NaN, a +inf entry makes the maximum +inf and its own x - m NaN, and either
     # stays NaN through every later block (r s, r = NaN after an infinite maximum). Nothing else
@@ -481,6 +592,50 @@ def _round_for_store(g, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
+def _grad_block(
+    x_row, t_row, g_row, params_ptr, V, V_total, v0, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
+    scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr, ROUND_BF16: tl.constexpr, MASKED: tl.constexpr,
+):
+    """:func:`_row_grad`'s step: the gradient of the columns ``[v0, v0 + BLOCK_V)`` stored
+    (``MASKED``: the ragged tail, stored up to ``V``; a full block loads and stores unmasked)."""
+    cols = v0 + tl.arange(0, BLOCK_V)
+    x = _load_logits(x_row, cols, V, params_ptr, P_CAP, False, ACC, MASKED)
+    if SOFTCAP:
+        x, slope = _softcap_with_slope(x, tl.load(params_ptr + P_CAP))
+    u = x - m
+    e = tl.exp2(c2 * u)
+    if KIND == CROSS_ENTROPY:
+        g = e * p_scale
+        if SMOOTHING:
+            g = g - scale * (eps / V_total)
+    elif KIND == ENTROPY:
+        g = tl.where(e > 0, e * (u - mean_h), 0.0) * h_scale
+    else:
+        t = _load_logits(t_row, cols, V, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC, MASKED)
+        if KIND == REVERSE_KL:
+            d = c * u - ct * (t - tau)
+            # q == 0 (a -inf logit) is exactly 0: not 0 * inf, not 0 * NaN.
+            g = tl.where(e > 0, e * (d - mean_d), 0.0) * p_scale
+        elif KIND == JENSEN_SHANNON:
+            log_q = c * u - lse
+            log_p = ct * (t - mt) - lse_t
+            q = tl.exp2(log_q * LOG2E)
+            log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
+            g = tl.where(q > 0, q * (log_qm - kl_qm), 0.0) * j_scale
+        else:
+            g = e * p_scale - tl.exp2(ct2 * (t - mt)) * t_scale
+    if SOFTCAP:
+        g = g * slope
+    g = _round_for_store(g, ROUND_BF16)
+    if MASKED:
+        tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=cols < V)
+    else:
+        tl.store(g_row + cols, g.to(g_row.dtype.element_ty))
+
+
+@triton.jit
 def _row_grad(
     x_row, t_row, g_row, params_ptr, y, x_y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, V, V_total, c, ct, eps,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
@@ -506,11 +661,18 @@ def _row_grad(
     is the capped block and the gradient is multiplied by the slope (:func:`softcap_slope` of the
     raw block, 0 at ``+-inf``) before the rounding.
     """
-    offs = tl.arange(0, BLOCK_V)
     scale = tl.where(bad != 0, float("nan"), scale)
     c2 = c * LOG2E  # e = exp(c u) = exp2(c2 u)
     ct2 = ct * LOG2E
+    zero = scale * 0.0
     p_scale = scale / s
+    t_scale = zero
+    h_scale = zero
+    j_scale = zero
+    lse = zero
+    lse_t = zero
+    log_beta = zero
+    log_rest = zero
     if KIND == CROSS_ENTROPY:
         p_scale = p_scale * q_coef
     if KIND == SOFT_CROSS_ENTROPY or KIND == FORWARD_KL:
@@ -522,38 +684,16 @@ def _row_grad(
         lse = tl.log(s)
         lse_t = tl.log(st)
         j_scale = (1.0 - beta) * scale
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + offs
-        inside = cols < V
-        x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, False, ACC)
-        if SOFTCAP:
-            x, slope = _softcap_with_slope(x, tl.load(params_ptr + P_CAP))
-        u = x - m
-        e = tl.exp2(c2 * u)
-        if KIND == CROSS_ENTROPY:
-            g = e * p_scale
-            if SMOOTHING:
-                g = g - scale * (eps / V_total)
-        elif KIND == ENTROPY:
-            g = tl.where(e > 0, e * (u - mean_h), 0.0) * h_scale
-        else:
-            t = _load_logits(t_row, cols, inside, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC)
-            if KIND == REVERSE_KL:
-                d = c * u - ct * (t - tau)
-                # q == 0 (a -inf logit) is exactly 0: not 0 * inf, not 0 * NaN.
-                g = tl.where(e > 0, e * (d - mean_d), 0.0) * p_scale
-            elif KIND == JENSEN_SHANNON:
-                log_q = c * u - lse
-                log_p = ct * (t - mt) - lse_t
-                q = tl.exp2(log_q * LOG2E)
-                log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
-                g = tl.where(q > 0, q * (log_qm - kl_qm), 0.0) * j_scale
-            else:
-                g = e * p_scale - tl.exp2(ct2 * (t - mt)) * t_scale
-        if SOFTCAP:
-            g = g * slope
-        g = _round_for_store(g, ROUND_BF16)
-        tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=inside)
+    # Full blocks unmasked, then the ragged tail (if any) masked: one copy of the step each.
+    full = (V // BLOCK_V) * BLOCK_V
+    for v0 in range(0, full, BLOCK_V):
+        _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, v0, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
+                    scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
+                    KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, False)
+    if full < V:
+        _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, full, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
+                    scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
+                    KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, True)
     if KIND == CROSS_ENTROPY:
         if (y >= 0) & (y < V):
             # The loop's operations on the label's entry, with the one-hot term in the same FMA
