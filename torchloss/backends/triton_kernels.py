@@ -94,6 +94,9 @@ P_CAP = tl.constexpr(PARAMS.index("cap"))
 P_TEACHER_CAP = tl.constexpr(PARAMS.index("teacher_cap"))
 
 
+# The most negative finite float32 (weighted_log's stand-in for -inf and NaN where the weight is 0).
+LOWEST = tl.constexpr(-3.4028234663852886e38)
+
 # exp(c v) = exp2(LOG2E c v): the loops fold LOG2E into the scale once per row, so an entry costs
 # one multiply before the hardware's exp2 (ex2.approx.ftz; tl.exp adds a multiply and a
 # subnormal-range fix-up per entry).
@@ -187,10 +190,19 @@ def _max2(a, b, c, d):
 
 @triton.jit
 def _argmax_max(v1, i1, w1, v2, i2, w2):
-    """Combine of ``tl.max(v, return_indices=True, return_indices_tie_break_left=True)`` (Triton's
-    own rule: the larger value, the smaller index on ties) and of ``tl.max(w)``, one reduction."""
+    """:func:`_pivot_max` without the carried value: ``(max v, its first column, max w)``."""
     gt = (v1 > v2) | ((v1 == v2) & (i1 < i2))
     return tl.where(gt, v1, v2), tl.where(gt, i1, i2), tl.maximum(w1, w2)
+
+
+@triton.jit
+def _pivot_max(v1, i1, a1, w1, v2, i2, a2, w2):
+    """Combine of reverse KL's block reduction ``(max v, its first column i, a at that column,
+    max w)``: ``tl.max(v, return_indices=True, return_indices_tie_break_left=True)``'s rule (the
+    larger value, the smaller column on ties: the result does not depend on the order of the
+    reduction) carrying ``a`` along, and ``tl.max(w)``'s."""
+    gt = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+    return tl.where(gt, v1, v2), tl.where(gt, i1, i2), tl.where(gt, a1, a2), tl.maximum(w1, w2)
 
 
 @triton.jit
@@ -321,19 +333,33 @@ def mixture_log_ratios(diff, log_beta, log_rest):
     soft = tl.log(1.0 + tl.exp(-tl.abs(diff + (log_rest - log_beta))))
     q_side = diff - log_beta
     p_side = -diff - log_rest
-    log_qm = tl.where(q_side < -log_rest, q_side, -log_rest) - soft
-    log_pm = tl.where(p_side < -log_beta, p_side, -log_beta) - soft
+    # min(side, bound) with the NaN-dropping minimum: lossspec's where(side < bound, side, bound)
+    # bit for bit (NaN gives the bound in both), one operation instead of a compare and a select
+    log_qm = tl.minimum(q_side, -log_rest) - soft
+    log_pm = tl.minimum(p_side, -log_beta) - soft
     return log_qm, log_pm
+
+
+@triton.jit
+def weighted_log(w, v):
+    """``where(w > 0, w v, 0)`` for a weight ``w >= 0`` (a probability) and a log-ratio ``v`` of
+    :func:`mixture_log_ratios` that is finite wherever ``w > 0``: ``w max(v, LOWEST)`` with the
+    NaN-dropping maximum. Where ``w == 0``, ``v`` may be ``-inf`` or NaN (``p = q = 0``) and
+    becomes ``LOWEST`` (finite), so the product is 0, not NaN; where ``w > 0`` nothing changes.
+    Two operations, not three (compare, multiply, select)."""
+    return w * tl.maximum(v, LOWEST)
 
 
 @triton.jit
 def _mixture_block(
     x_row, t_row, params_ptr, V, v0, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
-    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr, MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """The terms of :func:`_row_mixture` of the columns ``[v0, v0 + BLOCK_V)`` (``MASKED``: the
-    ragged tail), summed: ``(sum q (log q - log M), sum p (log p - log M))`` over the block."""
-    cols = v0 + tl.arange(0, BLOCK_V)
+    ragged tail), summed per lane (``[BLOCK_V // VEC]``, as in :func:`_stats_block`):
+    ``(sum q (log q - log M), sum p (log p - log M))``."""
+    cols = v0 + tl.arange(0, BLOCK_V // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     x = _load_logits(x_row, cols, V, params_ptr, P_CAP, SOFTCAP, ACC, MASKED)
     t = _load_logits(t_row, cols, V, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC, MASKED)
     log_q = c * (x - m) - lse
@@ -343,113 +369,124 @@ def _mixture_block(
     # sm_80 and spilled 8 bytes (scripts/triton_aot_report.py)
     p = tl.exp(log_p)
     log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
-    # one reduction for both sums (one pair of barriers)
-    return tl.reduce((tl.where(q > 0, q * log_qm, 0.0), tl.where(p > 0, p * log_pm, 0.0)), 0, _add2)
+    return tl.reduce((weighted_log(q, log_qm), weighted_log(p, log_pm)), 1, _add2)
 
 
 @triton.jit
 def _row_mixture(
     x_row, t_row, params_ptr, V, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
-    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
 ):
     """jensen_shannon's second pass over one row: ``(kl_qm, kl_pm) = (sum q (log q - log M),
     sum p (log p - log M))`` from the global ``m``, ``lse = log s``, ``mt``, ``lse_t = log st``
     of pass 1 (``lossspec.stats``); an entry's term is 0 where its weight is 0. Full blocks, then
-    the ragged tail (:func:`_mixture_block`)."""
-    kl_qm = tl.full((), 0.0, ACC)
-    kl_pm = tl.full((), 0.0, ACC)
-    full = (V // BLOCK_V) * BLOCK_V
-    for v0 in range(0, full, BLOCK_V):
-        qm, pm = _mixture_block(x_row, t_row, params_ptr, V, v0, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
-                                SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, False)
-        kl_qm = kl_qm + qm
-        kl_pm = kl_pm + pm
-    if full < V:
-        qm, pm = _mixture_block(x_row, t_row, params_ptr, V, full, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
-                                SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, True)
-        kl_qm = kl_qm + qm
-        kl_pm = kl_pm + pm
-    return kl_qm, kl_pm
+    the ragged tail (:func:`_mixture_block`), summed per lane and over the lanes once."""
+    kl_qm = tl.zeros((BLOCK_V // VEC,), ACC)
+    kl_pm = tl.zeros((BLOCK_V // VEC,), ACC)
+    if SOFTCAP or TEACHER_SOFTCAP:
+        for v0 in range(0, V, BLOCK_V):  # every block masked (PEELED_TAIL)
+            qm, pm = _mixture_block(x_row, t_row, params_ptr, V, v0, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
+                                    SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, True)
+            kl_qm = kl_qm + qm
+            kl_pm = kl_pm + pm
+    else:
+        full = (V // BLOCK_V) * BLOCK_V
+        for v0 in range(0, full, BLOCK_V):
+            qm, pm = _mixture_block(x_row, t_row, params_ptr, V, v0, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
+                                    SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, False)
+            kl_qm = kl_qm + qm
+            kl_pm = kl_pm + pm
+        if full < V:
+            qm, pm = _mixture_block(x_row, t_row, params_ptr, V, full, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
+                                    SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, True)
+            kl_qm = kl_qm + qm
+            kl_pm = kl_pm + pm
+    return tl.sum(kl_qm, axis=0), tl.sum(kl_pm, axis=0)
 
 
 @triton.jit
 def _stats_block(
     x_row, t_row, params_ptr, V, v0, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """:func:`_row_stats`' step: the columns ``[v0, v0 + BLOCK_V)`` folded into
-    ``(m, s, sum_shift, mt, st, a, b, tau, e_d, h)`` (``c2 = LOG2E c``, ``ct2 = LOG2E ct``).
-    ``MASKED``: the ragged tail, whose columns from ``V`` on read ``-inf`` (probability 0, never a
-    maximum, never a pivot); a full block needs no mask, no ``-inf`` fill and no column compare."""
-    cols = v0 + tl.arange(0, BLOCK_V)
+    """:func:`_row_stats`' step: the columns ``[v0, v0 + BLOCK_V)`` folded into the maxima ``m``,
+    ``mt``, the pivot ``tau`` (scalars) and the sums ``s, sum_shift, st, a, b, e_d, h``, which are
+    per-lane partial sums (``[BLOCK_V // VEC]``; lane ``l`` holds columns ``[l VEC, (l + 1) VEC)``
+    of every block, ``VEC`` adjacent columns that one thread loads and reduces alone), so a block
+    costs no cross-thread reduction for its sums; ``c2 = LOG2E c``, ``ct2 = LOG2E ct``. ``MASKED``:
+    the ragged tail, whose columns from ``V`` on read ``-inf`` (probability 0, never a maximum,
+    never a pivot); a full block needs no mask, no ``-inf`` fill and no column compare."""
+    cols = v0 + tl.arange(0, BLOCK_V // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     x = _load_logits(x_row, cols, V, params_ptr, P_CAP, SOFTCAP, ACC, MASKED)
+    # The block's maxima: over each lane's VEC columns (in-thread), then over the lanes.
     if KIND == CROSS_ENTROPY or KIND == ENTROPY:
-        block_m = tl.max(x, axis=0)
+        block_m = tl.max(tl.max(x, axis=1), axis=0)
     else:
         t = _load_logits(t_row, cols, V, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC, MASKED)
         # Both maxima in one reduction (one pair of barriers); reverse KL's with the student's
-        # first column of its maximum (the pivot rule below).
-        if (KIND == REVERSE_KL) and not TEACHER_SOFTCAP:
-            block_m, first, block_mt = tl.reduce((x, tl.arange(0, BLOCK_V), t), 0, _argmax_max)
-            first = v0 + first
+        # first column of its maximum (the pivot rule below; the combine compares columns, so
+        # the order of the reduction does not matter).
+        if (KIND == REVERSE_KL) and TEACHER_SOFTCAP:
+            # the capped teacher at the pivot carried along (the cap of one value computed apart
+            # need not give the block's bits interpreted)
+            lane_m, lane_first, lane_tau, lane_mt = tl.reduce((x, cols, t, t), 1, _pivot_max)
+            block_m, first, block_tau, block_mt = tl.reduce((lane_m, lane_first, lane_tau, lane_mt), 0, _pivot_max)
+        elif KIND == REVERSE_KL:
+            lane_m, lane_first, lane_mt = tl.reduce((x, cols, t), 1, _argmax_max)
+            block_m, first, block_mt = tl.reduce((lane_m, lane_first, lane_mt), 0, _argmax_max)
+            # the teacher at the pivot: one load of a column just read (a cache hit), cheaper
+            # than carrying it through the reduction
+            if MASKED:
+                # a NaN maximum (a bad row) may name a tail column
+                block_tau = tl.load(t_row + first, mask=first < V, other=float("-inf")).to(ACC)
+            else:
+                block_tau = tl.load(t_row + first).to(ACC)
         else:
-            block_m, block_mt = tl.reduce((x, t), 0, _max2)
+            lane_m, lane_mt = tl.reduce((x, t), 1, _max2)
+            block_m, block_mt = tl.reduce((lane_m, lane_mt), 0, _max2)
     m_new = tl.maximum(m, block_m)
     r, dm = shift2(m, m_new, c2)
     u = x - finite(m_new)  # -inf on -inf logits and on the tail
     e = tl.exp2(c2 * u)
+    # Each lane's sums over its VEC columns (in-thread, one reduction for all of them).
     if KIND == CROSS_ENTROPY:
         if SMOOTHING:
             if MASKED:
                 u = tl.where(cols < V, u, 0.0)  # the tail's -inf columns are no columns
-            sum_e, sum_u = tl.reduce((e, u), 0, _add2)
-            sum_shift = sum_shift + (v0 * 1.0) * dm + sum_u
+            sum_e, sum_u = tl.reduce((e, u), 1, _add2)
+            # each lane saw v0 / (BLOCK_V / VEC) columns before this block (the tail comes last)
+            sum_shift = sum_shift + ((v0 // (BLOCK_V // VEC)) * 1.0) * dm + sum_u
         else:
-            sum_e = tl.sum(e, axis=0)
+            sum_e = tl.sum(e, axis=1)
     elif KIND == ENTROPY:
-        sum_e, sum_h = tl.reduce((e, weighted_shift(e, u)), 0, _add2)
+        sum_e, sum_h = tl.reduce((e, weighted_shift(e, u)), 1, _add2)
         h = r * (h + s * dm) + sum_h
     else:
         mt_new = tl.maximum(mt, block_mt)
         rt, dmt = shift2(mt, mt_new, ct2)
         ut = t - finite(mt_new)
         et = tl.exp2(ct2 * ut)
-        # The block's sums in one reduction (one pair of barriers, not one per sum)
         if KIND == JENSEN_SHANNON:
-            sum_e, sum_et = tl.reduce((e, et), 0, _add2)
+            sum_e, sum_et = tl.reduce((e, et), 1, _add2)
         if KIND == SOFT_CROSS_ENTROPY:
-            sum_e, sum_et, sum_a = tl.reduce((e, et, weighted_shift(et, u)), 0, _add3)
+            sum_e, sum_et, sum_a = tl.reduce((e, et, weighted_shift(et, u)), 1, _add3)
             a = rt * (a + st * dm) + sum_a
         if KIND == FORWARD_KL:
             sum_e, sum_et, sum_a, sum_b = tl.reduce(
-                (e, et, weighted_shift(et, u), weighted_shift(et, ut)), 0, _add4)
+                (e, et, weighted_shift(et, u), weighted_shift(et, ut)), 1, _add4)
             a = rt * (a + st * dm) + sum_a
             b = rt * (b + st * dmt) + sum_b
         if KIND == REVERSE_KL:
             # The pivot rule of lossspec.stats: the first column of the maximum (an earlier
-            # block keeps it on ties). Its teacher logit: one load of the column just read
-            # (a cache hit); with a teacher cap, reductions over the capped block instead (the
-            # cap of one value computed apart need not give the block's bits interpreted).
-            if TEACHER_SOFTCAP:
-                at_max = x == block_m
-                if MASKED:
-                    at_max = at_max & (cols < V)
-                first = tl.min(tl.where(at_max, cols, V), axis=0)
-                block_tau = tl.max(tl.where(cols == first, t, float("-inf")), axis=0)
-            else:
-                if MASKED:
-                    # a NaN maximum (a bad row) may name a tail column
-                    block_tau = tl.load(t_row + first, mask=first < V, other=float("-inf")).to(ACC)
-                else:
-                    block_tau = tl.load(t_row + first).to(ACC)
+            # block keeps it on ties), block_tau the teacher's logit there (above).
             tau_new = tl.where(block_m > m, block_tau, tau)
             # Old e_d re-expressed on (m', tau'): D gains c (m - m') - ct (tau - tau'); a prefix
             # with r == 0 (empty, or far below) contributes exactly 0.
             e_d = tl.where(r > 0, r * (e_d + s * (c * dm - ct * (tau - tau_new))), 0.0)
             d = c * u - ct * (t - tau_new)
             # e > 0 keeps D's infinities where the teacher is -inf (no NaN-dropping shortcut)
-            sum_e, sum_et, sum_d = tl.reduce((e, et, tl.where(e > 0, e * d, 0.0)), 0, _add3)
+            sum_e, sum_et, sum_d = tl.reduce((e, et, tl.where(e > 0, e * d, 0.0)), 1, _add3)
             e_d = e_d + sum_d
             tau = tau_new
         st = rt * st + sum_et
@@ -463,7 +500,7 @@ def _stats_block(
 def _row_stats(
     x_row, t_row, params_ptr, V, c, ct,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
 ):
     """Pass 1: the :mod:`lossspec.stats` statistics of one row ``x_row[0:V]`` (teacher ``t_row``),
     online over blocks of ``BLOCK_V`` columns.
@@ -491,29 +528,44 @@ def _row_stats(
     entry of probability 0 adds 0, not ``0 * -inf``.
     """
     neg_inf = tl.full((), float("-inf"), ACC)
-    zero = tl.full((), 0.0, ACC)
+    lanes = tl.zeros((BLOCK_V // VEC,), ACC)  # per-lane partial sums (_stats_block)
     m = neg_inf
-    s = zero
-    sum_shift = zero
+    s = lanes
+    sum_shift = lanes
     mt = neg_inf
-    st = zero
-    a = zero
-    b = zero
+    st = lanes
+    a = lanes
+    b = lanes
     tau = neg_inf
-    e_d = zero
-    h = zero
+    e_d = lanes
+    h = lanes
     c2 = c * LOG2E  # e = exp(c u) = exp2(c2 u)
     ct2 = ct * LOG2E
-    # Full blocks unmasked, then the ragged tail (if any) masked: one copy of the step each.
-    full = (V // BLOCK_V) * BLOCK_V
-    for v0 in range(0, full, BLOCK_V):
-        m, s, sum_shift, mt, st, a, b, tau, e_d, h = _stats_block(
-            x_row, t_row, params_ptr, V, v0, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
-            KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, False)
-    if full < V:
-        m, s, sum_shift, mt, st, a, b, tau, e_d, h = _stats_block(
-            x_row, t_row, params_ptr, V, full, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
-            KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, True)
+    if SOFTCAP or TEACHER_SOFTCAP:
+        # Every block masked (PEELED_TAIL): a second, peeled copy of the capped step spilled.
+        for v0 in range(0, V, BLOCK_V):
+            m, s, sum_shift, mt, st, a, b, tau, e_d, h = _stats_block(
+                x_row, t_row, params_ptr, V, v0, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
+                KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, True)
+    else:
+        # Full blocks unmasked, then the ragged tail (if any) masked: one copy of the step each.
+        full = (V // BLOCK_V) * BLOCK_V
+        for v0 in range(0, full, BLOCK_V):
+            m, s, sum_shift, mt, st, a, b, tau, e_d, h = _stats_block(
+                x_row, t_row, params_ptr, V, v0, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
+                KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, False)
+        if full < V:
+            m, s, sum_shift, mt, st, a, b, tau, e_d, h = _stats_block(
+                x_row, t_row, params_ptr, V, full, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
+                KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, True)
+    # The lanes' sums, once per row (every lane is relative to the same m, mt and tau).
+    s = tl.sum(s, axis=0)
+    st = tl.sum(st, axis=0)
+    sum_shift = tl.sum(sum_shift, axis=0)
+    a = tl.sum(a, axis=0)
+    b = tl.sum(b, axis=0)
+    e_d = tl.sum(e_d, axis=0)
+    h = tl.sum(h, axis=0)
     # The flag comes from the sums, not from max() (a GPU max may drop a NaN): a NaN entry makes
     # its exponential NaN, a +inf entry makes the maximum +inf and its own x - m NaN, and either
     # stays NaN through every later block (r s, r = NaN after an infinite maximum). Nothing else
@@ -623,7 +675,9 @@ def _grad_block(
             log_p = ct * (t - mt) - lse_t
             q = tl.exp2(log_q * LOG2E)
             log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
-            g = tl.where(q > 0, q * (log_qm - kl_qm), 0.0) * j_scale
+            # where(q > 0, q (log_qm - kl_qm), 0) (weighted_log's clamp; kl_qm is finite, or the
+            # row is bad and its scale NaN)
+            g = q * (tl.maximum(log_qm, LOWEST) - kl_qm) * j_scale
         else:
             g = e * p_scale - tl.exp2(ct2 * (t - mt)) * t_scale
     if SOFTCAP:
@@ -684,17 +738,23 @@ def _row_grad(
         lse = tl.log(s)
         lse_t = tl.log(st)
         j_scale = (1.0 - beta) * scale
-    # The ragged tail (if any) masked, then the full blocks unmasked: one copy of the step each
-    # (pass 2's stores commute; tail first, ptxas spilled 8 bytes on the bf16 reverse KL with both caps).
-    full = (V // BLOCK_V) * BLOCK_V
-    if full < V:
-        _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, full, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
-                    scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
-                    KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, True)
-    for v0 in range(0, full, BLOCK_V):
-        _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, v0, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
-                    scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
-                    KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, False)
+    if SOFTCAP or TEACHER_SOFTCAP:
+        for v0 in range(0, V, BLOCK_V):  # every block masked (PEELED_TAIL)
+            _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, v0, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
+                        scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
+                        KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, True)
+    else:
+        # The ragged tail (if any) masked, then the full blocks unmasked: one copy of the step
+        # each (the stores commute; in the other order ptxas spilled on a bf16 reverse KL).
+        full = (V // BLOCK_V) * BLOCK_V
+        if full < V:
+            _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, full, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
+                        scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
+                        KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, True)
+        for v0 in range(0, full, BLOCK_V):
+            _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, v0, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
+                        scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
+                        KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, False)
     if KIND == CROSS_ENTROPY:
         if (y >= 0) & (y < V):
             # The loop's operations on the label's entry, with the one-hot term in the same FMA
@@ -726,13 +786,13 @@ def _zero_row(g_row, V, BLOCK_V: tl.constexpr):
 def _row_forward(
     x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
 ):
     """Pass 1 and finalize of one whole row (and jensen_shannon's second pass):
     ``(loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_y)`` (``y``: the label,
     ``x_y`` its raw logit, cross-entropy; 0 otherwise)."""
     m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(
-        x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
+        x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
     )
     y = tl.full((), 0, tl.int64)
     x_raw = s * 0.0
@@ -751,7 +811,7 @@ def _row_forward(
     if KIND == JENSEN_SHANNON:
         beta, log_beta, log_rest = load_mixture_params(params_ptr)
         kl_qm, kl_pm = _row_mixture(
-            x_row, t_row, params_ptr, V, m, tl.log(s), mt, tl.log(st), c, ct, log_beta, log_rest, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
+            x_row, t_row, params_ptr, V, m, tl.log(s), mt, tl.log(st), c, ct, log_beta, log_rest, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
         )
         loss = tl.where(bad != 0, float("nan"), beta * kl_pm + (1.0 - beta) * kl_qm)
     return loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_raw
@@ -767,7 +827,7 @@ def fused_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr,
     V, stride_x, stride_t, stride_g,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
 ):
     """The forward: ``loss[row] = l`` (0 where ``coef == 0``, not multiplied by ``coef``) and, with
     ``WRITE_GRAD``, ``grad[row, :] = coef * c * dl/dz`` (0 where ``coef == 0``).
@@ -782,7 +842,7 @@ def fused_kernel(
     if coef != 0:
         c, ct, eps, lam = load_params(params_ptr)
         loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_y = _row_forward(
-            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
+            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
         )
         tl.store(loss_ptr + row, loss)
         if WRITE_GRAD:
@@ -799,7 +859,7 @@ def regrad_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr,
     V, stride_x, stride_t, stride_g, stride_up,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
 ):
     """The backward of 16-bit logits for an upstream gradient ``g = up[row * stride_up]`` read on
     the device (no host synchronisation): rows with ``g != 1`` and ``coef != 0`` are recomputed
@@ -816,7 +876,7 @@ def regrad_kernel(
         c, ct, eps, lam = load_params(params_ptr)
         scale = (coef * up) * c  # one value live across pass 1, not two
         loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_y = _row_forward(
-            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
+            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
         )
         _row_grad(x_row, t_row, g_row, params_ptr, y, x_y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
                   V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16)
@@ -827,7 +887,7 @@ def shard_stats_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, stats_ptr,
     V, offset, stride_x, stride_t, stride_stat,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
 ):
     """Vocab-parallel pass 1: the statistics of this shard (global columns ``[offset, offset + V)``)
     into ``stats[ROW_<name>, row]`` for the statistics the kind uses (``lossspec.stats_used``).
@@ -848,7 +908,7 @@ def shard_stats_kernel(
     if coef != 0:
         c, ct, eps, lam = load_params(params_ptr)
         m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(
-            x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
+            x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
         )
         if KIND == CROSS_ENTROPY:
             y_local = tl.load(y_ptr + row).to(tl.int64) - offset
