@@ -189,13 +189,6 @@ def _max2(a, b, c, d):
 
 
 @triton.jit
-def _argmax_max(v1, i1, w1, v2, i2, w2):
-    """:func:`_pivot_max` without the carried value: ``(max v, its first column, max w)``."""
-    gt = (v1 > v2) | ((v1 == v2) & (i1 < i2))
-    return tl.where(gt, v1, v2), tl.where(gt, i1, i2), tl.maximum(w1, w2)
-
-
-@triton.jit
 def _pivot_max(v1, i1, a1, w1, v2, i2, a2, w2):
     """Combine of reverse KL's block reduction ``(max v, its first column i, a at that column,
     max w)``: ``tl.max(v, return_indices=True, return_indices_tie_break_left=True)``'s rule (the
@@ -433,14 +426,15 @@ def _stats_block(
             lane_m, lane_first, lane_tau, lane_mt = tl.reduce((x, cols, t, t), 1, _pivot_max)
             block_m, first, block_tau, block_mt = tl.reduce((lane_m, lane_first, lane_tau, lane_mt), 0, _pivot_max)
         elif KIND == REVERSE_KL:
-            lane_m, lane_first, lane_mt = tl.reduce((x, cols, t), 1, _argmax_max)
-            block_m, first, block_mt = tl.reduce((lane_m, lane_first, lane_mt), 0, _argmax_max)
-            # the teacher at the pivot: one load of a column just read (a cache hit), cheaper
-            # than carrying it through the reduction
-            if MASKED:
-                # a NaN maximum (a bad row) may name a tail column
-                block_tau = tl.load(t_row + first, mask=first < V, other=float("-inf")).to(ACC)
-            else:
+            lane_m, lane_mt = tl.reduce((x, t), 1, _max2)
+            block_m, block_mt = tl.reduce((lane_m, lane_mt), 0, _max2)
+            # The block's pivot only where its maximum is a new one: a branch the whole program
+            # takes or skips, after a row's first blocks mostly skipped (the AOT count includes
+            # it). The maximum is then a number above -inf: its first column is never a tail
+            # column, and the teacher's logit there a column just read (a cache hit).
+            block_tau = tau
+            if block_m > m:
+                first = tl.min(tl.min(tl.where(x == block_m, cols, V), axis=1), axis=0)
                 block_tau = tl.load(t_row + first).to(ACC)
         else:
             lane_m, lane_mt = tl.reduce((x, t), 1, _max2)
