@@ -189,6 +189,13 @@ def _max2(a, b, c, d):
 
 
 @triton.jit
+def _argmax_max(v1, i1, w1, v2, i2, w2):
+    """:func:`_pivot_max` without the carried value: ``(max v, its first column, max w)``."""
+    gt = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+    return tl.where(gt, v1, v2), tl.where(gt, i1, i2), tl.maximum(w1, w2)
+
+
+@triton.jit
 def _pivot_max(v1, i1, a1, w1, v2, i2, a2, w2):
     """Combine of reverse KL's block reduction ``(max v, its first column i, a at that column,
     max w)``: ``tl.max(v, return_indices=True, return_indices_tie_break_left=True)``'s rule (the
@@ -323,7 +330,8 @@ def mixture_log_ratios(diff, log_beta, log_rest):
     (``lossspec.stats.mixture_log_ratios``): ``log M = max(a, b) + log(1 + exp(-|a - b|))`` with
     ``a = log((1 - beta) q)``, ``b = log(beta p)``, so each ratio is a ``min`` of two bounded terms
     minus the soft part; NaN only where ``p = q = 0`` (the callers weight it by 0)."""
-    soft = tl.log(1.0 + tl.exp(-tl.abs(diff + (log_rest - log_beta))))
+    # exp2 with log2(e) folded (the flush of results below 2**-126 is invisible in 1 + y)
+    soft = tl.log(1.0 + tl.exp2(-tl.abs(diff + (log_rest - log_beta)) * LOG2E))
     q_side = diff - log_beta
     p_side = -diff - log_rest
     # min(side, bound) with the NaN-dropping minimum: lossspec's where(side < bound, side, bound)
@@ -358,9 +366,7 @@ def _mixture_block(
     log_q = c * (x - m) - lse
     log_p = ct * (t - mt) - lse_t
     q = tl.exp2(log_q * LOG2E)
-    # p keeps tl.exp: with both in exp2, ptxas gave the bf16 fused kernel 64 registers on
-    # sm_80 and spilled 8 bytes (scripts/triton_aot_report.py)
-    p = tl.exp(log_p)
+    p = tl.exp2(log_p * LOG2E)
     log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
     return tl.reduce((weighted_log(q, log_qm), weighted_log(p, log_pm)), 1, _add2)
 
@@ -426,15 +432,16 @@ def _stats_block(
             lane_m, lane_first, lane_tau, lane_mt = tl.reduce((x, cols, t, t), 1, _pivot_max)
             block_m, first, block_tau, block_mt = tl.reduce((lane_m, lane_first, lane_tau, lane_mt), 0, _pivot_max)
         elif KIND == REVERSE_KL:
-            lane_m, lane_mt = tl.reduce((x, t), 1, _max2)
-            block_m, block_mt = tl.reduce((lane_m, lane_mt), 0, _max2)
-            # The block's pivot only where its maximum is a new one: a branch the whole program
-            # takes or skips, after a row's first blocks mostly skipped (the AOT count includes
-            # it). The maximum is then a number above -inf: its first column is never a tail
-            # column, and the teacher's logit there a column just read (a cache hit).
-            block_tau = tau
-            if block_m > m:
-                first = tl.min(tl.min(tl.where(x == block_m, cols, V), axis=1), axis=0)
+            # (A branch that finds the pivot only where the block's maximum is a new one, after
+            # a row's first blocks mostly skipped, spilled on sm_80.)
+            lane_m, lane_first, lane_mt = tl.reduce((x, cols, t), 1, _argmax_max)
+            block_m, first, block_mt = tl.reduce((lane_m, lane_first, lane_mt), 0, _argmax_max)
+            # the teacher at the pivot: one load of a column just read (a cache hit), cheaper
+            # than carrying it through the reduction
+            if MASKED:
+                # a NaN maximum (a bad row) may name a tail column
+                block_tau = tl.load(t_row + first, mask=first < V, other=float("-inf")).to(ACC)
+            else:
                 block_tau = tl.load(t_row + first).to(ACC)
         else:
             lane_m, lane_mt = tl.reduce((x, t), 1, _max2)
