@@ -22,7 +22,8 @@ row, in the compute dtype ``ACC`` (fp32; fp64 for fp64 logits), with ``c = logit
 carries the probability mass, so the gradient ``q (D - e_d / s)`` never subtracts large numbers.
 
 Kernels (one program per row; ``row`` offsets are int64; the vocabulary is walked in blocks of
-``BLOCK_V`` columns with a masked ragged tail)::
+``BLOCK_V`` columns: the full blocks unmasked, then the ragged tail, if any, as one masked step:
+the *peeled* tail; with a soft cap every block takes the masked step, whose peeled copy spilled)::
 
     fused_kernel        pass 1 (online statistics), finalize, pass 2 (gradient): the forward
     regrad_kernel       the same for rows whose upstream gradient (read on the device) is not
@@ -30,10 +31,18 @@ Kernels (one program per row; ``row`` offsets are int64; the vocabulary is walke
     shard_stats_kernel  pass 1 of a vocabulary shard: lossspec statistics out (vocab-parallel)
     shard_grad_kernel   pass 2 of a shard from the global final statistics (vocab-parallel)
 
-Helpers: :func:`_row_stats` (pass 1), :func:`finalize` (loss and what pass 2 needs),
-:func:`_row_mixture` (jensen_shannon's second pass, per entry :func:`mixture_log_ratios`),
-:func:`_row_grad` (the gradient pass), :func:`_zero_row`, :func:`_round_for_store`, :func:`shift`,
-:func:`shift2` (base 2).
+Helpers: :func:`_row_stats` (pass 1; a block: :func:`_stats_block`), :func:`finalize` (loss and
+what pass 2 needs), :func:`_row_mixture` (jensen_shannon's second pass, a block:
+:func:`_mixture_block`, per entry :func:`mixture_log_ratios`), :func:`_row_grad` (the gradient
+pass, a block: :func:`_grad_block`), :func:`_zero_row`, :func:`_round_for_store`, :func:`shift`,
+:func:`shift2` (base 2), :func:`weighted_shift` / :func:`weighted_log` (a weighted term that is 0
+at weight 0, without a select), the combines of the multi-operand reductions (:func:`_max2`,
+:func:`_add2` ..., :func:`_argmax_max`, :func:`_pivot_max`).
+
+The statistics passes keep their sums per *lane*: ``VEC`` adjacent columns of every block (one
+16-byte load, ``VEC = min(16 / itemsize, BLOCK_V)`` from the driver) that one thread holds and
+reduces alone, ``[BLOCK_V // VEC]`` partial sums added up once per row; a block's only
+cross-thread reduction is its maxima (one ``tl.reduce`` for the student's and the teacher's).
 
 Soft caps (``lossspec.stats``): with ``SOFTCAP`` / ``TEACHER_SOFTCAP`` (``constexpr``; the caps
 themselves are runtime scalars of the parameter tensor) every block of raw logits is replaced
@@ -48,7 +57,8 @@ row (student or teacher) leaves ``s`` (or ``st``) NaN, whatever a GPU ``max`` do
 flag is read from the sums after pass 1, :func:`_row_stats`): the loss is NaN and, where
 ``coef != 0``, the whole gradient row is NaN.
 
-Exponentials are ``exp2`` with ``log2(e)`` folded into the scale once per row (``c2 = LOG2E c``);
+Exponentials are ``exp2`` with ``log2(e)`` folded into the scale once per row (``c2 = LOG2E c``;
+jensen_shannon's ``p`` and soft term too);
 cross-entropy's one-hot term is added to the label's entry once after pass 2 (a fix-up store
 behind a barrier), not compared for at every entry; bf16 gradients are rounded to nearest even
 by the cast on a GPU and by hand only in the interpreter (``ROUND_BF16``). Instructions per
@@ -383,7 +393,7 @@ def _row_mixture(
     kl_qm = tl.zeros((BLOCK_V // VEC,), ACC)
     kl_pm = tl.zeros((BLOCK_V // VEC,), ACC)
     if SOFTCAP or TEACHER_SOFTCAP:
-        for v0 in range(0, V, BLOCK_V):  # every block masked (PEELED_TAIL)
+        for v0 in range(0, V, BLOCK_V):  # every block masked (a peeled copy of the capped step spilled)
             qm, pm = _mixture_block(x_row, t_row, params_ptr, V, v0, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
                                     SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, True)
             kl_qm = kl_qm + qm
@@ -526,7 +536,9 @@ def _row_stats(
     ``tau'``: the block's pivot (the teacher at the first column where ``x`` equals the block's maximum)
     when the block's maximum exceeds ``m``, else (ties included: the earlier column wins)
     ``tau``. Products weighted by an exponential are taken only where the weight is > 0, so an
-    entry of probability 0 adds 0, not ``0 * -inf``.
+    entry of probability 0 adds 0, not ``0 * -inf`` (:func:`weighted_shift` for ``a``, ``b``,
+    ``h``; a select for reverse KL's ``e D``, whose infinities must stay). The sums are kept per
+    lane in the loop (:func:`_stats_block`) and added up once after it.
     """
     neg_inf = tl.full((), float("-inf"), ACC)
     lanes = tl.zeros((BLOCK_V // VEC,), ACC)  # per-lane partial sums (_stats_block)
@@ -543,7 +555,7 @@ def _row_stats(
     c2 = c * LOG2E  # e = exp(c u) = exp2(c2 u)
     ct2 = ct * LOG2E
     if SOFTCAP or TEACHER_SOFTCAP:
-        # Every block masked (PEELED_TAIL): a second, peeled copy of the capped step spilled.
+        # Every block takes the masked step: a second, peeled copy of the capped step spilled.
         for v0 in range(0, V, BLOCK_V):
             m, s, sum_shift, mt, st, a, b, tau, e_d, h = _stats_block(
                 x_row, t_row, params_ptr, V, v0, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
@@ -740,7 +752,7 @@ def _row_grad(
         lse_t = tl.log(st)
         j_scale = (1.0 - beta) * scale
     if SOFTCAP or TEACHER_SOFTCAP:
-        for v0 in range(0, V, BLOCK_V):  # every block masked (PEELED_TAIL)
+        for v0 in range(0, V, BLOCK_V):  # every block masked (a peeled copy of the capped step spilled)
             _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, v0, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
                         scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
                         KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, True)
