@@ -71,6 +71,24 @@ def test_sass_loop_counts_on_a_listing_with_known_counts() -> None:
     assert aot.opcode("@!UP0 BAR.SYNC.DEFER_BLOCKING 0x0") == "BAR.SYNC.DEFER_BLOCKING"
 
 
+def test_unrolled_pass_bodies_count_per_iteration() -> None:
+    """ptxas unrolls a small vocabulary loop (cross-entropy's fp32 gradient pass at 16 warps: four
+    iterations per body): the report divides a body by the iterations it holds, read from its
+    16-byte loads over one iteration's (per thread ``block_v / (32 warps)`` logits of each tensor
+    read, the teacher's too on the distillation kinds); a body that reads less is reported."""
+    aot = _report_module()
+    loop = aot.Loop(0, 0x1000, 175, 0, 8, 8, 8)
+    assert aot.unroll_factor(loop, "cross_entropy", "float32", 4096, 16) == 4  # 2 loads an iteration
+    assert aot.unroll_factor(loop, "soft_cross_entropy", "bfloat16", 4096, 8) == 2  # 2 + 2 loads an iteration
+    assert aot.unroll_factor(dataclasses.replace(loop, vector_loads=3), "cross_entropy", "float32", 4096, 16) == 0
+    sass = _sass(["LDG.E.128 R4, desc[UR4][R2.64]", "LDG.E.U16 R8, desc[UR4][R6.64]", "@P0 BRA 0x100"])
+    assert [l.vector_loads for l in aot.sass_loops(sass)] == [1]  # a single column's load is no vector load
+    row = aot.Row("shard_grad", "cross_entropy", "float32", 90, 16, 39, 0, 0, 0, 0, 4096, [175], [0], [4])
+    assert row.per_element == 175 / 4 * 16 / 4096
+    assert aot.pass_count_problems([row]) == []
+    assert aot.pass_count_problems([dataclasses.replace(row, pass_unroll=[0])]) != []
+
+
 def test_hbm_bytes_model() -> None:
     """Two reads and one write of the logits per valid row; the teacher read on both passes; a
     third pass for jensen_shannon; masked rows write zeros only."""

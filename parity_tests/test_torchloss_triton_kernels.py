@@ -218,6 +218,46 @@ def test_reverse_kl_pivot_matches_lossspec_combine() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# Full blocks and the ragged tail, each alone (the kernels peel the tail: full blocks load and
+# store unmasked, the tail is one masked step after them)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [40, 128])
+@pytest.mark.parametrize("scenario", ["random", "neg_inf"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", lossspec.ALL_KINDS)
+def test_full_blocks_or_tail_alone(kind: str, dtype: str, scenario: str, vocab: int) -> None:
+    """64-column blocks with ``V = 40`` (the masked tail step alone, no full block) and
+    ``V = 128`` (two full blocks, no tail; every other test here has both), every kind: the
+    forward against the oracle and, for the kinds without a mixture pass, the vocab-parallel
+    passes (``shard_stats``, ``finalize``, ``shard_grad``) too."""
+    case = lossspec.make_case(kind, scenario, lead_shape=(6,), vocab=vocab, dtype=dtype, seed=8)
+    config = lossspec.make_config(kind)
+    x, target, coef = _tensors(case, config) if case.target is not None else _tensors_targetless(case, config)
+    loss, grad = _triton.forward(config, x, target, coef, tuning=SMALL_BLOCKS)
+    ref = case.reference()
+    what = f"{case.name} V={vocab}"
+    lossspec.assert_close_to_oracle(_reduced_loss(loss, coef), _numpy(grad), ref.loss, ref.grad, dtype=dtype,
+                                    g0=ref.g0, what=what)
+    if not config.mixture_pass:
+        stats = _triton.shard_stats(config, x, target, coef, 0, SMALL_BLOCKS)
+        out = torch.empty_like(x)
+        _triton.shard_grad(config, _block.finalize(config, stats, vocab), x, target, coef, 0, vocab, out, SMALL_BLOCKS)
+        lossspec.compare_grad(_numpy(out), ref.grad, dtype, ref.g0).check()
+
+
+def _tensors_targetless(case: lossspec.Case, config: lossspec.LossConfig):
+    """:func:`_tensors` for a kind without a target (entropy): the coefficients as the dummy target."""
+    dtype = DTYPES[case.dtype]
+    x = torch.tensor(case.logits).to(dtype).to(DEVICE)
+    _, weight = lossspec.token_weights(config, None, case.loss_mask, (x.shape[0],))
+    denom = weight.sum()
+    coef = torch.tensor(weight / denom if denom > 0 else np.zeros_like(weight), dtype=torch.float32).to(DEVICE)
+    return x, coef, coef
+
+
+# ------------------------------------------------------------------------------------------------
 # -inf blocks, NaN / +inf rows
 # ------------------------------------------------------------------------------------------------
 

@@ -148,9 +148,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "compiled_bf16_store_truncates_triton",
         "compiled for a GPU, the Triton kernels' bf16 gradient store truncates (cvt.rz) instead of rounding to nearest even",
-        "torchloss/backends/triton_kernels.py::_row_grad",
-        "        tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=inside)",
-        '        tl.store(g_row + cols, g.to(g_row.dtype.element_ty, fp_downcast_rounding="rtz"), mask=inside)',
+        "torchloss/backends/triton_kernels.py::_grad_block",
+        "        tl.store(g_row + cols, g.to(g_row.dtype.element_ty))",
+        '        tl.store(g_row + cols, g.to(g_row.dtype.element_ty, fp_downcast_rounding="rtz"))',
         ("parity_tests/test_torchloss_triton_aot.py", "-k", "hardware_round"),
     ),
     Mutant(
@@ -394,11 +394,27 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_torchloss_entropy_jsd.py", "-m", "not slow"),
     ),
     Mutant(
+        "stats_tail_skipped_triton",
+        "the Triton statistics pass skips the peeled ragged tail (its columns never enter m, s, ...)",
+        "torchloss/backends/triton_kernels.py::_row_stats",
+        "        if full < V:",
+        "        if False:",
+        ("parity_tests/test_torchloss_triton_kernels.py", "-k", "scenarios or tail_alone"),
+    ),
+    Mutant(
+        "weighted_shift_nan_triton",
+        "the Triton pass 1's weighted moments (soft CE, forward KL, entropy) as plain products: 0 * -inf = NaN at an entry of probability 0",
+        "torchloss/backends/triton_kernels.py::weighted_shift",
+        "    return tl.minimum(w * v, 0.0)",
+        "    return w * v",
+        ("parity_tests/test_torchloss_triton_kernels.py", "parity_tests/test_torchloss_entropy_jsd.py", "-k", "neg_inf or triton_matches"),
+    ),
+    Mutant(
         "jsd_grad_kl_dropped_triton",
         "the - KL(q || M) term dropped from jensen_shannon's gradient (Triton kernel)",
-        "torchloss/backends/triton_kernels.py::_row_grad",
-        "                g = tl.where(q > 0, q * (log_qm - kl_qm), 0.0) * j_scale",
-        "                g = tl.where(q > 0, q * log_qm, 0.0) * j_scale",
+        "torchloss/backends/triton_kernels.py::_grad_block",
+        "            g = q * (tl.maximum(log_qm, LOWEST) - kl_qm) * j_scale",
+        "            g = q * tl.maximum(log_qm, LOWEST) * j_scale",
         ("parity_tests/test_torchloss_entropy_jsd.py", "-k", "triton_matches"),
     ),
     Mutant(

@@ -125,11 +125,18 @@ class Row:
     block_v: int = 0
     pass_instructions: list[int] = dataclasses.field(default_factory=list)
     pass_barriers: list[int] = dataclasses.field(default_factory=list)
+    # Iterations of the vocabulary loop in each pass's body (ptxas unrolls a small body): its
+    # 16-byte global loads over one iteration's (:func:`unroll_factor`); empty: 1 each.
+    pass_unroll: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def per_element(self) -> float:
-        """Warp-instructions per valid element: the passes' bodies, once per ``block_v / num_warps`` elements."""
-        return sum(self.pass_instructions) * self.num_warps / self.block_v if self.block_v else float("nan")
+        """Warp-instructions per valid element: each pass's body over the iterations it holds,
+        once per ``block_v / num_warps`` elements."""
+        if not self.block_v:
+            return float("nan")
+        unroll = self.pass_unroll or [1] * len(self.pass_instructions)
+        return sum(n / max(k, 1) for n, k in zip(self.pass_instructions, unroll)) * self.num_warps / self.block_v
 
 
 # Liger-Kernel's cross-entropy (liger_kernel.ops.cross_entropy, 0.8.5) as it launches on a Hopper
@@ -159,6 +166,7 @@ class Loop:
     barriers: int  # BAR.SYNC, BAR.RED, BAR.ARV, ...
     loads: int  # LDG: reads global memory (a vocabulary pass)
     stores: int  # STG
+    vector_loads: int = 0  # LDG.E.128: 16-byte loads (a block's logits; not a single column)
 
 
 def sass_instructions(sass: str) -> list[tuple[int, str]]:
@@ -195,7 +203,8 @@ def sass_loops(sass: str) -> list[Loop]:
             continue
         body = [opcode(i) for a, i in code if target <= a <= address]
         loops.append(Loop(target, address, len(body), sum(op.split(".")[0] == "BAR" for op in body),
-                          sum(op.split(".")[0] == "LDG" for op in body), sum(op.split(".")[0] == "STG" for op in body)))
+                          sum(op.split(".")[0] == "LDG" for op in body), sum(op.split(".")[0] == "STG" for op in body),
+                          sum(op.split(".")[0] == "LDG" and op.endswith(".128") for op in body)))
     return sorted(loops, key=lambda loop: loop.start)
 
 
@@ -431,6 +440,19 @@ def compile_kernel(job: str, variant: str, dtype: str, arch: int, **overrides: A
     return compiled, warps, GPU_BLOCK_V
 
 
+def unroll_factor(loop: Loop, kind: str, dtype: str, block_v: int, num_warps: int) -> int:
+    """Iterations of the vocabulary loop in ``loop``'s body: its 16-byte loads over those of one
+    iteration (each thread reads its ``block_v / (32 num_warps)`` logits of each tensor, the
+    student's and, on the distillation kinds, the teacher's, in 16-byte loads). ptxas unrolls a
+    small body (cross-entropy's fp32 gradient pass at 16 warps: 4 iterations per body); 0 where
+    the body reads less than one iteration (a parse gone wrong, counted as 1 and reported by
+    :func:`pass_count_problems`)."""
+    itemsize = 4 if dtype == "float32" else 2
+    tensors = 2 if lossspec.KIND_SPECS[kind].has_teacher else 1
+    per_iteration = tensors * max(1, block_v * itemsize // (16 * 32 * num_warps))
+    return loop.vector_loads // per_iteration if loop.vector_loads % per_iteration == 0 else 0
+
+
 def compile_one(job: str, variant: str, dtype: str, arch: int, sass: bool = True) -> Row:
     """Compile one kernel (in a worker process with ``TRITON_INTERPRET=0``) and read its resources
     (and, with ``sass``, its vocabulary passes' instructions and barriers from the disassembly)."""
@@ -456,9 +478,11 @@ def compile_one(job: str, variant: str, dtype: str, arch: int, sass: bool = True
         found = re.search(pattern, info)
         return int(found.group(1)) if found else 0
 
+    kind = next((v[1] for v in VARIANTS if v[0] == variant), variant)
     return Row(job, variant, dtype, arch, warps, number(r"Used (\d+) registers"), int(compiled.metadata.shared),
                number(r"(\d+) bytes stack frame"), number(r"(\d+) bytes spill stores"), number(r"(\d+) bytes spill loads"),
-               block_v, [l.instructions for l in passes], [l.barriers for l in passes])
+               block_v, [l.instructions for l in passes], [l.barriers for l in passes],
+               [unroll_factor(l, kind, dtype, block_v, warps) for l in passes])
 
 
 def _triton_version() -> str:
@@ -528,7 +552,8 @@ def markdown_instructions(rows: list[Row], arch: int = 90) -> str:
     for r in rows:
         if r.arch != arch or not r.block_v:
             continue
-        bodies = " + ".join(map(str, r.pass_instructions)) or "-"
+        unroll = r.pass_unroll or [1] * len(r.pass_instructions)
+        bodies = " + ".join(f"{n}" if k == 1 else f"{n}/{k}" for n, k in zip(r.pass_instructions, unroll)) or "-"
         barriers = " + ".join(map(str, r.pass_barriers)) or "-"
         lines.append(f"| `{r.job}` | {r.variant} | {r.dtype} | {r.block_v} / {r.num_warps} | {bodies} | {r.per_element:.2f} | "
                      f"{barriers} | {r.registers} | {r.spill_stores}+{r.spill_loads} B |")
@@ -545,6 +570,8 @@ def pass_count_problems(rows: list[Row]) -> list[str]:
         expected = EXPECTED_PASSES[r.job] + (1 if r.job in ("fused", "regrad") and "jensen_shannon" in r.variant else 0)
         if len(r.pass_instructions) != expected:
             out.append(f"{r.job} {r.variant} {r.dtype} sm_{r.arch}: {len(r.pass_instructions)} passes found, {expected} expected")
+        if 0 in r.pass_unroll:
+            out.append(f"{r.job} {r.variant} {r.dtype} sm_{r.arch}: a pass body reads less than one iteration's logits")
     return out
 
 

@@ -114,6 +114,10 @@ def constexprs(job: str, config: LossConfig, logits_dtype: torch.dtype, block_v:
         # truncates); compiled, the cast's cvt.rn.bf16.f32 rounds the same bits.
         out["ROUND_BF16"] = logits_dtype == torch.bfloat16 and INTERPRETED
     out["BLOCK_V"] = block_v
+    if job != "shard_grad":
+        # The columns of one lane of the statistics passes (triton_kernels._stats_block): one
+        # 16-byte load, which one thread holds and reduces alone.
+        out["VEC"] = min(16 // logits_dtype.itemsize, block_v)
     out["ACC"] = _TL_DTYPES[compute_dtype(logits_dtype)]
     return out
 

@@ -22,7 +22,8 @@ row, in the compute dtype ``ACC`` (fp32; fp64 for fp64 logits), with ``c = logit
 carries the probability mass, so the gradient ``q (D - e_d / s)`` never subtracts large numbers.
 
 Kernels (one program per row; ``row`` offsets are int64; the vocabulary is walked in blocks of
-``BLOCK_V`` columns with a masked ragged tail)::
+``BLOCK_V`` columns: the full blocks unmasked, then the ragged tail, if any, as one masked step:
+the *peeled* tail; with a soft cap every block takes the masked step, whose peeled copy spilled)::
 
     fused_kernel        pass 1 (online statistics), finalize, pass 2 (gradient): the forward
     regrad_kernel       the same for rows whose upstream gradient (read on the device) is not
@@ -30,10 +31,18 @@ Kernels (one program per row; ``row`` offsets are int64; the vocabulary is walke
     shard_stats_kernel  pass 1 of a vocabulary shard: lossspec statistics out (vocab-parallel)
     shard_grad_kernel   pass 2 of a shard from the global final statistics (vocab-parallel)
 
-Helpers: :func:`_row_stats` (pass 1), :func:`finalize` (loss and what pass 2 needs),
-:func:`_row_mixture` (jensen_shannon's second pass, per entry :func:`mixture_log_ratios`),
-:func:`_row_grad` (the gradient pass), :func:`_zero_row`, :func:`_round_for_store`, :func:`shift`,
-:func:`shift2` (base 2).
+Helpers: :func:`_row_stats` (pass 1; a block: :func:`_stats_block`), :func:`finalize` (loss and
+what pass 2 needs), :func:`_row_mixture` (jensen_shannon's second pass, a block:
+:func:`_mixture_block`, per entry :func:`mixture_log_ratios`), :func:`_row_grad` (the gradient
+pass, a block: :func:`_grad_block`), :func:`_zero_row`, :func:`_round_for_store`, :func:`shift`,
+:func:`shift2` (base 2), :func:`weighted_shift` / :func:`weighted_log` (a weighted term that is 0
+at weight 0, without a select), the combines of the multi-operand reductions (:func:`_max2`,
+:func:`_add2` ..., :func:`_argmax_max`, :func:`_pivot_max`).
+
+The statistics passes keep their sums per *lane*: ``VEC`` adjacent columns of every block (one
+16-byte load, ``VEC = min(16 / itemsize, BLOCK_V)`` from the driver) that one thread holds and
+reduces alone, ``[BLOCK_V // VEC]`` partial sums added up once per row; a block's only
+cross-thread reduction is its maxima (one ``tl.reduce`` for the student's and the teacher's).
 
 Soft caps (``lossspec.stats``): with ``SOFTCAP`` / ``TEACHER_SOFTCAP`` (``constexpr``; the caps
 themselves are runtime scalars of the parameter tensor) every block of raw logits is replaced
@@ -48,7 +57,8 @@ row (student or teacher) leaves ``s`` (or ``st``) NaN, whatever a GPU ``max`` do
 flag is read from the sums after pass 1, :func:`_row_stats`): the loss is NaN and, where
 ``coef != 0``, the whole gradient row is NaN.
 
-Exponentials are ``exp2`` with ``log2(e)`` folded into the scale once per row (``c2 = LOG2E c``);
+Exponentials are ``exp2`` with ``log2(e)`` folded into the scale once per row (``c2 = LOG2E c``;
+jensen_shannon's ``p`` and soft term too);
 cross-entropy's one-hot term is added to the label's entry once after pass 2 (a fix-up store
 behind a barrier), not compared for at every entry; bf16 gradients are rounded to nearest even
 by the cast on a GPU and by hand only in the interpreter (``ROUND_BF16``). Instructions per
@@ -93,6 +103,9 @@ P_LOG_REST = tl.constexpr(PARAMS.index("log_rest"))
 P_CAP = tl.constexpr(PARAMS.index("cap"))
 P_TEACHER_CAP = tl.constexpr(PARAMS.index("teacher_cap"))
 
+
+# The most negative finite float32 (weighted_log's stand-in for -inf and NaN where the weight is 0).
+LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 # exp(c v) = exp2(LOG2E c v): the loops fold LOG2E into the scale once per row, so an entry costs
 # one multiply before the hardware's exp2 (ex2.approx.ftz; tl.exp adds a multiply and a
@@ -180,9 +193,62 @@ def shift2(m_old, m_new, scale2):
 
 
 @triton.jit
+def _max2(a, b, c, d):
+    """Combine of two maxima reduced together (one reduction: one pair of barriers, not two)."""
+    return tl.maximum(a, c), tl.maximum(b, d)
+
+
+@triton.jit
+def _argmax_max(v1, i1, w1, v2, i2, w2):
+    """:func:`_pivot_max` without the carried value: ``(max v, its first column, max w)``."""
+    gt = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+    return tl.where(gt, v1, v2), tl.where(gt, i1, i2), tl.maximum(w1, w2)
+
+
+@triton.jit
+def _pivot_max(v1, i1, a1, w1, v2, i2, a2, w2):
+    """Combine of reverse KL's block reduction ``(max v, its first column i, a at that column,
+    max w)``: ``tl.max(v, return_indices=True, return_indices_tie_break_left=True)``'s rule (the
+    larger value, the smaller column on ties: the result does not depend on the order of the
+    reduction) carrying ``a`` along, and ``tl.max(w)``'s."""
+    gt = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+    return tl.where(gt, v1, v2), tl.where(gt, i1, i2), tl.where(gt, a1, a2), tl.maximum(w1, w2)
+
+
+@triton.jit
+def _add2(a, b, c, d):
+    """Combine of two sums reduced together (``tl.sum``'s ``+``, the same tree)."""
+    return a + c, b + d
+
+
+@triton.jit
+def _add3(a, b, c, d, e, f):
+    """Combine of three sums reduced together (``tl.sum``'s ``+``, the same tree)."""
+    return a + d, b + e, c + f
+
+
+@triton.jit
+def _add4(a, b, c, d, e, f, g, h):
+    """Combine of four sums reduced together (``tl.sum``'s ``+``, the same tree)."""
+    return a + e, b + f, c + g, d + h
+
+
+@triton.jit
 def is_bad(v):
     """1 where ``v`` is NaN or ``+inf`` (int32, reduces with ``max``)."""
     return tl.where((v != v) | (v == float("inf")), 1, 0)
+
+
+@triton.jit
+def weighted_shift(w, v):
+    """``w v`` where the weight ``w`` (an exponential, ``>= 0``) is > 0, and 0 where it is 0, for
+    ``v <= 0`` (a logit minus its maximum, ``-inf`` at a ``-inf`` logit): the product is ``<= 0``
+    wherever it is a number, and its only NaN in a clean row is ``0 * -inf`` (an entry of
+    probability 0 at a ``-inf`` logit), so ``min(w v, 0)`` with the NaN-dropping minimum
+    (``min.f32``; ``np.fmin`` interpreted) is the select ``where(w > 0, w v, 0)`` in two operations,
+    not three. It differs only where ``w`` or ``v`` is NaN, i.e. in a bad row, whose loss and
+    gradient are NaN from ``s`` / ``st`` whatever this sum holds."""
+    return tl.minimum(w * v, 0.0)
 
 
 @triton.jit
@@ -235,10 +301,15 @@ def softcap_slope(v, cap):
 
 
 @triton.jit
-def _load_logits(row_ptr, cols, inside, params_ptr, CAP_SLOT: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
-    """A block of logits in ``ACC`` (the ragged tail reads ``-inf``), soft-capped with the cap in
-    ``params[CAP_SLOT]`` when ``SOFTCAP``."""
-    v = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(ACC)
+def _load_logits(row_ptr, cols, V, params_ptr, CAP_SLOT: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """A block of logits in ``ACC``, soft-capped with the cap in ``params[CAP_SLOT]`` when
+    ``SOFTCAP``. Every column is ``< V`` unless ``MASKED`` (the ragged tail, whose columns from
+    ``V`` on read ``-inf``): full blocks load without a mask."""
+    if MASKED:
+        v = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(ACC)
+    else:
+        v = tl.load(row_ptr + cols).to(ACC)
     if SOFTCAP:
         v = softcap(v, tl.load(params_ptr + CAP_SLOT))
     return v
@@ -269,47 +340,178 @@ def mixture_log_ratios(diff, log_beta, log_rest):
     (``lossspec.stats.mixture_log_ratios``): ``log M = max(a, b) + log(1 + exp(-|a - b|))`` with
     ``a = log((1 - beta) q)``, ``b = log(beta p)``, so each ratio is a ``min`` of two bounded terms
     minus the soft part; NaN only where ``p = q = 0`` (the callers weight it by 0)."""
-    soft = tl.log(1.0 + tl.exp(-tl.abs(diff + (log_rest - log_beta))))
+    # exp2 with log2(e) folded (the flush of results below 2**-126 is invisible in 1 + y)
+    soft = tl.log(1.0 + tl.exp2(-tl.abs(diff + (log_rest - log_beta)) * LOG2E))
     q_side = diff - log_beta
     p_side = -diff - log_rest
-    log_qm = tl.where(q_side < -log_rest, q_side, -log_rest) - soft
-    log_pm = tl.where(p_side < -log_beta, p_side, -log_beta) - soft
+    # min(side, bound) with the NaN-dropping minimum: lossspec's where(side < bound, side, bound)
+    # bit for bit (NaN gives the bound in both), one operation instead of a compare and a select
+    log_qm = tl.minimum(q_side, -log_rest) - soft
+    log_pm = tl.minimum(p_side, -log_beta) - soft
     return log_qm, log_pm
+
+
+@triton.jit
+def weighted_log(w, v):
+    """``where(w > 0, w v, 0)`` for a weight ``w >= 0`` (a probability) and a log-ratio ``v`` of
+    :func:`mixture_log_ratios` that is finite wherever ``w > 0``: ``w max(v, LOWEST)`` with the
+    NaN-dropping maximum. Where ``w == 0``, ``v`` may be ``-inf`` or NaN (``p = q = 0``) and
+    becomes ``LOWEST`` (finite), so the product is 0, not NaN; where ``w > 0`` nothing changes.
+    Two operations, not three (compare, multiply, select)."""
+    return w * tl.maximum(v, LOWEST)
+
+
+@triton.jit
+def _mixture_block(
+    x_row, t_row, params_ptr, V, v0, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
+    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The terms of :func:`_row_mixture` of the columns ``[v0, v0 + BLOCK_V)`` (``MASKED``: the
+    ragged tail), summed per lane (``[BLOCK_V // VEC]``, as in :func:`_stats_block`):
+    ``(sum q (log q - log M), sum p (log p - log M))``."""
+    cols = v0 + tl.arange(0, BLOCK_V // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    x = _load_logits(x_row, cols, V, params_ptr, P_CAP, SOFTCAP, ACC, MASKED)
+    t = _load_logits(t_row, cols, V, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC, MASKED)
+    log_q = c * (x - m) - lse
+    log_p = ct * (t - mt) - lse_t
+    q = tl.exp2(log_q * LOG2E)
+    p = tl.exp2(log_p * LOG2E)
+    log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
+    return tl.reduce((weighted_log(q, log_qm), weighted_log(p, log_pm)), 1, _add2)
 
 
 @triton.jit
 def _row_mixture(
     x_row, t_row, params_ptr, V, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
-    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
 ):
     """jensen_shannon's second pass over one row: ``(kl_qm, kl_pm) = (sum q (log q - log M),
     sum p (log p - log M))`` from the global ``m``, ``lse = log s``, ``mt``, ``lse_t = log st``
-    of pass 1 (``lossspec.stats``); an entry's term is 0 where its weight is 0."""
-    kl_qm = tl.full((), 0.0, ACC)
-    kl_pm = tl.full((), 0.0, ACC)
-    offs = tl.arange(0, BLOCK_V)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + offs
-        inside = cols < V
-        x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, SOFTCAP, ACC)
-        t = _load_logits(t_row, cols, inside, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC)
-        log_q = c * (x - m) - lse
-        log_p = ct * (t - mt) - lse_t
-        q = tl.exp2(log_q * LOG2E)
-        # p keeps tl.exp: with both in exp2, ptxas gave the bf16 fused kernel 64 registers on
-        # sm_80 and spilled 8 bytes (scripts/triton_aot_report.py)
-        p = tl.exp(log_p)
-        log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
-        kl_qm = kl_qm + tl.sum(tl.where(q > 0, q * log_qm, 0.0), axis=0)
-        kl_pm = kl_pm + tl.sum(tl.where(p > 0, p * log_pm, 0.0), axis=0)
-    return kl_qm, kl_pm
+    of pass 1 (``lossspec.stats``); an entry's term is 0 where its weight is 0. Full blocks, then
+    the ragged tail (:func:`_mixture_block`), summed per lane and over the lanes once."""
+    kl_qm = tl.zeros((BLOCK_V // VEC,), ACC)
+    kl_pm = tl.zeros((BLOCK_V // VEC,), ACC)
+    if SOFTCAP or TEACHER_SOFTCAP:
+        for v0 in range(0, V, BLOCK_V):  # every block masked (a peeled copy of the capped step spilled)
+            qm, pm = _mixture_block(x_row, t_row, params_ptr, V, v0, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
+                                    SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, True)
+            kl_qm = kl_qm + qm
+            kl_pm = kl_pm + pm
+    else:
+        full = (V // BLOCK_V) * BLOCK_V
+        for v0 in range(0, full, BLOCK_V):
+            qm, pm = _mixture_block(x_row, t_row, params_ptr, V, v0, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
+                                    SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, False)
+            kl_qm = kl_qm + qm
+            kl_pm = kl_pm + pm
+        if full < V:
+            qm, pm = _mixture_block(x_row, t_row, params_ptr, V, full, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
+                                    SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, True)
+            kl_qm = kl_qm + qm
+            kl_pm = kl_pm + pm
+    return tl.sum(kl_qm, axis=0), tl.sum(kl_pm, axis=0)
+
+
+@triton.jit
+def _stats_block(
+    x_row, t_row, params_ptr, V, v0, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr, MASKED: tl.constexpr,
+):
+    """:func:`_row_stats`' step: the columns ``[v0, v0 + BLOCK_V)`` folded into the maxima ``m``,
+    ``mt``, the pivot ``tau`` (scalars) and the sums ``s, sum_shift, st, a, b, e_d, h``, which are
+    per-lane partial sums (``[BLOCK_V // VEC]``; lane ``l`` holds columns ``[l VEC, (l + 1) VEC)``
+    of every block, ``VEC`` adjacent columns that one thread loads and reduces alone), so a block
+    costs no cross-thread reduction for its sums; ``c2 = LOG2E c``, ``ct2 = LOG2E ct``. ``MASKED``:
+    the ragged tail, whose columns from ``V`` on read ``-inf`` (probability 0, never a maximum,
+    never a pivot); a full block needs no mask, no ``-inf`` fill and no column compare."""
+    cols = v0 + tl.arange(0, BLOCK_V // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    x = _load_logits(x_row, cols, V, params_ptr, P_CAP, SOFTCAP, ACC, MASKED)
+    # The block's maxima: over each lane's VEC columns (in-thread), then over the lanes.
+    if KIND == CROSS_ENTROPY or KIND == ENTROPY:
+        block_m = tl.max(tl.max(x, axis=1), axis=0)
+    else:
+        t = _load_logits(t_row, cols, V, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC, MASKED)
+        # Both maxima in one reduction (one pair of barriers); reverse KL's with the student's
+        # first column of its maximum (the pivot rule below; the combine compares columns, so
+        # the order of the reduction does not matter).
+        if (KIND == REVERSE_KL) and TEACHER_SOFTCAP:
+            # the capped teacher at the pivot carried along (the cap of one value computed apart
+            # need not give the block's bits interpreted)
+            lane_m, lane_first, lane_tau, lane_mt = tl.reduce((x, cols, t, t), 1, _pivot_max)
+            block_m, first, block_tau, block_mt = tl.reduce((lane_m, lane_first, lane_tau, lane_mt), 0, _pivot_max)
+        elif KIND == REVERSE_KL:
+            # (A branch that finds the pivot only where the block's maximum is a new one, after
+            # a row's first blocks mostly skipped, spilled on sm_80.)
+            lane_m, lane_first, lane_mt = tl.reduce((x, cols, t), 1, _argmax_max)
+            block_m, first, block_mt = tl.reduce((lane_m, lane_first, lane_mt), 0, _argmax_max)
+            # the teacher at the pivot: one load of a column just read (a cache hit), cheaper
+            # than carrying it through the reduction
+            if MASKED:
+                # a NaN maximum (a bad row) may name a tail column
+                block_tau = tl.load(t_row + first, mask=first < V, other=float("-inf")).to(ACC)
+            else:
+                block_tau = tl.load(t_row + first).to(ACC)
+        else:
+            lane_m, lane_mt = tl.reduce((x, t), 1, _max2)
+            block_m, block_mt = tl.reduce((lane_m, lane_mt), 0, _max2)
+    m_new = tl.maximum(m, block_m)
+    r, dm = shift2(m, m_new, c2)
+    u = x - finite(m_new)  # -inf on -inf logits and on the tail
+    e = tl.exp2(c2 * u)
+    # Each lane's sums over its VEC columns (in-thread, one reduction for all of them).
+    if KIND == CROSS_ENTROPY:
+        if SMOOTHING:
+            if MASKED:
+                u = tl.where(cols < V, u, 0.0)  # the tail's -inf columns are no columns
+            sum_e, sum_u = tl.reduce((e, u), 1, _add2)
+            # each lane saw v0 / (BLOCK_V / VEC) columns before this block (the tail comes last)
+            sum_shift = sum_shift + ((v0 // (BLOCK_V // VEC)) * 1.0) * dm + sum_u
+        else:
+            sum_e = tl.sum(e, axis=1)
+    elif KIND == ENTROPY:
+        sum_e, sum_h = tl.reduce((e, weighted_shift(e, u)), 1, _add2)
+        h = r * (h + s * dm) + sum_h
+    else:
+        mt_new = tl.maximum(mt, block_mt)
+        rt, dmt = shift2(mt, mt_new, ct2)
+        ut = t - finite(mt_new)
+        et = tl.exp2(ct2 * ut)
+        if KIND == JENSEN_SHANNON:
+            sum_e, sum_et = tl.reduce((e, et), 1, _add2)
+        if KIND == SOFT_CROSS_ENTROPY:
+            sum_e, sum_et, sum_a = tl.reduce((e, et, weighted_shift(et, u)), 1, _add3)
+            a = rt * (a + st * dm) + sum_a
+        if KIND == FORWARD_KL:
+            sum_e, sum_et, sum_a, sum_b = tl.reduce(
+                (e, et, weighted_shift(et, u), weighted_shift(et, ut)), 1, _add4)
+            a = rt * (a + st * dm) + sum_a
+            b = rt * (b + st * dmt) + sum_b
+        if KIND == REVERSE_KL:
+            # The pivot rule of lossspec.stats: the first column of the maximum (an earlier
+            # block keeps it on ties), block_tau the teacher's logit there (above).
+            tau_new = tl.where(block_m > m, block_tau, tau)
+            # Old e_d re-expressed on (m', tau'): D gains c (m - m') - ct (tau - tau'); a prefix
+            # with r == 0 (empty, or far below) contributes exactly 0.
+            e_d = tl.where(r > 0, r * (e_d + s * (c * dm - ct * (tau - tau_new))), 0.0)
+            d = c * u - ct * (t - tau_new)
+            # e > 0 keeps D's infinities where the teacher is -inf (no NaN-dropping shortcut)
+            sum_e, sum_et, sum_d = tl.reduce((e, et, tl.where(e > 0, e * d, 0.0)), 1, _add3)
+            e_d = e_d + sum_d
+            tau = tau_new
+        st = rt * st + sum_et
+        mt = mt_new
+    s = r * s + sum_e
+    m = m_new
+    return m, s, sum_shift, mt, st, a, b, tau, e_d, h
 
 
 @triton.jit
 def _row_stats(
     x_row, t_row, params_ptr, V, c, ct,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
 ):
     """Pass 1: the :mod:`lossspec.stats` statistics of one row ``x_row[0:V]`` (teacher ``t_row``),
     online over blocks of ``BLOCK_V`` columns.
@@ -334,75 +536,49 @@ def _row_stats(
     ``tau'``: the block's pivot (the teacher at the first column where ``x`` equals the block's maximum)
     when the block's maximum exceeds ``m``, else (ties included: the earlier column wins)
     ``tau``. Products weighted by an exponential are taken only where the weight is > 0, so an
-    entry of probability 0 adds 0, not ``0 * -inf``.
+    entry of probability 0 adds 0, not ``0 * -inf`` (:func:`weighted_shift` for ``a``, ``b``,
+    ``h``; a select for reverse KL's ``e D``, whose infinities must stay). The sums are kept per
+    lane in the loop (:func:`_stats_block`) and added up once after it.
     """
     neg_inf = tl.full((), float("-inf"), ACC)
-    zero = tl.full((), 0.0, ACC)
+    lanes = tl.zeros((BLOCK_V // VEC,), ACC)  # per-lane partial sums (_stats_block)
     m = neg_inf
-    s = zero
-    sum_shift = zero
+    s = lanes
+    sum_shift = lanes
     mt = neg_inf
-    st = zero
-    a = zero
-    b = zero
+    st = lanes
+    a = lanes
+    b = lanes
     tau = neg_inf
-    e_d = zero
-    h = zero
+    e_d = lanes
+    h = lanes
     c2 = c * LOG2E  # e = exp(c u) = exp2(c2 u)
     ct2 = ct * LOG2E
-    offs = tl.arange(0, BLOCK_V)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + offs
-        inside = cols < V
-        # The ragged tail reads -inf: probability 0, never a maximum, never a pivot.
-        x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, SOFTCAP, ACC)
-        if (KIND == REVERSE_KL) and not TEACHER_SOFTCAP:
-            # The maximum and its first column in one reduction (the pivot rule below).
-            block_m, first = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            first = v0 + first
-        else:
-            block_m = tl.max(x, axis=0)
-        m_new = tl.maximum(m, block_m)
-        r, dm = shift2(m, m_new, c2)
-        u = x - finite(m_new)  # -inf on -inf logits and on the tail
-        e = tl.exp2(c2 * u)
-        if KIND == CROSS_ENTROPY:
-            if SMOOTHING:
-                sum_shift = sum_shift + (v0 * 1.0) * dm + tl.sum(tl.where(inside, u, 0.0), axis=0)
-        elif KIND == ENTROPY:
-            h = r * (h + s * dm) + tl.sum(tl.where(e > 0, e * u, 0.0), axis=0)
-        else:
-            t = _load_logits(t_row, cols, inside, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC)
-            mt_new = tl.maximum(mt, tl.max(t, axis=0))
-            rt, dmt = shift2(mt, mt_new, ct2)
-            ut = t - finite(mt_new)
-            et = tl.exp2(ct2 * ut)
-            if KIND == SOFT_CROSS_ENTROPY or KIND == FORWARD_KL:
-                a = rt * (a + st * dm) + tl.sum(tl.where(et > 0, et * u, 0.0), axis=0)
-            if KIND == FORWARD_KL:
-                b = rt * (b + st * dmt) + tl.sum(tl.where(et > 0, et * ut, 0.0), axis=0)
-            if KIND == REVERSE_KL:
-                # The pivot rule of lossspec.stats: the first column of the maximum (an earlier
-                # block keeps it on ties). Its teacher logit: one load of the column just read
-                # (a cache hit); with a teacher cap, reductions over the capped block instead (the
-                # cap of one value computed apart need not give the block's bits interpreted).
-                if TEACHER_SOFTCAP:
-                    first = tl.min(tl.where(inside & (x == block_m), cols, V), axis=0)
-                    block_tau = tl.max(tl.where(cols == first, t, float("-inf")), axis=0)
-                else:
-                    # masked: a NaN maximum (a bad row) may name a tail column
-                    block_tau = tl.load(t_row + first, mask=first < V, other=float("-inf")).to(ACC)
-                tau_new = tl.where(block_m > m, block_tau, tau)
-                # Old e_d re-expressed on (m', tau'): D gains c (m - m') - ct (tau - tau'); a prefix
-                # with r == 0 (empty, or far below) contributes exactly 0.
-                e_d = tl.where(r > 0, r * (e_d + s * (c * dm - ct * (tau - tau_new))), 0.0)
-                d = c * u - ct * (t - tau_new)
-                e_d = e_d + tl.sum(tl.where(e > 0, e * d, 0.0), axis=0)
-                tau = tau_new
-            st = rt * st + tl.sum(et, axis=0)
-            mt = mt_new
-        s = r * s + tl.sum(e, axis=0)
-        m = m_new
+    if SOFTCAP or TEACHER_SOFTCAP:
+        # Every block takes the masked step: a second, peeled copy of the capped step spilled.
+        for v0 in range(0, V, BLOCK_V):
+            m, s, sum_shift, mt, st, a, b, tau, e_d, h = _stats_block(
+                x_row, t_row, params_ptr, V, v0, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
+                KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, True)
+    else:
+        # Full blocks unmasked, then the ragged tail (if any) masked: one copy of the step each.
+        full = (V // BLOCK_V) * BLOCK_V
+        for v0 in range(0, full, BLOCK_V):
+            m, s, sum_shift, mt, st, a, b, tau, e_d, h = _stats_block(
+                x_row, t_row, params_ptr, V, v0, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
+                KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, False)
+        if full < V:
+            m, s, sum_shift, mt, st, a, b, tau, e_d, h = _stats_block(
+                x_row, t_row, params_ptr, V, full, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
+                KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, True)
+    # The lanes' sums, once per row (every lane is relative to the same m, mt and tau).
+    s = tl.sum(s, axis=0)
+    st = tl.sum(st, axis=0)
+    sum_shift = tl.sum(sum_shift, axis=0)
+    a = tl.sum(a, axis=0)
+    b = tl.sum(b, axis=0)
+    e_d = tl.sum(e_d, axis=0)
+    h = tl.sum(h, axis=0)
     # The flag comes from the sums, not from max() (a GPU max may drop a NaN): a NaN entry makes
     # its exponential NaN, a +inf entry makes the maximum +inf and its own x - m NaN, and either
     # stays NaN through every later block (r s, r = NaN after an infinite maximum). Nothing else
@@ -481,6 +657,52 @@ def _round_for_store(g, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
+def _grad_block(
+    x_row, t_row, g_row, params_ptr, V, V_total, v0, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
+    scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr, ROUND_BF16: tl.constexpr, MASKED: tl.constexpr,
+):
+    """:func:`_row_grad`'s step: the gradient of the columns ``[v0, v0 + BLOCK_V)`` stored
+    (``MASKED``: the ragged tail, stored up to ``V``; a full block loads and stores unmasked)."""
+    cols = v0 + tl.arange(0, BLOCK_V)
+    x = _load_logits(x_row, cols, V, params_ptr, P_CAP, False, ACC, MASKED)
+    if SOFTCAP:
+        x, slope = _softcap_with_slope(x, tl.load(params_ptr + P_CAP))
+    u = x - m
+    e = tl.exp2(c2 * u)
+    if KIND == CROSS_ENTROPY:
+        g = e * p_scale
+        if SMOOTHING:
+            g = g - scale * (eps / V_total)
+    elif KIND == ENTROPY:
+        g = tl.where(e > 0, e * (u - mean_h), 0.0) * h_scale
+    else:
+        t = _load_logits(t_row, cols, V, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC, MASKED)
+        if KIND == REVERSE_KL:
+            d = c * u - ct * (t - tau)
+            # q == 0 (a -inf logit) is exactly 0: not 0 * inf, not 0 * NaN.
+            g = tl.where(e > 0, e * (d - mean_d), 0.0) * p_scale
+        elif KIND == JENSEN_SHANNON:
+            log_q = c * u - lse
+            log_p = ct * (t - mt) - lse_t
+            q = tl.exp2(log_q * LOG2E)
+            log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
+            # where(q > 0, q (log_qm - kl_qm), 0) (weighted_log's clamp; kl_qm is finite, or the
+            # row is bad and its scale NaN)
+            g = q * (tl.maximum(log_qm, LOWEST) - kl_qm) * j_scale
+        else:
+            g = e * p_scale - tl.exp2(ct2 * (t - mt)) * t_scale
+    if SOFTCAP:
+        g = g * slope
+    g = _round_for_store(g, ROUND_BF16)
+    if MASKED:
+        tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=cols < V)
+    else:
+        tl.store(g_row + cols, g.to(g_row.dtype.element_ty))
+
+
+@triton.jit
 def _row_grad(
     x_row, t_row, g_row, params_ptr, y, x_y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, V, V_total, c, ct, eps,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
@@ -506,11 +728,18 @@ def _row_grad(
     is the capped block and the gradient is multiplied by the slope (:func:`softcap_slope` of the
     raw block, 0 at ``+-inf``) before the rounding.
     """
-    offs = tl.arange(0, BLOCK_V)
     scale = tl.where(bad != 0, float("nan"), scale)
     c2 = c * LOG2E  # e = exp(c u) = exp2(c2 u)
     ct2 = ct * LOG2E
+    zero = scale * 0.0
     p_scale = scale / s
+    t_scale = zero
+    h_scale = zero
+    j_scale = zero
+    lse = zero
+    lse_t = zero
+    log_beta = zero
+    log_rest = zero
     if KIND == CROSS_ENTROPY:
         p_scale = p_scale * q_coef
     if KIND == SOFT_CROSS_ENTROPY or KIND == FORWARD_KL:
@@ -522,38 +751,23 @@ def _row_grad(
         lse = tl.log(s)
         lse_t = tl.log(st)
         j_scale = (1.0 - beta) * scale
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + offs
-        inside = cols < V
-        x = _load_logits(x_row, cols, inside, params_ptr, P_CAP, False, ACC)
-        if SOFTCAP:
-            x, slope = _softcap_with_slope(x, tl.load(params_ptr + P_CAP))
-        u = x - m
-        e = tl.exp2(c2 * u)
-        if KIND == CROSS_ENTROPY:
-            g = e * p_scale
-            if SMOOTHING:
-                g = g - scale * (eps / V_total)
-        elif KIND == ENTROPY:
-            g = tl.where(e > 0, e * (u - mean_h), 0.0) * h_scale
-        else:
-            t = _load_logits(t_row, cols, inside, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC)
-            if KIND == REVERSE_KL:
-                d = c * u - ct * (t - tau)
-                # q == 0 (a -inf logit) is exactly 0: not 0 * inf, not 0 * NaN.
-                g = tl.where(e > 0, e * (d - mean_d), 0.0) * p_scale
-            elif KIND == JENSEN_SHANNON:
-                log_q = c * u - lse
-                log_p = ct * (t - mt) - lse_t
-                q = tl.exp2(log_q * LOG2E)
-                log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
-                g = tl.where(q > 0, q * (log_qm - kl_qm), 0.0) * j_scale
-            else:
-                g = e * p_scale - tl.exp2(ct2 * (t - mt)) * t_scale
-        if SOFTCAP:
-            g = g * slope
-        g = _round_for_store(g, ROUND_BF16)
-        tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=inside)
+    if SOFTCAP or TEACHER_SOFTCAP:
+        for v0 in range(0, V, BLOCK_V):  # every block masked (a peeled copy of the capped step spilled)
+            _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, v0, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
+                        scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
+                        KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, True)
+    else:
+        # The ragged tail (if any) masked, then the full blocks unmasked: one copy of the step
+        # each (the stores commute; in the other order ptxas spilled on a bf16 reverse KL).
+        full = (V // BLOCK_V) * BLOCK_V
+        if full < V:
+            _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, full, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
+                        scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
+                        KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, True)
+        for v0 in range(0, full, BLOCK_V):
+            _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, v0, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
+                        scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
+                        KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, False)
     if KIND == CROSS_ENTROPY:
         if (y >= 0) & (y < V):
             # The loop's operations on the label's entry, with the one-hot term in the same FMA
@@ -585,13 +799,13 @@ def _zero_row(g_row, V, BLOCK_V: tl.constexpr):
 def _row_forward(
     x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
 ):
     """Pass 1 and finalize of one whole row (and jensen_shannon's second pass):
     ``(loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_y)`` (``y``: the label,
     ``x_y`` its raw logit, cross-entropy; 0 otherwise)."""
     m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(
-        x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
+        x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
     )
     y = tl.full((), 0, tl.int64)
     x_raw = s * 0.0
@@ -610,7 +824,7 @@ def _row_forward(
     if KIND == JENSEN_SHANNON:
         beta, log_beta, log_rest = load_mixture_params(params_ptr)
         kl_qm, kl_pm = _row_mixture(
-            x_row, t_row, params_ptr, V, m, tl.log(s), mt, tl.log(st), c, ct, log_beta, log_rest, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
+            x_row, t_row, params_ptr, V, m, tl.log(s), mt, tl.log(st), c, ct, log_beta, log_rest, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
         )
         loss = tl.where(bad != 0, float("nan"), beta * kl_pm + (1.0 - beta) * kl_qm)
     return loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_raw
@@ -626,7 +840,7 @@ def fused_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr,
     V, stride_x, stride_t, stride_g,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
 ):
     """The forward: ``loss[row] = l`` (0 where ``coef == 0``, not multiplied by ``coef``) and, with
     ``WRITE_GRAD``, ``grad[row, :] = coef * c * dl/dz`` (0 where ``coef == 0``).
@@ -641,7 +855,7 @@ def fused_kernel(
     if coef != 0:
         c, ct, eps, lam = load_params(params_ptr)
         loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_y = _row_forward(
-            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
+            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
         )
         tl.store(loss_ptr + row, loss)
         if WRITE_GRAD:
@@ -658,7 +872,7 @@ def regrad_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr,
     V, stride_x, stride_t, stride_g, stride_up,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
 ):
     """The backward of 16-bit logits for an upstream gradient ``g = up[row * stride_up]`` read on
     the device (no host synchronisation): rows with ``g != 1`` and ``coef != 0`` are recomputed
@@ -675,7 +889,7 @@ def regrad_kernel(
         c, ct, eps, lam = load_params(params_ptr)
         scale = (coef * up) * c  # one value live across pass 1, not two
         loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_y = _row_forward(
-            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
+            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
         )
         _row_grad(x_row, t_row, g_row, params_ptr, y, x_y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
                   V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16)
@@ -686,7 +900,7 @@ def shard_stats_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, stats_ptr,
     V, offset, stride_x, stride_t, stride_stat,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
 ):
     """Vocab-parallel pass 1: the statistics of this shard (global columns ``[offset, offset + V)``)
     into ``stats[ROW_<name>, row]`` for the statistics the kind uses (``lossspec.stats_used``).
@@ -707,7 +921,7 @@ def shard_stats_kernel(
     if coef != 0:
         c, ct, eps, lam = load_params(params_ptr)
         m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(
-            x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC
+            x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
         )
         if KIND == CROSS_ENTROPY:
             y_local = tl.load(y_ptr + row).to(tl.int64) - offset
