@@ -36,13 +36,15 @@ what pass 2 needs), :func:`_row_mixture` (jensen_shannon's second pass, a block:
 :func:`_mixture_block`, per entry :func:`mixture_log_ratios`), :func:`_row_grad` (the gradient
 pass, a block: :func:`_grad_block`), :func:`_zero_row`, :func:`_round_for_store`, :func:`shift`,
 :func:`shift2` (base 2), :func:`weighted_shift` / :func:`weighted_log` (a weighted term that is 0
-at weight 0, without a select), the combines of the multi-operand reductions (:func:`_max2`,
-:func:`_add2` ..., :func:`_argmax_max`, :func:`_pivot_max`).
+at weight 0, without a select).
 
 The statistics passes keep their sums per *lane*: ``VEC`` adjacent columns of every block (one
 16-byte load, ``VEC = min(16 / itemsize, BLOCK_V)`` from the driver) that one thread holds and
 reduces alone, ``[BLOCK_V // VEC]`` partial sums added up once per row; a block's only
-cross-thread reduction is its maxima (one ``tl.reduce`` for the student's and the teacher's).
+cross-thread reductions are its maxima (``tl.max``; reverse KL's with its pivot column in one
+``tl.reduce``, :func:`_argmax_max` / :func:`_pivot_max`, and its sums in one, :func:`_add3`:
+separate, they spilled on sm_80). The other kinds' reductions are ``tl.max`` / ``tl.sum``: the
+interpreter runs a ``tl.reduce`` with a combine of ours element by element in Python.
 
 Soft caps (``lossspec.stats``): with ``SOFTCAP`` / ``TEACHER_SOFTCAP`` (``constexpr``; the caps
 themselves are runtime scalars of the parameter tensor) every block of raw logits is replaced
@@ -193,44 +195,25 @@ def shift2(m_old, m_new, scale2):
 
 
 @triton.jit
-def _max2(a, b, c, d):
-    """Combine of two maxima reduced together (one reduction: one pair of barriers, not two)."""
-    return tl.maximum(a, c), tl.maximum(b, d)
-
-
-@triton.jit
 def _argmax_max(v1, i1, w1, v2, i2, w2):
-    """:func:`_pivot_max` without the carried value: ``(max v, its first column, max w)``."""
+    """Combine of reverse KL's block reduction: ``(max v, its first column, max w)``
+    (``tl.max(v, return_indices=True, return_indices_tie_break_left=True)``'s rule: the larger
+    value, the smaller column on ties, so the result does not depend on the reduction's order)."""
     gt = (v1 > v2) | ((v1 == v2) & (i1 < i2))
     return tl.where(gt, v1, v2), tl.where(gt, i1, i2), tl.maximum(w1, w2)
 
 
 @triton.jit
 def _pivot_max(v1, i1, a1, w1, v2, i2, a2, w2):
-    """Combine of reverse KL's block reduction ``(max v, its first column i, a at that column,
-    max w)``: ``tl.max(v, return_indices=True, return_indices_tie_break_left=True)``'s rule (the
-    larger value, the smaller column on ties: the result does not depend on the order of the
-    reduction) carrying ``a`` along, and ``tl.max(w)``'s."""
+    """:func:`_argmax_max` carrying ``a`` (the capped teacher at the column) along."""
     gt = (v1 > v2) | ((v1 == v2) & (i1 < i2))
     return tl.where(gt, v1, v2), tl.where(gt, i1, i2), tl.where(gt, a1, a2), tl.maximum(w1, w2)
 
 
 @triton.jit
-def _add2(a, b, c, d):
-    """Combine of two sums reduced together (``tl.sum``'s ``+``, the same tree)."""
-    return a + c, b + d
-
-
-@triton.jit
 def _add3(a, b, c, d, e, f):
-    """Combine of three sums reduced together (``tl.sum``'s ``+``, the same tree)."""
+    """Combine of reverse KL's three per-lane sums reduced together."""
     return a + d, b + e, c + f
-
-
-@triton.jit
-def _add4(a, b, c, d, e, f, g, h):
-    """Combine of four sums reduced together (``tl.sum``'s ``+``, the same tree)."""
-    return a + e, b + f, c + g, d + h
 
 
 @triton.jit
@@ -378,7 +361,7 @@ def _mixture_block(
     q = tl.exp2(log_q * LOG2E)
     p = tl.exp2(log_p * LOG2E)
     log_qm, log_pm = mixture_log_ratios(log_q - log_p, log_beta, log_rest)
-    return tl.reduce((weighted_log(q, log_qm), weighted_log(p, log_pm)), 1, _add2)
+    return tl.sum(weighted_log(q, log_qm), axis=1), tl.sum(weighted_log(p, log_pm), axis=1)
 
 
 @triton.jit
@@ -429,21 +412,22 @@ def _stats_block(
     cols = v0 + tl.arange(0, BLOCK_V // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     x = _load_logits(x_row, cols, V, params_ptr, P_CAP, SOFTCAP, ACC, MASKED)
     # The block's maxima: over each lane's VEC columns (in-thread), then over the lanes.
-    if KIND == CROSS_ENTROPY or KIND == ENTROPY:
+    if KIND != REVERSE_KL:
         block_m = tl.max(tl.max(x, axis=1), axis=0)
-    else:
+    if KIND != CROSS_ENTROPY and KIND != ENTROPY:
         t = _load_logits(t_row, cols, V, params_ptr, P_TEACHER_CAP, TEACHER_SOFTCAP, ACC, MASKED)
-        # Both maxima in one reduction (one pair of barriers); reverse KL's with the student's
-        # first column of its maximum (the pivot rule below; the combine compares columns, so
-        # the order of the reduction does not matter).
+        # In-thread reductions (over each lane's VEC columns) are tl.max / tl.sum where they can
+        # be: the Triton interpreter runs a tl.reduce with a combine function of ours element by
+        # element in Python (with every maximum and sum fused so, the suite's interpreted kernels
+        # took 3 minutes longer), and fused maxima saved ~1% of the instructions on sm_90.
+        # Reverse KL keeps its combines (maxima and pivot column, in-thread and across the lanes;
+        # its three sums below): every separate form tried spilled on sm_80.
         if (KIND == REVERSE_KL) and TEACHER_SOFTCAP:
             # the capped teacher at the pivot carried along (the cap of one value computed apart
             # need not give the block's bits interpreted)
             lane_m, lane_first, lane_tau, lane_mt = tl.reduce((x, cols, t, t), 1, _pivot_max)
             block_m, first, block_tau, block_mt = tl.reduce((lane_m, lane_first, lane_tau, lane_mt), 0, _pivot_max)
         elif KIND == REVERSE_KL:
-            # (A branch that finds the pivot only where the block's maximum is a new one, after
-            # a row's first blocks mostly skipped, spilled on sm_80.)
             lane_m, lane_first, lane_mt = tl.reduce((x, cols, t), 1, _argmax_max)
             block_m, first, block_mt = tl.reduce((lane_m, lane_first, lane_mt), 0, _argmax_max)
             # the teacher at the pivot: one load of a column just read (a cache hit), cheaper
@@ -454,24 +438,23 @@ def _stats_block(
             else:
                 block_tau = tl.load(t_row + first).to(ACC)
         else:
-            lane_m, lane_mt = tl.reduce((x, t), 1, _max2)
-            block_m, block_mt = tl.reduce((lane_m, lane_mt), 0, _max2)
+            block_mt = tl.max(tl.max(t, axis=1), axis=0)
     m_new = tl.maximum(m, block_m)
     r, dm = shift2(m, m_new, c2)
     u = x - finite(m_new)  # -inf on -inf logits and on the tail
     e = tl.exp2(c2 * u)
-    # Each lane's sums over its VEC columns (in-thread, one reduction for all of them).
+    # Each lane's sums over its VEC columns (in-thread: no barrier).
     if KIND == CROSS_ENTROPY:
         if SMOOTHING:
             if MASKED:
                 u = tl.where(cols < V, u, 0.0)  # the tail's -inf columns are no columns
-            sum_e, sum_u = tl.reduce((e, u), 1, _add2)
+            sum_e, sum_u = tl.sum(e, axis=1), tl.sum(u, axis=1)
             # each lane saw v0 / (BLOCK_V / VEC) columns before this block (the tail comes last)
             sum_shift = sum_shift + ((v0 // (BLOCK_V // VEC)) * 1.0) * dm + sum_u
         else:
             sum_e = tl.sum(e, axis=1)
     elif KIND == ENTROPY:
-        sum_e, sum_h = tl.reduce((e, weighted_shift(e, u)), 1, _add2)
+        sum_e, sum_h = tl.sum(e, axis=1), tl.sum(weighted_shift(e, u), axis=1)
         h = r * (h + s * dm) + sum_h
     else:
         mt_new = tl.maximum(mt, block_mt)
@@ -479,13 +462,13 @@ def _stats_block(
         ut = t - finite(mt_new)
         et = tl.exp2(ct2 * ut)
         if KIND == JENSEN_SHANNON:
-            sum_e, sum_et = tl.reduce((e, et), 1, _add2)
+            sum_e, sum_et = tl.sum(e, axis=1), tl.sum(et, axis=1)
         if KIND == SOFT_CROSS_ENTROPY:
-            sum_e, sum_et, sum_a = tl.reduce((e, et, weighted_shift(et, u)), 1, _add3)
+            sum_e, sum_et, sum_a = tl.sum(e, axis=1), tl.sum(et, axis=1), tl.sum(weighted_shift(et, u), axis=1)
             a = rt * (a + st * dm) + sum_a
         if KIND == FORWARD_KL:
-            sum_e, sum_et, sum_a, sum_b = tl.reduce(
-                (e, et, weighted_shift(et, u), weighted_shift(et, ut)), 1, _add4)
+            sum_e, sum_et = tl.sum(e, axis=1), tl.sum(et, axis=1)
+            sum_a, sum_b = tl.sum(weighted_shift(et, u), axis=1), tl.sum(weighted_shift(et, ut), axis=1)
             a = rt * (a + st * dm) + sum_a
             b = rt * (b + st * dmt) + sum_b
         if KIND == REVERSE_KL:
@@ -497,6 +480,7 @@ def _stats_block(
             e_d = tl.where(r > 0, r * (e_d + s * (c * dm - ct * (tau - tau_new))), 0.0)
             d = c * u - ct * (t - tau_new)
             # e > 0 keeps D's infinities where the teacher is -inf (no NaN-dropping shortcut)
+            # one combine for the three sums (separate tl.sum's spilled on sm_80)
             sum_e, sum_et, sum_d = tl.reduce((e, et, tl.where(e > 0, e * d, 0.0)), 1, _add3)
             e_d = e_d + sum_d
             tau = tau_new
