@@ -34,7 +34,10 @@ import inspect
 import threading
 from typing import Any, Callable
 
+import numpy as np
+
 _state = threading.local()
+# The attribute of InterpretedFunction that holds the interpreter's own methods while installed.
 INSTALLED_FLAG = "_parity_tests_skip_repeated_patching"
 
 
@@ -53,8 +56,6 @@ def _lang_modules(fn: Callable[..., Any], tl: Any) -> frozenset[int]:
 def _shaped(data: Any, shape: tuple[int, ...]) -> Any:
     """A combine's result as an array of the reduction's output shape (a scalar tensor's data
     has shape ``(1,)``; a Python number broadcasts)."""
-    import numpy as np
-
     if data.size == int(np.prod(shape)):
         return data.reshape(shape)
     return np.broadcast_to(data, shape)
@@ -112,8 +113,6 @@ def install() -> bool:
         the axis at a time instead of one element: the same combines in the same order for every
         output element (index 0, then 1, 2, ... along the axis, the accumulator kept in the
         input's dtype between steps), the elements of a slice at once."""
-        import numpy as np
-
         original_axis = self.axis
         input, axis = self.unravel(input, self.axis)
         datas = [arg.handle.data for arg in input]
@@ -145,8 +144,7 @@ def install() -> bool:
     interpreted.__call__ = patched_device_call
     if generic is not None:
         reduce_ops.generic_reduce = sliced_generic_reduce
-    setattr(interpreted, INSTALLED_FLAG, True)
-    interpreted._parity_tests_originals = (launch, device_call, generic)
+    setattr(interpreted, INSTALLED_FLAG, (launch, device_call, generic))
     return True
 
 
@@ -154,11 +152,10 @@ def uninstall() -> None:
     """Put the interpreter's own methods back (for the equivalence test)."""
     from triton.runtime import interpreter
 
-    originals = getattr(interpreter.InterpretedFunction, "_parity_tests_originals", None)
-    if originals is None:
+    originals = getattr(interpreter.InterpretedFunction, INSTALLED_FLAG, None)
+    if not originals:
         return
     interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__, generic = originals
     if generic is not None:
         interpreter.ReduceOps.generic_reduce = generic
-    setattr(interpreter.InterpretedFunction, INSTALLED_FLAG, False)
-    del interpreter.InterpretedFunction._parity_tests_originals
+    delattr(interpreter.InterpretedFunction, INSTALLED_FLAG)
