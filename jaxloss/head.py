@@ -290,6 +290,65 @@ def _chunk_whole(
     return loss, grad_block(cfg, fin, coef, z, t, hit=hit, vocab=vocab if shards is None else shards.vocab, e=e, et=et), fin
 
 
+def _g_in_bf16(tuning: spec_linear.HeadTuning, operand: Any) -> bool:
+    """Whether every device's backward reads ``G`` as one bf16 term (the ``"tensor"`` contract:
+    bf16 hidden states and weight, ``split_terms == 1`` on every platform of
+    :data:`lossspec.linear.HEAD_TENSOR_DEVICES`): then ``G`` may be stored rounded (to nearest
+    even, as the products would round it) and takes half the memory of fp32."""
+    devices = set(tuning.bf16_matmul_devices or ())
+    return operand == jnp.bfloat16 and tuning.split_terms == 1 and set(spec_linear.HEAD_TENSOR_DEVICES) <= devices
+
+
+def _whole_parts(rows: int, n: int, live: int, g_bf16: bool) -> tuple[int, int]:
+    """``(rows of a token chunk, parts)`` of the whole-row plan: with ``G`` stored in bf16 a
+    chunk of the plan's ``rows`` is cut in half and ``parts`` such halves make one chunk. Each
+    part's ``live`` fp32 blocks take half the budget, the chunk's bf16 ``G`` the other half, so
+    the backward's two matmuls contract over up to ``live`` times the plan's rows.
+
+    Why: on the CPU the weight gradient's ``dW += G^T h`` of a chunk reads and writes the whole
+    fp32 ``[V, H]`` (XLA writes the product to a buffer, then adds); at 4096 x 1024 x 32768 bf16
+    the plan's 128-row chunks made that traffic the head's largest cost (2.47 s against 1.99 s
+    with 256 rows). Otherwise ``(rows, 1)``: one part, as planned."""
+    if not g_bf16 or rows >= n or rows < 2:
+        return rows, 1
+    half = rows // 2
+    parts = min(2 * live, n // half)
+    return (parts * half, parts) if parts * half > rows else (rows, 1)
+
+
+def _chunk_whole_parts(
+    cfg: KernelConfig, parts: int, student: Head, teacher: Optional[Head], y: Optional[Array], coef: Array, shards: Optional[Shards],
+    with_bias: bool,
+) -> tuple:
+    """:func:`_chunk_whole` over ``parts`` equal parts of the chunk's rows in turn, ``G`` kept in
+    bf16 (rounded once, to nearest even: what the ``"tensor"`` products read): ``(loss [R],
+    G [R, V] bf16, the rows' Final statistics, the column sums of the fp32 G [V] | None)``."""
+    h, w, b = student
+    rows = h.shape[0]
+    part_rows = rows // parts
+    cut = lambda a, at: None if a is None else lax.dynamic_slice_in_dim(a, at, part_rows, 0)  # noqa: E731
+    put = lambda buf, new, at: lax.dynamic_update_slice_in_dim(buf, new, at, 0)  # noqa: E731
+
+    def part(at: Any) -> tuple:
+        tt = None if teacher is None else (cut(teacher[0], at),) + tuple(teacher[1:])
+        loss, g, fin = _chunk_whole(cfg, (cut(h, at), w, b), tt, cut(y, at), cut(coef, at), True, shards)
+        return loss, g.astype(jnp.bfloat16), fin, jnp.sum(g, axis=0) if with_bias else None
+
+    def step(i: Array, carry: tuple) -> tuple:
+        at = i * part_rows
+        loss, g, fin, g_sum = part(at)
+        loss_buf, g_buf, final, col_sum = carry
+        final = Final(*(None if buf is None else put(buf, new, at) for buf, new in zip(final, fin)))
+        return put(loss_buf, loss, at), put(g_buf, g, at), final, None if col_sum is None else col_sum + g_sum
+
+    # The first part outside the loop: the buffers take its values' varying-axes types (inside
+    # shard_map a shard's statistics vary over the vocabulary axes, the combined ones do not).
+    loss, g, fin, g_sum = part(0)
+    whole = lambda new: put(varying_like(jnp.zeros((rows,) + new.shape[1:], new.dtype), new), new, 0)  # noqa: E731
+    start = (whole(loss), whole(g), Final(*(None if f is None else whole(f) for f in fin)), g_sum)
+    return lax.fori_loop(1, parts, step, start)
+
+
 def _chunk_blocked(
     cfg: KernelConfig,
     width: int,
@@ -431,7 +490,10 @@ def head_forward(
     student = (None, up(weight, operand), up(bias))
     teacher32 = None if teacher is None else (None, up(teacher[1], t_operand), up(teacher[2]))
     # (JAX's shards are even: every replica's plan is the same.)
-    rows, block = _plan(cfg, hidden, weight, tuning, shards)
+    plan_rows, block = _plan(cfg, hidden, weight, tuning, shards)
+    rows, parts = plan_rows, 1
+    if block == vocab and with_grad:
+        rows, parts = _whole_parts(plan_rows, n, head_live_blocks(cfg.kind, shards is not None), _g_in_bf16(tuning, operand))
     # Inside shard_map (data, sequence or vocabulary axes) a loop carry has the varying-axes type
     # of what the body writes into it, i.e. of every input it reads; fresh zeros are invariant
     # until cast (varying_like is a no-op outside shard_map).
@@ -450,7 +512,7 @@ def head_forward(
     num_chunks = -(-n // rows)
     # The backward runs over vocabulary slices whose two [slice, H] fp32 temporaries (the weight's
     # rows, their G^T h) fit half a block together, beside the chunk's blocks (_head_grads).
-    slice_rows = max(1, (rows * block) // (4 * width)) if width else vocab
+    slice_rows = max(1, (plan_rows * block) // (4 * width)) if width else vocab
 
     def chunk(i: Array, carry: tuple) -> tuple:
         loss_buf, dh, dw, db, final = carry
@@ -465,7 +527,11 @@ def head_forward(
         tt = None
         if teacher is not None:
             tt = (_rows(teacher[0], start, rows).astype(t_operand),) + teacher32[1:]
-        if block == vocab:
+        if block == vocab and parts > 1:
+            loss, g, fin, g_sum = _chunk_whole_parts(cfg, parts, st, tt, yc, cc, shards, db is not None)
+            dh_c, dw = _head_grads(local(jnp.zeros(hc.shape, F32)), dw, 0, g, hc, student[1], slice_rows, tuning)
+            db = None if db is None else db + g_sum
+        elif block == vocab:
             loss, g, fin = _chunk_whole(cfg, st, tt, yc, cc, with_grad, shards)
             if with_grad:
                 dh_c, dw = _head_grads(local(jnp.zeros(hc.shape, F32)), dw, 0, g, hc, student[1], slice_rows, tuning)

@@ -64,6 +64,15 @@ def test_tensor_head_meets_its_bounds(framework: str, kind: str) -> None:
     _check_public(framework, kind)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("framework", list(RUNNERS))
+def test_tensor_head_in_chunks_of_parts_meets_its_bounds(framework: str, kind: str) -> None:
+    """The whole-row plan with 5-row chunks on 12 tokens, bias included. JAX stores ``G`` in bf16
+    and cuts each chunk into parts (``jaxloss.head._whole_parts``: here 2-row parts, 4 to 10 per
+    chunk by kind; the last chunk moved back over rows already done)."""
+    _check_public(framework, kind, tuning=block_budget(*PLANS["whole"]))
+
+
 @pytest.mark.parametrize("framework", list(RUNNERS))
 def test_tensor_head_per_token_and_recompute(framework: str) -> None:
     _check_public(framework, "reverse_kl", "none", tuning=block_budget(*PLANS["blocked"]))
