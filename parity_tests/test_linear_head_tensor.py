@@ -64,6 +64,7 @@ def test_tensor_head_meets_its_bounds(framework: str, kind: str) -> None:
     _check_public(framework, kind)
 
 
+@pytest.mark.slow  # a JAX compile per kind (the fast lane's cover of the parts: the drivers test below)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("framework", list(RUNNERS))
 def test_tensor_head_in_chunks_of_parts_meets_its_bounds(framework: str, kind: str) -> None:
