@@ -527,15 +527,15 @@ def head_forward(
         tt = None
         if teacher is not None:
             tt = (_rows(teacher[0], start, rows).astype(t_operand),) + teacher32[1:]
-        if block == vocab and parts > 1:
-            loss, g, fin, g_sum = _chunk_whole_parts(cfg, parts, st, tt, yc, cc, shards, db is not None)
-            dh_c, dw = _head_grads(local(jnp.zeros(hc.shape, F32)), dw, 0, g, hc, student[1], slice_rows, tuning)
-            db = None if db is None else db + g_sum
-        elif block == vocab:
-            loss, g, fin = _chunk_whole(cfg, st, tt, yc, cc, with_grad, shards)
+        if block == vocab:
+            if parts > 1:
+                loss, g, fin, g_sum = _chunk_whole_parts(cfg, parts, st, tt, yc, cc, shards, db is not None)
+            else:
+                loss, g, fin = _chunk_whole(cfg, st, tt, yc, cc, with_grad, shards)
+                g_sum = None if db is None else jnp.sum(g, axis=0)
             if with_grad:
                 dh_c, dw = _head_grads(local(jnp.zeros(hc.shape, F32)), dw, 0, g, hc, student[1], slice_rows, tuning)
-                db = None if db is None else db + jnp.sum(g, axis=0)
+                db = None if db is None else db + g_sum
         else:
             loss, dh_c, dw, db, fin = _chunk_blocked(cfg, block, st, tt, yc, cc, with_grad, dw, db, shards, slice_rows, tuning)
         keep = lambda buf, new: lax.dynamic_update_slice_in_dim(  # noqa: E731
