@@ -886,12 +886,10 @@ def _loss(
     if config.is_distill:  # teacher logits are data: no gradient
         target = jax.lax.stop_gradient(to_device(target))
     # Only what the coefficients depend on is static here: a new option value (label
-    # smoothing, temperature, ...) does not recompile this part.
-    counting = LossConfig(
-        kind=config.kind, normalization=config.normalization, ignore_index=config.ignore_index, causal_shift=config.causal_shift
-    )
+    # smoothing, temperature, ...) or another kind with the same target form does not
+    # recompile this part.
     coef, safe_target, bad = prepare(
-        counting,
+        config.counting_config(),
         vocab,
         time_axes,
         to_device(target),

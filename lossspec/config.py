@@ -274,6 +274,16 @@ class LossConfig:
             return self
         return dataclasses.replace(self, kind=self.formula, beta=0.5)
 
+    def counting_config(self) -> "LossConfig":
+        """The fields the per-token coefficients depend on (normalisation, ``ignore_index``,
+        ``causal_shift``, and whether the target is labels), every option at its default and the
+        kind the first of the kind table with this config's target form. Two losses that weigh
+        their tokens alike have the same counting config: a framework that compiles the
+        coefficients per config (jaxloss's ``prepare``) compiles them once for both (e.g. the
+        teacher kinds, or a new temperature)."""
+        kind = next(name for name, spec in KIND_SPECS.items() if spec.has_labels == self.has_labels)
+        return LossConfig(kind=kind, normalization=self.normalization, ignore_index=self.ignore_index, causal_shift=self.causal_shift)
+
     @property
     def counted(self) -> bool:
         """Whether the denominator is a count (``valid_tokens``/``tokens``, or ``S`` of the sequence modes)."""

@@ -165,6 +165,28 @@ def test_denominator_does_not_recompile(impl: str) -> None:
     assert (jaxloss._autodiff.loss_tokens._cache_size(), jaxloss._prepare.prepare._cache_size()) == sizes
 
 
+def test_teacher_kinds_and_new_options_share_the_preparation() -> None:
+    """The coefficients are compiled per counting config (``LossConfig.counting_config``): every
+    teacher kind, at any temperature, reuses the first one's compiled ``prepare``, and each
+    loss still matches the oracle (a counting config that lost a field the weights depend on
+    would not)."""
+    teacher_kinds = [kind for kind, spec in lossspec.KIND_SPECS.items() if spec.has_teacher]
+    first = make_case(teacher_kinds[0], "random", lead_shape=(2, 5), vocab=VOCAB, seed=4)
+    sizes = None
+    for kind in teacher_kinds:
+        for temperature in (1.0, 2.5):
+            case = make_case(kind, "random", lead_shape=(2, 5), vocab=VOCAB, seed=4)
+            for normalization in ("valid_tokens", "sequence_mean"):
+                loss = getattr(jaxloss, kind)(jnp.asarray(case.logits), jnp.asarray(first.target), jnp.asarray(case.loss_mask), impl="xla",
+                                 temperature=temperature, normalization=normalization, causal_shift=True)
+                ref = lossspec.oracle(kind, case.logits, first.target, case.loss_mask, temperature=temperature,
+                                      normalization=normalization, causal_shift=True)
+                compare_loss(loss, ref[0]).check()
+            if sizes is None:
+                sizes = jaxloss._prepare.prepare._cache_size()
+    assert jaxloss._prepare.prepare._cache_size() == sizes  # two counting configs, compiled by the first kind
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_nan_and_inf_rows(kind: str, impl: str) -> None:

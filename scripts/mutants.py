@@ -1139,6 +1139,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return jnp.where(coef != 0, coef * loss, 0.0), (grad, coef, target, x)",
         ("parity_tests/test_jaxloss_inplace.py", "-k", "aliases"),
     ),
+    Mutant(
+        "counting_config_keeps_kind",
+        "the counting config keeps the call's kind: every teacher kind compiles jaxloss's prepare anew",
+        "lossspec/config.py::LossConfig.counting_config",
+        "        return LossConfig(kind=kind, normalization=self.normalization, ignore_index=self.ignore_index, causal_shift=self.causal_shift)",
+        "        return LossConfig(kind=self.kind, normalization=self.normalization, ignore_index=self.ignore_index, causal_shift=self.causal_shift)",
+        ("parity_tests/test_jaxloss_transforms.py", "-k", "share_the_preparation"),
+    ),
+    Mutant(
+        "counting_config_drops_causal_shift",
+        "the counting config drops causal_shift: the coefficients weigh the unshifted mask",
+        "lossspec/config.py::LossConfig.counting_config",
+        "        return LossConfig(kind=kind, normalization=self.normalization, ignore_index=self.ignore_index, causal_shift=self.causal_shift)",
+        "        return LossConfig(kind=kind, normalization=self.normalization, ignore_index=self.ignore_index)",
+        ("parity_tests/test_jaxloss_transforms.py", "-k", "share_the_preparation"),
+    ),
 )
 
 

@@ -911,11 +911,11 @@ def linear_cross_entropy(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
-        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
-        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
-        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
-        whatever ``impl`` says.
+      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
+        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
+        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
+        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
+        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1038,11 +1038,11 @@ def linear_soft_cross_entropy(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
-        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
-        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
-        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
-        whatever ``impl`` says.
+      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
+        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
+        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
+        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
+        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1167,11 +1167,11 @@ def linear_forward_kl(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
-        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
-        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
-        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
-        whatever ``impl`` says.
+      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
+        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
+        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
+        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
+        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1296,11 +1296,11 @@ def linear_reverse_kl(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
-        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
-        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
-        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
-        whatever ``impl`` says.
+      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
+        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
+        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
+        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
+        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1412,11 +1412,11 @@ def linear_entropy(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
-        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
-        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
-        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
-        whatever ``impl`` says.
+      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
+        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
+        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
+        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
+        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1542,11 +1542,11 @@ def linear_jensen_shannon(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the fused kernels on a GPU: Pallas in jaxloss, Triton on CUDA tensors in torchloss; the XLA /
-        torch path elsewhere), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The kernels
-        never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them into the
-        online softmax (forward) and into the gradients (backward, recomputed). torch float64 inputs take the torch path
-        whatever ``impl`` says.
+      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
+        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
+        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
+        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
+        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
