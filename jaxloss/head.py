@@ -672,13 +672,12 @@ def head_backward(
 class Spec:
     """What the head's ``custom_vjp`` takes as static (hashable): the kernel's config, whether
     the loss is reduced (not ``"none"``), the plan (:class:`lossspec.linear.HeadPlan`, its impl
-    resolved, the call's :class:`lossspec.HeadTuning` inside), the head kernels' soft caps, the
-    inputs' dtypes and the vocabulary shards."""
+    resolved, the call's :class:`lossspec.HeadTuning` inside), the inputs' dtypes and the
+    vocabulary shards."""
 
     config: KernelConfig
     reduced: bool
     plan: spec_linear.HeadPlan
-    softcaps: tuple
     dtypes: tuple  # (hidden, weight, bias)
     shards: Optional[Shards]
 
@@ -691,11 +690,6 @@ def _weighted(coef: Array, loss: Array, reduced: bool) -> Array:
 def _run(spec: Spec, args: tuple, coef: Array, with_grad: bool) -> tuple:
     cfg, plan, shards = spec.config, spec.plan, spec.shards
     hidden, weight, bias, labels, teacher = args
-    kernels = backends.IMPLEMENTATIONS[plan.impl].head_kernels()
-    if kernels is not None:  # the one dispatch point: the impl's fused kernels (Pallas: backends/pallas_head.py)
-        return kernels.head_forward(
-            cfg, hidden, weight, bias, labels, teacher, coef, with_grad=with_grad, softcaps=spec.softcaps, tuning=plan.tuning
-        )
     return head_forward(
         cfg,
         hidden,
@@ -727,15 +721,13 @@ HEAD_HIGHER_ORDER_16BIT_MESSAGE = (
 
 def _first_order_inputs(spec: Spec, hidden: Array, weight: Array, bias: Any) -> tuple[Array, Array, Any]:
     """``(hidden, weight, bias)`` unchanged, except that where the head's second derivatives
-    would be wrong or fail obscurely (16-bit inputs, read as raw bits; the Pallas kernels;
-    ``vocab_parallel``'s collectives), differentiating through them raises a
+    would be wrong or fail obscurely (16-bit inputs, read as raw bits; ``vocab_parallel``'s
+    collectives), differentiating through them raises a
     ``NotImplementedError`` that says so. Only a higher-order derivative differentiates the
     custom_vjp's forward (and so these inputs); first order never does. ``impl="xla"`` with
     float32 / float64 inputs keeps its (correct) second derivatives, as the unfused losses."""
-    backend, dtypes, shards = backends.IMPLEMENTATIONS[spec.plan.impl], spec.dtypes, spec.shards
-    if not backend.higher_order:
-        message = backend.kernels().HIGHER_ORDER_MESSAGE
-    elif shards is not None:
+    dtypes, shards = spec.dtypes, spec.shards
+    if shards is not None:
         message = _autodiff.VOCAB_PARALLEL_HIGHER_ORDER_MESSAGE
     elif any(dtype is not None and jnp.dtype(dtype).itemsize == 2 for dtype in dtypes):
         message = HEAD_HIGHER_ORDER_16BIT_MESSAGE
@@ -903,9 +895,8 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
     backend = backends.resolve(args["impl"], head=True, vocab_parallel=shards is not None)  # the one resolution of this call's impl
     recompute = spec_linear.check_recompute_logits(args["recompute_logits"], backend.name, backends.PLAIN)
-    softcaps = (getattr(config, "logit_softcap", None), getattr(config, "teacher_logit_softcap", None))
     plan = spec_linear.HeadPlan(backend.name, recompute, spec_linear.head_matmul_tuning(args["tuning"], args["precision"]), args["precision"])
-    head_spec = Spec(kcfg, config.normalization != "none", plan, softcaps, dtypes, shards)
+    head_spec = Spec(kcfg, config.normalization != "none", plan, dtypes, shards)
     device = lambda a: None if a is None else _prepare.to_device(a)  # noqa: E731
     teacher_arrays = None if teacher is None else tuple(device(a) for a in teacher)
     try:
@@ -985,11 +976,9 @@ def linear_cross_entropy(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
-        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
-        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
-        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
-        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
+      impl: ``"auto"`` or ``"xla"`` (jaxloss) / ``"torch"`` (torchloss): the framework's matmuls, on every device.
+        ``"pallas"`` / ``"triton"`` raise a ``ValueError``: the head kernels were retired (their exact fp32 tiles ran
+        about 300x slower than the three bf16 matmuls on an H200; docs/linear_head.md).
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1001,8 +990,7 @@ def linear_cross_entropy(
         ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
         bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
         exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
-        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
-        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products.
       vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
         inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
         ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
@@ -1012,8 +1000,7 @@ def linear_cross_entropy(
         logits.
       tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
         (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
-        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
-        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        ``split_terms``; torch: ``triton_matmul_devices``); each
         path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
         compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
         computed.
@@ -1112,11 +1099,9 @@ def linear_soft_cross_entropy(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
-        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
-        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
-        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
-        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
+      impl: ``"auto"`` or ``"xla"`` (jaxloss) / ``"torch"`` (torchloss): the framework's matmuls, on every device.
+        ``"pallas"`` / ``"triton"`` raise a ``ValueError``: the head kernels were retired (their exact fp32 tiles ran
+        about 300x slower than the three bf16 matmuls on an H200; docs/linear_head.md).
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1128,8 +1113,7 @@ def linear_soft_cross_entropy(
         ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
         bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
         exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
-        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
-        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products.
       vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
         inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
         ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
@@ -1139,8 +1123,7 @@ def linear_soft_cross_entropy(
         logits.
       tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
         (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
-        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
-        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        ``split_terms``; torch: ``triton_matmul_devices``); each
         path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
         compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
         computed.
@@ -1241,11 +1224,9 @@ def linear_forward_kl(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
-        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
-        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
-        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
-        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
+      impl: ``"auto"`` or ``"xla"`` (jaxloss) / ``"torch"`` (torchloss): the framework's matmuls, on every device.
+        ``"pallas"`` / ``"triton"`` raise a ``ValueError``: the head kernels were retired (their exact fp32 tiles ran
+        about 300x slower than the three bf16 matmuls on an H200; docs/linear_head.md).
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1257,8 +1238,7 @@ def linear_forward_kl(
         ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
         bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
         exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
-        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
-        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products.
       vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
         inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
         ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
@@ -1268,8 +1248,7 @@ def linear_forward_kl(
         logits.
       tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
         (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
-        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
-        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        ``split_terms``; torch: ``triton_matmul_devices``); each
         path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
         compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
         computed.
@@ -1370,11 +1349,9 @@ def linear_reverse_kl(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
-        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
-        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
-        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
-        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
+      impl: ``"auto"`` or ``"xla"`` (jaxloss) / ``"torch"`` (torchloss): the framework's matmuls, on every device.
+        ``"pallas"`` / ``"triton"`` raise a ``ValueError``: the head kernels were retired (their exact fp32 tiles ran
+        about 300x slower than the three bf16 matmuls on an H200; docs/linear_head.md).
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1386,8 +1363,7 @@ def linear_reverse_kl(
         ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
         bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
         exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
-        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
-        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products.
       vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
         inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
         ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
@@ -1397,8 +1373,7 @@ def linear_reverse_kl(
         logits.
       tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
         (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
-        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
-        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        ``split_terms``; torch: ``triton_matmul_devices``); each
         path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
         compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
         computed.
@@ -1486,11 +1461,9 @@ def linear_entropy(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
-        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
-        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
-        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
-        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
+      impl: ``"auto"`` or ``"xla"`` (jaxloss) / ``"torch"`` (torchloss): the framework's matmuls, on every device.
+        ``"pallas"`` / ``"triton"`` raise a ``ValueError``: the head kernels were retired (their exact fp32 tiles ran
+        about 300x slower than the three bf16 matmuls on an H200; docs/linear_head.md).
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1502,8 +1475,7 @@ def linear_entropy(
         ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
         bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
         exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
-        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
-        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products.
       vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
         inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
         ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
@@ -1513,8 +1485,7 @@ def linear_entropy(
         logits.
       tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
         (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
-        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
-        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        ``split_terms``; torch: ``triton_matmul_devices``); each
         path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
         compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
         computed.
@@ -1616,11 +1587,9 @@ def linear_jensen_shannon(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
-        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
-        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
-        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
-        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
+      impl: ``"auto"`` or ``"xla"`` (jaxloss) / ``"torch"`` (torchloss): the framework's matmuls, on every device.
+        ``"pallas"`` / ``"triton"`` raise a ``ValueError``: the head kernels were retired (their exact fp32 tiles ran
+        about 300x slower than the three bf16 matmuls on an H200; docs/linear_head.md).
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1632,8 +1601,7 @@ def linear_jensen_shannon(
         ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
         bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
         exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
-        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
-        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products.
       vocab_parallel: ``None``, or the mesh axis name (or a tuple of names) over which the head is split along ``V``,
         inside ``shard_map`` / ``pmap`` (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``,
         ``teacher_bias``) is this replica's contiguous slice ``[V_local, H]`` (shards in axis-index order,
@@ -1643,8 +1611,7 @@ def linear_jensen_shannon(
         logits.
       tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
         (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
-        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
-        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        ``split_terms``; torch: ``triton_matmul_devices``); each
         path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
         compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
         computed.

@@ -99,8 +99,7 @@ def head_matmul_tuning(tuning: "HeadTuning", precision: str) -> "HeadTuning":
     """The :class:`HeadTuning` that carries out ``precision``: ``"exact"`` leaves ``tuning`` as it
     is; ``"tensor"`` turns the bf16 matmuls on for every device of :data:`HEAD_TENSOR_DEVICES`
     with ``G`` as one bf16 term (``split_terms=1``: rounded once, to nearest even). Both
-    frameworks' plain paths read only these two fields for it; the head kernels compute the
-    exact contract's numbers under either."""
+    frameworks' plain paths read only these two fields for it."""
     if precision == "exact":
         return tuning
     return dataclasses.replace(tuning, bf16_matmul_devices=HEAD_TENSOR_DEVICES, split_terms=1)
@@ -108,7 +107,7 @@ def head_matmul_tuning(tuning: "HeadTuning", precision: str) -> "HeadTuning":
 
 def check_recompute_logits(recompute_logits: Any, impl: str, plain: str) -> bool:
     """``recompute_logits`` checked: a bool, and only on the framework's plain path ``plain``
-    (``impl`` resolved by :func:`head_impl`; the fused kernels recompute their tiles anyway)."""
+    (``impl`` resolved by :func:`head_impl`)."""
     if not isinstance(recompute_logits, (bool, np.bool_)):
         raise TypeError(f"recompute_logits must be True or False, got {recompute_logits!r}")
     if recompute_logits and impl != plain:
@@ -117,16 +116,23 @@ def check_recompute_logits(recompute_logits: Any, impl: str, plain: str) -> bool
 
 
 def head_impl(impl: str, choices: tuple[str, ...], plain: str, vocab_parallel: bool) -> str:
-    """The fused head's path from ``impl`` (checked against the framework's ``choices``):
-    ``"auto"`` is the framework's plain path (``plain``: ``"xla"`` / ``"torch"``) on every device
-    until the fused Pallas / Triton head kernels have been measured on a GPU (select them with
-    ``impl="pallas"`` / ``"triton"``); those kernels have no vocabulary-parallel form."""
+    """The fused head's path from ``impl`` (checked against the framework's ``choices``): the
+    framework's plain path (``plain``: ``"xla"`` / ``"torch"``) for ``"auto"`` and ``plain``;
+    the kernel implementations (``"pallas"`` / ``"triton"``) raise :data:`HEAD_KERNELS_RETIRED`.
+    ``vocab_parallel`` is taken for the callers' symmetry (the plain path has both forms)."""
+    del vocab_parallel
     check_impl(impl, choices)
-    if impl == "auto":
-        return plain
-    if impl != plain and vocab_parallel:
-        raise ValueError(f"impl={impl!r} has no vocab_parallel form for the fused head; use impl={plain!r} (or 'auto')")
-    return impl
+    if impl not in ("auto", plain):
+        raise ValueError(HEAD_KERNELS_RETIRED.format(impl=impl, plain=plain))
+    return plain
+
+
+#: the error of ``impl="pallas"`` / ``"triton"`` on a fused head (:func:`head_impl`)
+HEAD_KERNELS_RETIRED: str = (
+    "impl={impl!r}: the fused head has no {impl} kernels any more (retired: their exact fp32 tiles ran about 300x "
+    "slower than the three bf16 matmuls on an H200, docs/linear_head.md); the head runs on the framework's matmuls "
+    "with impl='auto' or impl={plain!r} (precision='tensor' for bf16 tensor-core speed)"
+)
 
 
 def head_targets(spec: KindSpec) -> tuple[str, ...]:
@@ -383,9 +389,7 @@ HEAD_SPLIT_TERMS: int = 3
 
 
 #: the fields of :class:`HeadTuning` holding a size (``None`` or a positive ``int``)
-HEAD_SIZE_FIELDS = ("block_elements", "blocked_rows", "block_rows", "block_vocab", "block_hidden", "num_warps", "num_stages")
-#: the kernel tile fields that must be powers of two (Triton tensor sizes)
-HEAD_TILE_FIELDS = ("block_rows", "block_vocab", "block_hidden")
+HEAD_SIZE_FIELDS = ("block_elements", "blocked_rows")
 
 
 def _device_types(name: str, value: Any) -> tuple[str, ...]:
@@ -425,18 +429,10 @@ class HeadTuning:
                                triton_matmul``); JAX ignores it
     ``split_terms``            both paths' ``split_bf16`` and the Triton matmul: bf16  :data:`HEAD_SPLIT_TERMS` (3)
                                terms of the fp32 ``G`` (fewer round it: tests)
-    ``block_rows``             Pallas / Triton head kernels: rows of a tile            32 on a GPU, 16 interpreted
-    ``block_vocab``            Pallas / Triton head kernels: vocabulary columns of a   32 on a GPU, 16 interpreted
-                               tile
-    ``block_hidden``           Pallas / Triton head kernels: the hidden slice of one   16
-                               ``dot``
-    ``num_warps``              Pallas / Triton head kernels                            4 (Triton interpreted: 1)
-    ``num_stages``             Pallas / Triton head kernels                            Triton's default
-    ``interpret``              Pallas head kernels: ``True`` / ``False`` forces        per lowering platform (the
-                               interpret mode / the Triton lowering                    kernel on CUDA / ROCm)
     =========================  ======================================================  ==============================
 
-    The tile fields must be powers of two (Triton tensor sizes; ``>= 16`` for ``tl.dot`` on a GPU).
+    The tile fields of the retired head kernels (``block_rows``, ``block_vocab``, ``block_hidden``,
+    ``num_warps``, ``num_stages``, ``interpret``) are gone with them (docs/migrating.md).
     """
 
     block_elements: Optional[int] = None
@@ -445,20 +441,10 @@ class HeadTuning:
     bf16_matmul_devices: tuple[str, ...] = ()
     triton_matmul_devices: tuple[str, ...] = ("cuda",)
     split_terms: int = HEAD_SPLIT_TERMS
-    block_rows: Optional[int] = None
-    block_vocab: Optional[int] = None
-    block_hidden: Optional[int] = None
-    num_warps: Optional[int] = None
-    num_stages: Optional[int] = None
-    interpret: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in HEAD_SIZE_FIELDS:
             object.__setattr__(self, name, check_size_field("HeadTuning", name, getattr(self, name)))
-        for name in HEAD_TILE_FIELDS:
-            value = getattr(self, name)
-            if value is not None and value & (value - 1):
-                raise ValueError(f"HeadTuning.{name} must be a power of two (a Triton tensor size); got {value}")
         plan = self.recompute_plan
         if plan is not None:
             if not isinstance(plan, (tuple, list)) or len(plan) != 2:
@@ -468,8 +454,6 @@ class HeadTuning:
         for name in ("bf16_matmul_devices", "triton_matmul_devices"):
             object.__setattr__(self, name, _device_types(name, getattr(self, name)))
         object.__setattr__(self, "split_terms", check_size_field("HeadTuning", "split_terms", self.split_terms, optional=False))
-        if self.interpret is not None and not isinstance(self.interpret, bool):
-            raise TypeError(f"HeadTuning.interpret must be None, True or False; got {self.interpret!r}")
 
 
 #: every field of :class:`HeadTuning` at its default (an immutable value, never a knob)
@@ -491,8 +475,7 @@ class HeadPlan:
     """How one fused-head call runs, resolved once before it: the implementation
     (:func:`head_impl`), whether the backward recomputes the logits
     (:func:`check_recompute_logits`) and the call's :class:`HeadTuning` (the block budget of
-    :func:`head_plan`, the ``recompute_logits`` backward's ``(R, B)``, the bf16 matmuls, the
-    kernels' tiles; with ``precision``'s matmuls applied, :func:`head_matmul_tuning`) and the
+    :func:`head_plan`, the ``recompute_logits`` backward's ``(R, B)``, the bf16 matmuls; with ``precision``'s matmuls applied, :func:`head_matmul_tuning`) and the
     precision contract (:data:`HEAD_PRECISIONS`). Frozen and hashable: JAX's ``custom_vjp`` takes it as a static argument."""
 
     impl: str = "auto"

@@ -60,7 +60,6 @@ SLOW_FILES = {
     "test_torchloss_triton_vocab_parallel.py",
     "test_torchloss_triton_threads.py",
     "test_torchloss_triton_aot.py",
-    "test_linear_head_kernels.py",  # the fused head's Pallas / Triton kernels, interpreted
     # Compile-heavy JAX suites (large-shape chunking and memory, second order, NNX training loops):
     # seconds per test, in the slow tier so that the fast lane stays under two minutes.
     "test_jaxloss_kernels.py",

@@ -28,8 +28,8 @@ NAMES_KINDS = {
     "lossspec/kinds.py", "lossspec/config.py",  # the kind table
     "lossspec/stats.py", "lossspec/oracle.py",  # the statistics / oracle math
     "jaxloss/_block.py", "torchloss/_block.py",  # the block math
-    "jaxloss/backends/pallas.py", "jaxloss/backends/pallas_head.py",  # kernels
-    "torchloss/backends/triton.py", "torchloss/backends/triton_kernels.py", "torchloss/backends/triton_head.py",
+    "jaxloss/backends/pallas.py",  # kernels
+    "torchloss/backends/triton.py", "torchloss/backends/triton_kernels.py",
     "benchmarks/_worker.py",  # the peers' own per-kind expressions
 }
 

@@ -206,18 +206,17 @@ def test_xla_head_second_order_matches_oracle(recompute: bool) -> None:
     _assert_close(mixed, ref_mixed, "head d/dh <grad_w, v>")
 
 
-@pytest.mark.parametrize("case", ["bfloat16", "bfloat16-recompute_logits", "pallas"])
+@pytest.mark.parametrize("case", ["bfloat16", "bfloat16-recompute_logits"])
 def test_head_second_order_raises_where_it_would_be_wrong(case: str) -> None:
     """16-bit inputs travel as raw bits (the head's Hessian w.r.t. a bf16 weight was silently
-    wrong with recompute_logits, the mixed hidden/weight route silently 0); Pallas failed with a
-    bare AssertionError. Each route now raises the documented NotImplementedError."""
-    impl = "pallas" if case == "pallas" else "xla"
-    dtype = jnp.float32 if case == "pallas" else jnp.bfloat16
+    wrong with recompute_logits, the mixed hidden/weight route silently 0). Each route now raises
+    the documented NotImplementedError."""
+    impl, dtype = "xla", jnp.bfloat16
     hidden, w = jnp.asarray(HEAD_H).astype(dtype), jnp.asarray(HEAD_W).astype(dtype)
     recompute = case.endswith("recompute_logits")
     f = _head(recompute, impl, hidden=hidden, bias=None)
     jax.grad(f)(w)  # first order works
-    match = r"impl='pallas' supports first-order" if impl == "pallas" else r"fused head need float32 or float64 hidden states"
+    match = r"fused head need float32 or float64 hidden states"
     routes = dict(_second_orders(f, w))
     routes["d/dh grad_w"] = lambda: jax.grad(lambda h: jnp.sum(jax.grad(_head(recompute, impl, hidden=h, bias=None))(w).astype(jnp.float32) ** 2))(hidden)
     for name, run in routes.items():

@@ -338,38 +338,30 @@ def test_both_frameworks_have_one_head_api() -> None:
     assert sorted(jaxloss.nnx.__all__) == sorted(torchloss.nn.__all__)
 
 
-class _KernelCalled(Exception):
-    pass
-
-
-def test_head_modules_take_impl(monkeypatch: Any) -> None:
-    """``impl=`` at construction reaches the function (the kernels' entry points replaced by a
-    sentinel); an impl the framework lacks, ``recompute_logits=True`` with a kernel and a kernel
-    with ``vocab_parallel`` fail at construction with the functions' errors."""
-    from jaxloss.backends import pallas_head as _pallas_linear
-    from torchloss.backends import triton_head as _triton_linear
-
-    def called(*args: Any, **kwargs: Any) -> None:
-        raise _KernelCalled
-
-    monkeypatch.setattr(_pallas_linear, "head_forward", called)
-    monkeypatch.setattr(_triton_linear, "head_forward", called)
+def test_head_modules_take_impl() -> None:
+    """``impl=`` at construction is checked with the functions' errors: the framework path
+    (``"auto"`` and its own name) is the head's only one; an impl the framework lacks, and the
+    retired head kernels (``"pallas"`` / ``"triton"``: lossspec's message), fail at construction
+    and in the functions; ``recompute_logits`` must be a bool."""
     inputs = make_inputs("cross_entropy", "float32", seed=10)
-    with pytest.raises(_KernelCalled):
-        jaxloss.nnx.LinearCrossEntropyLoss(impl="pallas")(jnp.asarray(inputs["hidden"]), jnp.asarray(inputs["weight"]), jnp.asarray(inputs["labels"]))
-    with pytest.raises(_KernelCalled):
-        torchloss.nn.LinearCrossEntropyLoss(impl="triton")(torch.tensor(inputs["hidden"]), torch.tensor(inputs["weight"]), torch.tensor(inputs["labels"]))
-    for module, kernel in ((jaxloss.nnx, "pallas"), (torchloss.nn, "triton")):
+    for package, module, kernel, plain, conv in ((jaxloss, jaxloss.nnx, "pallas", "xla", jnp.asarray), (torchloss, torchloss.nn, "triton", "torch", torch.tensor)):
         other = "triton" if kernel == "pallas" else "pallas"
         with pytest.raises(ValueError, match="impl must be one of"):
             module.LinearReverseKLLoss(impl=other)
-        with pytest.raises(ValueError, match="recompute_logits=True is a mode of"):
-            module.LinearCrossEntropyLoss(impl=kernel, recompute_logits=True)
+        retired = re.escape(spec_linear.HEAD_KERNELS_RETIRED.format(impl=kernel, plain=plain))
+        with pytest.raises(ValueError, match=retired):
+            module.LinearCrossEntropyLoss(impl=kernel)
+        with pytest.raises(ValueError, match=retired):
+            module.LinearForwardKLLoss(impl=kernel, vocab_parallel="model" if module is jaxloss.nnx else object())
+        with pytest.raises(ValueError, match=retired):
+            package.linear_cross_entropy(conv(inputs["hidden"]), conv(inputs["weight"]), conv(inputs["labels"]), impl=kernel)
         with pytest.raises(TypeError, match="recompute_logits must be True or False"):
             module.LinearCrossEntropyLoss(recompute_logits="yes")
-        with pytest.raises(ValueError, match="has no vocab_parallel form"):
-            module.LinearForwardKLLoss(impl=kernel, vocab_parallel="model" if module is jaxloss.nnx else object())
         assert module.LinearCrossEntropyLoss(recompute_logits=True).settings["impl"] == "auto"
+        for impl in ("auto", plain):  # the same numbers: one path
+            loss = package.linear_cross_entropy(conv(inputs["hidden"]), conv(inputs["weight"]), conv(inputs["labels"]), impl=impl)
+            ref_loss, _ = spec_linear.oracle_head("cross_entropy", inputs["hidden"], inputs["weight"], inputs["labels"])
+            lossspec.compare_loss(float(loss), ref_loss, f"{plain} impl={impl!r}").check()
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,31 +460,6 @@ def test_tuning_reaches_the_plan(framework: str, monkeypatch: pytest.MonkeyPatch
     assert asked == [], asked
 
 
-def test_head_modules_and_kernels_take_tuning(monkeypatch: Any) -> None:
-    """``tuning=`` given to a head module reaches the fused kernels' ``head_forward`` (Pallas,
-    Triton: their tiles) unchanged, as given to the function."""
-    from jaxloss.backends import pallas_head as _pallas_linear
-    from torchloss.backends import triton_head as _triton_linear
-
-    seen: list[Any] = []
-
-    def called(*args: Any, **kwargs: Any) -> None:
-        seen.append(kwargs["tuning"])
-        raise _KernelCalled
-
-    monkeypatch.setattr(_pallas_linear, "head_forward", called)
-    monkeypatch.setattr(_triton_linear, "head_forward", called)
-    tuning = lossspec.HeadTuning(block_rows=32, block_vocab=64, block_hidden=16, num_warps=8)
-    inputs = make_inputs("cross_entropy", "float32", seed=10)
-    with pytest.raises(_KernelCalled):
-        jaxloss.nnx.LinearCrossEntropyLoss(impl="pallas", tuning=tuning)(jnp.asarray(inputs["hidden"]), jnp.asarray(inputs["weight"]), jnp.asarray(inputs["labels"]))
-    with pytest.raises(_KernelCalled):
-        torchloss.nn.LinearCrossEntropyLoss(impl="triton", tuning=tuning)(torch.tensor(inputs["hidden"]), torch.tensor(inputs["weight"]), torch.tensor(inputs["labels"]))
-    with pytest.raises(_KernelCalled):
-        jaxloss.linear_cross_entropy(jnp.asarray(inputs["hidden"]), jnp.asarray(inputs["weight"]), jnp.asarray(inputs["labels"]), impl="pallas")
-    assert seen == [tuning, tuning, lossspec.DEFAULT_HEAD_TUNING]
-
-
 @pytest.mark.parametrize("framework", list(RUNNERS))
 def test_tuning_of_the_wrong_type_is_a_type_error(framework: str) -> None:
     """``tuning=`` is ``None`` or a :class:`lossspec.HeadTuning` (lossspec's message), in the
@@ -527,9 +494,7 @@ def test_head_tuning_validates_its_fields() -> None:
         (dict(triton_matmul_devices=(1,)), TypeError, "HeadTuning.triton_matmul_devices must be a tuple"),
         (dict(split_terms=None), TypeError, "HeadTuning.split_terms must be an int"),
         (dict(split_terms=0), ValueError, "HeadTuning.split_terms must be >= 1"),
-        (dict(block_vocab=48), ValueError, "HeadTuning.block_vocab must be a power of two"),
-        (dict(num_warps=-4), ValueError, "HeadTuning.num_warps must be >= 1"),
-        (dict(interpret="yes"), TypeError, "HeadTuning.interpret must be None, True or False"),
+        (dict(block_vocab=64), TypeError, "unexpected keyword argument 'block_vocab'"),  # the retired kernels' tiles
     ]
     for fields, error, message in cases:
         with pytest.raises(error, match=re.escape(message)):

@@ -136,16 +136,18 @@ def test_torch_weight_updated_in_place_before_the_backward_raises(kind: str, mod
             loss.backward(torch.tensor(grad_output))
 
 
-@pytest.mark.parametrize("impl", ["pallas", "triton"])
-def test_recompute_is_refused_by_the_kernels(impl: str) -> None:
-    """``recompute_logits=True`` is a mode of the XLA / torch path: the fused kernels refuse it
-    with the same message in both frameworks; a non-bool is a TypeError."""
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_recompute_logits_must_be_a_bool(framework: str) -> None:
+    """``recompute_logits`` is ``True`` or ``False`` (a ``TypeError`` otherwise, the same in both
+    frameworks); with the retired head kernels' impl the call is refused before it (lossspec's
+    ``HEAD_KERNELS_RETIRED``)."""
     inputs = make_inputs("cross_entropy", "float32")
-    framework_fn = jaxloss.linear_cross_entropy if impl == "pallas" else torchloss.linear_cross_entropy
-    as_array = jnp.asarray if impl == "pallas" else torch.tensor
+    framework_fn = jaxloss.linear_cross_entropy if framework == "jax" else torchloss.linear_cross_entropy
+    as_array = jnp.asarray if framework == "jax" else torch.tensor
+    kernels = "pallas" if framework == "jax" else "triton"
     args = (as_array(inputs["hidden"]), as_array(inputs["weight"]), as_array(inputs["labels"]))
-    with pytest.raises(ValueError, match=f"recompute_logits=True is a mode of the .* path; impl='{impl}' does not take it"):
-        framework_fn(*args, impl=impl, recompute_logits=True)
+    with pytest.raises(ValueError, match=f"impl='{kernels}': the fused head has no {kernels} kernels any more"):
+        framework_fn(*args, impl=kernels, recompute_logits=True)
     with pytest.raises(TypeError, match="recompute_logits must be True or False"):
         framework_fn(*args, recompute_logits="yes")
 

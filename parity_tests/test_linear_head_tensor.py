@@ -80,12 +80,6 @@ def test_tensor_head_per_token_and_recompute(framework: str) -> None:
     _check_public(framework, "cross_entropy", recompute_logits=True)
 
 
-@pytest.mark.slow  # the kernels interpreted
-@pytest.mark.parametrize("framework,impl", [("jax", "pallas"), ("torch", "triton")])
-def test_tensor_precision_on_the_head_kernels(framework: str, impl: str) -> None:
-    _check_public(framework, "cross_entropy", impl=impl)
-
-
 # --------------------------------------------------------------------------------------------
 # The drivers' fp32 gradients: G rounded once to bf16, to nearest even
 # --------------------------------------------------------------------------------------------

@@ -669,8 +669,9 @@ HEAD_KNOBS = {
     ("jaxloss.head", "RECOMPUTE_PLAN"): "recompute_plan", ("torchloss.head", "RECOMPUTE_PLAN"): "recompute_plan",
     ("jaxloss.head", "BF16_BACKWARD_PLATFORMS"): "bf16_matmul_devices", ("torchloss.head", "BF16_MATMUL_DEVICES"): "bf16_matmul_devices",
     ("torchloss.head", "TRITON_MATMUL_DEVICES"): "triton_matmul_devices",
-    ("jaxloss.backends.pallas_head", "TUNING"): "block_rows", ("jaxloss.backends.pallas_head", "HeadTuning"): "block_vocab",
 }
+# the tile fields of the retired head kernels (jaxloss.backends.pallas_head, torchloss.backends.triton_head)
+RETIRED_HEAD_FIELDS = {"block_rows", "block_vocab", "block_hidden", "num_warps", "num_stages", "interpret"}
 
 
 def test_head_knobs_are_head_tuning_fields() -> None:
@@ -683,7 +684,10 @@ def test_head_knobs_are_head_tuning_fields() -> None:
     for (module, name), field in HEAD_KNOBS.items():
         assert not hasattr(importlib.import_module(module), name), f"{module}.{name} is still there"
         assert field in fields, field
-    assert {"block_hidden", "num_warps", "num_stages", "interpret", "split_terms"} <= fields
+    assert "split_terms" in fields and not RETIRED_HEAD_FIELDS & fields
+    for module in ("jaxloss.backends.pallas_head", "torchloss.backends.triton_head"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(module)
     assert lossspec.HeadTuning().split_terms == lossspec.linear.HEAD_SPLIT_TERMS
     rng = np.random.default_rng(0)
     hidden = torch.tensor(rng.standard_normal((3, 4, 8)), dtype=torch.float32)

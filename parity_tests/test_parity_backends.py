@@ -51,28 +51,27 @@ def test_jax_auto_for_losses_and_head(monkeypatch: pytest.MonkeyPatch) -> None:
         assert jax_backends.resolve("auto", head=True, vocab_parallel=True).name == "xla"
         for name in ("xla", "pallas"):
             assert jax_backends.resolve(name).name == name
-            assert jax_backends.resolve(name, head=True).name == name
+        assert jax_backends.resolve("xla", head=True).name == "xla"
 
 
 def test_torch_auto_for_losses_and_head() -> None:
     """Losses: Triton on CUDA tensors, the torch path elsewhere; the head: the torch path
-    everywhere, and for float64 inputs whatever ``impl`` says."""
+    everywhere (its Triton kernels were retired: ``test_resolve_refuses_what_the_contract_refuses``)."""
     cpu, cuda = torch.zeros(2, 3), _Reference()
     assert torch_backends.resolve("auto", cpu).name == "torch"
     assert torch_backends.resolve("auto", cuda).name == "triton"
     assert torch_backends.resolve("auto", object()).name == "torch"  # not a tensor: the checks after refuse it
     assert torch_backends.resolve("auto", cuda, head=True).name == "torch"
-    assert torch_backends.resolve("triton", cpu, head=True).name == "triton"
-    assert torch_backends.resolve("triton", cpu.double(), head=True).name == "torch"
-    assert torch_backends.resolve("triton", _Reference(torch.float64), head=True).name == "torch"
-    assert torch_backends.resolve("triton", _Reference(torch.bfloat16), head=True).name == "triton"
+    for reference in (cpu, cpu.double(), cuda, _Reference(torch.float64), _Reference(torch.bfloat16)):
+        assert torch_backends.resolve("torch", reference, head=True).name == "torch"
     for name in ("torch", "triton"):
         assert torch_backends.resolve(name, cuda).name == name
 
 
 @pytest.mark.parametrize("framework", ["jaxloss", "torchloss"])
 def test_resolve_refuses_what_the_contract_refuses(framework: str) -> None:
-    """An unknown impl, and head kernels with vocab_parallel: lossspec's errors, in both."""
+    """An unknown impl, and the retired head kernels (with or without vocab_parallel): lossspec's
+    errors, in both."""
     if framework == "jaxloss":
         resolve, impls, plain, kernels = (lambda impl, **kw: jax_backends.resolve(impl, **kw)), lossspec.JAX_IMPLS, "xla", "pallas"
     else:
@@ -82,11 +81,10 @@ def test_resolve_refuses_what_the_contract_refuses(framework: str) -> None:
     with pytest.raises(ValueError) as want:
         lossspec.check_impl("cuda", impls)
     assert str(got.value) == str(want.value)
-    with pytest.raises(ValueError) as got:
-        resolve(kernels, head=True, vocab_parallel=True)
-    with pytest.raises(ValueError) as want:
-        lossspec.linear.head_impl(kernels, impls, plain, True)
-    assert str(got.value) == str(want.value)
+    for vocab_parallel in (False, True):
+        with pytest.raises(ValueError) as got:
+            resolve(kernels, head=True, vocab_parallel=vocab_parallel)
+        assert str(got.value) == lossspec.linear.HEAD_KERNELS_RETIRED.format(impl=kernels, plain=plain)
     assert resolve(kernels, vocab_parallel=True).name == kernels  # the losses' kernels have shard steps
 
 
@@ -99,11 +97,8 @@ def test_jax_backends_offer_what_the_orchestration_calls() -> None:
             assert "first-order" in kernels.HIGHER_ORDER_MESSAGE
         shard = backend.shard_kernels()
         assert shard is None or (callable(shard.shard_stats) and callable(shard.shard_grad))
-        head = backend.head_kernels()
-        # the call's lossspec.HeadTuning goes to the head kernels too (no module-level tuning)
-        assert head is None or (callable(head.head_forward) and "tuning" in inspect.signature(head.head_forward).parameters)
     plain = jax_backends.IMPLEMENTATIONS[jax_backends.PLAIN]
-    assert plain.higher_order and plain.shard_kernels() is None and plain.head_kernels() is None
+    assert plain.higher_order and plain.shard_kernels() is None
 
 
 def test_torch_backends_offer_what_the_orchestration_calls() -> None:
@@ -112,7 +107,5 @@ def test_torch_backends_offer_what_the_orchestration_calls() -> None:
         assert callable(kernels.forward) and callable(kernels.regrad_)
         shard = backend.shard_kernels()
         assert shard is None or (callable(shard.shard_stats) and callable(shard.shard_grad))
-        head = backend.head_kernels()
-        assert head is None or (callable(head.head_forward) and "tuning" in inspect.signature(head.head_forward).parameters)
     plain = torch_backends.IMPLEMENTATIONS[torch_backends.PLAIN]
-    assert plain.requires is None and plain.shard_kernels() is None and plain.head_kernels() is None
+    assert plain.requires is None and plain.shard_kernels() is None

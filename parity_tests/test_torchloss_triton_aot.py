@@ -1,5 +1,5 @@
-"""GPU readiness without a GPU: every Triton kernel of torchloss (the unfused losses' and the
-fused head's, ``torchloss.backends.triton_head``, and its bf16 matmul, ``torchloss.backends.triton_matmul``) compiles ahead of time for sm_80 and sm_90 (Triton's
+"""GPU readiness without a GPU: every Triton kernel of torchloss (the losses' and the fused head's
+bf16 matmul, ``torchloss.backends.triton_matmul``) compiles ahead of time for sm_80 and sm_90 (Triton's
 bundled ptxas), fp32 and bf16 inputs, every kind, at the GPU block sizes and ``num_warps``, without
 register spills; ``docs/triton_kernels.md`` holds the current table.
 
@@ -46,7 +46,7 @@ def test_every_kernel_compiles_for_sm80_sm90_without_spills(tmp_path: Path) -> N
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [aot.Row(**r) for r in json.loads(out.read_text())]
-    expected = set(aot.tasks())  # the unfused kernels x every kind, the head kernels x the head's kinds
+    expected = set(aot.tasks())  # the loss kernels x every kind, the matmul x its layouts
     if aot.liger_available():  # and Liger-Kernel's cross-entropy, compiled the same way for comparison
         expected |= {(aot.LIGER_JOB, "cross_entropy", dtype, arch) for dtype in aot.DTYPES for arch in aot.ARCHS}
     assert {(r.job, r.variant, r.dtype, r.arch) for r in rows} == expected

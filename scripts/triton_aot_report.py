@@ -75,10 +75,6 @@ VARIANTS = (
     ("jensen_shannon+softcaps", "jensen_shannon", {"beta": 0.5, "logit_softcap": 30.0, "teacher_logit_softcap": 50.0}),
 )
 ARCHS = (80, 90)
-# The fused LM head's kernels (torchloss.backends.triton_head) at their GPU tiles, with a bias (and a
-# teacher bias): the variants of the kinds with a head (the kind table's ``head``).
-HEAD_JOBS = ("head_forward", "head_dh", "head_dw")
-HEAD_VARIANTS = tuple(v for v in VARIANTS if lossspec.KIND_SPECS[v[1]].head)
 # The bf16 matmul kernel (torchloss.backends.triton_matmul) in the three layouts the fused head launches
 # it with (bf16 operands): variant -> (A's dtype, unit-stride arguments, ACCUMULATE).
 #   logits  z = h W^T        A = h [R, H] bf16, B = W^T (a view: unit stride along K)
@@ -90,7 +86,7 @@ MATMUL_VARIANTS = {
     "grad_h": ("float32", ("stride_ak", "stride_bn", "stride_cn"), True),
     "grad_w": ("float32", ("stride_am", "stride_bn", "stride_cn"), True),
 }
-# Shared memory per block: the loss and head kernels stay under the 48 KB every launch gets; the
+# Shared memory per block: the loss kernels stay under the 48 KB every launch gets; the
 # matmul's pipelined stages take more, which Triton requests (at most 163 KB on sm_80, 227 KB on
 # sm_90).
 MAX_SHARED = {80: 166912, 90: 232448}
@@ -100,8 +96,7 @@ def tasks(archs: tuple[int, ...] = ARCHS) -> list[tuple[str, str, str, int]]:
     """Every ``(job, variant, dtype, arch)`` compiled, in the report's order."""
     out = []
     for arch in archs:
-        for jobs, variants in ((JOBS, VARIANTS), (HEAD_JOBS, HEAD_VARIANTS)):
-            out += [(job, variant[0], dtype, arch) for job in jobs for variant in variants for dtype in DTYPES]
+        out += [(job, variant[0], dtype, arch) for job in JOBS for variant in VARIANTS for dtype in DTYPES]
         out += [(job, variant, "bfloat16", arch) for job in MATMUL_JOBS for variant in MATMUL_VARIANTS]
     return out
 
@@ -284,49 +279,6 @@ def _signature(job: str, kind: str, dtype: str) -> tuple[dict[str, str], dict]:
     return signature, attrs
 
 
-def _head_signature(job: str, kind: str, dtype: str) -> tuple[dict[str, str], dict]:
-    """As :func:`_signature` for the head kernels: the hidden states, weights and biases in the
-    inputs' dtype, labels int64, the soft caps fp32 scalars, everything else fp32 buffers."""
-    from torchloss.backends import triton_head as _triton_linear
-
-    inputs = "*" + _TL_NAMES[dtype]
-    pointer_types = {name: inputs for name in ("h_ptr", "w_ptr", "b_ptr", "th_ptr", "tw_ptr", "tb_ptr")}
-    pointer_types["y_ptr"] = "*i64" if lossspec.KIND_SPECS[kind].has_labels else "*fp32"
-    signature: dict[str, str] = {}
-    attrs = {}
-    for i, param in enumerate(_triton_linear.KERNELS[job].params):
-        name = param.name
-        if param.is_constexpr:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = pointer_types.get(name, "*fp32")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("cap", "t_cap"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return signature, attrs
-
-
-def _compile_head(job: str, kind: str, options: dict, dtype: str, arch: int) -> tuple[Any, int]:
-    """``(compiled, num_warps)`` of a head kernel as ``torchloss.backends.triton_head`` launches it on a GPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from torchloss.backends import triton as _triton, triton_head as _triton_linear
-
-    config = lossspec.make_config(kind, **options)
-    constants = _triton_linear.constexprs(config, True, config.is_distill, _triton_linear.GPU_BLOCKS)
-    signature, attrs = _head_signature(job, kind, dtype)
-    warps = _triton_linear.GPU_BLOCKS[3]
-    src = ASTSource(fn=_triton_linear.KERNELS[job], signature=signature, constexprs=constants, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": _triton.FP_FUSION,
-                                                                              "maxnreg": _triton_linear.MAXNREG})
-    return compiled, warps
-
-
 def _compile_matmul(variant: str, arch: int) -> tuple[Any, int]:
     """``(compiled, num_warps)`` of the matmul kernel as ``torchloss.backends.triton_matmul`` launches it on
     a GPU for ``variant`` (:data:`MATMUL_VARIANTS`): unit strides specialised to the constant 1,
@@ -412,7 +364,7 @@ def liger_available() -> bool:
 
 def compile_kernel(job: str, variant: str, dtype: str, arch: int, **overrides: Any) -> tuple[Any, int, int]:
     """``(compiled, num_warps, block_v)`` of one kernel as a GPU launch specialises it
-    (``block_v``: the columns of one vocabulary pass, 0 for the head and matmul kernels); a loss
+    (``block_v``: the columns of one vocabulary pass, 0 for the matmul kernels); a loss
     kernel's constexprs replaced by ``overrides`` (tests). Needs ``TRITON_INTERPRET=0`` when
     triton is first imported."""
     import torch
@@ -429,8 +381,6 @@ def compile_kernel(job: str, variant: str, dtype: str, arch: int, **overrides: A
         return (*_compile_liger(dtype, arch), LIGER_BLOCK)
     if job in MATMUL_JOBS:
         return (*_compile_matmul(variant, arch), 0)
-    if job in HEAD_JOBS:
-        return (*_compile_head(job, kind, options, dtype, arch), 0)
     config = lossspec.make_config(kind, **options)
     constants = {**_triton.constexprs(job, config, getattr(torch, dtype), GPU_BLOCK_V), **overrides}
     signature, attrs = _signature(job, kind, dtype)

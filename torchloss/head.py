@@ -643,21 +643,6 @@ def head_backward(
     return dh, dw, db
 
 
-def _head_forward(plan: spec_linear.HeadPlan) -> Any:
-    """The one dispatch point: ``plan.impl`` is the resolved impl (:func:`torchloss.backends.resolve`);
-    an impl with head kernels runs them (Triton: :mod:`torchloss.backends.triton_head`, fp32 /
-    16-bit inputs, no vocabulary shards), the framework path :func:`head_forward`."""
-    kernels = backends.IMPLEMENTATIONS[plan.impl].head_kernels()
-    if kernels is not None:
-
-        def run(*args: Any, shards: Any = None, **kwargs: Any) -> Any:
-            assert shards is None  # refused by backends.resolve
-            return kernels.head_forward(*args, **kwargs)
-
-        return run
-    return head_forward
-
-
 def _save_inputs(
     ctx: Any, config: LossConfig, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Optional[Tensor],
     t_hidden: Optional[Tensor], t_weight: Optional[Tensor], t_bias: Optional[Tensor], coef: Tensor,
@@ -706,7 +691,7 @@ class LinearHeadFunction(torch.autograd.Function):
                 ctx.final, ctx.plan, ctx.shards = final, plan, shards
             contribution = torch.where(coef != 0, coef * per_token, 0.0)
             return contribution.sum() if reduced else contribution
-        per_token, dh, dw, db = _head_forward(plan)(
+        per_token, dh, dw, db = head_forward(
             *args, coef, need_grad=need_grad and reduced, tuning=plan.tuning, shards=shards
         )
         ctx.reduced = reduced
@@ -742,7 +727,7 @@ class LinearHeadFunction(torch.autograd.Function):
         else:
             args, coef = _saved_inputs(ctx)
             scaled = torch.where(coef != 0, coef * grad_loss.reshape(-1).to(coef.dtype), 0.0)
-            _, dh, dw, db = _head_forward(ctx.plan)(
+            _, dh, dw, db = head_forward(
                 *args, scaled, need_grad=True, tuning=ctx.plan.tuning, shards=ctx.shards
             )
             scale = None
@@ -911,11 +896,9 @@ def linear_cross_entropy(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
-        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
-        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
-        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
-        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
+      impl: ``"auto"`` or ``"xla"`` (jaxloss) / ``"torch"`` (torchloss): the framework's matmuls, on every device.
+        ``"pallas"`` / ``"triton"`` raise a ``ValueError``: the head kernels were retired (their exact fp32 tiles ran
+        about 300x slower than the three bf16 matmuls on an H200; docs/linear_head.md).
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -927,8 +910,7 @@ def linear_cross_entropy(
         ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
         bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
         exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
-        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
-        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products.
       vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
         (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
         rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
@@ -938,8 +920,7 @@ def linear_cross_entropy(
         ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
       tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
         (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
-        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
-        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        ``split_terms``; torch: ``triton_matmul_devices``); each
         path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
         compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
         computed.
@@ -1038,11 +1019,9 @@ def linear_soft_cross_entropy(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
-        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
-        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
-        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
-        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
+      impl: ``"auto"`` or ``"xla"`` (jaxloss) / ``"torch"`` (torchloss): the framework's matmuls, on every device.
+        ``"pallas"`` / ``"triton"`` raise a ``ValueError``: the head kernels were retired (their exact fp32 tiles ran
+        about 300x slower than the three bf16 matmuls on an H200; docs/linear_head.md).
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1054,8 +1033,7 @@ def linear_soft_cross_entropy(
         ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
         bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
         exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
-        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
-        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products.
       vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
         (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
         rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
@@ -1065,8 +1043,7 @@ def linear_soft_cross_entropy(
         ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
       tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
         (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
-        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
-        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        ``split_terms``; torch: ``triton_matmul_devices``); each
         path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
         compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
         computed.
@@ -1167,11 +1144,9 @@ def linear_forward_kl(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
-        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
-        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
-        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
-        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
+      impl: ``"auto"`` or ``"xla"`` (jaxloss) / ``"torch"`` (torchloss): the framework's matmuls, on every device.
+        ``"pallas"`` / ``"triton"`` raise a ``ValueError``: the head kernels were retired (their exact fp32 tiles ran
+        about 300x slower than the three bf16 matmuls on an H200; docs/linear_head.md).
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1183,8 +1158,7 @@ def linear_forward_kl(
         ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
         bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
         exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
-        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
-        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products.
       vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
         (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
         rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
@@ -1194,8 +1168,7 @@ def linear_forward_kl(
         ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
       tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
         (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
-        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
-        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        ``split_terms``; torch: ``triton_matmul_devices``); each
         path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
         compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
         computed.
@@ -1296,11 +1269,9 @@ def linear_reverse_kl(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
-        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
-        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
-        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
-        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
+      impl: ``"auto"`` or ``"xla"`` (jaxloss) / ``"torch"`` (torchloss): the framework's matmuls, on every device.
+        ``"pallas"`` / ``"triton"`` raise a ``ValueError``: the head kernels were retired (their exact fp32 tiles ran
+        about 300x slower than the three bf16 matmuls on an H200; docs/linear_head.md).
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1312,8 +1283,7 @@ def linear_reverse_kl(
         ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
         bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
         exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
-        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
-        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products.
       vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
         (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
         rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
@@ -1323,8 +1293,7 @@ def linear_reverse_kl(
         ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
       tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
         (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
-        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
-        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        ``split_terms``; torch: ``triton_matmul_devices``); each
         path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
         compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
         computed.
@@ -1412,11 +1381,9 @@ def linear_entropy(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
-        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
-        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
-        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
-        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
+      impl: ``"auto"`` or ``"xla"`` (jaxloss) / ``"torch"`` (torchloss): the framework's matmuls, on every device.
+        ``"pallas"`` / ``"triton"`` raise a ``ValueError``: the head kernels were retired (their exact fp32 tiles ran
+        about 300x slower than the three bf16 matmuls on an H200; docs/linear_head.md).
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1428,8 +1395,7 @@ def linear_entropy(
         ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
         bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
         exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
-        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
-        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products.
       vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
         (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
         rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
@@ -1439,8 +1405,7 @@ def linear_entropy(
         ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
       tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
         (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
-        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
-        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        ``split_terms``; torch: ``triton_matmul_devices``); each
         path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
         compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
         computed.
@@ -1542,11 +1507,9 @@ def linear_jensen_shannon(
         input token like the labels: with ``causal_shift`` position ``t`` is scored only if
         ``segment_ids[..., t] == segment_ids[..., t + 1]`` (never across a document boundary) and belongs to that
         sequence. Data: no gradient.
-      impl: ``"auto"`` (the XLA / torch path on every device: the head kernels are opt-in until they have been measured
-        faster than it on a GPU), ``"xla"`` or ``"pallas"`` (jaxloss), ``"torch"`` or ``"triton"`` (torchloss). The
-        kernels never form a ``[R, V]`` block of the logits: they compute tiles of ``hidden @ weight.T`` and fold them
-        into the online softmax (forward) and into the gradients (backward, recomputed); on an H200 they ran far slower
-        than the framework path (docs/linear_head.md). torch float64 inputs take the torch path whatever ``impl`` says.
+      impl: ``"auto"`` or ``"xla"`` (jaxloss) / ``"torch"`` (torchloss): the framework's matmuls, on every device.
+        ``"pallas"`` / ``"triton"`` raise a ``ValueError``: the head kernels were retired (their exact fp32 tiles ran
+        about 300x slower than the three bf16 matmuls on an H200; docs/linear_head.md).
       recompute_logits: ``False``: the forward computes the loss and the fp32 gradients of ``hidden``, ``weight`` and
         ``bias`` (three matmuls; the gradients are summed over token chunks in fp32 and rounded once). ``True``: the
         forward keeps only ``[N]`` statistics per token; the backward recomputes the logits a vocabulary slice at a time
@@ -1558,8 +1521,7 @@ def linear_jensen_shannon(
         ``ValueError`` otherwise): ``G`` is rounded once to bf16, to nearest even, so that all three matmuls are bf16 x
         bf16 products accumulated in fp32, the form tensor cores run at their bf16 speed; the gradients then meet the
         exact contract's bound plus ``2^-8`` of their componentwise magnitude, the loss section 6's plus the logits'
-        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products. The
-        head kernels (``impl="pallas"`` / ``"triton"``) compute the exact contract's numbers under either.
+        error carried to it (docs/spec.md section 8). On the CPU the same numbers come from exact fp32 products.
       vocab_parallel: ``None``, or a ``torch.distributed`` ``ProcessGroup`` over which the head is split along ``V``
         (Megatron's column-parallel head): ``weight`` (and ``bias``, ``teacher_weight``, ``teacher_bias``) is this
         rank's contiguous slice ``[V_local, H]`` (shards in rank order, sizes may differ, each >= 1), ``hidden`` (and
@@ -1569,8 +1531,7 @@ def linear_jensen_shannon(
         ``[N]`` row statistics cross the group, never logits; every rank of the group must make the call.
       tuning: ``None`` (the defaults) or a :class:`lossspec.HeadTuning`: the block budget of the XLA / torch path
         (``block_elements``, ``blocked_rows``, ``recompute_plan``), its opt-in bf16 matmuls (``bf16_matmul_devices``,
-        ``split_terms``; torch: ``triton_matmul_devices``) and the tiles of the Pallas / Triton head kernels
-        (``block_rows``, ``block_vocab``, ``block_hidden``, ``num_warps``, ``num_stages``; Pallas: ``interpret``); each
+        ``split_terms``; torch: ``triton_matmul_devices``); each
         path ignores the fields it does not read (the table: :class:`lossspec.HeadTuning`). Static in JAX (a new value
         compiles anew). It changes how the work is split, which may move the result by a rounding, never what is
         computed.

@@ -6,9 +6,12 @@ backend; the public functions call it once per call (``api.py`` for the losses a
 resolved name and reads the backend's entry (its modules and traits), never compares ``impl``
 strings. The backends (the twin of ``torchloss.backends``)::
 
-    name      the losses' kernels   vocab-parallel shard steps        the fused head          "auto" picks it
-    "xla"     backends/xla.py       backends/vocab_parallel.py's own  head.py's framework path  off-GPU (the head: everywhere)
-    "pallas"  backends/pallas.py    backends/pallas.py                backends/pallas_head.py   on a GPU (the losses only)
+    name      the losses' kernels   vocab-parallel shard steps        "auto" picks it
+    "xla"     backends/xla.py       backends/vocab_parallel.py's own  off-GPU
+    "pallas"  backends/pallas.py    backends/pallas.py                on a GPU
+
+The fused head runs on the framework path of ``head.py`` (:data:`PLAIN`) whatever the backend: its
+Pallas kernels were retired (``lossspec.linear.HEAD_KERNELS_RETIRED``).
 
 A backend holds loaders of its modules (an import statement each); a module is imported when
 first used and its functions are read at each call (so a test may replace one of them). The
@@ -21,10 +24,7 @@ losses' kernels take the call's :class:`lossspec.Tuning` (``tuning=``, read fiel
   ``higher_order``, ``HIGHER_ORDER_MESSAGE`` (the error of a second derivative);
 - ``shard`` (``None``: the XLA steps of ``backends/vocab_parallel.py``):
   ``shard_stats(cfg, x, target, *, tuning) -> Stats`` and
-  ``shard_grad(cfg, fin, x, target, coef, *, vocab, tuning) -> grad``;
-- ``head`` (``None``: ``head.py``'s framework path): ``head_forward(cfg, hidden, weight,
-  bias, labels, teacher, coef, *, with_grad, softcaps, tuning) -> (l, dh, dW, db)`` (``tuning``: the
-  call's ``lossspec.HeadTuning``).
+  ``shard_grad(cfg, fin, x, target, coef, *, vocab, tuning) -> grad``.
 """
 
 from __future__ import annotations
@@ -55,8 +55,6 @@ class Backend:
     loss: Callable[[], ModuleType]
     #: the vocab-parallel shard steps; ``None``: ``backends/vocab_parallel.py``'s own (XLA) steps
     shard: Optional[Callable[[], ModuleType]]
-    #: the fused head's kernels; ``None``: ``head.py``'s framework path
-    head: Optional[Callable[[], ModuleType]]
     #: whether ``impl="auto"`` picks this backend for the losses here (the first that does, in
     #: :data:`IMPLEMENTATIONS`' order)
     auto: Callable[[], bool]
@@ -72,10 +70,6 @@ class Backend:
         """The vocab-parallel shard steps (``shard_stats``, ``shard_grad``), or ``None``."""
         return None if self.shard is None else self.shard()
 
-    def head_kernels(self) -> Optional[ModuleType]:
-        """The fused head's kernels (``head_forward``), or ``None``."""
-        return None if self.head is None else self.head()
-
 
 def _xla() -> ModuleType:
     from . import xla as kernels
@@ -89,12 +83,6 @@ def _pallas() -> ModuleType:
     return kernels
 
 
-def _pallas_head() -> ModuleType:
-    from . import pallas_head as kernels
-
-    return kernels
-
-
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"  # read at each call: tests set it
 
@@ -104,7 +92,6 @@ IMPLEMENTATIONS: dict[str, Backend] = {
         name="pallas",
         loss=_pallas,
         shard=_pallas,
-        head=_pallas_head,
         auto=_on_gpu,
         higher_order=False,
     ),
@@ -112,24 +99,23 @@ IMPLEMENTATIONS: dict[str, Backend] = {
         name="xla",
         loss=_xla,
         shard=None,
-        head=None,
         auto=lambda: True,
         higher_order=True,
     ),
 }
 
-#: The framework path: what ``"auto"`` is for the fused head on every device (its kernels are
-#: opt-in), and the only path of the head with ``vocab_parallel`` and ``recompute_logits``.
-PLAIN: str = next(name for name, backend in IMPLEMENTATIONS.items() if backend.head is None)
+#: The framework path: the losses' twin of the torch path, and the fused head's only path (what
+#: ``"auto"`` and ``"xla"`` give it; ``"pallas"`` raises ``lossspec.linear.HEAD_KERNELS_RETIRED``).
+PLAIN: str = "xla"
 
 
 def resolve(impl: str, *, head: bool = False, vocab_parallel: bool = False) -> Backend:
     """The backend of one call's ``impl`` (checked against :data:`IMPLS`: a ``ValueError``).
 
     The losses: ``"auto"`` is the first backend of :data:`IMPLEMENTATIONS` whose ``auto()``
-    holds (Pallas on a GPU backend, XLA elsewhere). The fused head (``head=True``): ``"auto"``
-    is :data:`PLAIN` on every device, and a backend with head kernels refuses ``vocab_parallel``
-    (:func:`lossspec.linear.head_impl`: its rules and errors, shared with torchloss)."""
+    holds (Pallas on a GPU backend, XLA elsewhere). The fused head (``head=True``): :data:`PLAIN`
+    for ``"auto"`` and ``"xla"``, an error for ``"pallas"`` (:func:`lossspec.linear.head_impl`: its
+    rules and errors, shared with torchloss)."""
     lossspec.check_impl(impl, IMPLS)
     if head:
         return IMPLEMENTATIONS[spec_linear.head_impl(impl, IMPLS, PLAIN, vocab_parallel)]

@@ -12,10 +12,9 @@ import torchloss
 
 from parity_tests.support import tiny_lm_oracle
 
-# The device of every test's impl="triton" tensors (the Triton suites, test_linear_head_kernels.py,
-# and the triton cases of the oracle, autograd, soft-cap, 16-bit and other matrices, through
-# support.torch_cases.device_for): with CUDA the kernels are compiled and take CUDA tensors only;
-# without it torchloss runs them through the Triton interpreter on CPU tensors. Inputs are made
+# The device of every test's impl="triton" tensors (the Triton suites and the triton cases of
+# the oracle, autograd, soft-cap, 16-bit and other matrices, through support.torch_cases.device_for):
+# with CUDA the kernels are compiled and take CUDA tensors only; without it torchloss runs them through the Triton interpreter on CPU tensors. Inputs are made
 # on the host as before (NumPy, same seeds) and moved here; results come back with .cpu().
 TRITON_DEVICE: torch.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

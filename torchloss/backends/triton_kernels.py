@@ -217,12 +217,6 @@ def _add3(a, b, c, d, e, f):
 
 
 @triton.jit
-def is_bad(v):
-    """1 where ``v`` is NaN or ``+inf`` (int32, reduces with ``max``)."""
-    return tl.where((v != v) | (v == float("inf")), 1, 0)
-
-
-@triton.jit
 def weighted_shift(w, v):
     """``w v`` where the weight ``w`` (an exponential, ``>= 0``) is > 0, and 0 where it is 0, for
     ``v <= 0`` (a logit minus its maximum, ``-inf`` at a ``-inf`` logit): the product is ``<= 0``
