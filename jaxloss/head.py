@@ -893,8 +893,8 @@ def _linear_loss(kind: str, **args: Any) -> Array:
     )
     kcfg = KernelConfig.of(config.kernel_config())  # jensen_shannon at beta = 0 / 1: the KL kinds, exactly
     dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    backend = backends.resolve(args["impl"], head=True, vocab_parallel=shards is not None)  # the one resolution of this call's impl
-    recompute = spec_linear.check_recompute_logits(args["recompute_logits"], backend.name, backends.PLAIN)
+    backend = backends.resolve(args["impl"], head=True)  # the one resolution of this call's impl
+    recompute = spec_linear.check_recompute_logits(args["recompute_logits"])
     plan = spec_linear.HeadPlan(backend.name, recompute, spec_linear.head_matmul_tuning(args["tuning"], args["precision"]), args["precision"])
     head_spec = Spec(kcfg, config.normalization != "none", plan, dtypes, shards)
     device = lambda a: None if a is None else _prepare.to_device(a)  # noqa: E731

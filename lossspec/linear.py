@@ -105,22 +105,17 @@ def head_matmul_tuning(tuning: "HeadTuning", precision: str) -> "HeadTuning":
     return dataclasses.replace(tuning, bf16_matmul_devices=HEAD_TENSOR_DEVICES, split_terms=1)
 
 
-def check_recompute_logits(recompute_logits: Any, impl: str, plain: str) -> bool:
-    """``recompute_logits`` checked: a bool, and only on the framework's plain path ``plain``
-    (``impl`` resolved by :func:`head_impl`)."""
+def check_recompute_logits(recompute_logits: Any) -> bool:
+    """``recompute_logits`` checked: ``True`` or ``False`` (a ``TypeError`` otherwise)."""
     if not isinstance(recompute_logits, (bool, np.bool_)):
         raise TypeError(f"recompute_logits must be True or False, got {recompute_logits!r}")
-    if recompute_logits and impl != plain:
-        raise ValueError(f"recompute_logits=True is a mode of the {plain!r} path; impl={impl!r} does not take it")
     return bool(recompute_logits)
 
 
-def head_impl(impl: str, choices: tuple[str, ...], plain: str, vocab_parallel: bool) -> str:
+def head_impl(impl: str, choices: tuple[str, ...], plain: str) -> str:
     """The fused head's path from ``impl`` (checked against the framework's ``choices``): the
     framework's plain path (``plain``: ``"xla"`` / ``"torch"``) for ``"auto"`` and ``plain``;
-    the kernel implementations (``"pallas"`` / ``"triton"``) raise :data:`HEAD_KERNELS_RETIRED`.
-    ``vocab_parallel`` is taken for the callers' symmetry (the plain path has both forms)."""
-    del vocab_parallel
+    the kernel implementations (``"pallas"`` / ``"triton"``) raise :data:`HEAD_KERNELS_RETIRED`."""
     check_impl(impl, choices)
     if impl not in ("auto", plain):
         raise ValueError(HEAD_KERNELS_RETIRED.format(impl=impl, plain=plain))
@@ -614,7 +609,7 @@ def head_module_settings(kind: str, settings: dict[str, Any], unexpected: dict[s
     from .kinds import module_settings
 
     settings = module_settings(KIND_SPECS[kind], settings, unexpected, owner, head=True)
-    resolved = head_impl(settings["impl"], impls, plain, settings.get("vocab_parallel") is not None)
-    check_recompute_logits(settings["recompute_logits"], resolved, plain)
+    head_impl(settings["impl"], impls, plain)
+    check_recompute_logits(settings["recompute_logits"])
     check_head_precision(settings.get("precision", "exact"))
     return settings

@@ -48,7 +48,6 @@ def test_jax_auto_for_losses_and_head(monkeypatch: pytest.MonkeyPatch) -> None:
         assert jax_backends.resolve("auto").name == losses
         assert jaxloss.resolve_impl("auto") == losses
         assert jax_backends.resolve("auto", head=True).name == "xla"
-        assert jax_backends.resolve("auto", head=True, vocab_parallel=True).name == "xla"
         for name in ("xla", "pallas"):
             assert jax_backends.resolve(name).name == name
         assert jax_backends.resolve("xla", head=True).name == "xla"
@@ -81,11 +80,11 @@ def test_resolve_refuses_what_the_contract_refuses(framework: str) -> None:
     with pytest.raises(ValueError) as want:
         lossspec.check_impl("cuda", impls)
     assert str(got.value) == str(want.value)
-    for vocab_parallel in (False, True):
-        with pytest.raises(ValueError) as got:
-            resolve(kernels, head=True, vocab_parallel=vocab_parallel)
-        assert str(got.value) == lossspec.linear.HEAD_KERNELS_RETIRED.format(impl=kernels, plain=plain)
-    assert resolve(kernels, vocab_parallel=True).name == kernels  # the losses' kernels have shard steps
+    with pytest.raises(ValueError) as got:
+        resolve(kernels, head=True)
+    assert str(got.value) == lossspec.linear.HEAD_KERNELS_RETIRED.format(impl=kernels, plain=plain)
+    registry = jax_backends if framework == "jaxloss" else torch_backends
+    assert resolve(kernels).name == kernels and registry.IMPLEMENTATIONS[kernels].shard is not None  # the losses' kernels have shard steps
 
 
 def test_jax_backends_offer_what_the_orchestration_calls() -> None:

@@ -818,8 +818,8 @@ def _linear_loss(kind: str, **args: Any) -> Tensor:
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     rows = math.prod(lead)
     t_args = (None, None, None) if teacher is None else (teacher[0].reshape(rows, teacher[0].shape[-1]), teacher[1], teacher[2])
-    backend = backends.resolve(args["impl"], hidden, head=True, vocab_parallel=vocab_parallel is not None)  # the one resolution
-    recompute = spec_linear.check_recompute_logits(args["recompute_logits"], backend.name, backends.PLAIN)
+    backend = backends.resolve(args["impl"], hidden, head=True)  # the one resolution
+    recompute = spec_linear.check_recompute_logits(args["recompute_logits"])
     loss = LinearHeadFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, prepared.target if ce else None, *t_args, prepared.coef, config, need_grad,
         spec_linear.HeadPlan(backend.name, recompute, spec_linear.head_matmul_tuning(tuning, args["precision"]), args["precision"]), shards,

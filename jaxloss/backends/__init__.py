@@ -109,7 +109,7 @@ IMPLEMENTATIONS: dict[str, Backend] = {
 PLAIN: str = "xla"
 
 
-def resolve(impl: str, *, head: bool = False, vocab_parallel: bool = False) -> Backend:
+def resolve(impl: str, *, head: bool = False) -> Backend:
     """The backend of one call's ``impl`` (checked against :data:`IMPLS`: a ``ValueError``).
 
     The losses: ``"auto"`` is the first backend of :data:`IMPLEMENTATIONS` whose ``auto()``
@@ -118,7 +118,7 @@ def resolve(impl: str, *, head: bool = False, vocab_parallel: bool = False) -> B
     rules and errors, shared with torchloss)."""
     lossspec.check_impl(impl, IMPLS)
     if head:
-        return IMPLEMENTATIONS[spec_linear.head_impl(impl, IMPLS, PLAIN, vocab_parallel)]
+        return IMPLEMENTATIONS[spec_linear.head_impl(impl, IMPLS, PLAIN)]
     if impl == AUTO:
         return next(backend for backend in IMPLEMENTATIONS.values() if backend.auto())
     return IMPLEMENTATIONS[impl]

@@ -121,7 +121,7 @@ IMPLEMENTATIONS: dict[str, Backend] = {
 PLAIN: str = "torch"
 
 
-def resolve(impl: str, reference: Any, *, head: bool = False, vocab_parallel: bool = False) -> Backend:
+def resolve(impl: str, reference: Any, *, head: bool = False) -> Backend:
     """The backend of one call's ``impl`` (checked against :data:`IMPLS`: a ``ValueError``).
 
     The losses: ``"auto"`` is the first backend of :data:`IMPLEMENTATIONS` whose ``auto`` holds
@@ -131,7 +131,7 @@ def resolve(impl: str, reference: Any, *, head: bool = False, vocab_parallel: bo
     imported here (:meth:`Backend.kernels` does)."""
     lossspec.check_impl(impl, IMPLS)
     if head:
-        return IMPLEMENTATIONS[spec_linear.head_impl(impl, IMPLS, PLAIN, vocab_parallel)]
+        return IMPLEMENTATIONS[spec_linear.head_impl(impl, IMPLS, PLAIN)]
     if impl == AUTO:
         return next(backend for backend in IMPLEMENTATIONS.values() if backend.auto(reference))
     return IMPLEMENTATIONS[impl]
