@@ -20,7 +20,8 @@
 #
 # --short (or GPU_CHECK_SHORT=1): a lent machine's 15 minutes hold this whole run once, so the
 # short mode fits in about 6 minutes (GPU_CHECK_SECONDS 360): the kernel suites that issue 32
-# changed (the Pallas and Triton kernels' tests), no lossparity, a 30 s launch-shape sweep, and the
+# changed (the Pallas and Triton kernels' tests), no lossparity, a 45 s sweep of the Triton kernels'
+# pipelining and persistent programs (gpu_triton_sweep --grid pipeline), and the
 # benchmark rows at the issue's shape (16384 x 131072 bf16, 30% masked, the loss group): our
 # kernels (with and without the in-place gradient), Liger, flash-attn and the speed-of-light
 # passes, cross-entropy first; the slow peers (torch.compile, eager, optax, the torch path) and the
@@ -34,7 +35,7 @@
 #
 # Environment: GPU_CHECK_SECONDS (default 600, --short 360) the whole budget; GPU_CHECK_PYTEST_SECONDS
 # (default 150, --short 120) the kernel tests' share of it; GPU_CHECK_SWEEP_SECONDS (default 60,
-# --short 30) the Triton launch-shape sweep's; GPU_CHECK_BENCH_ARGS more arguments of the benchmark
+# --short 45) the Triton launch-shape sweep's; GPU_CHECK_BENCH_ARGS more arguments of the benchmark
 # (they replace the short mode's); GPU_CHECK_TESTS other test files; GPU_CHECK_SKIP_PARITY=1 leaves
 # lossparity out; PYTHON_BIN a Python to use as it is. The project is imported from this checkout
 # (PYTHONPATH), never installed.
@@ -54,6 +55,7 @@ for arg in "$@"; do
   esac
 done
 probe_seconds=0
+sweep_args="--grid all --head"
 
 kernel_tests=(parity_tests/test_torchloss_triton_kernels.py
               parity_tests/test_torchloss_triton_vocab_parallel.py parity_tests/test_jaxloss_kernels.py
@@ -73,7 +75,10 @@ if [ -n "$head" ]; then
 elif [ -n "$short" ]; then
   budget=${GPU_CHECK_SECONDS:-360}
   pytest_seconds=${GPU_CHECK_PYTEST_SECONDS:-120}
-  sweep_seconds=${GPU_CHECK_SWEEP_SECONDS:-30}
+  sweep_seconds=${GPU_CHECK_SWEEP_SECONDS:-45}
+  # the block x warps grid ran on the H200 (benchmarks/results/gpu_triton_sweep_a73ea56.json):
+  # the short run times the untimed knobs only, pipelining x persistent programs, 10 reps each
+  sweep_args="--grid pipeline --reps 10"
   # the suites of the kernels issue 32 changed: the Pallas and Triton loss kernels
   kernel_tests=(parity_tests/test_jaxloss_kernels.py parity_tests/test_torchloss_triton_kernels.py parity_tests/test_jaxloss_inplace.py)
   kernel_filter="pallas or triton"
@@ -102,7 +107,7 @@ plan() {
   echo "  1. the GPU, the driver, the Python with CUDA torch and JAX, the carried peers (.whl/), the versions"
   echo "  2. kernel tests (${pytest_seconds} s): pytest ${kernel_tests[*]} -k '$kernel_filter'"
   if [ -n "$skip_parity" ]; then echo "  3. lossparity: skipped"; else echo "  3. lossparity: Pallas and Triton vs the oracle"; fi
-  if [ "$sweep_seconds" -gt 0 ]; then echo "  4. Triton launch shapes (${sweep_seconds} s): python -m benchmarks.gpu_triton_sweep --max-seconds $sweep_seconds --head"; fi
+  if [ "$sweep_seconds" -gt 0 ]; then echo "  4. Triton launch shapes (${sweep_seconds} s): python -m benchmarks.gpu_triton_sweep --max-seconds $sweep_seconds $sweep_args"; fi
   if [ "$probe_seconds" -gt 0 ]; then echo "  4. the head's matmuls alone (${probe_seconds} s): python -m benchmarks.gpu_matmul_probe"; fi
   echo "  5. benchmark (the time left): python -m benchmarks.run $bench_args"
 }
@@ -212,8 +217,9 @@ timeout 30 "$py" -m lossparity --quiet --backends jax-pallas,torch-triton --shap
 fi
 
 if [ "$sweep_seconds" -gt 0 ]; then
-step "Triton launch shapes: python -m benchmarks.gpu_triton_sweep (vocabulary block x warps)"
-timeout "$(( sweep_seconds + 50 ))" "$py" -m benchmarks.gpu_triton_sweep --max-seconds "$sweep_seconds" --head \
+step "Triton launch shapes: python -m benchmarks.gpu_triton_sweep (pipelining x persistent programs; block x warps)"
+# shellcheck disable=SC2086  # sweep_args: several arguments
+timeout "$(( sweep_seconds + 50 ))" "$py" -m benchmarks.gpu_triton_sweep --max-seconds "$sweep_seconds" $sweep_args \
   --json benchmarks/results/gpu_triton_sweep.json || failures+=("Triton sweep")
 fi
 if [ "$probe_seconds" -gt 0 ]; then

@@ -1,12 +1,21 @@
 """Launch-shape sweep of the Triton loss kernels on a GPU (run by ``benchmarks/gpu_check.sh``).
 
 For each loss kind, times ``torchloss.<kind>(..., impl="triton")`` forward + backward at
-N x V (default 16384 x 131072, bf16 logits, 30% of the tokens masked) for each vocabulary block
-(``tuning=lossspec.Tuning(vocab_block=..., num_warps=...)``) and warp count, medians of CUDA-event timings, and checks
-that every configuration gives the default configuration's loss and gradient up to fp32
-reassociation (the summation order follows the block). Prints a table and writes JSON::
+N x V (default 16384 x 131072, bf16 logits, 30% of the tokens masked) for each configuration,
+medians of CUDA-event timings, and checks that every configuration gives the default
+configuration's loss and gradient up to fp32 reassociation (the summation order follows the
+block). Two grids (``--grid``):
 
-    python -m benchmarks.gpu_triton_sweep [--n 16384] [--v 131072] [--reps 20] [--kinds K1,K2] [--max-seconds S] [--json PATH]
+* ``pipeline`` (first): at the default block and warps, the loops' software pipelining
+  (``Tuning(num_stages=1, 2, 3)``) times the persistent programs of the fused and regrad kernels
+  (``Tuning(programs=None``, one per row, or 1, 2, 4 x the multiprocessor count): fewer rows in
+  flight, so that more of each row's second read (walked last block first) comes from L2;
+* ``shapes``: each vocabulary block (``Tuning(vocab_block=...)``) x warp count (``num_warps``).
+
+Prints a table and writes JSON::
+
+    python -m benchmarks.gpu_triton_sweep [--n 16384] [--v 131072] [--reps 20] [--kinds K1,K2] [--grid all|pipeline|shapes]
+                                          [--max-seconds S] [--json PATH]
 
 The defaults of ``torchloss.backends.triton`` (``DEFAULTS.vocab_block``, ``num_warps``) are chosen from this
 sweep; the kernels' correctness at every block size is the test suite's business.
@@ -31,6 +40,24 @@ from torchloss.backends import triton as _triton
 KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
 BLOCKS = (2048, 4096, 8192, 16384, 32768)  # 32768 x 16-32 warps: the peers' (Liger) blocks
 WARPS = (8, 16, 32)
+STAGES = (1, 2, 3)
+PROGRAMS_PER_SM = (None, 1, 2, 4)  # None: one program per row (the default)
+
+
+def configs(grid: str, multiprocessors: int) -> list[dict[str, Any]]:
+    """The :class:`lossspec.Tuning` fields of each configuration of ``grid`` (``"pipeline"``,
+    ``"shapes"`` or ``"all"``, the pipeline grid first); ``{}`` is the default."""
+    out: list[dict[str, Any]] = []
+    if grid in ("pipeline", "all"):
+        for per_sm in PROGRAMS_PER_SM:
+            for stages in STAGES:
+                fields: dict[str, Any] = {} if stages == 1 else {"num_stages": stages}
+                if per_sm is not None:
+                    fields["programs"] = per_sm * multiprocessors
+                out.append(fields)
+    if grid in ("shapes", "all"):
+        out += [{"vocab_block": block, "num_warps": warps} for block in BLOCKS for warps in WARPS]
+    return out
 
 
 def _time(step: Callable[[], Any], reps: int, cuda: bool) -> list[float]:
@@ -102,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--v", type=int, default=131072)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--kinds", default="cross_entropy,reverse_kl")
+    parser.add_argument("--grid", choices=("all", "pipeline", "shapes"), default="all")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop starting configurations after this long")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--head", action="store_true", help="also time the fused head's torch path (small shape)")
@@ -115,10 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     labels = torch.randint(0, v, (n,), generator=gen, device=device)
     mask = torch.rand((n,), generator=gen, device=device) >= 0.3
     default_block, default_warps = _triton.DEFAULTS.vocab_block, _triton.num_warps
+    multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 2
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     print(f"Triton sweep: N={n} V={v} bf16, 30% masked, {args.reps} reps; default vocab_block={default_block}, "
-          f"num_warps(block)={default_warps(min(default_block, v))}", flush=True)
+          f"num_warps(block)={default_warps(min(default_block, v))}, {multiprocessors} multiprocessors", flush=True)
     for kind in args.kinds.split(","):
         fn = getattr(torchloss, kind)
         target = labels if lossspec.KIND_SPECS[kind].has_labels else teacher
@@ -130,37 +159,38 @@ def main(argv: list[str] | None = None) -> int:
             return loss
 
         reference = None
-        for block in BLOCKS:
-            for warps in WARPS:
-                if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
-                    rows.append({"kind": kind, "block_v": block, "num_warps": warps, "error": "skipped: time budget"})
-                    continue
-                tuning = lossspec.Tuning(vocab_block=block, num_warps=warps)  # every job's launches
-                try:
-                    loss = step(tuning).detach().double().item()
-                    grad = logits.grad.detach().float()
-                    if reference is None:
-                        reference = (loss, grad.clone())
-                    times = _time(lambda: step(tuning), args.reps, cuda)
-                    row = {"kind": kind, "block_v": block, "num_warps": warps, "median_ms": statistics.median(times),
-                           "min_ms": min(times), "max_ms": max(times), "loss": loss,
-                           "loss_rel_diff": abs(loss - reference[0]) / max(abs(reference[0]), 1e-30),
-                           "grad_max_abs_diff": float((grad - reference[1]).abs().max()),
-                           "grad_max_abs": float(reference[1].abs().max())}
-                except Exception as exc:  # a launch shape the compiler refuses (registers, shared memory)
-                    row = {"kind": kind, "block_v": block, "num_warps": warps, "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
-                rows.append(row)
-                if "error" in row:
-                    print(f"{kind:18} block {block:6} warps {warps:3}: {row['error']}", flush=True)
-                else:
-                    print(f"{kind:18} block {block:6} warps {warps:3}: {row['min_ms']:7.3f} / {row['median_ms']:7.3f} / "
-                          f"{row['max_ms']:7.3f} ms  loss rel diff {row['loss_rel_diff']:.1e}  grad max diff "
-                          f"{row['grad_max_abs_diff']:.1e} (max |grad| {row['grad_max_abs']:.1e})", flush=True)
+        for fields in configs(args.grid, multiprocessors):
+            label = " ".join(f"{k}={val}" for k, val in fields.items()) or "default"
+            if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
+                rows.append({"kind": kind, **fields, "error": "skipped: time budget"})
+                continue
+            tuning = lossspec.Tuning(**fields)  # every job's launches
+            try:
+                loss = step(tuning).detach().double().item()
+                grad = logits.grad.detach().float()
+                if reference is None:
+                    reference = (loss, grad.clone())
+                times = _time(lambda: step(tuning), args.reps, cuda)
+                row = {"kind": kind, **fields, "median_ms": statistics.median(times),
+                       "min_ms": min(times), "max_ms": max(times), "loss": loss,
+                       "loss_rel_diff": abs(loss - reference[0]) / max(abs(reference[0]), 1e-30),
+                       "grad_max_abs_diff": float((grad - reference[1]).abs().max()),
+                       "grad_max_abs": float(reference[1].abs().max())}
+            except Exception as exc:  # a launch shape the compiler refuses (registers, shared memory)
+                row = {"kind": kind, **fields, "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+            rows.append(row)
+            if "error" in row:
+                print(f"{kind:18} {label:36}: {row['error']}", flush=True)
+            else:
+                print(f"{kind:18} {label:36}: {row['min_ms']:7.3f} / {row['median_ms']:7.3f} / "
+                      f"{row['max_ms']:7.3f} ms  loss rel diff {row['loss_rel_diff']:.1e}  grad max diff "
+                      f"{row['grad_max_abs_diff']:.1e} (max |grad| {row['grad_max_abs']:.1e})", flush=True)
         ok = [r for r in rows if r["kind"] == kind and "error" not in r]
         if ok:
             best = min(ok, key=lambda r: r["median_ms"])
-            default = next((r for r in ok if r["block_v"] == default_block and r["num_warps"] == default_warps(min(default_block, v))), None)
-            print(f"{kind}: best block {best['block_v']} x {best['num_warps']} warps {best['median_ms']:.3f} ms"
+            default = next((r for r in ok if not set(r) & {"vocab_block", "num_warps", "num_stages", "programs"}), None)
+            best_label = " ".join(f"{k}={best[k]}" for k in ("vocab_block", "num_warps", "num_stages", "programs") if k in best) or "default"
+            print(f"{kind}: best {best_label} {best['median_ms']:.3f} ms"
                   + (f"; default {default['median_ms']:.3f} ms" if default else ""), flush=True)
     head = _head_kernels(args.reps, cuda) if args.head else []
     if args.json:

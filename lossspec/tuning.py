@@ -26,7 +26,11 @@ field                    read by (default when ``None``)
                          vocab-parallel path and of the per-row scaling of the backward.
 ``block_rows``           Pallas: rows of one program (8 interpreted, 4 on a GPU; a power of two).
 ``num_warps``            Pallas (4), Triton (``torchloss.backends.triton.num_warps``: 4 to 16 by block width).
-``num_stages``           Pallas (Triton's default).
+``num_stages``           Pallas (Triton's default); Triton: the software-pipelining depth of the
+                         vocabulary loops (1: none; 2 or more issue the next blocks' loads while a
+                         block is computed).
+``programs``             Triton: programs of the fused and regrad kernels, each taking every
+                         ``programs``-th row in turn (one program per row).
 ``interpret``            Pallas: ``True`` / ``False`` forces interpret mode / the Triton lowering
                          (``None``: per lowering platform, the kernel on CUDA / ROCm, else
                          interpreted).
@@ -41,7 +45,7 @@ import numbers
 from typing import Any, Optional
 
 #: the fields holding a size (``None`` or a positive ``int``)
-SIZE_FIELDS = ("vocab_block", "single_block_vocab", "chunk_elements", "cpu_tile_elements", "block_rows", "num_warps", "num_stages")
+SIZE_FIELDS = ("vocab_block", "single_block_vocab", "chunk_elements", "cpu_tile_elements", "block_rows", "num_warps", "num_stages", "programs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +61,7 @@ class Tuning:
     block_rows: Optional[int] = None
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
+    programs: Optional[int] = None
     interpret: Optional[bool] = None
     debug: bool = False
 

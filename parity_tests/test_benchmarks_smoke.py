@@ -429,7 +429,7 @@ def test_gpu_check_short_dry_run_plans_without_running() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "plan (short mode, budget 360 s)" in out and "dry run: nothing run" in out
-    assert "test_jaxloss_kernels.py" in out and "benchmarks.gpu_triton_sweep --max-seconds 30" in out
+    assert "test_jaxloss_kernels.py" in out and "benchmarks.gpu_triton_sweep --max-seconds 45 --grid pipeline --reps 10" in out
     assert "benchmarks.run --gpu-quick --name gpu_quick_short --no-head" in out
     if shutil.which("nvidia-smi") is None:
         assert "no NVIDIA GPU visible" in out
@@ -449,3 +449,23 @@ def test_gpu_check_head_dry_run_plans_the_head_rows() -> None:
     named = re.search(r"--backends (\S+)", out).group(1).split(",")
     assert {"head-torchloss-fused-tensor", "head-jaxloss-fused-tensor", "head-liger", "head-cce", "head-tokamax"} <= set(named)
     assert all(name in BACKENDS and BACKENDS[name].group == "head" and "gpu" in BACKENDS[name].devices for name in named), named
+
+
+@pytest.mark.slow  # interpreted Triton kernels, 12 launch configurations
+def test_triton_sweep_pipeline_grid_runs_and_changes_no_bit(tmp_path: Path) -> None:
+    """``python -m benchmarks.gpu_triton_sweep --grid pipeline`` (what ``gpu_check.sh --short``
+    runs on a lent GPU, whose one run must not be lost to a broken script), here on CPU tensors
+    through the Triton interpreter: every configuration (num_stages 1-3 x programs: one per row,
+    1, 2, 4 x the multiprocessors) runs, and gives the default's loss and gradient bit for bit."""
+    from benchmarks import gpu_triton_sweep
+
+    out = tmp_path / "sweep.json"
+    assert gpu_triton_sweep.main(["--n", "6", "--v", "40", "--reps", "1", "--kinds", "cross_entropy", "--grid", "pipeline",
+                                  "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == len(gpu_triton_sweep.STAGES) * len(gpu_triton_sweep.PROGRAMS_PER_SM)
+    assert {(r.get("num_stages", 1), r.get("programs")) for r in rows} == {
+        (stages, None if per_sm is None else 2 * per_sm) for stages in gpu_triton_sweep.STAGES for per_sm in gpu_triton_sweep.PROGRAMS_PER_SM}
+    for r in rows:
+        assert "error" not in r, r
+        assert r["loss_rel_diff"] == 0 and r["grad_max_abs_diff"] == 0 and r["grad_max_abs"] > 0, r

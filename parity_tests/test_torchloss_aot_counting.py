@@ -89,6 +89,25 @@ def test_unrolled_pass_bodies_count_per_iteration() -> None:
     assert aot.pass_count_problems([dataclasses.replace(row, pass_unroll=[0])]) != []
 
 
+def test_pipelined_passes_inside_a_persistent_row_loop() -> None:
+    """``Tuning(num_stages=2, programs=...)``'s code: the passes load with ``LDGSTS`` (asynchronous
+    copies to shared memory, 16 bytes each) and sit inside the persistent programs' row loop. The
+    report finds the two passes, not the row loop, and counts the ``LDGSTS`` as 16-byte global
+    loads."""
+    aot = _report_module()
+    pass_1 = ["LDGSTS.E.BYPASS.128 [R5], desc[UR16][R2.64]", "LDGDEPBAR", "DEPBAR.LE SB0, 0x1", "LDS.128 R8, [R5]",
+              "BAR.SYNC.DEFER_BLOCKING 0x0"]
+    body, starts = ["IADD3 R30, R30, UR5, RZ"], []  # the row loop's head
+    for loop in (pass_1, _PASS_2):
+        starts.append(0x100 + 16 * len(body))
+        body += loop + [f"@!P1 BRA {hex(starts[-1])}"]
+    body += ["ISETP.GE.AND P2, PT, R30, UR6, PT", "@!P2 BRA 0x100"]  # the row loop's back edge
+    loops = aot.sass_loops(_sass(body))
+    assert [(l.instructions, l.loads, l.vector_loads) for l in loops] == [(len(body), 2, 1), (6, 1, 1), (5, 1, 0)]
+    passes = aot.vocabulary_passes(loops)
+    assert [(l.instructions, l.barriers, l.loads) for l in passes] == [(6, 1, 1), (5, 0, 1)]
+
+
 def test_hbm_bytes_model() -> None:
     """Two reads and one write of the logits per valid row; the teacher read on both passes; a
     third pass for jensen_shannon; masked rows write zeros only."""

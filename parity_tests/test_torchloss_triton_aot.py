@@ -93,3 +93,42 @@ def test_compiled_bf16_store_is_the_hardware_round_to_nearest_even() -> None:
         assert found[name]["sass_f2fp"] == ["F2FP.BF16.F32.PACK_AB"], found[name]
         assert found[name]["hand_rounding"] == [], found[name]
     assert found["hand"]["hand_rounding"], found["hand"]
+
+
+_PIPELINED = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("triton_aot_report", sys.argv[1])
+aot = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = aot
+spec.loader.exec_module(aot)
+out = {}
+for kind in ("cross_entropy", "reverse_kl"):
+    for name, overrides in (("default", {}), ("pipelined", {"STAGES": 2, "PERSISTENT": True})):
+        compiled, _, _ = aot.compile_kernel("fused", kind, "bfloat16", 90, **overrides)
+        sass = aot.disassemble(compiled.asm["cubin"])
+        passes = aot.vocabulary_passes(aot.sass_loops(sass))
+        code = aot.sass_instructions(sass)
+        async_loads = [sum(aot.opcode(i).startswith("LDGSTS") for a, i in code if l.start <= a <= l.end) for l in passes]
+        out[kind + " " + name] = {"passes": len(passes), "async_loads": async_loads, "shared": int(compiled.metadata.shared)}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _ptxas_available(), reason="needs triton with its bundled ptxas")
+def test_pipelined_persistent_kernels_compile_to_async_copies() -> None:
+    """``Tuning(num_stages=2, programs=...)`` compiled for sm_90 (the fused kernel, cross-entropy
+    and reverse KL, bf16): both vocabulary passes load with asynchronous copies (``LDGSTS``, the
+    software pipelining of ``tl.range(..., num_stages=2)``) inside the persistent programs' row
+    loop, in one buffer a stage that fits the 48 KB of shared memory every launch gets; the
+    default launch has neither (plain ``LDG`` loads, no staging buffer). Unpipelined, the knob
+    would measure nothing on a GPU."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _PIPELINED, str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kind in ("cross_entropy", "reverse_kl"):
+        default, pipelined = found[kind + " default"], found[kind + " pipelined"]
+        assert default["passes"] == 2 and default["async_loads"] == [0, 0] and default["shared"] < 1024, default
+        assert pipelined["passes"] == 2 and all(n > 0 for n in pipelined["async_loads"]), pipelined
+        assert 8 * 1024 <= pipelined["shared"] < 48 * 1024, pipelined

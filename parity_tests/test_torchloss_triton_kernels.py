@@ -253,6 +253,8 @@ def _tensors_targetless(case: lossspec.Case, config: lossspec.LossConfig):
     x = torch.tensor(case.logits).to(dtype).to(DEVICE)
     _, weight = lossspec.token_weights(config, None, case.loss_mask, (x.shape[0],))
     denom = weight.sum()
+    if config.normalization == "none":
+        denom = 1.0
     coef = torch.tensor(weight / denom if denom > 0 else np.zeros_like(weight), dtype=torch.float32).to(DEVICE)
     return x, coef, coef
 
@@ -415,6 +417,48 @@ def test_public_api(kind: str, dtype: str) -> None:
     ref = case.reference(**options)
     lossspec.assert_close_to_oracle(loss.detach().cpu().numpy(), _numpy(x.grad), ref.loss, ref.grad, dtype=dtype,
                                     g0=ref.g0, what=case.name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pipelined loops (Tuning.num_stages) and persistent programs (Tuning.programs)
+# ------------------------------------------------------------------------------------------------
+
+# 3 stages; 5 programs over 12 rows (2 or 3 rows each, masked rows among them); one program for all.
+PIPELINED = (lossspec.Tuning(vocab_block=64, num_stages=3, programs=5), lossspec.Tuning(vocab_block=64, num_stages=2, programs=1))
+
+
+@pytest.mark.parametrize("capped", [False, True], ids=["plain", "softcap"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", lossspec.ALL_KINDS)
+def test_pipelined_and_persistent_launches(kind: str, dtype: str, capped: bool) -> None:
+    """``Tuning(num_stages=, programs=)``: the forward (also in place), and the 16-bit backward's
+    per-token recompute, against the oracle, and bit for bit the default launch's results (a
+    launch shape never changes what is computed: the same blocks, in the same order per row)."""
+    options: dict = {}
+    if capped:
+        options["logit_softcap"] = 4.0
+        if lossspec.KIND_SPECS[kind].has_teacher:
+            options["teacher_logit_softcap"] = 6.0
+    case = lossspec.make_case(kind, "float_weights", lead_shape=(12,), vocab=150, dtype=dtype, seed=21)
+    config = lossspec.make_config(kind, normalization="none", **options)
+    x, target, coef = _tensors(case, config) if case.target is not None else _tensors_targetless(case, config)
+    upstream = torch.tensor([0.37, 1.0, -2.5, 3.0, 1.0, 1e-3, 0.0, 7.25, 1.0, -0.5, 2.0, 0.9], dtype=torch.float32).to(DEVICE)
+    base_loss, base_grad = _triton.forward(config, x, target, coef, tuning=SMALL_BLOCKS)
+    base_regrad = _triton.regrad_(config, x, target, coef, upstream, base_grad.clone(), tuning=SMALL_BLOCKS)
+    ref = case.reference(normalization="none", **options)
+    ref_up = case.reference(normalization="none", grad_output=_numpy(upstream), **options)
+    for tuning in PIPELINED:
+        what = f"{case.name} {options} {tuning}"
+        loss, grad = _triton.forward(config, x, target, coef, tuning=tuning)
+        lossspec.assert_close_to_oracle(_numpy(torch.where(coef != 0, coef * loss, 0.0)), _numpy(grad), ref.loss, ref.grad,
+                                        dtype=dtype, g0=ref.g0, what=what)
+        assert torch.equal(loss, base_loss) and torch.equal(grad, base_grad), what
+        buf = x.clone()
+        loss_inplace, _ = _triton.forward(config, buf, target, coef, out=buf, tuning=tuning)
+        assert torch.equal(loss_inplace, base_loss) and torch.equal(buf, base_grad), what
+        regrad = _triton.regrad_(config, x, target, coef, upstream, grad.clone(), tuning=tuning)
+        lossspec.compare_grad(_numpy(regrad), ref_up.grad, dtype, ref_up.g0).check()
+        assert torch.equal(regrad, base_regrad), what
 
 
 # ------------------------------------------------------------------------------------------------

@@ -197,17 +197,30 @@ def sass_loops(sass: str) -> list[Loop]:
         if target >= address:
             continue
         body = [opcode(i) for a, i in code if target <= a <= address]
+        loads = [op for op in body if op.split(".")[0] in _GLOBAL_LOADS]
         loops.append(Loop(target, address, len(body), sum(op.split(".")[0] == "BAR" for op in body),
-                          sum(op.split(".")[0] == "LDG" for op in body), sum(op.split(".")[0] == "STG" for op in body),
-                          sum(op.split(".")[0] == "LDG" and op.endswith(".128") for op in body)))
+                          len(loads), sum(op.split(".")[0] == "STG" for op in body),
+                          sum(op.endswith(".128") for op in loads)))
     return sorted(loops, key=lambda loop: loop.start)
+
+
+# Global loads: LDG, and LDGSTS (the asynchronous copy to shared memory of a pipelined loop,
+# ``Tuning.num_stages`` >= 2).
+_GLOBAL_LOADS = ("LDG", "LDGSTS")
+
+
+def _inside(inner: Loop, outer: Loop) -> bool:
+    return inner is not outer and outer.start <= inner.start and inner.end <= outer.end
 
 
 def vocabulary_passes(loops: list[Loop]) -> list[Loop]:
     """The loops a valid row runs: the outermost loops that read global memory (the zero-row loop
-    of masked rows only stores)."""
-    outer = [l for l in loops if not any(o is not l and o.start <= l.start and l.end <= o.end for o in loops)]
-    return [l for l in outer if l.loads]
+    of masked rows only stores), once the row loop of persistent programs (``Tuning.programs``:
+    a loop holding two or more loops that read) is set aside."""
+    reading = [l for l in loops if l.loads]
+    row_loops = [o for o in reading if sum(_inside(l, o) for l in reading) >= 2]
+    rest = [l for l in reading if l not in row_loops]
+    return [l for l in rest if not any(_inside(l, o) for o in rest)]
 
 
 def disassemble(cubin: bytes) -> str:

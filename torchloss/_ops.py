@@ -66,7 +66,7 @@ OPTION_FIELDS: tuple[str, ...] = (
 )
 CONFIG_FIELDS: tuple[str, ...] = ("kind", "normalization", "ignore_index") + OPTION_FIELDS
 # The lossspec.Tuning fields the torch path and the Triton kernels read (the ops' ``tuning``).
-TUNING_FIELDS: tuple[str, ...] = ("vocab_block", "cpu_tile_elements", "num_warps")
+TUNING_FIELDS: tuple[str, ...] = ("vocab_block", "cpu_tile_elements", "num_warps", "num_stages", "programs")
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 

@@ -259,8 +259,8 @@ def cross_entropy(
         group must make the call (lossspec.sequences).
       impl: ``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or ``"triton"``.
       tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and tile sizes of the kernels.
-        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block`` and
-        ``num_warps`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
+        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block``,
+        ``num_warps``, ``num_stages`` and ``programs`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
         its fields are constants of the graph (a new value recompiles). It changes how rows are split into blocks,
         which may move the result by a rounding, never what is computed.
       inplace: write the gradient into the logits' buffer (logits must be the non-leaf output of an operation,
@@ -366,8 +366,8 @@ def soft_cross_entropy(
         group must make the call (lossspec.sequences).
       impl: ``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or ``"triton"``.
       tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and tile sizes of the kernels.
-        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block`` and
-        ``num_warps`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
+        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block``,
+        ``num_warps``, ``num_stages`` and ``programs`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
         its fields are constants of the graph (a new value recompiles). It changes how rows are split into blocks,
         which may move the result by a rounding, never what is computed.
       inplace: write the gradient into the logits' buffer (logits must be the non-leaf output of an operation,
@@ -473,8 +473,8 @@ def forward_kl(
         group must make the call (lossspec.sequences).
       impl: ``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or ``"triton"``.
       tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and tile sizes of the kernels.
-        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block`` and
-        ``num_warps`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
+        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block``,
+        ``num_warps``, ``num_stages`` and ``programs`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
         its fields are constants of the graph (a new value recompiles). It changes how rows are split into blocks,
         which may move the result by a rounding, never what is computed.
       inplace: write the gradient into the logits' buffer (logits must be the non-leaf output of an operation,
@@ -580,8 +580,8 @@ def reverse_kl(
         group must make the call (lossspec.sequences).
       impl: ``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or ``"triton"``.
       tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and tile sizes of the kernels.
-        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block`` and
-        ``num_warps`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
+        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block``,
+        ``num_warps``, ``num_stages`` and ``programs`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
         its fields are constants of the graph (a new value recompiles). It changes how rows are split into blocks,
         which may move the result by a rounding, never what is computed.
       inplace: write the gradient into the logits' buffer (logits must be the non-leaf output of an operation,
@@ -678,8 +678,8 @@ def entropy(
         group must make the call (lossspec.sequences).
       impl: ``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or ``"triton"``.
       tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and tile sizes of the kernels.
-        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block`` and
-        ``num_warps`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
+        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block``,
+        ``num_warps``, ``num_stages`` and ``programs`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
         its fields are constants of the graph (a new value recompiles). It changes how rows are split into blocks,
         which may move the result by a rounding, never what is computed.
       inplace: write the gradient into the logits' buffer (logits must be the non-leaf output of an operation,
@@ -787,8 +787,8 @@ def jensen_shannon(
         group must make the call (lossspec.sequences).
       impl: ``"auto"`` (Triton on CUDA tensors, the torch path elsewhere), ``"torch"`` or ``"triton"``.
       tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and tile sizes of the kernels.
-        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block`` and
-        ``num_warps`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
+        ``impl="torch"`` reads ``vocab_block`` and ``cpu_tile_elements``, ``"triton"`` ``vocab_block``,
+        ``num_warps``, ``num_stages`` and ``programs`` (a ``None`` field: the backend's default, :mod:`lossspec.tuning`). Under ``torch.compile``
         its fields are constants of the graph (a new value recompiles). It changes how rows are split into blocks,
         which may move the result by a rounding, never what is computed.
       inplace: write the gradient into the logits' buffer (logits must be the non-leaf output of an operation,

@@ -11,8 +11,9 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
   ``[block_rows, vocab_block]`` tile with row and column index vectors.
 * Pass 1 loops over vocabulary blocks of ``vocab_block`` columns and folds their statistics
   with the online-softmax algebra of :mod:`jaxloss._block` (:func:`~jaxloss._block.block_stats`,
-  :func:`~jaxloss._block.combine`); pass 2 loops again and writes ``coef * c * dl/dz``, fp32
-  inside and cast once on store. Ragged vocabulary tails are masked loads/stores.
+  :func:`~jaxloss._block.combine`); pass 2 loops again, last block first (the blocks pass 1
+  read last are the likeliest still in L2), and writes ``coef * c * dl/dz``, fp32 inside and
+  cast once on store. Ragged vocabulary tails are masked loads/stores.
   ``jensen_shannon`` loops once more in between (its mixture sums need the global ``lse``'s,
   :mod:`lossspec.stats`); ``entropy`` reads no target (an empty ``[N, 0]`` stand-in).
 * Rows with ``coef == 0`` (masked, or ``D == 0``) are never read: their lanes are masked off every
@@ -172,7 +173,9 @@ def _kernel(
 
     def pass2(fin: Final, coef: Array, grad_ref) -> None:
         def body(j: Array, carry: int) -> int:
-            index, _, mask, x, t, hit = load(j)
+            # last block first: the blocks pass 1 read last are the likeliest still in L2 (as
+            # in the Triton kernels); every entry is computed alike in either order
+            index, _, mask, x, t, hit = load(num_blocks - 1 - j)
             grad = grad_block(cfg, fin, coef, x, t, hit=hit, vocab=vocab)
             # where, not coef *: a dead row's stand-in zeros against the global statistics ("grad"
             # mode) may overflow

@@ -17,8 +17,10 @@ statistics (``torchloss._block.combine``), finalises them (``torchloss._block.fi
 hands the result to :func:`shard_grad`.
 
 Kernels: one per job (``fused_kernel``, ``regrad_kernel``, ``shard_stats_kernel``,
-``shard_grad_kernel``), one program per row, vocabulary blocks of up to ``tuning.vocab_block`` (:data:`DEFAULTS`)
-columns; see ``docs/triton_kernels.md``.
+``shard_grad_kernel``), one program per row (the fused and regrad kernels: ``tuning.programs``
+persistent programs instead, :func:`programs`), vocabulary blocks of up to ``tuning.vocab_block``
+(:data:`DEFAULTS`) columns, loops pipelined ``tuning.num_stages`` deep (:func:`stages`); see
+``docs/triton_kernels.md``.
 
 On a machine without CUDA this module sets ``TRITON_INTERPRET=1`` (unless set already) before the
 kernels are defined, so the same kernels run on CPU tensors through the Triton interpreter (slow:
@@ -95,9 +97,12 @@ def block_size(width: int, tuning: Optional[Tuning] = None) -> int:
     return min(triton.next_power_of_2(max(width, 1)), check_power_of_two(vocab_block, "vocab_block", "triton"))  # type: ignore[arg-type]
 
 
-def constexprs(job: str, config: LossConfig, logits_dtype: torch.dtype, block_v: int, *, write_grad: bool = True) -> dict[str, Any]:
+def constexprs(
+    job: str, config: LossConfig, logits_dtype: torch.dtype, block_v: int, *, write_grad: bool = True, tuning: Optional[Tuning] = None
+) -> dict[str, Any]:
     """The ``tl.constexpr`` arguments of ``job``'s kernel for a call (shared with the AOT report,
-    so that it compiles exactly what a launch specialises)."""
+    so that it compiles exactly what a launch specialises); ``tuning``'s ``num_stages`` and
+    ``programs`` (:func:`stages`, :func:`programs`) where they are set."""
     out: dict[str, Any] = {
         "KIND": lossspec.KIND_IDS[config.kind],
         "SMOOTHING": config.kind == "cross_entropy" and config.label_smoothing > 0,
@@ -119,7 +124,32 @@ def constexprs(job: str, config: LossConfig, logits_dtype: torch.dtype, block_v:
         # 16-byte load, which one thread holds and reduces alone.
         out["VEC"] = min(16 // logits_dtype.itemsize, block_v)
     out["ACC"] = _TL_DTYPES[compute_dtype(logits_dtype)]
+    out["STAGES"] = stages(tuning)
+    if job in PERSISTENT_JOBS:
+        out["PERSISTENT"] = programs(tuning) is not None
     return out
+
+
+#: The kernels that can run persistent programs (``Tuning.programs``): the two full-row jobs.
+PERSISTENT_JOBS = ("fused", "regrad")
+
+
+def stages(tuning: Optional[Tuning]) -> int:
+    """The software-pipelining depth of the vocabulary loops (``tl.range(..., num_stages=)``):
+    ``tuning.num_stages``, default 1 (no pipelining: each block's loads are issued when the loop
+    reaches it). With 2 or more the compiler issues the next blocks' loads as asynchronous copies
+    into shared memory (``cp.async``, ``LDGSTS``) while a block is computed, one buffer per stage
+    (``BLOCK_V`` x itemsize bytes per tensor read). Not yet timed on a GPU: 1 stays the default
+    until ``benchmarks/gpu_triton_sweep.py`` measures otherwise."""
+    return (tuning.num_stages if tuning is not None else None) or 1
+
+
+def programs(tuning: Optional[Tuning]) -> Optional[int]:
+    """``tuning.programs``: the programs of the fused and regrad kernels, each taking every
+    ``programs``-th row in turn (``None``, the default: one program per row). Fewer rows in
+    flight at once let more of each row's second read come from L2; a few times the GPU's
+    multiprocessor count is the range to try (``benchmarks/gpu_triton_sweep.py``)."""
+    return tuning.programs if tuning is not None else None
 
 
 KERNELS: dict[str, Any] = {
@@ -167,12 +197,14 @@ def _unit_stride(name: str, tensor: Tensor) -> None:
 
 def _launch(job: str, config: LossConfig, logits: Tensor, args: tuple, *, write_grad: bool = True, tuning: Optional[Tuning] = None) -> None:
     """Launch ``job``'s kernel over the rows of ``logits`` with the positional ``args``, with the
-    :class:`lossspec.Tuning` fields ``vocab_block`` (:func:`block_size`) and ``num_warps``
-    (default :func:`num_warps`) of ``tuning``."""
+    :class:`lossspec.Tuning` fields ``vocab_block`` (:func:`block_size`), ``num_warps``
+    (default :func:`num_warps`), ``num_stages`` (:func:`stages`) and ``programs``
+    (:func:`programs`: the grid of the fused and regrad kernels) of ``tuning``."""
     rows, width = logits.shape
     block_v = block_size(width, tuning)
     kernel: Callable[..., Any] = KERNELS[job]
-    meta = constexprs(job, config, logits.dtype, block_v, write_grad=write_grad)
+    meta = constexprs(job, config, logits.dtype, block_v, write_grad=write_grad, tuning=tuning)
+    grid = (min(rows, programs(tuning)),) if meta.get("PERSISTENT") else (rows,)
     # The interpreter evaluates masked lanes with NumPy (-inf - -inf, 0 * inf) and would warn about
     # values the kernel discards by design; and it must run one launch at a time.
     guard = contextlib.ExitStack()
@@ -181,7 +213,7 @@ def _launch(job: str, config: LossConfig, logits: Tensor, args: tuple, *, write_
         guard.enter_context(INTERPRETER_LOCK)
     with guard:
         warps = (tuning.num_warps if tuning is not None else None) or num_warps(block_v, job, meta["SOFTCAP"] or meta["TEACHER_SOFTCAP"])
-        kernel[(rows,)](*args, **meta, num_warps=warps, enable_fp_fusion=FP_FUSION)
+        kernel[grid](*args, **meta, num_warps=warps, enable_fp_fusion=FP_FUSION)
 
 
 def _teacher_and_labels(config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor) -> tuple[Tensor, Tensor]:
@@ -223,7 +255,7 @@ def forward(
     teacher, labels = _teacher_and_labels(config, logits, target, coef)
     grad_arg = grad if grad is not None else logits  # a pointer of the logits' dtype, never written
     args = (logits, teacher, labels, coef.to(acc), params_for(config, acc, device), loss, grad_arg,
-            width, logits.stride(0), teacher.stride(0), grad_arg.stride(0))
+            rows, width, logits.stride(0), teacher.stride(0), grad_arg.stride(0))
     _launch("fused", config, logits, args, write_grad=grad is not None, tuning=tuning)
     return loss, grad
 
@@ -247,7 +279,7 @@ def regrad_(
         raise ValueError(f"upstream must hold 1 or {rows} values; got {up.numel()}")
     teacher, labels = _teacher_and_labels(config, logits, target, coef)
     args = (logits, teacher, labels, coef.to(acc), up, params_for(config, acc, logits.device), grad,
-            width, logits.stride(0), teacher.stride(0), grad.stride(0), 0 if up.numel() == 1 else 1)
+            rows, width, logits.stride(0), teacher.stride(0), grad.stride(0), 0 if up.numel() == 1 else 1)
     _launch("regrad", config, logits, args, tuning=tuning)
     return grad
 

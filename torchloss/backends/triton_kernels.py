@@ -362,6 +362,7 @@ def _mixture_block(
 def _row_mixture(
     x_row, t_row, params_ptr, V, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
     SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """jensen_shannon's second pass over one row: ``(kl_qm, kl_pm) = (sum q (log q - log M),
     sum p (log p - log M))`` from the global ``m``, ``lse = log s``, ``mt``, ``lse_t = log st``
@@ -370,14 +371,14 @@ def _row_mixture(
     kl_qm = tl.zeros((BLOCK_V // VEC,), ACC)
     kl_pm = tl.zeros((BLOCK_V // VEC,), ACC)
     if SOFTCAP or TEACHER_SOFTCAP:
-        for v0 in range(0, V, BLOCK_V):  # every block masked (a peeled copy of the capped step spilled)
+        for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):  # every block masked (a peeled copy of the capped step spilled)
             qm, pm = _mixture_block(x_row, t_row, params_ptr, V, v0, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
                                     SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, True)
             kl_qm = kl_qm + qm
             kl_pm = kl_pm + pm
     else:
         full = (V // BLOCK_V) * BLOCK_V
-        for v0 in range(0, full, BLOCK_V):
+        for v0 in tl.range(0, full, BLOCK_V, num_stages=STAGES):
             qm, pm = _mixture_block(x_row, t_row, params_ptr, V, v0, m, lse, mt, lse_t, c, ct, log_beta, log_rest,
                                     SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, False)
             kl_qm = kl_qm + qm
@@ -489,7 +490,7 @@ def _stats_block(
 def _row_stats(
     x_row, t_row, params_ptr, V, c, ct,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Pass 1: the :mod:`lossspec.stats` statistics of one row ``x_row[0:V]`` (teacher ``t_row``),
     online over blocks of ``BLOCK_V`` columns.
@@ -534,14 +535,14 @@ def _row_stats(
     ct2 = ct * LOG2E
     if SOFTCAP or TEACHER_SOFTCAP:
         # Every block takes the masked step: a second, peeled copy of the capped step spilled.
-        for v0 in range(0, V, BLOCK_V):
+        for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
             m, s, sum_shift, mt, st, a, b, tau, e_d, h = _stats_block(
                 x_row, t_row, params_ptr, V, v0, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
                 KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, True)
     else:
         # Full blocks unmasked, then the ragged tail (if any) masked: one copy of the step each.
         full = (V // BLOCK_V) * BLOCK_V
-        for v0 in range(0, full, BLOCK_V):
+        for v0 in tl.range(0, full, BLOCK_V, num_stages=STAGES):
             m, s, sum_shift, mt, st, a, b, tau, e_d, h = _stats_block(
                 x_row, t_row, params_ptr, V, v0, c, ct, c2, ct2, m, s, sum_shift, mt, st, a, b, tau, e_d, h,
                 KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, False)
@@ -684,7 +685,7 @@ def _grad_block(
 def _row_grad(
     x_row, t_row, g_row, params_ptr, y, x_y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, V, V_total, c, ct, eps,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr, ROUND_BF16: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Pass 2: ``g_row[0:V] = scale * dl/dz`` (``scale = coef * c``) from the row's final
     statistics (finite maxima ``m``, ``mt``), formed in ``ACC`` and rounded once on store::
@@ -705,6 +706,13 @@ def _row_grad(
     entry is a product with a scale made NaN here, no per-entry select). With ``SOFTCAP`` ``x``
     is the capped block and the gradient is multiplied by the slope (:func:`softcap_slope` of the
     raw block, 0 at ``+-inf``) before the rounding.
+
+    Without soft caps the blocks are walked from the last to the first, the reverse of pass 1:
+    the first blocks read here are the last that pass 1 read, the likeliest still in L2
+    (Fast-LLM's order; at 16384 x 131072 bf16 the rows in flight far exceed L2, so in the
+    forward order none of the second read hits it). The soft-capped loop keeps the forward
+    order: reversed, the bf16 reverse-KL kernels spilled, and the capped kernels are bound by
+    their instructions (3 to 10 per entry), not by their bytes.
     """
     scale = tl.where(bad != 0, float("nan"), scale)
     c2 = c * LOG2E  # e = exp(c u) = exp2(c2 u)
@@ -730,19 +738,22 @@ def _row_grad(
         lse_t = tl.log(st)
         j_scale = (1.0 - beta) * scale
     if SOFTCAP or TEACHER_SOFTCAP:
-        for v0 in range(0, V, BLOCK_V):  # every block masked (a peeled copy of the capped step spilled)
+        for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):  # every block masked (a peeled copy of the capped step spilled)
             _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, v0, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
                         scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
                         KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, True)
     else:
-        # The ragged tail (if any) masked, then the full blocks unmasked: one copy of the step
-        # each (the stores commute; in the other order ptxas spilled on a bf16 reverse KL).
+        # The ragged tail (if any) masked, then the full blocks unmasked, last to first: one
+        # copy of the step each (the stores commute; with the tail last ptxas spilled on a bf16
+        # reverse KL).
         full = (V // BLOCK_V) * BLOCK_V
         if full < V:
             _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, full, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
                         scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
                         KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, True)
-        for v0 in range(0, full, BLOCK_V):
+        top = full.to(tl.int64) - BLOCK_V  # int64: 2 instructions a block more than forward, not 7
+        for i in tl.range(0, full, BLOCK_V, num_stages=STAGES):
+            v0 = top - i
             _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, v0, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
                         scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
                         KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, False)
@@ -777,13 +788,13 @@ def _zero_row(g_row, V, BLOCK_V: tl.constexpr):
 def _row_forward(
     x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Pass 1 and finalize of one whole row (and jensen_shannon's second pass):
     ``(loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_y)`` (``y``: the label,
     ``x_y`` its raw logit, cross-entropy; 0 otherwise)."""
     m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(
-        x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
+        x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, STAGES
     )
     y = tl.full((), 0, tl.int64)
     x_raw = s * 0.0
@@ -802,7 +813,7 @@ def _row_forward(
     if KIND == JENSEN_SHANNON:
         beta, log_beta, log_rest = load_mixture_params(params_ptr)
         kl_qm, kl_pm = _row_mixture(
-            x_row, t_row, params_ptr, V, m, tl.log(s), mt, tl.log(st), c, ct, log_beta, log_rest, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
+            x_row, t_row, params_ptr, V, m, tl.log(s), mt, tl.log(st), c, ct, log_beta, log_rest, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, STAGES
         )
         loss = tl.where(bad != 0, float("nan"), beta * kl_pm + (1.0 - beta) * kl_qm)
     return loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_raw
@@ -814,18 +825,13 @@ def _row_forward(
 
 
 @triton.jit
-def fused_kernel(
-    x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr,
-    V, stride_x, stride_t, stride_g,
+def _fused_row(
+    x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr, row, V, stride_x, stride_t, stride_g,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+    ACC: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """The forward: ``loss[row] = l`` (0 where ``coef == 0``, not multiplied by ``coef``) and, with
-    ``WRITE_GRAD``, ``grad[row, :] = coef * c * dl/dz`` (0 where ``coef == 0``).
-
-    Pass 2 reads a block of the logits before it writes the same block of the gradient, so
-    ``grad`` may alias the logits (``inplace=True``)."""
-    row = tl.program_id(0).to(tl.int64)
+    """:func:`fused_kernel`'s work on the row ``row`` (int64)."""
     x_row = x_ptr + row * stride_x
     t_row = t_ptr + row * stride_t
     g_row = grad_ptr + row * stride_g
@@ -833,12 +839,12 @@ def fused_kernel(
     if coef != 0:
         c, ct, eps, lam = load_params(params_ptr)
         loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_y = _row_forward(
-            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
+            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, STAGES
         )
         tl.store(loss_ptr + row, loss)
         if WRITE_GRAD:
             _row_grad(x_row, t_row, g_row, params_ptr, y, x_y, coef * c, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
-                      V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16)
+                      V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, STAGES)
     else:
         tl.store(loss_ptr + row, coef * 0.0)
         if WRITE_GRAD:
@@ -846,18 +852,38 @@ def fused_kernel(
 
 
 @triton.jit
-def regrad_kernel(
-    x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr,
-    V, stride_x, stride_t, stride_g, stride_up,
-    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
+def fused_kernel(
+    x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr,
+    N, V, stride_x, stride_t, stride_g,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+    ACC: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    """The backward of 16-bit logits for an upstream gradient ``g = up[row * stride_up]`` read on
-    the device (no host synchronisation): rows with ``g != 1`` and ``coef != 0`` are recomputed
-    (pass 1, finalize, pass 2) and rewritten as ``(coef * g) * c * dl/dz``, rounded once. Rows
-    with ``g == 1`` hold the forward's gradient already, rows with ``coef == 0`` its zeros:
-    both are left alone. No loss is written."""
-    row = tl.program_id(0).to(tl.int64)
+    """The forward: ``loss[row] = l`` (0 where ``coef == 0``, not multiplied by ``coef``) and, with
+    ``WRITE_GRAD``, ``grad[row, :] = coef * c * dl/dz`` (0 where ``coef == 0``), for the ``N``
+    rows: one program per row, or with ``PERSISTENT`` fewer programs, each taking the rows
+    ``pid, pid + programs, ...`` in turn (fewer rows in flight: more of each row's second read
+    hits L2).
+
+    Pass 2 reads a block of the logits before it writes the same block of the gradient, so
+    ``grad`` may alias the logits (``inplace=True``)."""
+    if PERSISTENT:
+        for row in tl.range(tl.program_id(0), N, tl.num_programs(0)):
+            # int64 before any offset (the interpreter's loop variable is a Python int)
+            _fused_row(x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr, tl.full((), 0, tl.int64) + row, V, stride_x, stride_t, stride_g,
+                       KIND, SMOOTHING, Z_LOSS, WRITE_GRAD, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16, BLOCK_V, VEC, ACC, STAGES)
+    else:
+        _fused_row(x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr, tl.program_id(0).to(tl.int64), V, stride_x, stride_t,
+                   stride_g, KIND, SMOOTHING, Z_LOSS, WRITE_GRAD, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16, BLOCK_V, VEC, ACC, STAGES)
+
+
+@triton.jit
+def _regrad_row(
+    x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr, row, V, stride_x, stride_t, stride_g, stride_up,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
+):
+    """:func:`regrad_kernel`'s work on the row ``row`` (int64)."""
     coef = tl.load(coef_ptr + row)
     up = tl.load(up_ptr + row * stride_up)
     if (coef != 0) & (up != 1):
@@ -867,10 +893,32 @@ def regrad_kernel(
         c, ct, eps, lam = load_params(params_ptr)
         scale = (coef * up) * c  # one value live across pass 1, not two
         loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_y = _row_forward(
-            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
+            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, STAGES
         )
         _row_grad(x_row, t_row, g_row, params_ptr, y, x_y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
-                  V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16)
+                  V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, STAGES)
+
+
+@triton.jit
+def regrad_kernel(
+    x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr,
+    N, V, stride_x, stride_t, stride_g, stride_up,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    """The backward of 16-bit logits for an upstream gradient ``g = up[row * stride_up]`` read on
+    the device (no host synchronisation): rows with ``g != 1`` and ``coef != 0`` are recomputed
+    (pass 1, finalize, pass 2) and rewritten as ``(coef * g) * c * dl/dz``, rounded once. Rows
+    with ``g == 1`` hold the forward's gradient already, rows with ``coef == 0`` its zeros:
+    both are left alone. No loss is written. ``PERSISTENT``: as :func:`fused_kernel`."""
+    if PERSISTENT:
+        for row in tl.range(tl.program_id(0), N, tl.num_programs(0)):
+            _regrad_row(x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr, tl.full((), 0, tl.int64) + row, V, stride_x, stride_t, stride_g,
+                        stride_up, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16, BLOCK_V, VEC, ACC, STAGES)
+    else:
+        _regrad_row(x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr, tl.program_id(0).to(tl.int64), V, stride_x, stride_t,
+                    stride_g, stride_up, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16, BLOCK_V, VEC, ACC, STAGES)
 
 
 @triton.jit
@@ -878,7 +926,7 @@ def shard_stats_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, stats_ptr,
     V, offset, stride_x, stride_t, stride_stat,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Vocab-parallel pass 1: the statistics of this shard (global columns ``[offset, offset + V)``)
     into ``stats[ROW_<name>, row]`` for the statistics the kind uses (``lossspec.stats_used``).
@@ -899,7 +947,7 @@ def shard_stats_kernel(
     if coef != 0:
         c, ct, eps, lam = load_params(params_ptr)
         m, s, sum_shift, mt, st, a, b, tau, e_d, h, bad = _row_stats(
-            x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC
+            x_row, t_row, params_ptr, V, c, ct, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, STAGES
         )
         if KIND == CROSS_ENTROPY:
             y_local = tl.load(y_ptr + row).to(tl.int64) - offset
@@ -933,7 +981,7 @@ def shard_grad_kernel(
     x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, final_ptr, grad_ptr,
     V, V_total, offset, stride_x, stride_t, stride_g, stride_fin,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Vocab-parallel pass 2: ``grad[row, :] = coef * c * dl/dz`` of this shard from the global
     final statistics ``final[FIN_<name>, row]`` (``torchloss._block.finalize``; ``m``/``mt``
@@ -981,6 +1029,6 @@ def shard_grad_kernel(
             if KIND == JENSEN_SHANNON:
                 kl_qm = tl.load(fin + FIN_KL_QM * stride_fin)
         _row_grad(x_row, t_row, g_row, params_ptr, y, x_y, coef * c, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
-                  V, V_total, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16)
+                  V, V_total, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, STAGES)
     else:
         _zero_row(g_row, V, BLOCK_V)
