@@ -108,6 +108,26 @@ def test_pipelined_passes_inside_a_persistent_row_loop() -> None:
     assert [(l.instructions, l.barriers, l.loads) for l in passes] == [(6, 1, 1), (5, 0, 1)]
 
 
+def test_l2_and_bytes_in_flight_model() -> None:
+    """The report's model of where the second read comes from (GH100: 132 multiprocessors, 50 MiB
+    of L2): occupancy from registers, warps and shared memory; L2 split evenly between the rows
+    in flight, of which pass 2 walked last block first re-reads what L2 still holds, and in pass
+    1's order nothing unless the whole row fits; the HBM bytes that leaves; Little's-law bytes in
+    flight."""
+    aot = _report_module()
+    gpu = aot.GH100
+    assert aot.resident_programs(40, 8, 32, gpu) == 6  # 65536 registers / (40 x 256 threads)
+    assert aot.resident_programs(32, 8, 32, gpu) == 8  # 64 warp slots / 8
+    assert aot.resident_programs(32, 4, 100 * 1024, gpu) == 2  # 227 KiB of shared memory / 100
+    row = 131072 * 2  # a bf16 row of 131072 logits: 256 KiB
+    assert aot.l2_share(132, row, gpu["l2_bytes"]) == 1.0 == aot.l2_share(132, row, gpu["l2_bytes"], reverse=False)
+    assert aot.l2_share(264, row, gpu["l2_bytes"]) == (50 * 2**20 / 264) / row  # ~76%
+    assert aot.l2_share(264, row, gpu["l2_bytes"], reverse=False) == 0.0
+    assert aot.hbm_bytes_per_element("cross_entropy", 2, 0.0) == 6 and aot.hbm_bytes_per_element("cross_entropy", 2, 1.0) == 4
+    assert aot.hbm_bytes_per_element("reverse_kl", 2, 0.5) == 10 - 2  # half of both tensors' second read
+    assert aot.bytes_in_flight(2, 4096, 2, 1, 3) == 2 * 4096 * 2 * 3
+
+
 def test_hbm_bytes_model() -> None:
     """Two reads and one write of the logits per valid row; the teacher read on both passes; a
     third pass for jensen_shannon; masked rows write zeros only."""

@@ -59,13 +59,15 @@ def test_every_kernel_compiles_for_sm80_sm90_without_spills(tmp_path: Path) -> N
     assert aot.markdown(rows) in DOC.read_text(), "docs/triton_kernels.md holds an outdated AOT table"
 
 
-_CONVERSIONS = """
+# A subprocess (TRITON_INTERPRET=0) loads the report module from its path, sys.argv[1], then compiles.
+_LOAD_REPORT = """
 import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("triton_aot_report", sys.argv[1])
 aot = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = aot
 spec.loader.exec_module(aot)
-out = {}
+"""
+_CONVERSIONS = _LOAD_REPORT + """out = {}
 for name, job, variant, overrides in (("fused", "fused", "cross_entropy", {}), ("shard_grad", "shard_grad", "cross_entropy", {}),
                                       ("hand", "fused", "cross_entropy", {"ROUND_BF16": True})):
     compiled, _, _ = aot.compile_kernel(job, variant, "bfloat16", 90, **overrides)
@@ -95,13 +97,7 @@ def test_compiled_bf16_store_is_the_hardware_round_to_nearest_even() -> None:
     assert found["hand"]["hand_rounding"], found["hand"]
 
 
-_PIPELINED = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("triton_aot_report", sys.argv[1])
-aot = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = aot
-spec.loader.exec_module(aot)
-out = {}
+_PIPELINED = _LOAD_REPORT + """out = {}
 for kind in ("cross_entropy", "reverse_kl"):
     for name, overrides in (("default", {}), ("pipelined", {"STAGES": 2, "PERSISTENT": True})):
         compiled, _, _ = aot.compile_kernel("fused", kind, "bfloat16", 90, **overrides)

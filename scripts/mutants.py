@@ -202,6 +202,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_torchloss_aot_counting.py",),
     ),
     Mutant(
+        "l2_model_forward_order_reuses",
+        "the AOT report's L2 model credits pass 2 in pass 1's order with the reverse order's reuse (LRU evicts a row's oldest bytes first)",
+        "scripts/triton_aot_report.py::l2_share",
+        "    return fraction if reverse or fraction >= 1.0 else 0.0",
+        "    return fraction",
+        ("parity_tests/test_torchloss_aot_counting.py",),
+    ),
+    Mutant(
         "nan_scale_dropped_triton",
         "the Triton kernels' gradient pass no longer makes a bad row's scale NaN (its gradient may look plausible)",
         "torchloss/backends/triton_kernels.py::_row_grad",

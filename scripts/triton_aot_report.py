@@ -34,7 +34,11 @@ in the passes' bodies, i.e. the block-wide synchronisations one vocabulary block
 static counts of the compiled code, not GPU timings. The HBM model (:func:`hbm_bytes`): a valid
 row reads its logits once per pass (two passes, three for jensen_shannon), the teacher's as often
 on the distillation kinds, and writes the gradient once; a masked row writes zeros only; at a
-copy rate (``--copy-rate``, TB/s) that is a floor on the time.
+copy rate (``--copy-rate``, TB/s) that is a floor on the time. The L2 model
+(:func:`markdown_l2_model`, GH100's 132 multiprocessors and 50 MiB of L2): how much of the
+gradient pass's read L2 can serve (pass 2 walks a row last block first) for one program per row
+and for ``Tuning(programs=, num_stages=)``, the HBM bytes and floor that leaves, and whether the
+loads in flight cover the latency (``--latency-ns``); a model to be checked on a GPU.
 """
 
 from __future__ import annotations
@@ -561,6 +565,76 @@ def targets(rows: list[Row], arch: int = 90, ratio: float = 1.5) -> list[tuple[s
     return out
 
 
+# --- Where the second read comes from: L2 reuse and bytes in flight (a model, not a measurement) ---
+
+#: GH100 (H100 SXM, H200): multiprocessors, L2 bytes, and the per-multiprocessor limits of occupancy.
+GH100 = {"sms": 132, "l2_bytes": 50 * 2**20, "warps": 64, "registers": 65536, "shared": 227 * 1024, "programs": 32}
+
+
+def resident_programs(registers: int, num_warps: int, shared: int, gpu: dict = GH100) -> int:
+    """Programs one multiprocessor holds at once: the least of its warp slots, registers (per
+    thread, ``32 * num_warps`` threads a program), shared memory and program slots."""
+    by_regs = gpu["registers"] // max(1, registers * 32 * num_warps)
+    by_shared = gpu["shared"] // shared if shared else gpu["programs"]
+    return max(1, min(gpu["warps"] // num_warps, by_regs, by_shared, gpu["programs"]))
+
+
+def l2_share(rows_in_flight: int, row_read_bytes: int, l2_bytes: int, reverse: bool = True) -> float:
+    """The share of a row's second read that L2 can still hold when pass 2 starts: L2 split evenly
+    between the rows in flight, each keeping its most recently read bytes (LRU). Walked last
+    block first (``reverse``), a row re-reads those first: ``min(1, share / row)``; walked in pass
+    1's order, it re-reads its oldest bytes first, evicted before they are reached unless the whole
+    row fits (then 1, else 0)."""
+    fraction = min(1.0, l2_bytes / max(1, rows_in_flight) / row_read_bytes)
+    return fraction if reverse or fraction >= 1.0 else 0.0
+
+
+def hbm_bytes_per_element(kind: str, itemsize: int, share: float) -> float:
+    """:func:`hbm_bytes` per valid element with ``share`` of the last read pass (the gradient
+    pass: the logits, and the teacher's) served by L2."""
+    tensors = 2 if lossspec.KIND_SPECS[kind].has_teacher else 1
+    return hbm_bytes(kind, itemsize, 1, 1) - share * tensors * itemsize
+
+
+def bytes_in_flight(programs_per_sm: int, block_v: int, itemsize: int, tensors: int, stages: int) -> int:
+    """Bytes of loads one multiprocessor has outstanding: each program waits on one block of each
+    tensor it reads, ``stages`` blocks when its loop is pipelined (``Tuning.num_stages``)."""
+    return programs_per_sm * block_v * itemsize * tensors * stages
+
+
+def markdown_l2_model(rows: list[Row], vocab: int, rate_tb_s: float, latency_ns: float, gpu: dict = GH100) -> str:
+    """The model's table for the bf16 fused kernels (cross-entropy, reverse KL) at ``vocab``: for
+    one program per row (occupancy from the compiled registers and shared memory) and for
+    ``Tuning(programs=k x SMs)``, with 1-3 pipeline stages: rows in flight, the second read's L2
+    share, HBM bytes per valid element, the floor at ``rate_tb_s``, and the bytes in flight per
+    multiprocessor against what Little's law asks to keep ``rate_tb_s`` busy at ``latency_ns``."""
+    needed = rate_tb_s * 1e12 / gpu["sms"] * latency_ns * 1e-9
+    lines = [f"| kind | programs | stages | rows in flight | 2nd read from L2 (reverse; forward) | HBM B / element | floor at {rate_tb_s} TB/s, 16384 rows: ms "
+             f"| in flight / SM: KiB (needed {needed / 1024:.0f}) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.job != "fused" or r.dtype != "bfloat16" or r.variant not in ("cross_entropy", "reverse_kl"):
+            continue
+        tensors = 2 if lossspec.KIND_SPECS[r.variant].has_teacher else 1
+        default = resident_programs(r.registers, r.num_warps, r.shared, gpu)
+        for per_sm in (None, 1, 2, 4):
+            for stages in (1, 2, 3):
+                if per_sm is None and stages > 1:
+                    continue
+                # each stage adds a block of each tensor to the program's shared memory
+                shared = r.shared + (stages - 1) * r.block_v * 2 * tensors if stages > 1 else r.shared
+                resident = min(per_sm or gpu["programs"], resident_programs(r.registers, r.num_warps, shared, gpu))
+                in_flight_rows = resident * gpu["sms"]
+                share = l2_share(in_flight_rows, vocab * 2 * tensors, gpu["l2_bytes"])
+                forward = l2_share(in_flight_rows, vocab * 2 * tensors, gpu["l2_bytes"], reverse=False)
+                per_element = hbm_bytes_per_element(r.variant, 2, share)
+                floor_ms = per_element * vocab * 16384 / (rate_tb_s * 1e12) * 1e3
+                flight = bytes_in_flight(resident, r.block_v, 2, tensors, stages)
+                label = "one per row" if per_sm is None else f"{per_sm} x SMs"
+                lines.append(f"| {r.variant} | {label} | {stages} | {in_flight_rows} | {share:.0%}; {forward:.0%} | {per_element:.2f} | "
+                             f"{floor_ms:.2f} | {flight / 1024:.0f}{'' if flight >= needed else ' (latency-bound)'} |")
+    return "\n".join(lines)
+
+
 def markdown_hbm(vocab: int, rows_valid: int, rows_masked: int, rate_tb_s: float) -> str:
     """:func:`hbm_bytes` per kind for fp32 and bf16 logits, and the time it takes at ``rate_tb_s``."""
     lines = [f"| kind | bytes / valid element (fp32, bf16) | {rows_valid} + {rows_masked} masked rows x {vocab}: GB (fp32, bf16) | floor at {rate_tb_s} TB/s: ms (fp32, bf16) |",
@@ -584,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", type=int, nargs=2, default=(16384, 131072), metavar=("ROWS", "V"),
                         help="rows and vocabulary of the HBM model (default 16384 131072)")
     parser.add_argument("--masked", type=float, default=0.0, help="fraction of masked rows in the HBM model (default 0)")
+    parser.add_argument("--latency-ns", type=float, default=800.0,
+                        help="HBM load latency of the bytes-in-flight model, ns (default 800)")
     parser.add_argument("--no-liger", action="store_true", help="leave Liger-Kernel's cross-entropy out")
     parser.add_argument("--resources-only", action="store_true",
                         help="registers, shared memory and spills only: no disassembly, no instruction counts (the suite's check)")
@@ -620,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
     masked = round(n_rows * args.masked)
     print("\nHBM bytes model (two reads + one write per valid row, the teacher read too, masked rows write zeros):\n")
     print(markdown_hbm(vocab, n_rows - masked, masked, args.copy_rate))
+    print(f"\nWhere the second read comes from (a model for {GH100['sms']} SMs and {GH100['l2_bytes'] >> 20} MiB of L2, "
+          f"V = {vocab}, bf16; not a measurement):\n")
+    print(markdown_l2_model(rows, vocab, args.copy_rate, args.latency_ns))
     print(f"\nTargets (sm_{arch}):")
     for statement, met in targets(rows, arch):
         print(f"  {'MET' if met else 'MISSED':6}  {statement}")
