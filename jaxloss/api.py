@@ -180,7 +180,7 @@ def cross_entropy(
         ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
       tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
         ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
-        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``programs``, ``interpret`` and ``debug`` (a ``None``
         field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
         are split into blocks, which may move the result by a rounding, never what is computed.
       inplace: let the gradient take the logits' buffer: the Pallas kernel's gradient aliases the logits
@@ -290,7 +290,7 @@ def soft_cross_entropy(
         ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
       tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
         ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
-        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``programs``, ``interpret`` and ``debug`` (a ``None``
         field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
         are split into blocks, which may move the result by a rounding, never what is computed.
       inplace: let the gradient take the logits' buffer: the Pallas kernel's gradient aliases the logits
@@ -400,7 +400,7 @@ def forward_kl(
         ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
       tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
         ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
-        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``programs``, ``interpret`` and ``debug`` (a ``None``
         field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
         are split into blocks, which may move the result by a rounding, never what is computed.
       inplace: let the gradient take the logits' buffer: the Pallas kernel's gradient aliases the logits
@@ -510,7 +510,7 @@ def reverse_kl(
         ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
       tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
         ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
-        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``programs``, ``interpret`` and ``debug`` (a ``None``
         field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
         are split into blocks, which may move the result by a rounding, never what is computed.
       inplace: let the gradient take the logits' buffer: the Pallas kernel's gradient aliases the logits
@@ -611,7 +611,7 @@ def entropy(
         ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
       tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
         ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
-        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``programs``, ``interpret`` and ``debug`` (a ``None``
         field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
         are split into blocks, which may move the result by a rounding, never what is computed.
       inplace: let the gradient take the logits' buffer: the Pallas kernel's gradient aliases the logits
@@ -723,7 +723,7 @@ def jensen_shannon(
         ``"xla"`` with float32/float64 logits and no ``vocab_parallel`` (others raise a clear error).
       tuning: ``None`` (the defaults) or a :class:`lossspec.Tuning`: the block and chunk sizes of the kernels.
         ``impl="xla"`` reads ``vocab_block``, ``single_block_vocab`` and ``chunk_elements``, ``"pallas"``
-        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``interpret`` and ``debug`` (a ``None``
+        ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``, ``programs``, ``interpret`` and ``debug`` (a ``None``
         field: the backend's default, :mod:`lossspec.tuning`). Static: a new value compiles anew. It changes how rows
         are split into blocks, which may move the result by a rounding, never what is computed.
       inplace: let the gradient take the logits' buffer: the Pallas kernel's gradient aliases the logits

@@ -30,7 +30,10 @@ field                    read by (default when ``None``)
                          vocabulary loops (1: none; 2 or more issue the next blocks' loads while a
                          block is computed).
 ``programs``             Triton: programs of the fused and regrad kernels, each taking every
-                         ``programs``-th row in turn (one program per row).
+                         ``programs``-th row in turn (one program per row); Pallas: programs of
+                         every kernel, each taking every ``programs``-th block of ``block_rows``
+                         rows (one program per block). Fewer rows in flight: more of each row's
+                         second read can come from L2.
 ``interpret``            Pallas: ``True`` / ``False`` forces interpret mode / the Triton lowering
                          (``None``: per lowering platform, the kernel on CUDA / ROCm, else
                          interpreted).

@@ -111,6 +111,34 @@ def test_pallas_masked_rows_write_zeros_only(kind: str) -> None:
     np.testing.assert_allclose(grad[mask], ref_grad[mask], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", lossspec.ALL_KINDS)
+def test_pallas_persistent_programs(kind: str, dtype: str) -> None:
+    """``Tuning(programs=P)``: ``P`` programs each taking every ``P``-th block of rows (4 blocks of
+    2 rows here; 3 programs, then 1 for all): the loss and the gradient against the oracle, and
+    bit for bit the default grid's (the same blocks, computed alike); for 16-bit logits with an
+    upstream gradient of 0.5 too (the backward's recompute is a second launch)."""
+    case = make_case(kind, "float_weights", dtype=dtype, lead_shape=(7,), vocab=100, seed=4)
+    spec = lossspec.KIND_SPECS[kind]
+    x = jnp.asarray(case.logits).astype(dtype)
+    target = None if spec.target is None else (jnp.asarray(case.target) if spec.target == "labels" else jnp.asarray(case.target).astype(dtype))
+    fn = getattr(jaxloss, kind)
+
+    def loss_of(x: jax.Array, tuning: lossspec.Tuning, scale: float) -> jax.Array:
+        args = (x, case.loss_mask) if target is None else (x, target, case.loss_mask)
+        return scale * fn(*args, impl="pallas", tuning=tuning)
+
+    ref = case.reference()
+    for scale in (1.0, 0.5):
+        base = jax.value_and_grad(loss_of)(x, lossspec.Tuning(block_rows=2, vocab_block=32), scale)
+        for programs in (3, 1):
+            loss, grad = jax.value_and_grad(loss_of)(x, lossspec.Tuning(block_rows=2, vocab_block=32, programs=programs), scale)
+            assert_close_to_oracle(np.asarray(loss) / scale, np.asarray(grad.astype(jnp.float32)) / scale, ref.loss, ref.grad,
+                                   dtype=dtype, g0=ref.g0, what=f"{case.name} programs={programs} x{scale}")
+            assert np.array_equal(np.asarray(loss), np.asarray(base[0])) and np.array_equal(np.asarray(grad), np.asarray(base[1]))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_statistics_combine_like_shards(kind: str) -> None:
     """Per-shard statistics of uneven vocabulary shards, combined in either order, give the
@@ -235,6 +263,25 @@ def test_pallas_skips_masked_row_blocks_in_the_triton_kernel(capsys: pytest.Capt
     assert capsys.readouterr().out.count("scf.if") == 2
     _export_cuda(lambda x, t: _pallas.shard_stats(cfg, x, t, tuning=tuning), x, labels)
     assert capsys.readouterr().out.count("scf.if") == 0
+
+
+def test_pallas_persistent_programs_lower_to_a_row_loop(capsys: pytest.CaptureFixture[str]) -> None:
+    """For a GPU, ``Tuning(programs=4)`` lowers to one loop more than the default grid's (the
+    blocks of rows each program takes in turn, around the same two ``scf.if`` branches), and
+    4 programs for 16 blocks of rows."""
+    cfg = _xla.KernelConfig("cross_entropy")
+    x = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((64,), jnp.int32)
+    coef = jax.ShapeDtypeStruct((64,), jnp.float32)
+    found = {}
+    for programs in (None, 4):
+        tuning = lossspec.Tuning(interpret=False, debug=True, programs=programs)
+        capsys.readouterr()
+        module = _export_cuda(lambda x, t, c: _pallas.fused(cfg, x, t, c, tuning=tuning), x, labels, coef)
+        triton_ir = capsys.readouterr().out
+        found[programs] = (triton_ir.count("scf.for"), triton_ir.count("scf.if"), module)
+    assert found[4][0] == found[None][0] + 1 and found[4][1] == found[None][1] == 2
+    assert "grid_x = 16" in found[None][2] and "grid_x = 4" in found[4][2]
 
 
 # The two mesh tests lower for CUDA from a CPU machine's 8 host devices (parity_tests/conftest.py);

@@ -146,6 +146,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_jaxloss_kernels.py", "-k", "pallas"),
     ),
     Mutant(
+        "pallas_persistent_blocks_dropped",
+        "the Pallas kernel's persistent programs (Tuning.programs) take floor(blocks / programs) blocks each: the remainder is never computed",
+        "jaxloss/backends/pallas.py::_kernel",
+        "    count = pl.cdiv(pl.cdiv(n_rows, block_rows) - first, step)",
+        "    count = pl.cdiv(n_rows, block_rows) // step",
+        ("parity_tests/test_jaxloss_kernels.py", "-k", "persistent"),
+    ),
+    Mutant(
         "truncated_bf16_store_triton",
         "the Triton kernel truncates the fp32 gradient to bf16 instead of rounding to nearest",
         "torchloss/backends/triton_kernels.py::_round_for_store",

@@ -7,7 +7,9 @@ One kernel source for all kinds (the kind is static)::
 with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
 
 * One program per block of ``block_rows`` rows (``grid = cdiv(N, block_rows)``); rows past
-  ``N`` are masked on every load and store. The kernel sees whole arrays and addresses a
+  ``N`` are masked on every load and store. ``Tuning(programs=P)``: ``P`` persistent programs
+  instead, each taking every ``P``-th block of rows (fewer rows in flight: more of each row's
+  second read can come from L2; the Triton kernels' ``programs`` too). The kernel sees whole arrays and addresses a
   ``[block_rows, vocab_block]`` tile with row and column index vectors.
 * Pass 1 loops over vocabulary blocks of ``vocab_block`` columns and folds their statistics
   with the online-softmax algebra of :mod:`jaxloss._block` (:func:`~jaxloss._block.block_stats`,
@@ -109,8 +111,11 @@ def _kernel(
     block_vocab: int,
     mode: str,
     fields: tuple[str, ...],
+    programs: Optional[int] = None,
 ) -> None:
-    """One program: rows ``[pid * block_rows, (pid + 1) * block_rows)`` of ``[N, n_cols]``.
+    """One program: rows ``[pid * block_rows, (pid + 1) * block_rows)`` of ``[N, n_cols]``; with
+    ``programs`` (``Tuning.programs``, persistent programs) every ``programs``-th block of
+    ``block_rows`` rows from the ``pid``-th on, one after the other.
 
     The refs are the whole arrays, by mode (``t``: labels ``[N]`` or teacher ``[N, n_cols]``)::
 
@@ -127,97 +132,113 @@ def _kernel(
     """
     ce = cfg.is_ce
     x_ref, t_ref = refs[0], refs[1]
-    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
-    row_ok = rows < n_rows
-    # A row with coef == 0 (masked, or D == 0) needs only its zero gradient written: neither pass
-    # reads its logits (or teacher), like the Triton kernels' _zero_row. Its lanes are masked off
-    # every load, and a block with no such live row skips both passes (see the end). The "stats"
-    # mode has no coef: every row is live.
-    coef = None if mode == "stats" else plgpu.load(refs[2].at[rows], mask=row_ok, other=0.0)
-    live = row_ok if coef is None else row_ok & (coef != 0)
-    labels = plgpu.load(t_ref.at[rows], mask=live, other=0) if ce else None
-    num_blocks = pl.cdiv(n_cols, block_vocab)
 
-    def columns(j: Array) -> tuple[tuple[Array, Array], Array, Array]:
-        cols = j * block_vocab + jnp.arange(block_vocab, dtype=jnp.int32)
-        col_ok = (cols < n_cols)[None, :]
-        return (rows[:, None], cols[None, :]), col_ok, row_ok[:, None] & col_ok
+    def rows_block(row_block: Array) -> None:
+        """The work of the rows ``[row_block * block_rows, (row_block + 1) * block_rows)``."""
+        rows = row_block * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+        row_ok = rows < n_rows
+        # A row with coef == 0 (masked, or D == 0) needs only its zero gradient written: neither pass
+        # reads its logits (or teacher), like the Triton kernels' _zero_row. Its lanes are masked off
+        # every load, and a block with no such live row skips both passes (see the end). The "stats"
+        # mode has no coef: every row is live.
+        coef = None if mode == "stats" else plgpu.load(refs[2].at[rows], mask=row_ok, other=0.0)
+        live = row_ok if coef is None else row_ok & (coef != 0)
+        labels = plgpu.load(t_ref.at[rows], mask=live, other=0) if ce else None
+        num_blocks = pl.cdiv(n_cols, block_vocab)
 
-    def load(j: Array) -> tuple[tuple[Array, Array], Array, Array, Array, Optional[Array], Optional[Array]]:
-        index, col_ok, mask = columns(j)
-        read = live[:, None] & col_ok
-        # Masked lanes read 0 (finite); block_stats masks them to -inf through col_ok.
-        x = plgpu.load(x_ref.at[index], mask=read, other=0.0).astype(F32)
-        t = plgpu.load(t_ref.at[index], mask=read, other=0.0).astype(F32) if cfg.has_teacher else None
-        hit = (index[1] == labels[:, None]) if ce else None
-        return index, col_ok, mask, x, t, hit
+        def columns(j: Array) -> tuple[tuple[Array, Array], Array, Array]:
+            cols = j * block_vocab + jnp.arange(block_vocab, dtype=jnp.int32)
+            col_ok = (cols < n_cols)[None, :]
+            return (rows[:, None], cols[None, :]), col_ok, row_ok[:, None] & col_ok
 
-    def pass1() -> Stats:
-        def body(j: Array, acc: Stats) -> Stats:
-            _, col_ok, _, x, t, hit = load(j)
-            blk, _, _ = block_stats(cfg, x, t, hit=hit, col_ok=col_ok, gather=False)
-            return combine(cfg, acc, blk)
+        def load(j: Array) -> tuple[tuple[Array, Array], Array, Array, Array, Optional[Array], Optional[Array]]:
+            index, col_ok, mask = columns(j)
+            read = live[:, None] & col_ok
+            # Masked lanes read 0 (finite); block_stats masks them to -inf through col_ok.
+            x = plgpu.load(x_ref.at[index], mask=read, other=0.0).astype(F32)
+            t = plgpu.load(t_ref.at[index], mask=read, other=0.0).astype(F32) if cfg.has_teacher else None
+            hit = (index[1] == labels[:, None]) if ce else None
+            return index, col_ok, mask, x, t, hit
 
-        return lax.fori_loop(0, num_blocks, body, empty_stats(cfg, block_rows))
+        def pass1() -> Stats:
+            def body(j: Array, acc: Stats) -> Stats:
+                _, col_ok, _, x, t, hit = load(j)
+                blk, _, _ = block_stats(cfg, x, t, hit=hit, col_ok=col_ok, gather=False)
+                return combine(cfg, acc, blk)
 
-    def mixture_pass(fin: Final) -> Final:
-        """jensen_shannon's second pass (lossspec.stats): the mixture sums, then its loss."""
+            return lax.fori_loop(0, num_blocks, body, empty_stats(cfg, block_rows))
 
-        def body(j: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
-            _, col_ok, _, x, t, _ = load(j)
-            kl_qm, kl_pm = mixture_block(cfg, fin, x, t, col_ok=col_ok)
-            return acc[0] + kl_qm, acc[1] + kl_pm
+        def mixture_pass(fin: Final) -> Final:
+            """jensen_shannon's second pass (lossspec.stats): the mixture sums, then its loss."""
 
-        zero = jnp.zeros((block_rows,), F32)
-        return finalize_mixture(jnp, cfg, fin, *lax.fori_loop(0, num_blocks, body, (zero, zero)))
+            def body(j: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
+                _, col_ok, _, x, t, _ = load(j)
+                kl_qm, kl_pm = mixture_block(cfg, fin, x, t, col_ok=col_ok)
+                return acc[0] + kl_qm, acc[1] + kl_pm
 
-    def pass2(fin: Final, coef: Array, grad_ref) -> None:
-        def body(j: Array, carry: int) -> int:
-            # last block first: the blocks pass 1 read last are the likeliest still in L2 (as
-            # in the Triton kernels); every entry is computed alike in either order
-            index, _, mask, x, t, hit = load(num_blocks - 1 - j)
-            grad = grad_block(cfg, fin, coef, x, t, hit=hit, vocab=vocab)
-            # where, not coef *: a dead row's stand-in zeros against the global statistics ("grad"
-            # mode) may overflow
-            grad = jnp.where(live[:, None], grad, 0.0)
-            plgpu.store(grad_ref.at[index], grad.astype(grad_ref.dtype), mask=mask)
-            return carry
+            zero = jnp.zeros((block_rows,), F32)
+            return finalize_mixture(jnp, cfg, fin, *lax.fori_loop(0, num_blocks, body, (zero, zero)))
 
-        lax.fori_loop(0, num_blocks, body, 0)
+        def pass2(fin: Final, coef: Array, grad_ref) -> None:
+            def body(j: Array, carry: int) -> int:
+                # last block first: the blocks pass 1 read last are the likeliest still in L2 (as
+                # in the Triton kernels); every entry is computed alike in either order
+                index, _, mask, x, t, hit = load(num_blocks - 1 - j)
+                grad = grad_block(cfg, fin, coef, x, t, hit=hit, vocab=vocab)
+                # where, not coef *: a dead row's stand-in zeros against the global statistics ("grad"
+                # mode) may overflow
+                grad = jnp.where(live[:, None], grad, 0.0)
+                plgpu.store(grad_ref.at[index], grad.astype(grad_ref.dtype), mask=mask)
+                return carry
 
-    def zero_grad(grad_ref) -> None:
-        def body(j: Array, carry: int) -> int:
-            index, _, mask = columns(j)
-            plgpu.store(grad_ref.at[index], jnp.zeros((block_rows, block_vocab), grad_ref.dtype), mask=mask)
-            return carry
+            lax.fori_loop(0, num_blocks, body, 0)
 
-        lax.fori_loop(0, num_blocks, body, 0)
+        def zero_grad(grad_ref) -> None:
+            def body(j: Array, carry: int) -> int:
+                index, _, mask = columns(j)
+                plgpu.store(grad_ref.at[index], jnp.zeros((block_rows, block_vocab), grad_ref.dtype), mask=mask)
+                return carry
 
-    if mode == "stats":
-        stats = pass1()
-        for name, out_ref in zip(fields, refs[2:]):
-            plgpu.store(out_ref.at[rows], getattr(stats, name), mask=row_ok)
-        return
-    grad_ref = refs[-1]
-    any_live = jnp.sum(live.astype(jnp.int32)) > 0
+            lax.fori_loop(0, num_blocks, body, 0)
 
-    @pl.when(any_live)
-    def _live_block() -> None:
-        if mode == "grad":
-            values = {name: plgpu.load(ref.at[rows], mask=row_ok, other=0.0) for name, ref in zip(fields, refs[3:-1])}
-            pass2(Final(**values), coef, grad_ref)
+        if mode == "stats":
+            stats = pass1()
+            for name, out_ref in zip(fields, refs[2:]):
+                plgpu.store(out_ref.at[rows], getattr(stats, name), mask=row_ok)
             return
-        fin = finalize(cfg, pass1(), vocab)
-        if cfg.kind == "jensen_shannon":
-            fin = mixture_pass(fin)
-        plgpu.store(refs[3].at[rows], jnp.where(coef != 0, fin.l, 0.0), mask=row_ok)
-        pass2(fin, coef, grad_ref)
+        grad_ref = refs[-1]
+        any_live = jnp.sum(live.astype(jnp.int32)) > 0
 
-    @pl.when(jnp.logical_not(any_live))
-    def _dead_block() -> None:  # every row masked: zeros out, nothing read
-        if mode == "fused":
-            plgpu.store(refs[3].at[rows], jnp.zeros((block_rows,), F32), mask=row_ok)
-        zero_grad(grad_ref)
+        @pl.when(any_live)
+        def _live_block() -> None:
+            if mode == "grad":
+                values = {name: plgpu.load(ref.at[rows], mask=row_ok, other=0.0) for name, ref in zip(fields, refs[3:-1])}
+                pass2(Final(**values), coef, grad_ref)
+                return
+            fin = finalize(cfg, pass1(), vocab)
+            if cfg.kind == "jensen_shannon":
+                fin = mixture_pass(fin)
+            plgpu.store(refs[3].at[rows], jnp.where(coef != 0, fin.l, 0.0), mask=row_ok)
+            pass2(fin, coef, grad_ref)
+
+        @pl.when(jnp.logical_not(any_live))
+        def _dead_block() -> None:  # every row masked: zeros out, nothing read
+            if mode == "fused":
+                plgpu.store(refs[3].at[rows], jnp.zeros((block_rows,), F32), mask=row_ok)
+            zero_grad(grad_ref)
+
+    if programs is None:
+        rows_block(pl.program_id(0))
+        return
+    # Persistent programs (Tuning.programs): program pid takes the row blocks pid, pid + P, ...
+    first, step = pl.program_id(0), pl.num_programs(0)
+    count = pl.cdiv(pl.cdiv(n_rows, block_rows) - first, step)
+
+    def each(k: Array, carry: int) -> int:
+        rows_block(first + k * step)
+        return carry
+
+    lax.fori_loop(0, count, each, 0)
 
 
 def _call(
@@ -234,7 +255,7 @@ def _call(
 ) -> tuple[Array, ...]:
     """Run the kernel in ``mode`` over ``inputs`` (``inputs[0]`` is ``x [N, n_cols]``), with the
     :class:`lossspec.Tuning` fields ``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``,
-    ``interpret`` and ``debug`` of ``tuning`` (``None``: :data:`GPU_DEFAULTS` /
+    ``programs`` (persistent programs), ``interpret`` and ``debug`` of ``tuning`` (``None``: :data:`GPU_DEFAULTS` /
     :data:`INTERPRET_DEFAULTS`). ``aliases``: ``{input index: output index}``, outputs written into
     their input's buffer (``pallas_call``'s ``input_output_aliases``; XLA copies an input that is
     still needed)."""
@@ -247,16 +268,17 @@ def _call(
 
     def call(interpret: bool, typed: bool = True) -> Callable[..., tuple[Array, ...]]:
         block_rows, block_vocab = _blocks(tuning, n, n_cols, on_gpu=not interpret)
+        row_blocks = pl.cdiv(n, block_rows)
         kernel = functools.partial(
             _kernel, cfg=cfg, n_rows=n, n_cols=n_cols, vocab=vocab, block_rows=block_rows,
-            block_vocab=block_vocab, mode=mode, fields=fields,
+            block_vocab=block_vocab, mode=mode, fields=fields, programs=tuning.programs,
         )
         return pl.pallas_call(
             kernel,
             out_shape=tuple(
                 jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat if typed else None) for shape, dtype in out_shapes
             ),
-            grid=(pl.cdiv(n, block_rows),),
+            grid=(row_blocks if tuning.programs is None else min(row_blocks, tuning.programs),),
             input_output_aliases=dict(aliases or {}),
             interpret=interpret,
             debug=tuning.debug,
