@@ -13,7 +13,6 @@ import pytest
 
 import jaxloss
 import lossspec
-from jaxloss import api
 from jaxloss.nnx import CrossEntropyLoss, ForwardKLLoss
 
 FNS = {

@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 
 import jaxloss
 import lossspec
-from jaxloss import api
 from lossspec import KINDS, assert_close_to_oracle, compare_grad, compare_loss, make_case
 
 IMPLS = ("xla", "pallas")

@@ -413,7 +413,7 @@ BAD_CASES = {
     "unknown_option": (lambda d: ["--bogus"], "unrecognized arguments: --bogus"),
     # --out: checked before anything runs (a valid built-in run otherwise).
     "out_is_a_file": (lambda d: ["--kinds", "cross_entropy", "--out", str(d / "a_file")],
-                      f"--out {{d}}/a_file is a file; --out names the folder for parity_report.json"),
+                      "--out {d}/a_file is a file; --out names the folder for parity_report.json"),
     "out_under_a_file": (lambda d: ["--kinds", "cross_entropy", "--out", str(d / "a_file" / "reports")],
                          "cannot write there ("),
 }

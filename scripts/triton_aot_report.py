@@ -615,7 +615,6 @@ def markdown_l2_model(rows: list[Row], vocab: int, rate_tb_s: float, latency_ns:
         if r.job != "fused" or r.dtype != "bfloat16" or r.variant not in ("cross_entropy", "reverse_kl"):
             continue
         tensors = 2 if lossspec.KIND_SPECS[r.variant].has_teacher else 1
-        default = resident_programs(r.registers, r.num_warps, r.shared, gpu)
         for per_sm in (None, 1, 2, 4):
             for stages in (1, 2, 3):
                 if per_sm is None and stages > 1:

@@ -500,7 +500,6 @@ def prepare(call: Call) -> Prepared:
         coef, valid = window.take(coef), window.take(valid)
         labels = None if labels is None else window.take(labels)
         in_range = None if in_range is None else window.take(in_range)
-    vocab_local = int(logits.shape[-1])
     if is_ce:
         assert labels is not None and in_range is not None
         target = torch.where(valid & in_range, labels, 0).reshape(rows)
