@@ -751,7 +751,9 @@ def _row_grad(
             _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, full, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
                         scale, p_scale, t_scale, h_scale, j_scale, lse, lse_t, log_beta, log_rest,
                         KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, True)
-        top = full.to(tl.int64) - BLOCK_V  # int64: 2 instructions a block more than forward, not 7
+        # int64 (2 instructions a block more than forward, not 7), also where V == 1 makes
+        # ``full`` a compile-time 0 (Triton specialises an integer argument equal to 1)
+        top = tl.full((), 0, tl.int64) + full - BLOCK_V
         for i in tl.range(0, full, BLOCK_V, num_stages=STAGES):
             v0 = top - i
             _grad_block(x_row, t_row, g_row, params_ptr, V, V_total, v0, m, mt, tau, mean_d, mean_h, kl_qm, c, ct, c2, ct2, eps,
