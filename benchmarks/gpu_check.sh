@@ -35,7 +35,8 @@
 #
 # Environment: GPU_CHECK_SECONDS (default 600, --short 360) the whole budget; GPU_CHECK_PYTEST_SECONDS
 # (default 150, --short 120) the kernel tests' share of it; GPU_CHECK_SWEEP_SECONDS (default 60,
-# --short 45) the Triton launch-shape sweep's; GPU_CHECK_BENCH_ARGS more arguments of the benchmark
+# --short 45) the Triton launch-shape sweep's; GPU_CHECK_PALLAS_SWEEP_SECONDS (default 45, full
+# mode only) the Pallas one's (benchmarks/gpu_pallas_sweep.py); GPU_CHECK_BENCH_ARGS more arguments of the benchmark
 # (they replace the short mode's); GPU_CHECK_TESTS other test files; GPU_CHECK_SKIP_PARITY=1 leaves
 # lossparity out; PYTHON_BIN a Python to use as it is. The project is imported from this checkout
 # (PYTHONPATH), never installed.
@@ -55,6 +56,7 @@ for arg in "$@"; do
   esac
 done
 probe_seconds=0
+pallas_sweep_seconds=0
 sweep_args="--grid all --head"
 
 kernel_tests=(parity_tests/test_torchloss_triton_kernels.py
@@ -89,6 +91,8 @@ else
   budget=${GPU_CHECK_SECONDS:-600}
   pytest_seconds=${GPU_CHECK_PYTEST_SECONDS:-150}
   sweep_seconds=${GPU_CHECK_SWEEP_SECONDS:-60}
+  # the Pallas kernels' persistent programs and block shapes (never swept on a GPU)
+  pallas_sweep_seconds=${GPU_CHECK_PALLAS_SWEEP_SECONDS:-45}
   skip_parity=${GPU_CHECK_SKIP_PARITY:-}
 fi
 # GPU_CHECK_TESTS: another list of test files (a rerun of what changed, when device time is short)
@@ -108,6 +112,7 @@ plan() {
   echo "  2. kernel tests (${pytest_seconds} s): pytest ${kernel_tests[*]} -k '$kernel_filter'"
   if [ -n "$skip_parity" ]; then echo "  3. lossparity: skipped"; else echo "  3. lossparity: Pallas and Triton vs the oracle"; fi
   if [ "$sweep_seconds" -gt 0 ]; then echo "  4. Triton launch shapes (${sweep_seconds} s): python -m benchmarks.gpu_triton_sweep --max-seconds $sweep_seconds $sweep_args"; fi
+  if [ "$pallas_sweep_seconds" -gt 0 ]; then echo "  4. Pallas launch shapes (${pallas_sweep_seconds} s): python -m benchmarks.gpu_pallas_sweep --max-seconds $pallas_sweep_seconds"; fi
   if [ "$probe_seconds" -gt 0 ]; then echo "  4. the head's matmuls alone (${probe_seconds} s): python -m benchmarks.gpu_matmul_probe"; fi
   echo "  5. benchmark (the time left): python -m benchmarks.run $bench_args"
 }
@@ -221,6 +226,11 @@ step "Triton launch shapes: python -m benchmarks.gpu_triton_sweep (pipelining x 
 # shellcheck disable=SC2086  # sweep_args: several arguments
 timeout "$(( sweep_seconds + 50 ))" "$py" -m benchmarks.gpu_triton_sweep --max-seconds "$sweep_seconds" $sweep_args \
   --json benchmarks/results/gpu_triton_sweep.json || failures+=("Triton sweep")
+fi
+if [ "$pallas_sweep_seconds" -gt 0 ]; then
+step "Pallas launch shapes: python -m benchmarks.gpu_pallas_sweep (persistent programs; rows x block x warps)"
+timeout "$(( pallas_sweep_seconds + 60 ))" "$py" -m benchmarks.gpu_pallas_sweep --max-seconds "$pallas_sweep_seconds" \
+  --json benchmarks/results/gpu_pallas_sweep.json || failures+=("Pallas sweep")
 fi
 if [ "$probe_seconds" -gt 0 ]; then
 step "the head's matmuls alone: python -m benchmarks.gpu_matmul_probe (R=2048, H=4096, V=131072)"

@@ -37,6 +37,8 @@ import lossspec
 import torchloss
 from torchloss.backends import triton as _triton
 
+from ._sweep import sweep_kind
+
 KINDS = ("cross_entropy", "soft_cross_entropy", "forward_kl", "reverse_kl")
 BLOCKS = (2048, 4096, 8192, 16384, 32768)  # 32768 x 16-32 warps: the peers' (Liger) blocks
 WARPS = (8, 16, 32)
@@ -158,40 +160,15 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             return loss
 
-        reference = None
-        for fields in configs(args.grid, multiprocessors):
-            label = " ".join(f"{k}={val}" for k, val in fields.items()) or "default"
-            if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
-                rows.append({"kind": kind, **fields, "error": "skipped: time budget"})
-                continue
+        def measure(fields: dict[str, Any]) -> tuple[float, torch.Tensor, list[float], dict[str, Any]]:
             tuning = lossspec.Tuning(**fields)  # every job's launches
-            try:
-                loss = step(tuning).detach().double().item()
-                grad = logits.grad.detach().float()
-                if reference is None:
-                    reference = (loss, grad.clone())
-                times = _time(lambda: step(tuning), args.reps, cuda)
-                row = {"kind": kind, **fields, "median_ms": statistics.median(times),
-                       "min_ms": min(times), "max_ms": max(times), "loss": loss,
-                       "loss_rel_diff": abs(loss - reference[0]) / max(abs(reference[0]), 1e-30),
-                       "grad_max_abs_diff": float((grad - reference[1]).abs().max()),
-                       "grad_max_abs": float(reference[1].abs().max())}
-            except Exception as exc:  # a launch shape the compiler refuses (registers, shared memory)
-                row = {"kind": kind, **fields, "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
-            rows.append(row)
-            if "error" in row:
-                print(f"{kind:18} {label:36}: {row['error']}", flush=True)
-            else:
-                print(f"{kind:18} {label:36}: {row['min_ms']:7.3f} / {row['median_ms']:7.3f} / "
-                      f"{row['max_ms']:7.3f} ms  loss rel diff {row['loss_rel_diff']:.1e}  grad max diff "
-                      f"{row['grad_max_abs_diff']:.1e} (max |grad| {row['grad_max_abs']:.1e})", flush=True)
-        ok = [r for r in rows if r["kind"] == kind and "error" not in r]
-        if ok:
-            best = min(ok, key=lambda r: r["median_ms"])
-            default = next((r for r in ok if not set(r) & {"vocab_block", "num_warps", "num_stages", "programs"}), None)
-            best_label = " ".join(f"{k}={best[k]}" for k in ("vocab_block", "num_warps", "num_stages", "programs") if k in best) or "default"
-            print(f"{kind}: best {best_label} {best['median_ms']:.3f} ms"
-                  + (f"; default {default['median_ms']:.3f} ms" if default else ""), flush=True)
+            loss = step(tuning).detach().double().item()
+            grad = logits.grad.detach().float()
+            return loss, grad, _time(lambda: step(tuning), args.reps, cuda), {}
+
+        rows += sweep_kind(kind, configs(args.grid, multiprocessors), measure,
+                           lambda grad, ref: (float((grad - ref).abs().max()), float(ref.abs().max())),
+                           started=t0, max_seconds=args.max_seconds)
     head = _head_kernels(args.reps, cuda) if args.head else []
     if args.json:
         args.json.write_text(json.dumps({"n": n, "v": v, "reps": args.reps, "torch": torch.__version__,

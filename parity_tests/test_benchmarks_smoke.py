@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import lossspec
+
 from benchmarks._report import NOISE, ratio_range, verdict
 from benchmarks._registry import BACKENDS, KINDS, Spec
 from benchmarks._worker import numpy_inputs, round_order, token_mask
@@ -469,3 +471,23 @@ def test_triton_sweep_pipeline_grid_runs_and_changes_no_bit(tmp_path: Path) -> N
     for r in rows:
         assert "error" not in r, r
         assert r["loss_rel_diff"] == 0 and r["grad_max_abs_diff"] == 0 and r["grad_max_abs"] > 0, r
+
+
+@pytest.mark.slow  # interpreted Pallas kernels, a JAX compile per configuration
+def test_pallas_sweep_programs_grid_runs_and_changes_no_bit(tmp_path: Path) -> None:
+    """``python -m benchmarks.gpu_pallas_sweep --grid programs`` (``gpu_check.sh``'s full mode on
+    a lent GPU) in Pallas interpret mode: every configuration (one program per block of rows,
+    1, 2, 4 x the multiprocessors) runs and gives the default's loss and gradient bit for bit,
+    and the shapes grid names valid block shapes."""
+    from benchmarks import gpu_pallas_sweep
+
+    out = tmp_path / "sweep.json"
+    assert gpu_pallas_sweep.main(["--n", "6", "--v", "40", "--reps", "1", "--kinds", "reverse_kl", "--grid", "programs",
+                                  "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r.get("programs") for r in rows] == [None, 2, 4, 8]  # 2 "multiprocessors" off a GPU
+    for r in rows:
+        assert "error" not in r, r
+        assert r["loss_rel_diff"] == 0 and r["grad_max_abs_diff"] == 0 and r["grad_max_abs"] > 0, r
+    shapes = gpu_pallas_sweep.configs("shapes", 132)
+    assert len(shapes) == 24 and all(lossspec.Tuning(**fields) for fields in shapes)
