@@ -437,6 +437,19 @@ def test_gpu_check_short_dry_run_plans_without_running() -> None:
         assert "no NVIDIA GPU visible" in out
 
 
+def test_gpu_check_full_dry_run_plans_both_sweeps() -> None:
+    """``benchmarks/gpu_check.sh --dry-run`` (the full mode): the Triton sweep's two grids with the
+    head, then the Pallas sweep, then the benchmark."""
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "plan (full mode, budget 600 s)" in out
+    triton, pallas, bench = (out.index(s) for s in ("benchmarks.gpu_triton_sweep --max-seconds 60 --grid all --head",
+                                                     "benchmarks.gpu_pallas_sweep --max-seconds 45", "benchmarks.run --gpu-quick"))
+    assert triton < pallas < bench
+
+
 def test_gpu_check_head_dry_run_plans_the_head_rows() -> None:
     """``benchmarks/gpu_check.sh --head --dry-run``: issue 33's plan (the head's suites, the matmul
     probe, the head rows at the GPU shape), every contender it names known to the registry and a
