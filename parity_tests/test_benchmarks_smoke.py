@@ -113,8 +113,6 @@ def test_runner_writes_sane_results(tmp_path: Path) -> None:
 def test_every_kind_of_the_table_is_benchmarked() -> None:
     """The benchmarks take their kinds from lossspec's kind table: a new kind is benchmarked by
     our backends and the eager / compiled peers without a change here."""
-    import lossspec
-
     assert KINDS == lossspec.ALL_KINDS
     for name in ("jaxloss-xla", "torchloss", "optax", "torch-eager", "torch-compile", "jax-sol", "torch-sol"):
         assert BACKENDS[name].kinds == KINDS, name
