@@ -427,15 +427,24 @@ def compile_one(job: str, variant: str, dtype: str, arch: int, sass: bool = True
 
     compiled, warps, block_v = compile_kernel(job, variant, dtype, arch)
     passes = vocabulary_passes(sass_loops(disassemble(compiled.asm["cubin"]))) if (block_v and sass) else []
-    # ptxas -v as Triton runs it (same binary, architecture name and flags), for its resource report.
+    registers, stack, spill_stores, spill_loads = ptxas_resources(compiled.asm["ptx"], arch, _triton.FP_FUSION)
+    kind = next((v[1] for v in VARIANTS if v[0] == variant), variant)
+    return Row(job, variant, dtype, arch, warps, registers, int(compiled.metadata.shared), stack, spill_stores, spill_loads,
+               block_v, [l.instructions for l in passes], [l.barriers for l in passes],
+               [unroll_factor(l, kind, dtype, block_v, warps) for l in passes])
+
+
+def ptxas_resources(ptx: str, arch: int, fp_fusion: bool = True) -> tuple[int, int, int, int]:
+    """``(registers, stack frame bytes, spill store bytes, spill load bytes)`` of a kernel's PTX,
+    from ``ptxas -v`` as Triton runs it (the same binary, architecture name and flags)."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     ptxas = get_ptxas(arch).path
-    flags = ["--regAllocOptLevel=2"] + ([] if _triton.FP_FUSION else ["--fmad=false"])
+    flags = ["--regAllocOptLevel=2"] + ([] if fp_fusion else ["--fmad=false"])
     with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "kernel.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        cmd = [ptxas, "-v", *flags, f"--gpu-name={sm_arch_from_capability(arch)}", str(ptx), "-o", str(Path(tmp) / "kernel.cubin")]
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        cmd = [ptxas, "-v", *flags, f"--gpu-name={sm_arch_from_capability(arch)}", str(path), "-o", str(Path(tmp) / "kernel.cubin")]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr}")
@@ -445,11 +454,8 @@ def compile_one(job: str, variant: str, dtype: str, arch: int, sass: bool = True
         found = re.search(pattern, info)
         return int(found.group(1)) if found else 0
 
-    kind = next((v[1] for v in VARIANTS if v[0] == variant), variant)
-    return Row(job, variant, dtype, arch, warps, number(r"Used (\d+) registers"), int(compiled.metadata.shared),
-               number(r"(\d+) bytes stack frame"), number(r"(\d+) bytes spill stores"), number(r"(\d+) bytes spill loads"),
-               block_v, [l.instructions for l in passes], [l.barriers for l in passes],
-               [unroll_factor(l, kind, dtype, block_v, warps) for l in passes])
+    return (number(r"Used (\d+) registers"), number(r"(\d+) bytes stack frame"), number(r"(\d+) bytes spill stores"),
+            number(r"(\d+) bytes spill loads"))
 
 
 def _triton_version() -> str:
