@@ -82,6 +82,22 @@ class KernelConfig:
         return self.scale
 
 
+LOG2E = 1.4426950408889634  # log2(e): exp(u) = exp2(LOG2E u)
+
+
+def exp_scaled(scale: float, d: Array, shift: Optional[Array] = None, *, base2: bool = False) -> Array:
+    """``exp(scale d - shift)`` (``shift`` ``[R]``, per row; ``None``: 0), or with ``base2`` the same
+    as ``exp2((LOG2E scale) d - LOG2E shift)``: the scale folded once per call, the shift once per
+    row. On a GPU ``exp2`` is one ``ex2.approx`` instruction where ``exp`` is libdevice's ``expf``
+    (about 8: a two-constant range reduction around the same instruction); the rounding of the folded
+    constants moves ``exp``'s argument by a few fp32 ulps of ``|scale d - shift|``, which the kernel
+    bounds of docs/spec.md section 6 take (the Triton kernels do the same)."""
+    if not base2:
+        return jnp.exp(scale * d if shift is None else scale * d - shift[:, None])
+    scaled = (scale * LOG2E) * d
+    return jnp.exp2(scaled if shift is None else scaled - (shift * LOG2E)[:, None])
+
+
 def _pos_times(weight: Array, value: Array) -> Array:
     """``weight * value`` with 0 where ``weight == 0`` (so ``0 * -inf`` is 0, never NaN)."""
     return jnp.where(weight > 0, weight * value, 0.0)
@@ -96,6 +112,7 @@ def block_stats(
     hit: Optional[Array] = None,
     col_ok: Optional[Array] = None,
     gather: bool = True,
+    base2: bool = False,
 ) -> tuple[Stats, Array, Optional[Array]]:
     """Statistics of one block ``x`` ``[R, B]`` (fp32) relative to the block's own maxima.
 
@@ -110,6 +127,8 @@ def block_stats(
         overlapping blocks); ``None`` for all.
       gather: reverse KL may gather the pivot (``False`` inside Pallas kernels, which lower to
         Triton without gathers).
+      base2: the exponentials as ``exp2`` with ``log2(e)`` folded into the scale (:func:`exp_scaled`;
+        the Pallas kernels: one GPU instruction each instead of libdevice's ``expf``).
 
     Returns:
       ``(stats, e, et)``: the statistics and ``e = exp(c (x - m))``, ``et`` (0 outside
@@ -127,7 +146,7 @@ def block_stats(
         xm = x
     m = jnp.max(xm, axis=-1)
     dx = xm - finite_max(m)[:, None]  # -inf on -inf and masked columns
-    e = jnp.exp(c * dx)
+    e = exp_scaled(c, dx, base2=base2)
     s = jnp.sum(e, axis=-1)
     if cfg.is_ce:
         if x_y is None:
@@ -147,7 +166,7 @@ def block_stats(
     tm = t if col_ok is None else jnp.where(col_ok, t, NEG_INF)
     mt = jnp.max(tm, axis=-1)
     dt = tm - finite_max(mt)[:, None]
-    et = jnp.exp(ct * dt)
+    et = exp_scaled(ct, dt, base2=base2)
     st = jnp.sum(et, axis=-1)
     a = b = tau = e_d = None
     if cfg.kind in ("soft_cross_entropy", "forward_kl"):
@@ -207,6 +226,7 @@ def grad_block(
     vocab: int,
     e: Optional[Array] = None,
     et: Optional[Array] = None,
+    base2: bool = False,
 ) -> Array:
     """Gradient ``coef * c * dl/dz`` ``[R, B]`` (fp32) of one block w.r.t. the logits ``x``.
 
@@ -218,7 +238,7 @@ def grad_block(
     rows), which saves recomputing the exponentials. Rows with ``coef == 0`` are exactly 0,
     bad rows (NaN / ``+inf``) NaN. ``x``, ``t`` are raw: with a soft cap the gradient is formed
     on the capped logits and multiplied by the cap's slope (:func:`softcap_slope`, from the raw
-    ``x``).
+    ``x``). ``base2``: the exponentials ``q``, ``p`` as :func:`exp_scaled`'s ``exp2``.
     """
     c, ct = cfg.scale, cfg.teacher_scale
     x_raw = x
@@ -227,7 +247,7 @@ def grad_block(
         t = softcap(t, cfg.teacher_logit_softcap)
     dx = x - fin.m[:, None]
     if e is None:
-        q = jnp.exp(c * dx - fin.lse[:, None])
+        q = exp_scaled(c, dx, fin.lse, base2=base2)
     else:
         q = e * (1.0 / fin.s)[:, None]
     if cfg.is_ce:
@@ -247,7 +267,7 @@ def grad_block(
             gz = _pos_times(q, _pivot_d(cfg, dx, t, fin.tau) - fin.mean_d[:, None])
         else:
             dt = t - fin.mt[:, None]
-            p = jnp.exp(ct * dt - fin.lse_t[:, None]) if et is None else et * (1.0 / fin.st)[:, None]
+            p = exp_scaled(ct, dt, fin.lse_t, base2=base2) if et is None else et * (1.0 / fin.st)[:, None]
             gz = q - p
     scale = (coef * c)[:, None]
     grad = scale * gz

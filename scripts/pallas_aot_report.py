@@ -50,6 +50,7 @@ ARCH = 90
 # N and V; a ragged tail would add a masked copy of nothing the passes run).
 ROWS, VOCAB = 64, 131072
 TRITON_CALL = "__gpu$xla.gpu.triton"
+LAUNCH_FIELDS = ("block_rows", "vocab_block", "num_warps", "num_stages")
 
 
 @dataclasses.dataclass
@@ -94,9 +95,10 @@ def lower_kernels(fn: Any, *args: Any) -> list[Kernel]:
     return kernels
 
 
-def fused_kernel(variant: str, dtype: str) -> tuple[Kernel, int, int]:
+def fused_kernel(variant: str, dtype: str, **launch: Any) -> tuple[Kernel, int, int]:
     """``(kernel, block_rows, vocab_block)`` of the ``"fused"`` Pallas kernel of a variant of
-    :data:`triton_aot_report.VARIANTS` at the GPU defaults."""
+    :data:`triton_aot_report.VARIANTS` at the GPU defaults, or with the :class:`lossspec.Tuning`
+    fields ``launch`` (``block_rows``, ``vocab_block``, ``num_warps``, ``num_stages``)."""
     import jax
     import jax.numpy as jnp
 
@@ -109,19 +111,19 @@ def fused_kernel(variant: str, dtype: str) -> tuple[Kernel, int, int]:
     x = jax.ShapeDtypeStruct((ROWS, VOCAB), getattr(jnp, dtype))
     target = jax.ShapeDtypeStruct((ROWS,), jnp.int32) if cfg.is_ce else (x if cfg.has_teacher else jax.ShapeDtypeStruct((ROWS, 0), x.dtype))
     coef = jax.ShapeDtypeStruct((ROWS,), jnp.float32)
-    tuning = lossspec.Tuning(interpret=False)
+    tuning = lossspec.Tuning(interpret=False, **launch)
     [kernel] = lower_kernels(lambda x, t, c: _pallas.fused(cfg, x, t, c, tuning=tuning), x, target, coef)
     block_rows, vocab_block = _pallas._blocks(tuning, ROWS, VOCAB, on_gpu=True)
     return kernel, block_rows, vocab_block
 
 
-def compile_pallas(variant: str, dtype: str, arch: int = ARCH) -> aot.Row:
+def compile_pallas(variant: str, dtype: str, arch: int = ARCH, **launch: Any) -> aot.Row:
     """Lower, compile and count one Pallas kernel (a row like the Triton report's, ``block_v`` the
-    elements of one iteration, ``block_rows * vocab_block``)."""
+    elements of one iteration, ``block_rows * vocab_block``); ``launch``: :func:`fused_kernel`'s."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    kernel, block_rows, vocab_block = fused_kernel(variant, dtype)
+    kernel, block_rows, vocab_block = fused_kernel(variant, dtype, **launch)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{kernel.name}.ttir"
         path.write_text(kernel.ir)
@@ -161,12 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(v[0] for v in aot.VARIANTS), help="comma list (default: every variant)")
     parser.add_argument("--dtypes", default=",".join(aot.DTYPES), help="comma list (default: float32,bfloat16)")
     parser.add_argument("--no-triton", action="store_true", help="leave out our Triton kernels' figures beside them")
+    for name in LAUNCH_FIELDS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"Tuning.{name} of the Pallas kernels (default: jaxloss's GPU default)")
     args = parser.parse_args(argv)
     todo = [(v, d) for v in args.variants.split(",") for d in args.dtypes.split(",")]
+    launch = {name: getattr(args, name) for name in LAUNCH_FIELDS if getattr(args, name) is not None}
     rows = []
     for variant, dtype in todo:
         print(f"compiling the Pallas kernel: {variant} {dtype}", file=sys.stderr, flush=True)
-        rows.append(compile_pallas(variant, dtype))
+        rows.append(compile_pallas(variant, dtype, **launch))
     triton_rows = {}
     if not args.no_triton:
         for row in aot.report(jobs=2, todo=[("fused", v, d, ARCH) for v, d in todo]):
@@ -179,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"Pallas kernels (\"fused\"), sm_{ARCH} SASS, lowered by JAX for CUDA at {ROWS} x {VOCAB} and compiled with Triton "
           f"{triton.__version__} (offline static counts, not GPU timings; XLA compiles the same IR with its own Triton):\n")
-    print(markdown(rows, triton_rows, f"{GPU_DEFAULTS.block_rows} x {GPU_DEFAULTS.vocab_block}"))
+    blocks = f"{launch.get('block_rows', GPU_DEFAULTS.block_rows)} x {launch.get('vocab_block', GPU_DEFAULTS.vocab_block)}"
+    print(markdown(rows, triton_rows, blocks))
     expected = {variant: 3 if "jensen_shannon" in variant else 2 for variant, _ in todo}
     problems = [f"{r.variant} {r.dtype}: {len(r.pass_instructions)} vocabulary passes, expected {expected[r.variant]}"
                 for r in rows if len(r.pass_instructions) != expected[r.variant] or 0 in r.pass_unroll]

@@ -82,11 +82,21 @@ HIGHER_ORDER_MESSAGE = (
 #: The defaults of the :class:`lossspec.Tuning` fields the Pallas kernels read (``None`` there):
 #: ``block_rows``, ``vocab_block`` (powers of two), ``num_warps`` and ``num_stages`` (``None``:
 #: Triton's), per lowering. On a GPU 4 rows x up to 1024 columns per block (4096 fp32 values in
-#: registers with 4 warps); interpreted (CPU) 8 rows x up to 128 columns, so the tests' small
-#: vocabularies still take several blocks and a ragged tail. ``interpret`` (``None``: per lowering
-#: platform) and ``debug`` are read from the call's tuning.
+#: registers with 4 warps, 32 per thread and tensor); interpreted (CPU) 8 rows x up to 128 columns,
+#: so the tests' small vocabularies still take several blocks and a ragged tail. ``interpret``
+#: (``None``: per lowering platform) and ``debug`` are read from the call's tuning.
 GPU_DEFAULTS = Tuning(block_rows=4, vocab_block=1024, num_warps=4)
 INTERPRET_DEFAULTS = Tuning(block_rows=8, vocab_block=128, num_warps=4)
+#: ``num_warps`` on a GPU for the kinds that read a teacher: two blocks of 32 values per thread
+#: took 249-255 registers with 4 warps compiled for sm_90 (bf16 jensen_shannon with soft caps
+#: spilled 440 bytes); with 8 warps 128-141 registers, no spill, the same instructions per element
+#: (scripts/pallas_aot_report.py). Cross-entropy and entropy keep 4 (8 spilled cross-entropy).
+GPU_TEACHER_WARPS = 8
+
+
+def _num_warps(cfg: KernelConfig, tuning: Tuning) -> int:
+    """The kernel's warps: the call's ``Tuning.num_warps``, else the GPU default of its kind."""
+    return tuning.num_warps or (GPU_TEACHER_WARPS if cfg.has_teacher else GPU_DEFAULTS.num_warps)
 
 
 def _next_pow2(n: int) -> int:
@@ -157,13 +167,15 @@ def _kernel(
             # Masked lanes read 0 (finite); block_stats masks them to -inf through col_ok.
             x = plgpu.load(x_ref.at[index], mask=read, other=0.0).astype(F32)
             t = plgpu.load(t_ref.at[index], mask=read, other=0.0).astype(F32) if cfg.has_teacher else None
-            hit = (index[1] == labels[:, None]) if ce else None
+            # the label's column against the block's own column ids (32-bit: the absolute ids
+            # also feed the 64-bit addresses, and a compare with them compiled to 64 bits)
+            hit = (jnp.arange(block_vocab, dtype=jnp.int32)[None, :] == (labels - j * block_vocab)[:, None]) if ce else None
             return index, col_ok, mask, x, t, hit
 
         def pass1() -> Stats:
             def body(j: Array, acc: Stats) -> Stats:
                 _, col_ok, _, x, t, hit = load(j)
-                blk, _, _ = block_stats(cfg, x, t, hit=hit, col_ok=col_ok, gather=False)
+                blk, _, _ = block_stats(cfg, x, t, hit=hit, col_ok=col_ok, gather=False, base2=True)
                 return combine(cfg, acc, blk)
 
             return lax.fori_loop(0, num_blocks, body, empty_stats(cfg, block_rows))
@@ -184,7 +196,7 @@ def _kernel(
                 # last block first: the blocks pass 1 read last are the likeliest still in L2 (as
                 # in the Triton kernels); every entry is computed alike in either order
                 index, _, mask, x, t, hit = load(num_blocks - 1 - j)
-                grad = grad_block(cfg, fin, coef, x, t, hit=hit, vocab=vocab)
+                grad = grad_block(cfg, fin, coef, x, t, hit=hit, vocab=vocab, base2=True)
                 # where, not coef *: a dead row's stand-in zeros against the global statistics ("grad"
                 # mode) may overflow
                 grad = jnp.where(live[:, None], grad, 0.0)
@@ -282,7 +294,7 @@ def _call(
             input_output_aliases=dict(aliases or {}),
             interpret=interpret,
             debug=tuning.debug,
-            compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps or GPU_DEFAULTS.num_warps, num_stages=tuning.num_stages),
+            compiler_params=plgpu.CompilerParams(num_warps=_num_warps(cfg, tuning), num_stages=tuning.num_stages),
             name=f"jaxloss_{cfg.kind}_{mode}",
         )
 
