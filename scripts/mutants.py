@@ -1195,6 +1195,38 @@ MUTANTS: tuple[Mutant, ...] = (
         "        return LossConfig(kind=kind, normalization=self.normalization, ignore_index=self.ignore_index)",
         ("parity_tests/test_jaxloss_transforms.py", "-k", "share_the_preparation"),
     ),
+    Mutant(
+        "pallas_exp_not_base2",
+        "the Pallas kernels' pass 1 computes its exponentials with exp (libdevice's expf on a GPU, about 8 instructions) instead of exp2",
+        "jaxloss/backends/pallas.py::_kernel.rows_block.pass1.body",
+        "                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False, base2=True)",
+        "                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False)",
+        ("parity_tests/test_jaxloss_pallas_aot.py",),
+    ),
+    Mutant(
+        "pallas_label_compare_absolute",
+        "the Pallas gradient pass compares the label with the absolute column ids again (a 64-bit compare per element on a GPU)",
+        "jaxloss/backends/pallas.py::_kernel.rows_block.load",
+        "            hit = (jnp.arange(block_vocab, dtype=jnp.int32)[None, :] == (labels - j * block_vocab)[:, None]) if ce and with_hit else None",
+        "            hit = (index[1] == labels[:, None]) if ce and with_hit else None",
+        ("parity_tests/test_jaxloss_pallas_aot.py",),
+    ),
+    Mutant(
+        "pallas_label_logit_next_column",
+        "the Pallas kernel reads the label's logit one column to the right",
+        "jaxloss/backends/pallas.py::_kernel.rows_block",
+        "            label_logit = plgpu.load(x_ref.at[rows, labels], mask=label_ok, other=0.0).astype(F32)",
+        "            label_logit = plgpu.load(x_ref.at[rows, labels + 1], mask=label_ok, other=0.0).astype(F32)",
+        ("parity_tests/test_jaxloss_kernels.py", "-k", "pallas"),
+    ),
+    Mutant(
+        "exp2_shift_not_scaled",
+        "exp_scaled's base-2 form subtracts the per-row shift (lse) unscaled, in base e units: q is off by a factor per row",
+        "jaxloss/_block.py::exp_scaled",
+        "    return jnp.exp2(scaled if shift is None else scaled - (shift * LOG2E)[:, None])",
+        "    return jnp.exp2(scaled if shift is None else scaled - shift[:, None])",
+        ("parity_tests/test_jaxloss_kernels.py", "-k", "pallas"),
+    ),
 )
 
 

@@ -154,6 +154,12 @@ def _kernel(
         coef = None if mode == "stats" else plgpu.load(refs[2].at[rows], mask=row_ok, other=0.0)
         live = row_ok if coef is None else row_ok & (coef != 0)
         labels = plgpu.load(t_ref.at[rows], mask=live, other=0) if ce else None
+        if ce and mode != "grad":
+            # The label's logit, read once per row (a shard's labels may name no column of its
+            # own: 0 then, as a compare against every column would give) rather than picked from
+            # every block of pass 1 with a compare, a select and a row sum.
+            label_ok = live & (labels >= 0) & (labels < n_cols)
+            label_logit = plgpu.load(x_ref.at[rows, labels], mask=label_ok, other=0.0).astype(F32)
         num_blocks = pl.cdiv(n_cols, block_vocab)
 
         def columns(j: Array) -> tuple[tuple[Array, Array], Array, Array]:
@@ -161,7 +167,7 @@ def _kernel(
             col_ok = (cols < n_cols)[None, :]
             return (rows[:, None], cols[None, :]), col_ok, row_ok[:, None] & col_ok
 
-        def load(j: Array) -> tuple[tuple[Array, Array], Array, Array, Array, Optional[Array], Optional[Array]]:
+        def load(j: Array, with_hit: bool = True) -> tuple[tuple[Array, Array], Array, Array, Array, Optional[Array], Optional[Array]]:
             index, col_ok, mask = columns(j)
             read = live[:, None] & col_ok
             # Masked lanes read 0 (finite); block_stats masks them to -inf through col_ok.
@@ -169,16 +175,19 @@ def _kernel(
             t = plgpu.load(t_ref.at[index], mask=read, other=0.0).astype(F32) if cfg.has_teacher else None
             # the label's column against the block's own column ids (32-bit: the absolute ids
             # also feed the 64-bit addresses, and a compare with them compiled to 64 bits)
-            hit = (jnp.arange(block_vocab, dtype=jnp.int32)[None, :] == (labels - j * block_vocab)[:, None]) if ce else None
+            hit = (jnp.arange(block_vocab, dtype=jnp.int32)[None, :] == (labels - j * block_vocab)[:, None]) if ce and with_hit else None
             return index, col_ok, mask, x, t, hit
 
         def pass1() -> Stats:
+            no_label = jnp.zeros((block_rows,), F32) if ce else None  # the label's logit comes apart
+
             def body(j: Array, acc: Stats) -> Stats:
-                _, col_ok, _, x, t, hit = load(j)
-                blk, _, _ = block_stats(cfg, x, t, hit=hit, col_ok=col_ok, gather=False, base2=True)
+                _, col_ok, _, x, t, _ = load(j, with_hit=False)
+                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False, base2=True)
                 return combine(cfg, acc, blk)
 
-            return lax.fori_loop(0, num_blocks, body, empty_stats(cfg, block_rows))
+            stats = lax.fori_loop(0, num_blocks, body, empty_stats(cfg, block_rows))
+            return stats._replace(x_y=label_logit) if ce else stats
 
         def mixture_pass(fin: Final) -> Final:
             """jensen_shannon's second pass (lossspec.stats): the mixture sums, then its loss."""
