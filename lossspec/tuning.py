@@ -14,7 +14,7 @@ field                    read by (default when ``None``)
 =======================  ==========================================================================
 ``vocab_block``          the most vocabulary columns one block holds; wider rows are processed block
                          by block with online statistics. XLA (2**16, for rows wider than
-                         ``single_block_vocab``), Pallas (128 interpreted, 1024 on a GPU), the torch
+                         ``single_block_vocab``), Pallas (128 interpreted, 4096 on a GPU), the torch
                          path (2**21), Triton (1024 interpreted, 4096 on a GPU). Pallas and Triton
                          need a power of two.
 ``single_block_vocab``   XLA: the widest row taken as one block (2**18); only wider rows are split
@@ -24,8 +24,8 @@ field                    read by (default when ``None``)
 ``cpu_tile_elements``    the torch path on the CPU: elements of one row tile (2**20; the kinds with
                          four scratch buffers take half of it); also the tiles of torch's
                          vocab-parallel path and of the per-row scaling of the backward.
-``block_rows``           Pallas: rows of one program (8 interpreted, 4 on a GPU; a power of two).
-``num_warps``            Pallas (4; 8 for the kinds with a teacher), Triton (``torchloss.backends.triton.num_warps``: 4 to 16 by block width).
+``block_rows``           Pallas: rows of one program (8 interpreted, 1 on a GPU; a power of two).
+``num_warps``            Pallas (4; 8 with a teacher or a soft cap), Triton (``torchloss.backends.triton.num_warps``: 4 to 16 by block width).
 ``num_stages``           Pallas (Triton's default); Triton: the software-pipelining depth of the
                          vocabulary loops (1: none; 2 or more issue the next blocks' loads while a
                          block is computed).

@@ -245,10 +245,11 @@ def test_pallas_uses_64_bit_offsets_for_large_arrays(capsys: pytest.CaptureFixtu
         _export_cuda(lambda x, t, c: _pallas.fused(cfg, x, t, c, tuning=tuning), x, labels, coef)
         triton_ir = capsys.readouterr().out
         pointers[n] = [line for line in triton_ir.splitlines() if "tt.addptr" in line and "bf16" in line]
-    # the blocks' [4 x 1024] pointers, and cross-entropy's label logits' [4] (one per row)
+    # the blocks' [rows x columns] pointers, and cross-entropy's label logits' [rows] (one per row)
+    rows, cols = _pallas.GPU_DEFAULTS.block_rows, _pallas.GPU_DEFAULTS.vocab_block
     for n, width in ((1000, "i32"), (70000, "i64")):
-        offsets = [line.rsplit(", tensor<", 1)[1].split(">")[0] for line in pointers[n]]
-        assert {"4x1024x" + width, "4x" + width} <= set(offsets) <= {"4x1024x" + width, "4x" + width}, pointers[n]
+        offsets = {line.rsplit(", tensor<", 1)[1].split(">")[0] for line in pointers[n]}
+        assert offsets == {f"{rows}x{cols}x{width}", f"{rows}x{width}"}, pointers[n]
 
 
 def test_pallas_skips_masked_row_blocks_in_the_triton_kernel(capsys: pytest.CaptureFixture[str]) -> None:
@@ -270,7 +271,7 @@ def test_pallas_skips_masked_row_blocks_in_the_triton_kernel(capsys: pytest.Capt
 def test_pallas_persistent_programs_lower_to_a_row_loop(capsys: pytest.CaptureFixture[str]) -> None:
     """For a GPU, ``Tuning(programs=4)`` lowers to one loop more than the default grid's (the
     blocks of rows each program takes in turn, around the same two ``scf.if`` branches), and
-    4 programs for 16 blocks of rows."""
+    4 programs for the 64 rows' blocks (one program per block by default)."""
     cfg = _xla.KernelConfig("cross_entropy")
     x = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)
     labels = jax.ShapeDtypeStruct((64,), jnp.int32)
@@ -283,7 +284,7 @@ def test_pallas_persistent_programs_lower_to_a_row_loop(capsys: pytest.CaptureFi
         triton_ir = capsys.readouterr().out
         found[programs] = (triton_ir.count("scf.for"), triton_ir.count("scf.if"), module)
     assert found[4][0] == found[None][0] + 1 and found[4][1] == found[None][1] == 2
-    assert "grid_x = 16" in found[None][2] and "grid_x = 4" in found[4][2]
+    assert f"grid_x = {64 // _pallas.GPU_DEFAULTS.block_rows}" in found[None][2] and "grid_x = 4" in found[4][2]
 
 
 # The two mesh tests lower for CUDA from a CPU machine's 8 host devices (parity_tests/conftest.py);

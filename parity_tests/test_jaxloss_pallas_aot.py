@@ -33,8 +33,8 @@ from triton.backends.compiler import GPUTarget
 out = {}
 for variant in ("cross_entropy", "jensen_shannon+softcaps"):
     row = report.compile_pallas(variant, "bfloat16")
-    kernel, _, _ = report.fused_kernel(variant, "bfloat16")
-    out[variant] = dict(dataclasses.asdict(row), ir=kernel.ir, per_element=row.per_element)
+    kernel, block_rows, vocab_block = report.fused_kernel(variant, "bfloat16")
+    out[variant] = dict(dataclasses.asdict(row), ir=kernel.ir, per_element=row.per_element, block=[block_rows, vocab_block])
 # pass 1 of cross-entropy: its SASS, to look for the label compare
 kernel, _, _ = report.fused_kernel("cross_entropy", "bfloat16")
 path = sys.argv[2]
@@ -69,15 +69,16 @@ def test_pallas_kernels_compile_for_sm90_with_ex2_and_no_spills(tmp_path: Path) 
         assert len(row["pass_instructions"]) == passes, row
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0 and 0 < row["registers"] <= 255, row
     # cross-entropy's block exponentials: libdevice's exp2f (one ex2.approx), never its expf (~8
-    # instructions); expf stays for the per-row rescaling of the statistics ([4] vectors) and in
+    # instructions); expf stays for the per-row rescaling of the statistics ([rows] vectors) and in
     # lossspec's shared algebra (the soft cap's tanh, jensen_shannon's mixture terms)
-    block = "(tensor<4x1024xf32>)"
+    rows, cols = found["cross_entropy"]["block"]
+    block = f"(tensor<{rows}x{cols}xf32>)"
     assert f'symbol = "__nv_exp2f"}} : {block}' in found["cross_entropy"]["ir"]
     assert f'symbol = "__nv_expf"}} : {block}' not in found["cross_entropy"]["ir"]
     pass1, pass2 = found["ce_pass_opcodes"]
     # the label: no per-column compare in pass 1 (its logit is read once per row), one 32-bit
     # compare per element in pass 2 (no 64-bit ISETP...EX pairs), and one ex2 per element there
-    elements_per_thread = 4 * 1024 // (32 * found["cross_entropy"]["num_warps"])
+    elements_per_thread = rows * cols // (32 * found["cross_entropy"]["num_warps"])
     assert sum(op.startswith("ISETP") for op in pass1) < elements_per_thread // 4, pass1
     assert sum(op.startswith("ISETP") and op.endswith(".EX") for op in pass2) <= 2, pass2
     assert sum(op == "MUFU.EX2" for op in pass2) == elements_per_thread, pass2

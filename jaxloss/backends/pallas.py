@@ -24,8 +24,11 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
   reads every row.
 * ``inplace`` (the losses' ``inplace=True``): the gradient output aliases ``x``
   (``input_output_aliases``); pass 2 writes a block only after both passes have read it.
-* The label's logit is picked with a compare against the column ids (no gather), so the kernel
-  needs nothing beyond loads, stores, elementwise math and row reductions.
+* Cross-entropy reads the label's logit with one masked load per row at ``(row, label)`` before
+  pass 1 (a label outside this array's columns, a vocab-parallel shard's, reads 0); pass 2 finds
+  the label's column with a compare against the block's own column ids. The kernel needs nothing
+  beyond loads, stores, elementwise math and row reductions. Exponentials are ``exp2`` with
+  ``log2(e)`` folded into the scale (:func:`jaxloss._block.exp_scaled`).
 * Offsets: the kernel indexes with (row, column) pairs and never forms ``row * V`` itself;
   the Pallas Triton lowering turns them into pointer offsets and switches to 64-bit offsets
   when an operand exceeds 2**32 bytes, so ``N * V`` beyond int32 is safe.
@@ -81,22 +84,28 @@ HIGHER_ORDER_MESSAGE = (
 
 #: The defaults of the :class:`lossspec.Tuning` fields the Pallas kernels read (``None`` there):
 #: ``block_rows``, ``vocab_block`` (powers of two), ``num_warps`` and ``num_stages`` (``None``:
-#: Triton's), per lowering. On a GPU 4 rows x up to 1024 columns per block (4096 fp32 values in
-#: registers with 4 warps, 32 per thread and tensor); interpreted (CPU) 8 rows x up to 128 columns,
-#: so the tests' small vocabularies still take several blocks and a ragged tail. ``interpret``
-#: (``None``: per lowering platform) and ``debug`` are read from the call's tuning.
-GPU_DEFAULTS = Tuning(block_rows=4, vocab_block=1024, num_warps=4)
+#: Triton's), per lowering. On a GPU one row x up to 4096 columns per program (the Triton kernels'
+#: block), 4 warps, 8 for the kinds that read a teacher or cap their logits (:func:`_num_warps`);
+#: interpreted (CPU) 8 rows x up to 128 columns, so the tests' small vocabularies still take several
+#: blocks and a ragged tail. ``interpret`` (``None``: per lowering platform) and ``debug`` are read
+#: from the call's tuning.
+#:
+#: Chosen offline, from the sm_90 SASS of ``scripts/pallas_aot_report.py`` (not yet timed on a GPU:
+#: ``benchmarks/gpu_pallas_sweep.py`` will). One row per program reduces each statistic once per
+#: 4096 columns instead of once per 1024 columns of each of 4 rows: bf16 cross-entropy 0.87 -> 0.64
+#: warp-instructions per element, reverse KL 2.11 -> 1.74. With 4 warps (32 values per thread and
+#: tensor) the teacher kinds took up to 255 registers and the soft-capped kernels spilled; 8 warps
+#: keep every kernel at 149 registers or fewer, without spills.
+GPU_DEFAULTS = Tuning(block_rows=1, vocab_block=4096, num_warps=4)
 INTERPRET_DEFAULTS = Tuning(block_rows=8, vocab_block=128, num_warps=4)
-#: ``num_warps`` on a GPU for the kinds that read a teacher: two blocks of 32 values per thread
-#: took 249-255 registers with 4 warps compiled for sm_90 (bf16 jensen_shannon with soft caps
-#: spilled 440 bytes); with 8 warps 128-141 registers, no spill, the same instructions per element
-#: (scripts/pallas_aot_report.py). Cross-entropy and entropy keep 4 (8 spilled cross-entropy).
-GPU_TEACHER_WARPS = 8
+GPU_WIDE_WARPS = 8
 
 
 def _num_warps(cfg: KernelConfig, tuning: Tuning) -> int:
-    """The kernel's warps: the call's ``Tuning.num_warps``, else the GPU default of its kind."""
-    return tuning.num_warps or (GPU_TEACHER_WARPS if cfg.has_teacher else GPU_DEFAULTS.num_warps)
+    """The kernel's warps: the call's ``Tuning.num_warps``, else the GPU default of its kind
+    (:data:`GPU_WIDE_WARPS` where a teacher or a soft cap keeps more values live)."""
+    wide = cfg.has_teacher or cfg.logit_softcap is not None or cfg.teacher_logit_softcap is not None
+    return tuning.num_warps or (GPU_WIDE_WARPS if wide else GPU_DEFAULTS.num_warps)
 
 
 def _next_pow2(n: int) -> int:
