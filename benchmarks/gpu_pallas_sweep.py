@@ -11,7 +11,7 @@ every configuration gives the default configuration's loss and gradient up to fp
   block of rows (the default) or 1, 2, 4 x the GPU's multiprocessor count, each taking every
   ``programs``-th block of rows (fewer rows in flight: more of the second read from L2);
 * ``shapes``: ``block_rows`` x ``vocab_block`` x ``num_warps`` (the defaults, 1 x 4096 with 4 warps,
-  8 with a teacher or a soft cap, chosen offline from scripts/pallas_aot_report.py's counts, were
+  8 with a teacher, 16 with a soft cap, chosen offline from scripts/pallas_aot_report.py's counts, were
   never timed; issue 32 asks the Pallas kernels to come within 1.1x of Triton).
 
 Prints a line per configuration and writes JSON::

@@ -85,6 +85,22 @@ class KernelConfig:
 LOG2E = 1.4426950408889634  # log2(e): exp(u) = exp2(LOG2E u)
 
 
+class _Base2Numpy:
+    """``jax.numpy`` whose ``exp(u)`` is ``exp2(LOG2E u)``: the namespace handed to lossspec's shared
+    algebra (``stats.mixture_terms``) inside the Pallas kernels, whose ``exp`` is otherwise
+    libdevice's ``expf`` on a GPU (:func:`exp_scaled`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jnp, name)
+
+    @staticmethod
+    def exp(u: Array) -> Array:
+        return jnp.exp2(u * LOG2E)
+
+
+BASE2_NUMPY = _Base2Numpy()
+
+
 def exp_scaled(scale: float, d: Array, shift: Optional[Array] = None, *, base2: bool = False) -> Array:
     """``exp(scale d - shift)`` (``shift`` ``[R]``, per row; ``None``: 0), or with ``base2`` the same
     as ``exp2((LOG2E scale) d - LOG2E shift)``: the scale folded once per call, the shift once per
@@ -260,7 +276,7 @@ def grad_block(
         # -q (log q + l) = -c q ((x - m) - h / s)
         gz = -c * _pos_times(q, dx - fin.mean_h[:, None])
     elif cfg.kind == "jensen_shannon":
-        q, _, _, log_qm = stats.mixture_terms(jnp, cfg, fin, dx, t - fin.mt[:, None])
+        q, _, _, log_qm = stats.mixture_terms(BASE2_NUMPY if base2 else jnp, cfg, fin, dx, t - fin.mt[:, None])
         gz = (1.0 - cfg.beta) * _pos_times(q, log_qm - fin.kl_qm[:, None])
     else:
         if cfg.kind == "reverse_kl":
@@ -279,13 +295,15 @@ def grad_block(
 
 
 
-def mixture_block(cfg: KernelConfig, fin: Final, x: Array, t: Array, col_ok: Optional[Array] = None) -> tuple[Array, Array]:
+def mixture_block(
+    cfg: KernelConfig, fin: Final, x: Array, t: Array, col_ok: Optional[Array] = None, *, base2: bool = False
+) -> tuple[Array, Array]:
     """``jensen_shannon``'s second pass over one block ``[R, B]`` (fp32) given the global
     statistics: the block's :data:`lossspec.MIXTURE_STATS` ``(kl_qm, kl_pm)`` ``[R]``, plain
     sums that blocks and shards add. ``col_ok``: the columns that belong to this block. ``x``,
     ``t`` raw (capped here)."""
     x, t = softcap(x, cfg.logit_softcap), softcap(t, cfg.teacher_logit_softcap)
-    _, wq, wp, _ = stats.mixture_terms(jnp, cfg, fin, x - fin.m[:, None], t - fin.mt[:, None])
+    _, wq, wp, _ = stats.mixture_terms(BASE2_NUMPY if base2 else jnp, cfg, fin, x - fin.m[:, None], t - fin.mt[:, None])
     if col_ok is not None:
         wq, wp = jnp.where(col_ok, wq, 0.0), jnp.where(col_ok, wp, 0.0)
     return jnp.sum(wq, axis=-1), jnp.sum(wp, axis=-1)

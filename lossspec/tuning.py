@@ -25,7 +25,7 @@ field                    read by (default when ``None``)
                          four scratch buffers take half of it); also the tiles of torch's
                          vocab-parallel path and of the per-row scaling of the backward.
 ``block_rows``           Pallas: rows of one program (8 interpreted, 1 on a GPU; a power of two).
-``num_warps``            Pallas (4; 8 with a teacher or a soft cap), Triton (``torchloss.backends.triton.num_warps``: 4 to 16 by block width).
+``num_warps``            Pallas (4; 8 with a teacher, 16 with a soft cap), Triton (``torchloss.backends.triton.num_warps``: 4 to 16 by block width).
 ``num_stages``           Pallas (Triton's default); Triton: the software-pipelining depth of the
                          vocabulary loops (1: none; 2 or more issue the next blocks' loads while a
                          block is computed).

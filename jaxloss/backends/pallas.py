@@ -84,8 +84,8 @@ HIGHER_ORDER_MESSAGE = (
 
 #: The defaults of the :class:`lossspec.Tuning` fields the Pallas kernels read (``None`` there):
 #: ``block_rows``, ``vocab_block`` (powers of two), ``num_warps`` and ``num_stages`` (``None``:
-#: Triton's), per lowering. On a GPU one row x up to 4096 columns per program (the Triton kernels'
-#: block), 4 warps, 8 for the kinds that read a teacher or cap their logits (:func:`_num_warps`);
+#: Triton's), per lowering. On a GPU one row x up to 4096 columns per program, 4 warps, 8 for the
+#: kinds that read a teacher, 16 with a soft cap (:func:`_num_warps`; the Triton kernels' launch);
 #: interpreted (CPU) 8 rows x up to 128 columns, so the tests' small vocabularies still take several
 #: blocks and a ragged tail. ``interpret`` (``None``: per lowering platform) and ``debug`` are read
 #: from the call's tuning.
@@ -94,18 +94,22 @@ HIGHER_ORDER_MESSAGE = (
 #: ``benchmarks/gpu_pallas_sweep.py`` will). One row per program reduces each statistic once per
 #: 4096 columns instead of once per 1024 columns of each of 4 rows: bf16 cross-entropy 0.87 -> 0.64
 #: warp-instructions per element, reverse KL 2.11 -> 1.74. With 4 warps (32 values per thread and
-#: tensor) the teacher kinds took up to 255 registers and the soft-capped kernels spilled; 8 warps
-#: keep every kernel at 149 registers or fewer, without spills.
+#: tensor) the teacher kinds took up to 255 registers and the soft-capped kernels spilled; with 8
+#: and 16 every kernel stays at 128 registers or fewer, without spills.
 GPU_DEFAULTS = Tuning(block_rows=1, vocab_block=4096, num_warps=4)
 INTERPRET_DEFAULTS = Tuning(block_rows=8, vocab_block=128, num_warps=4)
-GPU_WIDE_WARPS = 8
+GPU_TEACHER_WARPS = 8
+GPU_SOFTCAP_WARPS = 16
 
 
 def _num_warps(cfg: KernelConfig, tuning: Tuning) -> int:
-    """The kernel's warps: the call's ``Tuning.num_warps``, else the GPU default of its kind
-    (:data:`GPU_WIDE_WARPS` where a teacher or a soft cap keeps more values live)."""
-    wide = cfg.has_teacher or cfg.logit_softcap is not None or cfg.teacher_logit_softcap is not None
-    return tuning.num_warps or (GPU_WIDE_WARPS if wide else GPU_DEFAULTS.num_warps)
+    """The kernel's warps: the call's ``Tuning.num_warps``, else the GPU default of its kind (more
+    warps, fewer values per thread, where a teacher or a soft cap keeps more of them live)."""
+    if tuning.num_warps:
+        return tuning.num_warps
+    if cfg.logit_softcap is not None or cfg.teacher_logit_softcap is not None:
+        return GPU_SOFTCAP_WARPS
+    return GPU_TEACHER_WARPS if cfg.has_teacher else GPU_DEFAULTS.num_warps
 
 
 def _next_pow2(n: int) -> int:
@@ -203,7 +207,7 @@ def _kernel(
 
             def body(j: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
                 _, col_ok, _, x, t, _ = load(j)
-                kl_qm, kl_pm = mixture_block(cfg, fin, x, t, col_ok=col_ok)
+                kl_qm, kl_pm = mixture_block(cfg, fin, x, t, col_ok=col_ok, base2=True)
                 return acc[0] + kl_qm, acc[1] + kl_pm
 
             zero = jnp.zeros((block_rows,), F32)
