@@ -1227,6 +1227,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return jnp.exp2(scaled if shift is None else scaled - shift[:, None])",
         ("parity_tests/test_jaxloss_kernels.py", "-k", "pallas"),
     ),
+    Mutant(
+        "base2_numpy_exp_unscaled",
+        "the namespace that gives lossspec's mixture terms exp2 drops log2(e): jensen_shannon's q and p in the Pallas kernels are 2**u, not e**u",
+        "jaxloss/_block.py::_Base2Numpy.exp",
+        "        return jnp.exp2(u * LOG2E)",
+        "        return jnp.exp2(u)",
+        ("parity_tests/test_jaxloss_entropy_jsd.py", "-k", "pallas"),
+    ),
+    Mutant(
+        "pallas_softcap_warps_narrow",
+        "the Pallas kernels with a soft cap launch with 4 warps (32 values per thread and tensor): bf16 jensen_shannon with both caps spills",
+        "jaxloss/backends/pallas.py::_num_warps",
+        "        return GPU_SOFTCAP_WARPS",
+        "        return GPU_DEFAULTS.num_warps",
+        ("parity_tests/test_jaxloss_pallas_aot.py",),
+    ),
 )
 
 
