@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from parity_tests.support.aot import NEEDS_PTXAS
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "pallas_aot_report.py"
 
@@ -49,16 +51,8 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def _ptxas_available() -> bool:
-    try:
-        import triton
-    except ImportError:
-        return False
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _ptxas_available(), reason="needs triton with its bundled ptxas")
+@NEEDS_PTXAS
 def test_pallas_kernels_compile_for_sm90_with_ex2_and_no_spills(tmp_path: Path) -> None:
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", _COMPILE, str(SCRIPT), str(tmp_path / "ce.ttir")], cwd=ROOT, env=env,

@@ -18,21 +18,15 @@ from pathlib import Path
 
 import pytest
 
+from parity_tests.support.aot import NEEDS_PTXAS
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "triton_aot_report.py"
 DOC = ROOT / "docs" / "triton_kernels.md"
 
 
-def _ptxas_available() -> bool:
-    try:
-        import triton
-    except ImportError:
-        return False
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _ptxas_available(), reason="needs triton with its bundled ptxas")
+@NEEDS_PTXAS
 def test_every_kernel_compiles_for_sm80_sm90_without_spills(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("triton_aot_report", SCRIPT)
     aot = importlib.util.module_from_spec(spec)
@@ -77,7 +71,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _ptxas_available(), reason="needs triton with its bundled ptxas")
+@NEEDS_PTXAS
 def test_compiled_bf16_store_is_the_hardware_round_to_nearest_even() -> None:
     """Compiled for a GPU, the kernels leave the bf16 rounding to the cast (``ROUND_BF16`` off):
     every fp32 -> bf16 conversion is ``cvt.rn.bf16(x2).f32`` (round to nearest even; no ``.rz``,
@@ -111,7 +105,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _ptxas_available(), reason="needs triton with its bundled ptxas")
+@NEEDS_PTXAS
 def test_pipelined_persistent_kernels_compile_to_async_copies() -> None:
     """``Tuning(num_stages=2, programs=...)`` compiled for sm_90 (the fused kernel, cross-entropy
     and reverse KL, bf16): both vocabulary passes load with asynchronous copies (``LDGSTS``, the
