@@ -14,7 +14,7 @@ fp32 blocks.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +129,7 @@ def block_stats(
     col_ok: Optional[Array] = None,
     gather: bool = True,
     base2: bool = False,
+    pivot: Optional[Callable[[Array], Array]] = None,
 ) -> tuple[Stats, Array, Optional[Array]]:
     """Statistics of one block ``x`` ``[R, B]`` (fp32) relative to the block's own maxima.
 
@@ -143,6 +144,10 @@ def block_stats(
         overlapping blocks); ``None`` for all.
       gather: reverse KL may gather the pivot (``False`` inside Pallas kernels, which lower to
         Triton without gathers).
+      pivot: reverse KL without a teacher soft cap: ``pivot(first)`` reads the teacher's raw logit
+        at each row's pivot column ``first`` ``[R]`` (block-relative; ``R`` values, -inf where
+        ``first`` is past the block: a NaN row), in place of the gather or the compare (a Pallas
+        kernel's load of one column per row, which pass 1 just read).
       base2: the exponentials as ``exp2`` with ``log2(e)`` folded into the scale (:func:`exp_scaled`;
         the Pallas kernels: one GPU instruction each instead of libdevice's ``expf``).
 
@@ -195,7 +200,9 @@ def block_stats(
         # compare and max-reduce inside a Pallas kernel (``gather=False``: no gathers there).
         cols = lax.broadcasted_iota(jnp.int32, xm.shape, 1)
         first = jnp.min(jnp.where(xm == m[:, None], cols, xm.shape[-1]), axis=-1)
-        if gather:
+        if pivot is not None and cfg.teacher_logit_softcap is None:
+            tau = pivot(first)
+        elif gather:
             tau = jnp.take_along_axis(tm, jnp.minimum(first, xm.shape[-1] - 1)[:, None], axis=-1)[:, 0]
         else:
             tau = jnp.max(jnp.where(cols == first[:, None], tm, NEG_INF), axis=-1)

@@ -1243,6 +1243,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "        return GPU_DEFAULTS.num_warps",
         ("parity_tests/test_jaxloss_pallas_aot.py",),
     ),
+    Mutant(
+        "pallas_pivot_read_in_the_first_block",
+        "the Pallas kernel reads reverse KL's pivot teacher logit at the block-relative column in the row's first block",
+        "jaxloss/backends/pallas.py::_kernel.rows_block.pivot_logit",
+        "            col = j * block_vocab + first",
+        "            col = first",
+        ("parity_tests/test_jaxloss_kernels.py", "-k", "pallas and reverse"),
+    ),
 )
 
 

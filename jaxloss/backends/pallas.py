@@ -59,6 +59,7 @@ from lossspec.tuning import check_power_of_two
 
 from .._block import (
     F32,
+    NEG_INF,
     Final,
     KernelConfig,
     Stats,
@@ -191,12 +192,22 @@ def _kernel(
             hit = (jnp.arange(block_vocab, dtype=jnp.int32)[None, :] == (labels - j * block_vocab)[:, None]) if ce and with_hit else None
             return index, col_ok, mask, x, t, hit
 
+        def pivot_logit(j: Array, first: Array) -> Array:
+            """Reverse KL: the teacher's raw logit at each row's pivot column ``first`` of block ``j``
+            (one load per row of a column pass 1 just read, in place of a compare and a row
+            reduction over the block); -inf where ``first`` is past the block (a NaN row), and 0 on
+            a dead row, whose teacher is never read (what the compare gave on its zeros)."""
+            col = j * block_vocab + first
+            found = (first < block_vocab) & (col < n_cols)
+            teacher = plgpu.load(t_ref.at[rows, col], mask=live & found, other=0.0).astype(F32)
+            return jnp.where(found, teacher, NEG_INF)
+
         def pass1() -> Stats:
             no_label = jnp.zeros((block_rows,), F32) if ce else None  # the label's logit comes apart
 
             def body(j: Array, acc: Stats) -> Stats:
                 _, col_ok, _, x, t, _ = load(j, with_hit=False)
-                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False, base2=True)
+                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False, base2=True, pivot=functools.partial(pivot_logit, j))
                 return combine(cfg, acc, blk)
 
             stats = lax.fori_loop(0, num_blocks, body, empty_stats(cfg, block_rows))
