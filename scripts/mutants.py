@@ -1199,8 +1199,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "pallas_exp_not_base2",
         "the Pallas kernels' pass 1 computes its exponentials with exp (libdevice's expf on a GPU, about 8 instructions) instead of exp2",
         "jaxloss/backends/pallas.py::_kernel.rows_block.pass1.body",
-        "                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False, base2=True)",
-        "                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False)",
+        "                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False, base2=True, pivot=functools.partial(pivot_logit, j))",
+        "                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False, pivot=functools.partial(pivot_logit, j))",
         ("parity_tests/test_jaxloss_pallas_aot.py",),
     ),
     Mutant(
