@@ -262,6 +262,8 @@ def grad_block(
     bad rows (NaN / ``+inf``) NaN. ``x``, ``t`` are raw: with a soft cap the gradient is formed
     on the capped logits and multiplied by the cap's slope (:func:`softcap_slope`, from the raw
     ``x``). ``base2``: the exponentials ``q``, ``p`` as :func:`exp_scaled`'s ``exp2``.
+    Cross-entropy with ``hit=None``: no column is the label's (a caller that writes the label's
+    entry apart, as the Pallas kernels do after their gradient pass).
     """
     c, ct = cfg.scale, cfg.teacher_scale
     x_raw = x
@@ -276,7 +278,7 @@ def grad_block(
     if cfg.is_ce:
         eps = cfg.label_smoothing
         gq = q if fin.q_coef is None else fin.q_coef[:, None] * q
-        gz = jnp.where(hit, gq - (1.0 - eps), gq)
+        gz = gq if hit is None else jnp.where(hit, gq - (1.0 - eps), gq)
         if eps > 0:
             gz = gz - eps / vocab
     elif cfg.kind == "entropy":

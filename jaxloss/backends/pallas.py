@@ -25,8 +25,9 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
 * ``inplace`` (the losses' ``inplace=True``): the gradient output aliases ``x``
   (``input_output_aliases``); pass 2 writes a block only after both passes have read it.
 * Cross-entropy reads the label's logit with one masked load per row at ``(row, label)`` before
-  pass 1 (a label outside this array's columns, a vocab-parallel shard's, reads 0); pass 2 finds
-  the label's column with a compare against the block's own column ids. The kernel needs nothing
+  pass 1 (a label outside this array's columns, a vocab-parallel shard's, reads 0); pass 2 writes
+  every column without the one-hot term and the label's entry is written again after it, behind a
+  barrier (no per-column compare in either pass: the Triton kernels' fix-up). The kernel needs nothing
   beyond loads, stores, elementwise math and row reductions. Exponentials are ``exp2`` with
   ``log2(e)`` folded into the scale (:func:`jaxloss._block.exp_scaled`).
 * Offsets: the kernel indexes with (row, column) pairs and never forms ``row * V`` itself;
@@ -136,6 +137,7 @@ def _kernel(
     mode: str,
     fields: tuple[str, ...],
     programs: Optional[int] = None,
+    compiled: bool = False,
 ) -> None:
     """One program: rows ``[pid * block_rows, (pid + 1) * block_rows)`` of ``[N, n_cols]``; with
     ``programs`` (``Tuning.programs``, persistent programs) every ``programs``-th block of
@@ -152,7 +154,8 @@ def _kernel(
     labels are shifted by its offset, so other shards' labels hit no column). Blocks are
     addressed with (row, column) index vectors and masks, never with slices: masked lanes are
     out of bounds, so a masked store can never alias a valid element, and the interpreter needs
-    no padding (which ``shard_map``'s varying-axes checks reject).
+    no padding (which ``shard_map``'s varying-axes checks reject). ``compiled``: lowered to Triton
+    (not interpreted), where the label fix-up needs a barrier behind pass 2.
     """
     ce = cfg.is_ce
     x_ref, t_ref = refs[0], refs[1]
@@ -168,10 +171,11 @@ def _kernel(
         coef = None if mode == "stats" else plgpu.load(refs[2].at[rows], mask=row_ok, other=0.0)
         live = row_ok if coef is None else row_ok & (coef != 0)
         labels = plgpu.load(t_ref.at[rows], mask=live, other=0) if ce else None
-        if ce and mode != "grad":
-            # The label's logit, read once per row (a shard's labels may name no column of its
-            # own: 0 then, as a compare against every column would give) rather than picked from
-            # every block of pass 1 with a compare, a select and a row sum.
+        if ce:
+            # The label's logit, read once per row before anything is written (a shard's labels may
+            # name no column of its own: 0 then, as a compare against every column would give):
+            # pass 1's x_y, instead of a compare, a select and a row sum in every block, and the
+            # input of the label entry's gradient, which pass 2 leaves out and label_fixup writes.
             label_ok = live & (labels >= 0) & (labels < n_cols)
             label_logit = plgpu.load(x_ref.at[rows, labels], mask=label_ok, other=0.0).astype(F32)
         num_blocks = pl.cdiv(n_cols, block_vocab)
@@ -181,16 +185,13 @@ def _kernel(
             col_ok = (cols < n_cols)[None, :]
             return (rows[:, None], cols[None, :]), col_ok, row_ok[:, None] & col_ok
 
-        def load(j: Array, with_hit: bool = True) -> tuple[tuple[Array, Array], Array, Array, Array, Optional[Array], Optional[Array]]:
+        def load(j: Array) -> tuple[tuple[Array, Array], Array, Array, Array, Optional[Array]]:
             index, col_ok, mask = columns(j)
             read = live[:, None] & col_ok
             # Masked lanes read 0 (finite); block_stats masks them to -inf through col_ok.
             x = plgpu.load(x_ref.at[index], mask=read, other=0.0).astype(F32)
             t = plgpu.load(t_ref.at[index], mask=read, other=0.0).astype(F32) if cfg.has_teacher else None
-            # the label's column against the block's own column ids (32-bit: the absolute ids
-            # also feed the 64-bit addresses, and a compare with them compiled to 64 bits)
-            hit = (jnp.arange(block_vocab, dtype=jnp.int32)[None, :] == (labels - j * block_vocab)[:, None]) if ce and with_hit else None
-            return index, col_ok, mask, x, t, hit
+            return index, col_ok, mask, x, t
 
         def pivot_logit(j: Array, first: Array) -> Array:
             """Reverse KL: the teacher's raw logit at each row's pivot column ``first`` of block ``j``
@@ -206,7 +207,7 @@ def _kernel(
             no_label = jnp.zeros((block_rows,), F32) if ce else None  # the label's logit comes apart
 
             def body(j: Array, acc: Stats) -> Stats:
-                _, col_ok, _, x, t, _ = load(j, with_hit=False)
+                _, col_ok, _, x, t = load(j)
                 blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False, base2=True, pivot=functools.partial(pivot_logit, j))
                 return combine(cfg, acc, blk)
 
@@ -217,7 +218,7 @@ def _kernel(
             """jensen_shannon's second pass (lossspec.stats): the mixture sums, then its loss."""
 
             def body(j: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
-                _, col_ok, _, x, t, _ = load(j)
+                _, col_ok, _, x, t = load(j)
                 kl_qm, kl_pm = mixture_block(cfg, fin, x, t, col_ok=col_ok, base2=True)
                 return acc[0] + kl_qm, acc[1] + kl_pm
 
@@ -228,8 +229,8 @@ def _kernel(
             def body(j: Array, carry: int) -> int:
                 # last block first: the blocks pass 1 read last are the likeliest still in L2 (as
                 # in the Triton kernels); every entry is computed alike in either order
-                index, _, mask, x, t, hit = load(num_blocks - 1 - j)
-                grad = grad_block(cfg, fin, coef, x, t, hit=hit, vocab=vocab, base2=True)
+                index, _, mask, x, t = load(num_blocks - 1 - j)
+                grad = grad_block(cfg, fin, coef, x, t, vocab=vocab, base2=True)
                 # where, not coef *: a dead row's stand-in zeros against the global statistics ("grad"
                 # mode) may overflow
                 grad = jnp.where(live[:, None], grad, 0.0)
@@ -237,6 +238,19 @@ def _kernel(
                 return carry
 
             lax.fori_loop(0, num_blocks, body, 0)
+            if ce:
+                label_fixup(fin, coef, grad_ref)
+
+        def label_fixup(fin: Final, coef: Array, grad_ref) -> None:
+            """Cross-entropy: the label's entry of each row, written again after pass 2 (which wrote
+            it without the one-hot term, as every other column) from the logit read before pass 1,
+            with grad_block's operations on a one-column block; behind a barrier, so that it lands
+            after pass 2's store of the same entry by another thread (the Triton kernels' fix-up)."""
+            grad = grad_block(cfg, fin, coef, label_logit[:, None], hit=jnp.ones((block_rows, 1), bool), vocab=vocab, base2=True)
+            grad = jnp.where(live[:, None], grad, 0.0)[:, 0]
+            if compiled:  # interpreted, the stores already run in program order (and it has no barrier)
+                plgpu.debug_barrier()
+            plgpu.store(grad_ref.at[rows, labels], grad.astype(grad_ref.dtype), mask=label_ok)
 
         def zero_grad(grad_ref) -> None:
             def body(j: Array, carry: int) -> int:
@@ -316,7 +330,7 @@ def _call(
         row_blocks = pl.cdiv(n, block_rows)
         kernel = functools.partial(
             _kernel, cfg=cfg, n_rows=n, n_cols=n_cols, vocab=vocab, block_rows=block_rows,
-            block_vocab=block_vocab, mode=mode, fields=fields, programs=tuning.programs,
+            block_vocab=block_vocab, mode=mode, fields=fields, programs=tuning.programs, compiled=not interpret,
         )
         return pl.pallas_call(
             kernel,
