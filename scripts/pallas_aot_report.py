@@ -113,7 +113,7 @@ def fused_kernel(variant: str, dtype: str, **launch: Any) -> tuple[Kernel, int, 
     coef = jax.ShapeDtypeStruct((ROWS,), jnp.float32)
     tuning = lossspec.Tuning(interpret=False, **launch)
     [kernel] = lower_kernels(lambda x, t, c: _pallas.fused(cfg, x, t, c, tuning=tuning), x, target, coef)
-    block_rows, vocab_block = _pallas._blocks(tuning, ROWS, VOCAB, on_gpu=True)
+    block_rows, vocab_block = _pallas.block_shape(tuning, ROWS, VOCAB, on_gpu=True)
     return kernel, block_rows, vocab_block
 
 
@@ -132,12 +132,8 @@ def compile_pallas(variant: str, dtype: str, arch: int = ARCH, **launch: Any) ->
     passes = aot.vocabulary_passes(aot.sass_loops(aot.disassemble(compiled.asm["cubin"])))
     registers, stack, spill_stores, spill_loads = aot.ptxas_resources(compiled.asm["ptx"], arch)
     kind = next(v[1] for v in aot.VARIANTS if v[0] == variant)
-    elements = block_rows * vocab_block
-    # 16-byte loads of one iteration per thread: every row's block of the student (and teacher)
-    itemsize = 4 if dtype == "float32" else 2
-    tensors = 2 if aot.lossspec.KIND_SPECS[kind].has_teacher else 1
-    per_iteration = tensors * max(1, elements * itemsize // (16 * 32 * kernel.num_warps))
-    unroll = [l.vector_loads // per_iteration if l.vector_loads % per_iteration == 0 else 0 for l in passes]
+    elements = block_rows * vocab_block  # one iteration's, over every row of the block
+    unroll = [aot.unroll_factor(l, kind, dtype, elements, kernel.num_warps) for l in passes]
     return aot.Row("pallas_fused", variant, dtype, arch, kernel.num_warps, registers, int(compiled.metadata.shared), stack,
                    spill_stores, spill_loads, elements, [l.instructions for l in passes], [l.barriers for l in passes], unroll)
 

@@ -118,7 +118,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _blocks(tuning: Tuning, rows: int, vocab: int, *, on_gpu: bool) -> tuple[int, int]:
+def block_shape(tuning: Tuning, rows: int, vocab: int, *, on_gpu: bool) -> tuple[int, int]:
+    """``(block_rows, vocab_block)`` of a kernel over ``rows`` x ``vocab``: the call's tuning, else
+    the defaults of the lowering (GPU or interpreted), no wider than the array."""
     defaults = GPU_DEFAULTS if on_gpu else INTERPRET_DEFAULTS
     block_rows = check_power_of_two(tuning.block_rows or defaults.block_rows, "block_rows", "pallas")
     block_vocab = check_power_of_two(tuning.vocab_block or defaults.vocab_block, "vocab_block", "pallas")
@@ -326,7 +328,7 @@ def _call(
     mat = jax.sharding.ManualAxisType(varying=axes)
 
     def call(interpret: bool, typed: bool = True) -> Callable[..., tuple[Array, ...]]:
-        block_rows, block_vocab = _blocks(tuning, n, n_cols, on_gpu=not interpret)
+        block_rows, block_vocab = block_shape(tuning, n, n_cols, on_gpu=not interpret)
         row_blocks = pl.cdiv(n, block_rows)
         kernel = functools.partial(
             _kernel, cfg=cfg, n_rows=n, n_cols=n_cols, vocab=vocab, block_rows=block_rows,
