@@ -86,9 +86,13 @@ LOG2E = 1.4426950408889634  # log2(e): exp(u) = exp2(LOG2E u)
 
 
 class _Base2Numpy:
-    """``jax.numpy`` whose ``exp(u)`` is ``exp2(LOG2E u)``: the namespace handed to lossspec's shared
-    algebra (``stats.mixture_terms``) inside the Pallas kernels, whose ``exp`` is otherwise
-    libdevice's ``expf`` on a GPU (:func:`exp_scaled`)."""
+    """``jax.numpy`` whose ``exp(u)`` is ``exp2(LOG2E u)`` and ``log1p(u)`` is ``log(1 + u)``: the
+    namespace handed to lossspec's shared algebra (``stats.mixture_terms``) inside the Pallas
+    kernels. On a GPU ``exp`` is otherwise libdevice's ``expf`` (:func:`exp_scaled`) and ``log1p``
+    its ``log1pf``, a branch per entry. The one ``log1p`` there is jensen_shannon's
+    ``log1p(exp(-|.|))``, of a ``u`` in ``[0, 1]``: ``log(1 + u)`` is within about an fp32 ulp of 1
+    of it, an absolute error that the soft part's difference with bounded terms takes (the Triton
+    kernels compute the same)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(jnp, name)
@@ -96,6 +100,10 @@ class _Base2Numpy:
     @staticmethod
     def exp(u: Array) -> Array:
         return jnp.exp2(u * LOG2E)
+
+    @staticmethod
+    def log1p(u: Array) -> Array:
+        return jnp.log(1.0 + u)
 
 
 BASE2_NUMPY = _Base2Numpy()
@@ -119,6 +127,24 @@ def _pos_times(weight: Array, value: Array) -> Array:
     return jnp.where(weight > 0, weight * value, 0.0)
 
 
+FLOAT32_MAX = stats.FLOAT32_MAX
+
+
+def _pos_times_clamped(weight: Array, value: Array, select: bool = True) -> Array:
+    """:func:`_pos_times` for a ``value`` that is never ``+inf`` and finite wherever ``weight > 0``:
+    the shift ``d`` of the tensor whose exponential ``exp(c d)`` is the weight (``-inf`` only at a
+    ``-inf`` logit, where the weight is 0), less a finite row constant. Its only ``0 * inf`` is
+    ``0 * -inf``. Without ``select`` (the Pallas kernels) ``value`` is clamped to ``-FLOAT32_MAX``
+    instead: two operations per entry, not three (compare, product, select), alike on every
+    platform. The same number wherever ``weight > 0``; where ``weight == 0`` a zero whose sign may
+    differ, which sums and products with nonzero factors never show. A NaN ``value`` (a bad row:
+    its loss and gradient are NaN from its exp-sums) may give a number. Not for a weight of one
+    tensor times another's shift (soft CE's ``a``): that product is ``-inf`` where it must be."""
+    if select:
+        return _pos_times(weight, value)
+    return weight * jnp.maximum(value, -FLOAT32_MAX)
+
+
 def block_stats(
     cfg: KernelConfig,
     x: Array,
@@ -130,6 +156,7 @@ def block_stats(
     gather: bool = True,
     base2: bool = False,
     pivot: Optional[Callable[[Array], Array]] = None,
+    selects: bool = True,
 ) -> tuple[Stats, Array, Optional[Array]]:
     """Statistics of one block ``x`` ``[R, B]`` (fp32) relative to the block's own maxima.
 
@@ -150,6 +177,8 @@ def block_stats(
         kernel's load of one column per row, which pass 1 just read).
       base2: the exponentials as ``exp2`` with ``log2(e)`` folded into the scale (:func:`exp_scaled`;
         the Pallas kernels: one GPU instruction each instead of libdevice's ``expf``).
+      selects: ``False`` (the Pallas kernels): the weighted shifts ``h`` and ``b`` (each a weight
+        times its own tensor's shift) without a select per entry (:func:`_pos_times_clamped`).
 
     Returns:
       ``(stats, e, et)``: the statistics and ``e = exp(c (x - m))``, ``et`` (0 outside
@@ -182,7 +211,7 @@ def block_stats(
                 n = jnp.full(m.shape, x.shape[-1], F32)
         return Stats(m=m, s=s, x_y=x_y, sum_shift=sum_shift, n=n), e, None
     if cfg.kind == "entropy":
-        return Stats(m=m, s=s, h=jnp.sum(_pos_times(e, dx), axis=-1)), e, None
+        return Stats(m=m, s=s, h=jnp.sum(_pos_times_clamped(e, dx, selects), axis=-1)), e, None
     assert t is not None
     tm = t if col_ok is None else jnp.where(col_ok, t, NEG_INF)
     mt = jnp.max(tm, axis=-1)
@@ -191,9 +220,11 @@ def block_stats(
     st = jnp.sum(et, axis=-1)
     a = b = tau = e_d = None
     if cfg.kind in ("soft_cross_entropy", "forward_kl"):
+        # a select even without selects: the teacher's weight may be > 0 where the student's
+        # shift is -inf (an infinite loss, which a clamp would make finite)
         a = jnp.sum(_pos_times(et, dx), axis=-1)
     if cfg.kind == "forward_kl":
-        b = jnp.sum(_pos_times(et, dt), axis=-1)
+        b = jnp.sum(_pos_times_clamped(et, dt, selects), axis=-1)
     if cfg.kind == "reverse_kl":
         # The pivot's column: the first column of the maximum (lossspec.stats' tie rule), a
         # min-reduce that fuses with the others; then one gather of R values (XLA), or a
@@ -250,6 +281,7 @@ def grad_block(
     e: Optional[Array] = None,
     et: Optional[Array] = None,
     base2: bool = False,
+    selects: bool = True,
 ) -> Array:
     """Gradient ``coef * c * dl/dz`` ``[R, B]`` (fp32) of one block w.r.t. the logits ``x``.
 
@@ -264,6 +296,11 @@ def grad_block(
     ``x``). ``base2``: the exponentials ``q``, ``p`` as :func:`exp_scaled`'s ``exp2``.
     Cross-entropy with ``hit=None``: no column is the label's (a caller that writes the label's
     entry apart, as the Pallas kernels do after their gradient pass).
+
+    ``selects=False`` (the Pallas kernels): no select per entry. A bad row's NaN comes through
+    its per-row scale (``NaN * anything`` is NaN), the weighted terms are
+    :func:`_pos_times_clamped`'s, and a row with ``coef == 0`` is ``0 * dl/dz``, not exactly 0:
+    the caller zeroes such rows (or never computes them, as the one-row Pallas programs).
     """
     c, ct = cfg.scale, cfg.teacher_scale
     x_raw = x
@@ -283,10 +320,13 @@ def grad_block(
             gz = gz - eps / vocab
     elif cfg.kind == "entropy":
         # -q (log q + l) = -c q ((x - m) - h / s)
-        gz = -c * _pos_times(q, dx - fin.mean_h[:, None])
+        gz = -c * _pos_times_clamped(q, dx - fin.mean_h[:, None], selects)
     elif cfg.kind == "jensen_shannon":
-        q, _, _, log_qm = stats.mixture_terms(BASE2_NUMPY if base2 else jnp, cfg, fin, dx, t - fin.mt[:, None])
-        gz = (1.0 - cfg.beta) * _pos_times(q, log_qm - fin.kl_qm[:, None])
+        q, _, _, log_qm = stats.mixture_terms(BASE2_NUMPY if base2 else jnp, cfg, fin, dx, t - fin.mt[:, None], selects)
+        if selects:
+            gz = (1.0 - cfg.beta) * _pos_times(q, log_qm - fin.kl_qm[:, None])
+        else:  # log_qm is finite there (mixture_terms' clamp): q times it is 0 where q is 0
+            gz = (1.0 - cfg.beta) * (q * (log_qm - fin.kl_qm[:, None]))
     else:
         if cfg.kind == "reverse_kl":
             gz = _pos_times(q, _pivot_d(cfg, dx, t, fin.tau) - fin.mean_d[:, None])
@@ -295,9 +335,13 @@ def grad_block(
             p = exp_scaled(ct, dt, fin.lse_t, base2=base2) if et is None else et * (1.0 / fin.st)[:, None]
             gz = q - p
     scale = (coef * c)[:, None]
+    if not selects:
+        scale = jnp.where(bad_rows(fin)[:, None], jnp.nan, scale)
     grad = scale * gz
     if cfg.logit_softcap is not None:  # the chain rule to the raw logits, in fp32
         grad = grad * softcap_slope(x_raw, cfg.logit_softcap)
+    if not selects:
+        return grad
     grad = jnp.where(bad_rows(fin)[:, None], jnp.nan, grad)
     return jnp.where(scale != 0, grad, 0.0)
 
@@ -305,14 +349,16 @@ def grad_block(
 
 
 def mixture_block(
-    cfg: KernelConfig, fin: Final, x: Array, t: Array, col_ok: Optional[Array] = None, *, base2: bool = False
+    cfg: KernelConfig, fin: Final, x: Array, t: Array, col_ok: Optional[Array] = None, *, base2: bool = False,
+    selects: bool = True,
 ) -> tuple[Array, Array]:
     """``jensen_shannon``'s second pass over one block ``[R, B]`` (fp32) given the global
     statistics: the block's :data:`lossspec.MIXTURE_STATS` ``(kl_qm, kl_pm)`` ``[R]``, plain
     sums that blocks and shards add. ``col_ok``: the columns that belong to this block. ``x``,
-    ``t`` raw (capped here)."""
+    ``t`` raw (capped here). ``selects=False``: the terms without a select per entry
+    (``lossspec.stats.mixture_terms``; the Pallas kernels)."""
     x, t = softcap(x, cfg.logit_softcap), softcap(t, cfg.teacher_logit_softcap)
-    _, wq, wp, _ = stats.mixture_terms(BASE2_NUMPY if base2 else jnp, cfg, fin, x - fin.m[:, None], t - fin.mt[:, None])
+    _, wq, wp, _ = stats.mixture_terms(BASE2_NUMPY if base2 else jnp, cfg, fin, x - fin.m[:, None], t - fin.mt[:, None], selects)
     if col_ok is not None:
         wq, wp = jnp.where(col_ok, wq, 0.0), jnp.where(col_ok, wp, 0.0)
     return jnp.sum(wq, axis=-1), jnp.sum(wp, axis=-1)

@@ -391,29 +391,48 @@ def finalize(xp: Any, config: LossConfig, st: Any, vocab: int) -> Any:
     return Final(l=loss, m=m, s=st.s, lse=lse, mt=mt, st=st.st, lse_t=lse_t, tau=tau, mean_d=mean_d)
 
 
-def mixture_log_ratios(xp: Any, config: LossConfig, diff: Any) -> tuple[Any, Any]:
+def mixture_log_ratios(xp: Any, config: LossConfig, diff: Any, selects: bool = True) -> tuple[Any, Any]:
     """``(log q - log M, log p - log M)`` per entry from ``diff = log q - log p`` (the formulas
-    above; finite wherever the entry's own weight is non-zero, NaN where ``p = q = 0``)."""
+    above; finite wherever the entry's own weight is non-zero, NaN where ``p = q = 0``).
+    ``selects=False``: the bounds by ``xp.minimum`` (one operation, not a compare and a select;
+    ``jax.numpy`` and NumPy take a float bound, ``torch.minimum`` does not)."""
     beta = config.beta
     log_beta, log_rest = math.log(beta), math.log1p(-beta)
     soft = xp.log1p(xp.exp(-xp.abs(diff + (log_rest - log_beta))))
     q_side = diff - log_beta
     p_side = -diff - log_rest
+    if not selects:
+        # min(side, bound): where(side < bound, side, bound) but where side is NaN (p = q = 0),
+        # whose soft part is NaN as well
+        return xp.minimum(q_side, -log_rest) - soft, xp.minimum(p_side, -log_beta) - soft
     log_qm = xp.where(q_side < -log_rest, q_side, -log_rest) - soft
     log_pm = xp.where(p_side < -log_beta, p_side, -log_beta) - soft
     return log_qm, log_pm
 
 
-def mixture_terms(xp: Any, config: LossConfig, fin: Any, dx: Any, dt: Any) -> tuple[Any, Any, Any, Any]:
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+
+
+def mixture_terms(xp: Any, config: LossConfig, fin: Any, dx: Any, dt: Any, selects: bool = True) -> tuple[Any, Any, Any, Any]:
     """``jensen_shannon``'s per-entry terms of a block ``[R, B]``, from ``dx = x - m`` and
     ``dt = t - mt`` relative to the *global* maxima and the final ``lse``'s ``[R]``:
     ``(q, q (log q - log M), p (log p - log M), log q - log M)``, each product 0 where its
     weight is 0 (so ``0 * inf`` never appears). Sums over the block of the middle two are its
-    :data:`MIXTURE_STATS`; the gradient reads ``q`` and ``log q - log M``."""
+    :data:`MIXTURE_STATS`; the gradient reads ``q`` and ``log q - log M``.
+
+    ``selects=False`` (a GPU kernel, where a select per entry costs instructions): ``log q`` and
+    ``log p`` are clamped to ``-FLOAT32_MAX`` before the log-ratios, which are then finite in a
+    clean row (no ``-inf``, no NaN where ``p = q = 0``), and the products are taken without a
+    select. The same numbers wherever the weight is non-zero (its log is finite there), and a
+    zero, of either sign, where it is 0."""
     log_q = config.student_scale * dx - fin.lse[:, None]
     log_p = config.teacher_scale * dt - fin.lse_t[:, None]
     q, p = xp.exp(log_q), xp.exp(log_p)
-    log_qm, log_pm = mixture_log_ratios(xp, config, log_q - log_p)
+    if not selects:
+        log_q, log_p = xp.maximum(log_q, -FLOAT32_MAX), xp.maximum(log_p, -FLOAT32_MAX)
+    log_qm, log_pm = mixture_log_ratios(xp, config, log_q - log_p, selects)
+    if not selects:
+        return q, q * log_qm, p * log_pm, log_qm
     return q, xp.where(q > 0, q * log_qm, 0.0), xp.where(p > 0, p * log_pm, 0.0), log_qm
 
 

@@ -3,7 +3,8 @@ Triton IR compiles for sm_90 with the ``triton`` package (``scripts/pallas_aot_r
 the compiled kernels hold what docs/jaxloss.md says of them: cross-entropy's block exponentials
 are ``ex2`` instructions (not libdevice's ``expf``), cross-entropy reads the label's logit once per row
 (no pass compares a column with the label; its entry is stored after pass 2 behind a barrier),
-and the worst kernels for registers (jensen_shannon
+the gradient pass costs no select per entry, jensen_shannon's
+passes take no branch (libdevice's ``log1pf``), and the worst kernels for registers (jensen_shannon
 with both soft caps, bf16 and fp32) do not spill.
 
 Runs the report's functions in a subprocess: ``TRITON_INTERPRET=0`` must hold when triton is
@@ -49,6 +50,14 @@ passes = report.aot.vocabulary_passes(report.aot.sass_loops(sass))
 code = report.aot.sass_instructions(sass)
 out["ce_pass_opcodes"] = [[report.aot.opcode(i) for a, i in code if p.start <= a <= p.end] for p in passes]
 out["ce_after_pass2"] = [report.aot.opcode(i) for a, i in code if a > passes[-1].end]
+# jensen_shannon with both caps (bf16): its passes' opcodes, to look for branches
+kernel, _, _ = report.fused_kernel("jensen_shannon+softcaps", "bfloat16")
+open(path, "w").write(kernel.ir)
+compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": kernel.num_warps, "num_stages": kernel.num_stages})
+sass = report.aot.disassemble(compiled.asm["cubin"])
+code = report.aot.sass_instructions(sass)
+out["jsd_pass_opcodes"] = [[report.aot.opcode(i) for a, i in code if p.start <= a <= p.end]
+                           for p in report.aot.vocabulary_passes(report.aot.sass_loops(sass))]
 print("RESULT" + json.dumps(out))
 """
 
@@ -80,6 +89,13 @@ def test_pallas_kernels_compile_for_sm90_with_ex2_and_no_spills(tmp_path: Path) 
     for body in (pass1, pass2):
         assert sum(op.startswith("ISETP") for op in body) < elements_per_thread // 4, body
     assert sum(op == "MUFU.EX2" for op in pass2) == elements_per_thread, pass2
+    # pass 2 has no select per entry (a bad row's NaN comes through its scale: grad_block's
+    # selects=False; a SEL and two PRMT per entry, after the bf16 conversion, before)
+    assert not [op for op in pass2 if op.startswith(("SEL", "FSEL"))], pass2
+    # jensen_shannon's log1p(exp(-|.|)) is log(1 + .) (BASE2_NUMPY): libdevice's log1pf took a
+    # branch per entry (BSSY / BSYNC) in the mixture and gradient passes; no pass branches now
+    for body in found["jsd_pass_opcodes"]:
+        assert not [op for op in body if op.startswith(("BSSY", "BSYNC"))], body
     # the label's entry is stored after pass 2 behind a barrier (pass 2 stored the same entry from
     # another thread): the first store after the loop comes after a BAR
     after = found["ce_after_pass2"]

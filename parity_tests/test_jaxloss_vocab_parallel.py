@@ -12,6 +12,7 @@ test_torchloss_vocab_parallel.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from typing import Any
@@ -214,6 +215,28 @@ def test_vocab_parallel_pallas_matches_oracle(config: tuple[str, ...]) -> None:
     loss_xla, grad_xla = _shard_map_call(case, dtype, kind, norm, options, "xla", 2)
     _check(kind, norm, dtype, scenario, options, loss_xla, grad_xla, "xla beside pallas/" + "/".join(config))
     np.testing.assert_allclose(np.asarray(loss), np.asarray(loss_xla), rtol=lossspec.LOSS_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("kind", ("cross_entropy", "reverse_kl"))
+def test_vocab_parallel_pallas_masked_garbage_row_stays_zero(kind: str) -> None:
+    """The Pallas "grad" mode runs several rows a program (8 interpreted) against the rows' global
+    statistics, which the "stats" mode computed for every row, masked or not: a masked row of NaN /
+    ``+inf`` garbage has NaN statistics, so 0 times its gradient would be NaN. It must come out
+    exactly 0, and the call the oracle's (of the same batch without the garbage)."""
+    norm, dtype = "valid_tokens", "float32"
+    case = _case(kind, "random", dtype)
+    mask = np.ones(LEAD, bool) if case.loss_mask is None else np.asarray(case.loss_mask) != 0
+    mask[1, 2] = False
+    logits = np.array(case.logits)
+    logits[1, 2, :] = np.nan
+    logits[1, 2, 7] = np.inf
+    clean = dataclasses.replace(case, loss_mask=mask)
+    loss, grad = _compiled(kind, norm, (), "pallas", 2)(*_inputs(dataclasses.replace(clean, logits=logits), dtype))
+    grad = np.asarray(grad, np.float64)
+    assert np.all(grad[1, 2] == 0.0), grad[1, 2]
+    ref = clean.reference(normalization=norm)
+    lossspec.assert_close_to_oracle(np.asarray(loss, np.float64), grad, ref.loss, ref.grad, dtype=dtype, g0=ref.g0,
+                                    what=f"pallas/{kind}/masked garbage row")
 
 
 @pytest.mark.parametrize("kind", KINDS)

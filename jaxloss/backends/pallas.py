@@ -210,7 +210,8 @@ def _kernel(
 
             def body(j: Array, acc: Stats) -> Stats:
                 _, col_ok, _, x, t = load(j)
-                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False, base2=True, pivot=functools.partial(pivot_logit, j))
+                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False, base2=True,
+                                        pivot=functools.partial(pivot_logit, j), selects=False)
                 return combine(cfg, acc, blk)
 
             stats = lax.fori_loop(0, num_blocks, body, empty_stats(cfg, block_rows))
@@ -221,7 +222,7 @@ def _kernel(
 
             def body(j: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
                 _, col_ok, _, x, t = load(j)
-                kl_qm, kl_pm = mixture_block(cfg, fin, x, t, col_ok=col_ok, base2=True)
+                kl_qm, kl_pm = mixture_block(cfg, fin, x, t, col_ok=col_ok, base2=True, selects=False)
                 return acc[0] + kl_qm, acc[1] + kl_pm
 
             zero = jnp.zeros((block_rows,), F32)
@@ -232,10 +233,14 @@ def _kernel(
                 # last block first: the blocks pass 1 read last are the likeliest still in L2 (as
                 # in the Triton kernels); every entry is computed alike in either order
                 index, _, mask, x, t = load(num_blocks - 1 - j)
-                grad = grad_block(cfg, fin, coef, x, t, vocab=vocab, base2=True)
-                # where, not coef *: a dead row's stand-in zeros against the global statistics ("grad"
-                # mode) may overflow
-                grad = jnp.where(live[:, None], grad, 0.0)
+                # No select per entry (grad_block's selects=False): a bad row is NaN through its
+                # scale, and a dead row (coef == 0) is zeroed here, where the block holds several
+                # rows (with one row a program, this pass runs on live rows only).
+                grad = grad_block(cfg, fin, coef, x, t, vocab=vocab, base2=True, selects=False)
+                if block_rows > 1:
+                    # where, not coef *: a dead row's stand-in zeros against the global statistics
+                    # ("grad" mode; NaN for a masked row of garbage) may overflow
+                    grad = jnp.where(live[:, None], grad, 0.0)
                 plgpu.store(grad_ref.at[index], grad.astype(grad_ref.dtype), mask=mask)
                 return carry
 
