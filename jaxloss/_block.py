@@ -14,6 +14,8 @@ fp32 blocks.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, Callable, Optional
 
 import jax
@@ -157,6 +159,8 @@ def block_stats(
     base2: bool = False,
     pivot: Optional[Callable[[Array], Array]] = None,
     selects: bool = True,
+    minnum: bool = False,
+    running: Optional[Stats] = None,
 ) -> tuple[Stats, Array, Optional[Array]]:
     """Statistics of one block ``x`` ``[R, B]`` (fp32) relative to the block's own maxima.
 
@@ -179,6 +183,17 @@ def block_stats(
         the Pallas kernels: one GPU instruction each instead of libdevice's ``expf``).
       selects: ``False`` (the Pallas kernels): the weighted shifts ``h`` and ``b`` (each a weight
         times its own tensor's shift) without a select per entry (:func:`_pos_times_clamped`).
+      minnum: ``jnp.minimum`` drops a NaN operand (a Pallas kernel lowered to Triton: ``lax.min``
+        is ``arith.minnumf`` there, where the CPU's propagates NaN): soft CE's and forward KL's
+        ``a`` is then ``min(et dx, 0)``, one operation where ``where(et > 0, et dx, 0)`` takes
+        two (the Triton kernels' ``weighted_shift``). The same numbers: ``et dx <= 0`` wherever it
+        is a number, ``-inf`` where it must be, and its NaN ``0 * -inf`` becomes 0.
+      x: may also be ``[R, L, VEC]`` (lanes: ``VEC`` adjacent columns a lane): the sums are then
+        per lane, ``[R, L]``, the maxima and pivot ``[R, 1]`` (:func:`empty_stats` with ``lanes``,
+        :func:`lanes_to_rows`).
+      running: the statistics of the blocks folded so far (not reverse KL): this block's are then
+        relative to the maxima of both, the new running maxima, so that :func:`fold` rescales only
+        ``running``'s sums, where :func:`combine` rescales both blocks' (the Triton kernels' loop).
 
     Returns:
       ``(stats, e, et)``: the statistics and ``e = exp(c (x - m))``, ``et`` (0 outside
@@ -194,64 +209,105 @@ def block_stats(
         xm = jnp.where(col_ok, x, NEG_INF)
     else:
         xm = x
-    m = jnp.max(xm, axis=-1)
-    dx = xm - finite_max(m)[:, None]  # -inf on -inf and masked columns
+    # [R, B]: row sums; [R, L, VEC] (lanes): lane sums [R, L], the maxima still over the whole row
+    block_axes = tuple(range(1, x.ndim))
+    lane_sum = functools.partial(jnp.sum, axis=-1)
+    per_row = functools.partial(_per_row, ndim=x.ndim)
+    # a row's statistic as the Stats hold it: [R], or [R, 1] beside lane sums (they broadcast)
+    held = (lambda v: v) if x.ndim == 2 else (lambda v: v[:, None])
+    assert running is None or cfg.kind != "reverse_kl", "reverse KL's pivot folds with combine"
+    row_of = (lambda v: v) if running is None or running.m.ndim == 1 else (lambda v: v[:, 0])
+    m = jnp.max(xm, axis=block_axes)
+    if running is not None:
+        m = jnp.maximum(m, row_of(running.m))
+    dx = xm - per_row(finite_max(m))  # -inf on -inf and masked columns
     e = exp_scaled(c, dx, base2=base2)
-    s = jnp.sum(e, axis=-1)
+    s = lane_sum(e)
     if cfg.is_ce:
         if x_y is None:
-            x_y = jnp.sum(jnp.where(hit, x_raw, 0.0), axis=-1)
+            x_y = jnp.sum(jnp.where(hit, x_raw, 0.0), axis=block_axes)
         sum_shift = n = None
         if cfg.label_smoothing > 0:
             if col_ok is not None:
-                sum_shift = jnp.sum(jnp.where(col_ok, dx, 0.0), axis=-1)
-                n = jnp.sum(col_ok.astype(F32), axis=-1)
+                sum_shift = lane_sum(jnp.where(col_ok, dx, 0.0))
+                n = lane_sum(col_ok.astype(F32))
             else:
-                sum_shift = jnp.sum(dx, axis=-1)
-                n = jnp.full(m.shape, x.shape[-1], F32)
-        return Stats(m=m, s=s, x_y=x_y, sum_shift=sum_shift, n=n), e, None
+                sum_shift = lane_sum(dx)
+                n = jnp.full(s.shape, x.shape[-1], F32)
+        return Stats(m=held(m), s=s, x_y=x_y, sum_shift=sum_shift, n=n), e, None
     if cfg.kind == "entropy":
-        return Stats(m=m, s=s, h=jnp.sum(_pos_times_clamped(e, dx, selects), axis=-1)), e, None
+        return Stats(m=held(m), s=s, h=lane_sum(_pos_times_clamped(e, dx, selects))), e, None
     assert t is not None
     tm = t if col_ok is None else jnp.where(col_ok, t, NEG_INF)
-    mt = jnp.max(tm, axis=-1)
-    dt = tm - finite_max(mt)[:, None]
+    mt = jnp.max(tm, axis=block_axes)
+    if running is not None:
+        mt = jnp.maximum(mt, row_of(running.mt))
+    dt = tm - per_row(finite_max(mt))
     et = exp_scaled(ct, dt, base2=base2)
-    st = jnp.sum(et, axis=-1)
+    st = lane_sum(et)
     a = b = tau = e_d = None
     if cfg.kind in ("soft_cross_entropy", "forward_kl"):
         # a select even without selects: the teacher's weight may be > 0 where the student's
         # shift is -inf (an infinite loss, which a clamp would make finite)
-        a = jnp.sum(_pos_times(et, dx), axis=-1)
+        a = lane_sum(jnp.minimum(et * dx, 0.0) if minnum else _pos_times(et, dx))
     if cfg.kind == "forward_kl":
-        b = jnp.sum(_pos_times_clamped(et, dt, selects), axis=-1)
+        b = lane_sum(_pos_times_clamped(et, dt, selects))
     if cfg.kind == "reverse_kl":
         # The pivot's column: the first column of the maximum (lossspec.stats' tie rule), a
         # min-reduce that fuses with the others; then one gather of R values (XLA), or a
         # compare and max-reduce inside a Pallas kernel (``gather=False``: no gathers there).
+        width = math.prod(x.shape[1:])
         cols = lax.broadcasted_iota(jnp.int32, xm.shape, 1)
-        first = jnp.min(jnp.where(xm == m[:, None], cols, xm.shape[-1]), axis=-1)
+        if x.ndim == 3:  # lanes: lane l holds the columns [l VEC, (l + 1) VEC)
+            cols = cols * x.shape[2] + lax.broadcasted_iota(jnp.int32, xm.shape, 2)
+        first = jnp.min(jnp.where(xm == per_row(m), cols, width), axis=block_axes)
         if pivot is not None and cfg.teacher_logit_softcap is None:
             tau = pivot(first)
         elif gather:
-            tau = jnp.take_along_axis(tm, jnp.minimum(first, xm.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+            tau = jnp.take_along_axis(tm, jnp.minimum(first, width - 1)[:, None], axis=-1)[:, 0]
         else:
-            tau = jnp.max(jnp.where(cols == first[:, None], tm, NEG_INF), axis=-1)
-        e_d = jnp.sum(_pos_times(e, _pivot_d(cfg, dx, tm, tau)), axis=-1)
-    return Stats(m=m, s=s, mt=mt, st=st, a=a, b=b, tau=tau, e_d=e_d), e, et
+            tau = jnp.max(jnp.where(cols == per_row(first), tm, NEG_INF), axis=block_axes)
+        e_d = lane_sum(_pos_times(e, _pivot_d(cfg, dx, tm, per_row(tau))))
+        tau = held(tau)
+    return Stats(m=held(m), s=s, mt=held(mt), st=st, a=a, b=b, tau=tau, e_d=e_d), e, et
+
+
+def fold(cfg: KernelConfig, running: Stats, blk: Stats) -> Stats:
+    """``running`` and the statistics ``blk`` of the next block, which :func:`block_stats` took
+    relative to the maxima of both (its ``running=``): :func:`combine` with only ``running``'s sums
+    rescaled (``blk``'s are already relative to the new maxima)."""
+    return stats.add(rescale(cfg, running, blk.m, blk.mt), blk)
+
+
+def _per_row(v: Array, ndim: int) -> Array:
+    """A per-row value ``[R]`` shaped to broadcast against a block of ``ndim`` dimensions."""
+    return v.reshape(v.shape + (1,) * (ndim - 1))
+
+
+def lanes_to_rows(st: Stats) -> Stats:
+    """Statistics folded with lanes (:func:`block_stats` of ``[R, L, VEC]`` blocks: the maxima and
+    pivot ``[R, 1]``, the sums ``[R, L]``, every lane relative to the same maxima) as per-row
+    ``[R]`` statistics: the lanes' sums added up, once per row."""
+    return st._replace(**{name: (value[:, 0] if name in ("m", "mt", "tau") else jnp.sum(value, axis=-1))
+                          for name, value in st._asdict().items() if value is not None and value.ndim == 2})
 
 
 def _pivot_d(cfg: KernelConfig, dx: Array, t: Array, tau: Array) -> Array:
     """``D = c (x - m) - ct (t - tau)``: ``log q - log p`` up to a per-row constant, 0 on the
-    student's argmax."""
-    return cfg.scale * dx - cfg.teacher_scale * (t - tau[:, None])
+    student's argmax (``tau`` shaped to broadcast against the block)."""
+    return cfg.scale * dx - cfg.teacher_scale * (t - tau)
 
 
-def empty_stats(cfg: KernelConfig, rows: int) -> Stats:
-    """The identity of :func:`combine`: nothing seen yet."""
-    neg = jnp.full((rows,), NEG_INF, F32)
-    zero = jnp.zeros((rows,), F32)
-    return Stats(**{name: (neg if name in ("m", "mt", "tau") else zero) for name in lossspec.stats_used(cfg)})
+def empty_stats(cfg: KernelConfig, rows: int, lanes: Optional[int] = None) -> Stats:
+    """The identity of :func:`combine`: nothing seen yet (``lanes``: the maxima ``[R, 1]`` and the
+    sums ``[R, lanes]``, as :func:`block_stats` of ``[R, lanes, VEC]`` blocks gives them)."""
+    if lanes is None:
+        neg, zero = jnp.full((rows,), NEG_INF, F32), jnp.zeros((rows,), F32)
+        return Stats(**{name: (neg if name in ("m", "mt", "tau") else zero) for name in lossspec.stats_used(cfg)})
+    # the label's logit (cross-entropy) is one value a row, like the maxima
+    return Stats(**{name: (jnp.full((rows, 1), NEG_INF, F32) if name in ("m", "mt", "tau")
+                           else jnp.zeros((rows, 1) if name == "x_y" else (rows, lanes), F32))
+                    for name in lossspec.stats_used(cfg)})
 
 
 # The algebra between blocks (and shards) is lossspec.stats', on jax.numpy arrays.
@@ -329,7 +385,7 @@ def grad_block(
             gz = (1.0 - cfg.beta) * (q * (log_qm - fin.kl_qm[:, None]))
     else:
         if cfg.kind == "reverse_kl":
-            gz = _pos_times(q, _pivot_d(cfg, dx, t, fin.tau) - fin.mean_d[:, None])
+            gz = _pos_times(q, _pivot_d(cfg, dx, t, fin.tau[:, None]) - fin.mean_d[:, None])
         else:
             dt = t - fin.mt[:, None]
             p = exp_scaled(ct, dt, fin.lse_t, base2=base2) if et is None else et * (1.0 / fin.st)[:, None]

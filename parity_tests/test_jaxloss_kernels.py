@@ -245,11 +245,12 @@ def test_pallas_uses_64_bit_offsets_for_large_arrays(capsys: pytest.CaptureFixtu
         _export_cuda(lambda x, t, c: _pallas.fused(cfg, x, t, c, tuning=tuning), x, labels, coef)
         triton_ir = capsys.readouterr().out
         pointers[n] = [line for line in triton_ir.splitlines() if "tt.addptr" in line and "bf16" in line]
-    # the blocks' [rows x columns] pointers, and cross-entropy's label logits' [rows] (one per row)
+    # the blocks' pointers, pass 1's [rows x lanes x VEC] (VEC = 8 bf16 columns, one 16-byte load)
+    # and pass 2's [rows x columns], and cross-entropy's label logits' [rows] (one per row)
     rows, cols = _pallas.GPU_DEFAULTS.block_rows, _pallas.GPU_DEFAULTS.vocab_block
     for n, width in ((1000, "i32"), (70000, "i64")):
         offsets = {line.rsplit(", tensor<", 1)[1].split(">")[0] for line in pointers[n]}
-        assert offsets == {f"{rows}x{cols}x{width}", f"{rows}x{width}"}, pointers[n]
+        assert offsets == {f"{rows}x{cols // 8}x8x{width}", f"{rows}x{cols}x{width}", f"{rows}x{width}"}, pointers[n]
 
 
 def test_pallas_skips_masked_row_blocks_in_the_triton_kernel(capsys: pytest.CaptureFixture[str]) -> None:

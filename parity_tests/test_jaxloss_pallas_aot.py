@@ -4,7 +4,8 @@ the compiled kernels hold what docs/jaxloss.md says of them: cross-entropy's blo
 are ``ex2`` instructions (not libdevice's ``expf``), cross-entropy reads the label's logit once per row
 (no pass compares a column with the label; its entry is stored after pass 2 behind a barrier),
 the gradient pass costs no select per entry, jensen_shannon's
-passes take no branch (libdevice's ``log1pf``), and the worst kernels for registers (jensen_shannon
+passes take no branch (libdevice's ``log1pf``), the statistics passes sum per lane (barriers only
+for the maxima), and the worst kernels for registers (jensen_shannon
 with both soft caps, bf16 and fp32) do not spill.
 
 Runs the report's functions in a subprocess: ``TRITON_INTERPRET=0`` must hold when triton is
@@ -35,7 +36,8 @@ spec.loader.exec_module(report)
 import triton
 from triton.backends.compiler import GPUTarget
 out = {}
-for variant, dtype in (("cross_entropy", "bfloat16"), ("jensen_shannon+softcaps", "bfloat16"), ("jensen_shannon+softcaps", "float32")):
+for variant, dtype in (("cross_entropy", "bfloat16"), ("jensen_shannon+softcaps", "bfloat16"), ("jensen_shannon+softcaps", "float32"),
+                       ("soft_cross_entropy", "bfloat16")):
     row = report.compile_pallas(variant, dtype)
     kernel, block_rows, vocab_block = report.fused_kernel(variant, dtype)
     key = variant if dtype == "bfloat16" else variant + "/" + dtype
@@ -78,10 +80,11 @@ def test_pallas_kernels_compile_for_sm90_with_ex2_and_no_spills(tmp_path: Path) 
     # cross-entropy's block exponentials: libdevice's exp2f (one ex2.approx), never its expf (~8
     # instructions); expf stays for the per-row rescaling of the statistics ([rows] vectors) and in
     # lossspec's shared algebra (the soft cap's tanh, jensen_shannon's mixture terms)
+    # (pass 1's blocks are [rows, lanes, 8] bf16 columns, pass 2's [rows, columns])
     rows, cols = found["cross_entropy"]["block"]
-    block = f"(tensor<{rows}x{cols}xf32>)"
-    assert f'symbol = "__nv_exp2f"}} : {block}' in found["cross_entropy"]["ir"]
-    assert f'symbol = "__nv_expf"}} : {block}' not in found["cross_entropy"]["ir"]
+    for block in (f"(tensor<{rows}x{cols // 8}x8xf32>)", f"(tensor<{rows}x{cols}xf32>)"):
+        assert f'symbol = "__nv_exp2f"}} : {block}' in found["cross_entropy"]["ir"], block
+        assert f'symbol = "__nv_expf"}} : {block}' not in found["cross_entropy"]["ir"], block
     pass1, pass2 = found["ce_pass_opcodes"]
     # the label: no per-column compare in either pass (its logit is read once per row, its
     # gradient entry written after pass 2), and one ex2 per element in pass 2
@@ -96,6 +99,17 @@ def test_pallas_kernels_compile_for_sm90_with_ex2_and_no_spills(tmp_path: Path) 
     # branch per entry (BSSY / BSYNC) in the mixture and gradient passes; no pass branches now
     for body in found["jsd_pass_opcodes"]:
         assert not [op for op in body if op.startswith(("BSSY", "BSYNC"))], body
+    # per-lane sums (pass 1 and jensen_shannon's mixture pass read [1, 512, 8] bf16 blocks, a lane of
+    # 8 columns a thread): a block's only cross-thread reductions are its maxima, one barrier pair
+    # each (student, teacher), as in the Triton kernels; the mixture pass has none (two sums a
+    # block before, with 2 barriers each)
+    assert found["cross_entropy"]["pass_barriers"] == [2, 0], found["cross_entropy"]["pass_barriers"]
+    assert found["soft_cross_entropy"]["pass_barriers"] == [4, 0], found["soft_cross_entropy"]["pass_barriers"]
+    assert found["jensen_shannon+softcaps"]["pass_barriers"] == [4, 0, 0], found["jensen_shannon+softcaps"]["pass_barriers"]
+    # soft CE's weighted shift a = sum(min(et dx, 0)) with Triton's NaN-dropping minimum (minnumf:
+    # 0 * -inf gives 0), one operation where the CPU's select takes two
+    lanes_type = f"tensor<{rows}x{cols // 8}x8xf32>"
+    assert any("arith.minnumf" in line and lanes_type in line for line in found["soft_cross_entropy"]["ir"].splitlines())
     # the label's entry is stored after pass 2 behind a barrier (pass 2 stored the same entry from
     # another thread): the first store after the loop comes after a BAR
     after = found["ce_after_pass2"]

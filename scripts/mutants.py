@@ -1199,8 +1199,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "pallas_exp_not_base2",
         "the Pallas kernels' pass 1 computes its exponentials with exp (libdevice's expf on a GPU, about 8 instructions) instead of exp2",
         "jaxloss/backends/pallas.py::_kernel.rows_block.pass1.body",
-        "                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False, base2=True,",
-        "                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False,",
+        "                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, base2=True, selects=False, minnum=compiled,",
+        "                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, selects=False, minnum=compiled,",
         ("parity_tests/test_jaxloss_pallas_aot.py",),
     ),
     Mutant(
@@ -1307,6 +1307,31 @@ MUTANTS: tuple[Mutant, ...] = (
         "        log_q, log_p = xp.maximum(log_q, -FLOAT32_MAX), xp.maximum(log_p, -FLOAT32_MAX)",
         "        pass",
         ("parity_tests/test_contract_kinds.py", "-k", "pallas"),
+    ),
+
+    Mutant(
+        "pallas_one_lane_a_block",
+        "the Pallas statistics passes read a block as one lane: every statistic is summed across the threads each block again (two barriers a sum)",
+        "jaxloss/backends/pallas.py::_kernel.rows_block",
+        "        vec = min(block_vocab, max(1, 16 // jnp.dtype(x_ref.dtype).itemsize))",
+        "        vec = block_vocab",
+        ("parity_tests/test_jaxloss_pallas_aot.py",),
+    ),
+    Mutant(
+        "fold_running_sums_not_rescaled",
+        "folding a block into the running statistics keeps the running sums relative to the old maxima when the maxima grow",
+        "jaxloss/_block.py::fold",
+        "    return stats.add(rescale(cfg, running, blk.m, blk.mt), blk)",
+        "    return stats.add(running, blk)",
+        ("parity_tests/test_jaxloss_kernels.py", "-k", "pallas"),
+    ),
+    Mutant(
+        "pallas_weighted_shift_selected_on_gpu",
+        "the compiled Pallas kernels take soft CE's and forward KL's weighted shift with a compare and a select per entry, not the NaN-dropping minimum",
+        "jaxloss/backends/pallas.py::_kernel.rows_block.pass1.body",
+        "                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, base2=True, selects=False, minnum=compiled,",
+        "                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, base2=True, selects=False, minnum=False,",
+        ("parity_tests/test_jaxloss_pallas_aot.py",),
     ),
 )
 

@@ -13,7 +13,11 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
   ``[block_rows, vocab_block]`` tile with row and column index vectors.
 * Pass 1 loops over vocabulary blocks of ``vocab_block`` columns and folds their statistics
   with the online-softmax algebra of :mod:`jaxloss._block` (:func:`~jaxloss._block.block_stats`,
-  :func:`~jaxloss._block.combine`); pass 2 loops again, last block first (the blocks pass 1
+  :func:`~jaxloss._block.fold`; reverse KL :func:`~jaxloss._block.combine`). It reads a block as
+  ``[block_rows, lanes, VEC]``, ``VEC`` adjacent columns (16 bytes) a lane that one thread sums
+  alone: the sums are per-lane partial sums, added up once per row after the loop
+  (:func:`~jaxloss._block.lanes_to_rows`), and a block's only cross-thread reductions are its
+  maxima (the Triton kernels' lanes). Pass 2 loops again, last block first (the blocks pass 1
   read last are the likeliest still in L2), and writes ``coef * c * dl/dz``, fp32 inside and
   cast once on store. Ragged vocabulary tails are masked loads/stores.
   ``jensen_shannon`` loops once more in between (its mixture sums need the global ``lse``'s,
@@ -68,7 +72,9 @@ from .._block import (
     combine,
     empty_stats,
     finalize,
+    fold,
     grad_block,
+    lanes_to_rows,
     mixture_block,
     varying_axes,
     varying_like,
@@ -195,6 +201,23 @@ def _kernel(
             t = plgpu.load(t_ref.at[index], mask=read, other=0.0).astype(F32) if cfg.has_teacher else None
             return index, col_ok, mask, x, t
 
+        # Pass 1 reads a block as [block_rows, lanes, VEC]: VEC adjacent columns (one 16-byte load)
+        # a lane, which one thread holds and sums alone, so a block's sums are per-lane partial sums
+        # ([block_rows, lanes], rescaled by the row's maxima as blocks are folded) added up once per
+        # row after the loop; a block's only cross-thread reductions are its maxima (and reverse
+        # KL's pivot). The Triton kernels' lanes.
+        vec = min(block_vocab, max(1, 16 // jnp.dtype(x_ref.dtype).itemsize))
+        lanes = block_vocab // vec
+
+        def load_lanes(j: Array) -> tuple[Array, Array, Optional[Array]]:
+            cols = j * block_vocab + (jnp.arange(lanes, dtype=jnp.int32)[:, None] * vec + jnp.arange(vec, dtype=jnp.int32)[None, :])
+            col_ok = (cols < n_cols)[None]
+            index = (rows[:, None, None], cols[None])
+            read = live[:, None, None] & col_ok
+            x = plgpu.load(x_ref.at[index], mask=read, other=0.0).astype(F32)
+            t = plgpu.load(t_ref.at[index], mask=read, other=0.0).astype(F32) if cfg.has_teacher else None
+            return col_ok, x, t
+
         def pivot_logit(j: Array, first: Array) -> Array:
             """Reverse KL: the teacher's raw logit at each row's pivot column ``first`` of block ``j``
             (one load per row of a column pass 1 just read, in place of a compare and a row
@@ -206,27 +229,37 @@ def _kernel(
             return jnp.where(found, teacher, NEG_INF)
 
         def pass1() -> Stats:
-            no_label = jnp.zeros((block_rows,), F32) if ce else None  # the label's logit comes apart
+            no_label = jnp.zeros((block_rows, 1), F32) if ce else None  # the label's logit comes apart
 
             def body(j: Array, acc: Stats) -> Stats:
-                _, col_ok, _, x, t = load(j)
-                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, gather=False, base2=True,
-                                        pivot=functools.partial(pivot_logit, j), selects=False)
-                return combine(cfg, acc, blk)
+                col_ok, x, t = load_lanes(j)
+                if cfg.kind == "reverse_kl":  # its pivot and e_d fold with combine's algebra
+                    blk, _, _ = block_stats(cfg, x, t, col_ok=col_ok, gather=False, base2=True,
+                                            pivot=functools.partial(pivot_logit, j), selects=False)
+                    return combine(cfg, acc, blk)
+                # the block's sums relative to the new running maxima: only acc's are rescaled
+                blk, _, _ = block_stats(cfg, x, t, x_y=no_label, col_ok=col_ok, base2=True, selects=False, minnum=compiled,
+                                        running=acc)
+                return fold(cfg, acc, blk)
 
-            stats = lax.fori_loop(0, num_blocks, body, empty_stats(cfg, block_rows))
+            stats = lanes_to_rows(lax.fori_loop(0, num_blocks, body, empty_stats(cfg, block_rows, lanes)))
             return stats._replace(x_y=label_logit) if ce else stats
 
         def mixture_pass(fin: Final) -> Final:
             """jensen_shannon's second pass (lossspec.stats): the mixture sums, then its loss."""
 
+            # per-lane sums too (load_lanes); the per-row statistics as [R, 1] columns, which the
+            # shared per-entry algebra's [:, None] turns into [R, 1, 1] against the lanes' blocks
+            columns = Final(**{name: None if v is None else v[:, None] for name, v in fin._asdict().items()})
+
             def body(j: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
-                _, col_ok, _, x, t = load(j)
-                kl_qm, kl_pm = mixture_block(cfg, fin, x, t, col_ok=col_ok, base2=True, selects=False)
+                col_ok, x, t = load_lanes(j)
+                kl_qm, kl_pm = mixture_block(cfg, columns, x, t, col_ok=col_ok, base2=True, selects=False)
                 return acc[0] + kl_qm, acc[1] + kl_pm
 
-            zero = jnp.zeros((block_rows,), F32)
-            return finalize_mixture(jnp, cfg, fin, *lax.fori_loop(0, num_blocks, body, (zero, zero)))
+            zero = jnp.zeros((block_rows, lanes), F32)
+            kl_qm, kl_pm = lax.fori_loop(0, num_blocks, body, (zero, zero))
+            return finalize_mixture(jnp, cfg, fin, jnp.sum(kl_qm, axis=-1), jnp.sum(kl_pm, axis=-1))
 
         def pass2(fin: Final, coef: Array, grad_ref) -> None:
             def body(j: Array, carry: int) -> int:
