@@ -191,9 +191,10 @@ def block_stats(
       x: may also be ``[R, L, VEC]`` (lanes: ``VEC`` adjacent columns a lane): the sums are then
         per lane, ``[R, L]``, the maxima and pivot ``[R, 1]`` (:func:`empty_stats` with ``lanes``,
         :func:`lanes_to_rows`).
-      running: the statistics of the blocks folded so far (not reverse KL): this block's are then
-        relative to the maxima of both, the new running maxima, so that :func:`fold` rescales only
-        ``running``'s sums, where :func:`combine` rescales both blocks' (the Triton kernels' loop).
+      running: the statistics of the blocks folded so far (without a pivot: not reverse KL): this
+        block's are then relative to the maxima of both, the new running maxima, so that
+        :func:`fold` rescales only ``running``'s sums, where :func:`combine` rescales both blocks'
+        (the Triton kernels' loop).
 
     Returns:
       ``(stats, e, et)``: the statistics and ``e = exp(c (x - m))``, ``et`` (0 outside
@@ -215,7 +216,7 @@ def block_stats(
     per_row = functools.partial(_per_row, ndim=x.ndim)
     # a row's statistic as the Stats hold it: [R], or [R, 1] beside lane sums (they broadcast)
     held = (lambda v: v) if x.ndim == 2 else (lambda v: v[:, None])
-    assert running is None or cfg.kind != "reverse_kl", "reverse KL's pivot folds with combine"
+    assert running is None or running.tau is None, "a pivot (reverse KL) folds with combine"
     row_of = (lambda v: v) if running is None or running.m.ndim == 1 else (lambda v: v[:, 0])
     m = jnp.max(xm, axis=block_axes)
     if running is not None:

@@ -233,7 +233,7 @@ def _kernel(
 
             def body(j: Array, acc: Stats) -> Stats:
                 col_ok, x, t = load_lanes(j)
-                if cfg.kind == "reverse_kl":  # its pivot and e_d fold with combine's algebra
+                if acc.tau is not None:  # reverse KL: its pivot and e_d fold with combine's algebra
                     blk, _, _ = block_stats(cfg, x, t, col_ok=col_ok, gather=False, base2=True,
                                             pivot=functools.partial(pivot_logit, j), selects=False)
                     return combine(cfg, acc, blk)
