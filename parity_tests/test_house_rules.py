@@ -12,7 +12,10 @@ sources, no import of the frameworks):
   (jaxloss/backends/__init__.py, torchloss/backends/__init__.py): no other module of the frameworks
   compares a string with an impl name;
 - tests never import another test module and never edit ``sys.path``: shared helpers live in
-  ``parity_tests.support``.
+  ``parity_tests.support``;
+- the ranks of a ``torch.distributed`` suite are launched once per run
+  (``ranks.launch_once`` / ``launch_dir_once``), never by a direct ``ranks.launch`` in a test
+  module, whose module fixture would run them again in every xdist worker.
 """
 
 from __future__ import annotations
@@ -129,6 +132,30 @@ def test_tests_import_no_test_module_and_leave_sys_path_alone() -> None:
                     and isinstance(node.value.value, ast.Name) and node.value.value.id == "sys":
                 offending.append(f"{path.relative_to(ROOT)}:{node.lineno} edits sys.path")
     assert offending == [], "\n".join(offending)
+
+
+def rank_launches(path: Path) -> list[str]:
+    """Direct calls of ``ranks.launch`` in ``path`` (``launch_once`` / ``launch_dir_once`` are the
+    shared ones)."""
+    return [f"{path.relative_to(ROOT)}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "launch"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "ranks"]
+
+
+def test_gloo_ranks_are_launched_once_per_run() -> None:
+    """A module-scoped fixture runs once in every xdist worker that gets one of the module's tests:
+    a direct ``ranks.launch`` there ran test_torchloss_vocab_parallel.py's 3 ranks twice under
+    ``-n 2`` (18 s each, beside the other worker's tests). ``ranks.launch_once`` and
+    ``launch_dir_once`` launch them for the first asker and make the others wait."""
+    offending = [hit for path in sorted((ROOT / "parity_tests").glob("test_*.py")) for hit in rank_launches(path)]
+    assert offending == [], "launch the ranks with ranks.launch_once / launch_dir_once:\n" + "\n".join(offending)
+
+
+def test_the_scan_finds_a_direct_rank_launch(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    probe = tmp_path / "probe.py"
+    probe.write_text("ranks.launch(script, [], world_size=3, log_dir=out)\nranks.launch_once('x', script, args, 3, factory)\n")
+    assert rank_launches(probe) == ["probe.py:1"]
 
 
 NAMEDTUPLE_API = {"_fields", "_replace", "_asdict", "_make", "_field_defaults"}

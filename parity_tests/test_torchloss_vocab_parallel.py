@@ -161,8 +161,9 @@ def _worker(out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, np.ndarray]]]:
-    out_dir = tmp_path_factory.mktemp("vocab_parallel")
-    ranks.launch(Path(__file__), [str(out_dir)], world_size=max(SHARDS), log_dir=out_dir)
+    # once per run, whichever xdist worker asks first (a module fixture runs in every worker)
+    out_dir = ranks.launch_dir_once("torch_vocab_parallel", Path(__file__), lambda out_dir: [str(out_dir)], max(SHARDS),
+                                    tmp_path_factory)
     loaded: dict[int, list[dict[str, np.ndarray]]] = {}
     for world in SHARDS:
         loaded[world] = []
