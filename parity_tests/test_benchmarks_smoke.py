@@ -430,6 +430,7 @@ def test_gpu_check_short_dry_run_plans_without_running() -> None:
     out = proc.stdout
     assert "plan (short mode, budget 360 s)" in out and "dry run: nothing run" in out
     assert "test_jaxloss_kernels.py" in out and "benchmarks.gpu_triton_sweep --max-seconds 45 --grid pipeline --reps 10" in out
+    assert "test_contract_kinds.py::test_nan_and_inf_rows" in out  # the Pallas kernels' NaN rows on the GPU
     assert "benchmarks.run --gpu-quick --name gpu_quick_short --no-head" in out
     if shutil.which("nvidia-smi") is None:
         assert "no NVIDIA GPU visible" in out
