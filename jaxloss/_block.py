@@ -248,8 +248,8 @@ def block_stats(
     st = lane_sum(et)
     a = b = tau = e_d = None
     if cfg.kind in ("soft_cross_entropy", "forward_kl"):
-        # a select even without selects: the teacher's weight may be > 0 where the student's
-        # shift is -inf (an infinite loss, which a clamp would make finite)
+        # never clamped: the teacher's weight may be > 0 where the student's shift is -inf (an
+        # infinite loss, which a clamp would make finite); a select, or the NaN-dropping minimum
         a = lane_sum(jnp.minimum(et * dx, 0.0) if minnum else _pos_times(et, dx))
     if cfg.kind == "forward_kl":
         b = lane_sum(_pos_times_clamped(et, dt, selects))
