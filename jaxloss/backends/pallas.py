@@ -103,7 +103,10 @@ HIGHER_ORDER_MESSAGE = (
 #: 4096 columns instead of once per 1024 columns of each of 4 rows: bf16 cross-entropy 0.87 -> 0.64
 #: warp-instructions per element, reverse KL 2.11 -> 1.74. With 4 warps (32 values per thread and
 #: tensor) the teacher kinds took up to 255 registers and the soft-capped kernels spilled; with 8
-#: and 16 every kernel stays at 128 registers or fewer, without spills.
+#: and 16 every kernel stays at 128 registers or fewer, without spills. Since the per-lane sums,
+#: 4 warps spill nothing but the soft-capped kernels still take 166-245 registers (bf16
+#: jensen_shannon with both caps spills 4 B at 8 warps); 16 keep them at 58-74, within 3% of the
+#: others' instruction counts.
 GPU_DEFAULTS = Tuning(block_rows=1, vocab_block=4096, num_warps=4)
 INTERPRET_DEFAULTS = Tuning(block_rows=8, vocab_block=128, num_warps=4)
 GPU_TEACHER_WARPS = 8
