@@ -129,14 +129,11 @@ def _pos_times(weight: Array, value: Array) -> Array:
     return jnp.where(weight > 0, weight * value, 0.0)
 
 
-FLOAT32_MAX = stats.FLOAT32_MAX
-
-
 def _pos_times_clamped(weight: Array, value: Array, select: bool = True) -> Array:
     """:func:`_pos_times` for a ``value`` that is never ``+inf`` and finite wherever ``weight > 0``:
     the shift ``d`` of the tensor whose exponential ``exp(c d)`` is the weight (``-inf`` only at a
     ``-inf`` logit, where the weight is 0), less a finite row constant. Its only ``0 * inf`` is
-    ``0 * -inf``. Without ``select`` (the Pallas kernels) ``value`` is clamped to ``-FLOAT32_MAX``
+    ``0 * -inf``. Without ``select`` (the Pallas kernels) ``value`` is clamped to ``-FP32_MAX``
     instead: two operations per entry, not three (compare, product, select), alike on every
     platform. The same number wherever ``weight > 0``; where ``weight == 0`` a zero whose sign may
     differ, which sums and products with nonzero factors never show. A NaN ``value`` (a bad row:
@@ -144,7 +141,7 @@ def _pos_times_clamped(weight: Array, value: Array, select: bool = True) -> Arra
     tensor times another's shift (soft CE's ``a``): that product is ``-inf`` where it must be."""
     if select:
         return _pos_times(weight, value)
-    return weight * jnp.maximum(value, -FLOAT32_MAX)
+    return weight * jnp.maximum(value, -lossspec.FP32_MAX)
 
 
 def block_stats(
@@ -217,10 +214,9 @@ def block_stats(
     # a row's statistic as the Stats hold it: [R], or [R, 1] beside lane sums (they broadcast)
     held = (lambda v: v) if x.ndim == 2 else (lambda v: v[:, None])
     assert running is None or running.tau is None, "a pivot (reverse KL) folds with combine"
-    row_of = (lambda v: v) if running is None or running.m.ndim == 1 else (lambda v: v[:, 0])
     m = jnp.max(xm, axis=block_axes)
     if running is not None:
-        m = jnp.maximum(m, row_of(running.m))
+        m = jnp.maximum(m, running.m.reshape(m.shape))
     dx = xm - per_row(finite_max(m))  # -inf on -inf and masked columns
     e = exp_scaled(c, dx, base2=base2)
     s = lane_sum(e)
@@ -242,7 +238,7 @@ def block_stats(
     tm = t if col_ok is None else jnp.where(col_ok, t, NEG_INF)
     mt = jnp.max(tm, axis=block_axes)
     if running is not None:
-        mt = jnp.maximum(mt, row_of(running.mt))
+        mt = jnp.maximum(mt, running.mt.reshape(mt.shape))
     dt = tm - per_row(finite_max(mt))
     et = exp_scaled(ct, dt, base2=base2)
     st = lane_sum(et)
@@ -280,6 +276,10 @@ def fold(cfg: KernelConfig, running: Stats, blk: Stats) -> Stats:
     return stats.add(rescale(cfg, running, blk.m, blk.mt), blk)
 
 
+#: The :class:`Stats` fields that are a row's maxima or pivot, not sums (one value a row beside lane sums).
+MAXIMA = ("m", "mt", "tau")
+
+
 def _per_row(v: Array, ndim: int) -> Array:
     """A per-row value ``[R]`` shaped to broadcast against a block of ``ndim`` dimensions."""
     return v.reshape(v.shape + (1,) * (ndim - 1))
@@ -289,7 +289,7 @@ def lanes_to_rows(st: Stats) -> Stats:
     """Statistics folded with lanes (:func:`block_stats` of ``[R, L, VEC]`` blocks: the maxima and
     pivot ``[R, 1]``, the sums ``[R, L]``, every lane relative to the same maxima) as per-row
     ``[R]`` statistics: the lanes' sums added up, once per row."""
-    return st._replace(**{name: (value[:, 0] if name in ("m", "mt", "tau") else jnp.sum(value, axis=-1))
+    return st._replace(**{name: (value[:, 0] if name in MAXIMA else jnp.sum(value, axis=-1))
                           for name, value in st._asdict().items() if value is not None and value.ndim == 2})
 
 
@@ -302,12 +302,9 @@ def _pivot_d(cfg: KernelConfig, dx: Array, t: Array, tau: Array) -> Array:
 def empty_stats(cfg: KernelConfig, rows: int, lanes: Optional[int] = None) -> Stats:
     """The identity of :func:`combine`: nothing seen yet (``lanes``: the maxima ``[R, 1]`` and the
     sums ``[R, lanes]``, as :func:`block_stats` of ``[R, lanes, VEC]`` blocks gives them)."""
-    if lanes is None:
-        neg, zero = jnp.full((rows,), NEG_INF, F32), jnp.zeros((rows,), F32)
-        return Stats(**{name: (neg if name in ("m", "mt", "tau") else zero) for name in lossspec.stats_used(cfg)})
+    one, wide = ((rows,), (rows,)) if lanes is None else ((rows, 1), (rows, lanes))
     # the label's logit (cross-entropy) is one value a row, like the maxima
-    return Stats(**{name: (jnp.full((rows, 1), NEG_INF, F32) if name in ("m", "mt", "tau")
-                           else jnp.zeros((rows, 1) if name == "x_y" else (rows, lanes), F32))
+    return Stats(**{name: (jnp.full(one, NEG_INF, F32) if name in MAXIMA else jnp.zeros(one if name == "x_y" else wide, F32))
                     for name in lossspec.stats_used(cfg)})
 
 

@@ -129,7 +129,7 @@ import math
 from fractions import Fraction
 from typing import Any, Optional
 
-from .config import LossConfig
+from .config import FP32_MAX, LossConfig
 
 # The statistics of a block, in this order (the Triton kernels' buffer layout).
 ROW_STATS: tuple[str, ...] = ("m", "s", "x_y", "sum_shift", "n", "mt", "st", "a", "b", "tau", "e_d", "h", "kl_qm", "kl_pm")
@@ -410,9 +410,6 @@ def mixture_log_ratios(xp: Any, config: LossConfig, diff: Any, selects: bool = T
     return log_qm, log_pm
 
 
-FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
-
-
 def mixture_terms(xp: Any, config: LossConfig, fin: Any, dx: Any, dt: Any, selects: bool = True) -> tuple[Any, Any, Any, Any]:
     """``jensen_shannon``'s per-entry terms of a block ``[R, B]``, from ``dx = x - m`` and
     ``dt = t - mt`` relative to the *global* maxima and the final ``lse``'s ``[R]``:
@@ -421,7 +418,7 @@ def mixture_terms(xp: Any, config: LossConfig, fin: Any, dx: Any, dt: Any, selec
     :data:`MIXTURE_STATS`; the gradient reads ``q`` and ``log q - log M``.
 
     ``selects=False`` (a GPU kernel, where a select per entry costs instructions): ``log q`` and
-    ``log p`` are clamped to ``-FLOAT32_MAX`` before the log-ratios, which are then finite in a
+    ``log p`` are clamped to ``-FP32_MAX`` before the log-ratios, which are then finite in a
     clean row (no ``-inf``, no NaN where ``p = q = 0``), and the products are taken without a
     select. The same numbers wherever the weight is non-zero (its log is finite there), and a
     zero, of either sign, where it is 0."""
@@ -429,7 +426,7 @@ def mixture_terms(xp: Any, config: LossConfig, fin: Any, dx: Any, dt: Any, selec
     log_p = config.teacher_scale * dt - fin.lse_t[:, None]
     q, p = xp.exp(log_q), xp.exp(log_p)
     if not selects:
-        log_q, log_p = xp.maximum(log_q, -FLOAT32_MAX), xp.maximum(log_p, -FLOAT32_MAX)
+        log_q, log_p = xp.maximum(log_q, -FP32_MAX), xp.maximum(log_p, -FP32_MAX)
     log_qm, log_pm = mixture_log_ratios(xp, config, log_q - log_p, selects)
     if not selects:
         return q, q * log_qm, p * log_pm, log_qm

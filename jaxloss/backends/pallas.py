@@ -191,35 +191,33 @@ def _kernel(
             label_logit = plgpu.load(x_ref.at[rows, labels], mask=label_ok, other=0.0).astype(F32)
         num_blocks = pl.cdiv(n_cols, block_vocab)
 
-        def columns(j: Array) -> tuple[tuple[Array, Array], Array, Array]:
-            cols = j * block_vocab + jnp.arange(block_vocab, dtype=jnp.int32)
-            col_ok = (cols < n_cols)[None, :]
-            return (rows[:, None], cols[None, :]), col_ok, row_ok[:, None] & col_ok
+        # Pass 1 (and jensen_shannon's mixture pass) reads a block as [block_rows, lanes, VEC]: VEC
+        # adjacent columns (one 16-byte load) a lane, which one thread holds and sums alone, so a
+        # block's sums are per-lane partial sums ([block_rows, lanes], rescaled by the row's maxima
+        # as blocks are folded) added up once per row after the loop; a block's only cross-thread
+        # reductions are its maxima (and reverse KL's pivot). The Triton kernels' lanes.
+        vec = min(block_vocab, max(1, 16 // jnp.dtype(x_ref.dtype).itemsize))
+        lanes = block_vocab // vec
 
-        def load(j: Array) -> tuple[tuple[Array, Array], Array, Array, Array, Optional[Array]]:
-            index, col_ok, mask = columns(j)
-            read = live[:, None] & col_ok
+        def columns(j: Array, by_lane: bool = False) -> tuple[tuple[Array, Array], Array, Array, Array]:
+            """Block ``j``'s (row, column) index, ``col_ok`` (its columns inside the array), store mask
+            and read mask (live rows only), ``[block_rows, block_vocab]``, or with ``by_lane``
+            ``[block_rows, lanes, VEC]`` (lane ``l``: the block's columns ``[l VEC, (l + 1) VEC)``)."""
+            if by_lane:
+                offsets = jnp.arange(lanes, dtype=jnp.int32)[:, None] * vec + jnp.arange(vec, dtype=jnp.int32)[None, :]
+            else:
+                offsets = jnp.arange(block_vocab, dtype=jnp.int32)
+            cols = j * block_vocab + offsets
+            col_ok = (cols < n_cols)[None]
+            per_row = (slice(None),) + (None,) * cols.ndim
+            return (rows[per_row], cols[None]), col_ok, row_ok[per_row] & col_ok, live[per_row] & col_ok
+
+        def load(j: Array, by_lane: bool = False) -> tuple[tuple[Array, Array], Array, Array, Array, Optional[Array]]:
+            index, col_ok, mask, read = columns(j, by_lane)
             # Masked lanes read 0 (finite); block_stats masks them to -inf through col_ok.
             x = plgpu.load(x_ref.at[index], mask=read, other=0.0).astype(F32)
             t = plgpu.load(t_ref.at[index], mask=read, other=0.0).astype(F32) if cfg.has_teacher else None
             return index, col_ok, mask, x, t
-
-        # Pass 1 reads a block as [block_rows, lanes, VEC]: VEC adjacent columns (one 16-byte load)
-        # a lane, which one thread holds and sums alone, so a block's sums are per-lane partial sums
-        # ([block_rows, lanes], rescaled by the row's maxima as blocks are folded) added up once per
-        # row after the loop; a block's only cross-thread reductions are its maxima (and reverse
-        # KL's pivot). The Triton kernels' lanes.
-        vec = min(block_vocab, max(1, 16 // jnp.dtype(x_ref.dtype).itemsize))
-        lanes = block_vocab // vec
-
-        def load_lanes(j: Array) -> tuple[Array, Array, Optional[Array]]:
-            cols = j * block_vocab + (jnp.arange(lanes, dtype=jnp.int32)[:, None] * vec + jnp.arange(vec, dtype=jnp.int32)[None, :])
-            col_ok = (cols < n_cols)[None]
-            index = (rows[:, None, None], cols[None])
-            read = live[:, None, None] & col_ok
-            x = plgpu.load(x_ref.at[index], mask=read, other=0.0).astype(F32)
-            t = plgpu.load(t_ref.at[index], mask=read, other=0.0).astype(F32) if cfg.has_teacher else None
-            return col_ok, x, t
 
         def pivot_logit(j: Array, first: Array) -> Array:
             """Reverse KL: the teacher's raw logit at each row's pivot column ``first`` of block ``j``
@@ -235,7 +233,7 @@ def _kernel(
             no_label = jnp.zeros((block_rows, 1), F32) if ce else None  # the label's logit comes apart
 
             def body(j: Array, acc: Stats) -> Stats:
-                col_ok, x, t = load_lanes(j)
+                _, col_ok, _, x, t = load(j, by_lane=True)
                 if acc.tau is not None:  # reverse KL: its pivot and e_d fold with combine's algebra
                     blk, _, _ = block_stats(cfg, x, t, col_ok=col_ok, gather=False, base2=True,
                                             pivot=functools.partial(pivot_logit, j), selects=False)
@@ -251,12 +249,12 @@ def _kernel(
         def mixture_pass(fin: Final) -> Final:
             """jensen_shannon's second pass (lossspec.stats): the mixture sums, then its loss."""
 
-            # per-lane sums too (load_lanes); the per-row statistics as [R, 1] columns, which the
+            # per-lane sums too (by_lane); the per-row statistics as [R, 1] columns, which the
             # shared per-entry algebra's [:, None] turns into [R, 1, 1] against the lanes' blocks
             columns = Final(**{name: None if v is None else v[:, None] for name, v in fin._asdict().items()})
 
             def body(j: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
-                col_ok, x, t = load_lanes(j)
+                _, col_ok, _, x, t = load(j, by_lane=True)
                 kl_qm, kl_pm = mixture_block(cfg, columns, x, t, col_ok=col_ok, base2=True, selects=False)
                 return acc[0] + kl_qm, acc[1] + kl_pm
 
@@ -297,7 +295,7 @@ def _kernel(
 
         def zero_grad(grad_ref) -> None:
             def body(j: Array, carry: int) -> int:
-                index, _, mask = columns(j)
+                index, _, mask, _ = columns(j)
                 plgpu.store(grad_ref.at[index], jnp.zeros((block_rows, block_vocab), grad_ref.dtype), mask=mask)
                 return carry
 
