@@ -21,7 +21,8 @@
 # --short (or GPU_CHECK_SHORT=1): a lent machine's 15 minutes hold this whole run once, so the
 # short mode fits in about 6 minutes (GPU_CHECK_SECONDS 360): the kernel suites that issue 32
 # changed (the Pallas and Triton kernels' tests), no lossparity, a 45 s sweep of the Triton kernels'
-# pipelining and persistent programs (gpu_triton_sweep --grid pipeline), and the
+# pipelining and persistent programs (gpu_triton_sweep --grid pipeline, and the 16-bit backward
+# with a non-unit upstream gradient at the default launch), and the
 # benchmark rows at the issue's shape (16384 x 131072 bf16, 30% masked, the loss group): our
 # kernels (with and without the in-place gradient), Liger, flash-attn and the speed-of-light
 # passes, cross-entropy first; the slow peers (torch.compile, eager, optax, the torch path) and the
@@ -85,6 +86,7 @@ elif [ -n "$short" ]; then
   # contract's -inf / NaN rows on them (the compiled Pallas kernels' NaN-dropping minimum and
   # per-row NaN scale are numbers only a GPU shows)
   kernel_tests=(parity_tests/test_jaxloss_kernels.py parity_tests/test_torchloss_triton_kernels.py parity_tests/test_jaxloss_inplace.py
+                parity_tests/test_jaxloss_upstream_16bit.py
                 parity_tests/test_contract_kinds.py::test_neg_inf_logits_get_zero_gradient
                 parity_tests/test_contract_kinds.py::test_nan_and_inf_rows)
   kernel_filter="pallas or triton"

@@ -12,6 +12,10 @@ block). Two grids (``--grid``):
   flight, so that more of each row's second read (walked last block first) comes from L2;
 * ``shapes``: each vocabulary block (``Tuning(vocab_block=...)``) x warp count (``num_warps``).
 
+Besides, per kind, the default launch with a non-unit upstream gradient (``(0.5 * loss).backward()``):
+the 16-bit backward then rewrites every valid row from the statistics the forward kept
+(``regrad_kernel``, pass 2 alone), against the same call's unit-upstream time (``"upstream"`` rows).
+
 Prints a table and writes JSON::
 
     python -m benchmarks.gpu_triton_sweep [--n 16384] [--v 131072] [--reps 20] [--kinds K1,K2] [--grid all|pipeline|shapes]
@@ -125,6 +129,23 @@ def _head_kernels(reps: int, cuda: bool, n: int = 2048, hidden: int = 2048, voca
     return out
 
 
+def _upstream_row(kind: str, fn: Callable[..., Any], logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, reps: int,
+                  cuda: bool) -> dict[str, Any]:
+    """Forward + backward at the default launch with the upstream gradient 1 and 0.5: the second
+    runs the 16-bit backward's recompute of every valid row (pass 2 from the kept statistics)."""
+    row: dict[str, Any] = {"kind": kind}
+    for name, scale in (("unit_ms", 1.0), ("half_ms", 0.5)):
+        def step() -> Any:
+            logits.grad = None
+            loss = fn(logits, target, mask, impl="triton")
+            (loss * scale if scale != 1.0 else loss).backward()
+            return loss
+        row[name] = statistics.median(_time(step, reps, cuda))
+    print(f"{kind:20} bf16 forward + backward, upstream 1: {row['unit_ms']:8.2f} ms, upstream 0.5 (regrad): {row['half_ms']:8.2f} ms median",
+          flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=16384)
@@ -147,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     default_block, default_warps = _triton.DEFAULTS.vocab_block, _triton.num_warps
     multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 2
     rows: list[dict[str, Any]] = []
+    upstream: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     print(f"Triton sweep: N={n} V={v} bf16, 30% masked, {args.reps} reps; default vocab_block={default_block}, "
           f"num_warps(block)={default_warps(min(default_block, v))}, {multiprocessors} multiprocessors", flush=True)
@@ -169,10 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         rows += sweep_kind(kind, configs(args.grid, multiprocessors), measure,
                            lambda grad, ref: (float((grad - ref).abs().max()), float(ref.abs().max())),
                            started=t0, max_seconds=args.max_seconds)
+        upstream.append(_upstream_row(kind, fn, logits, target, mask, args.reps, cuda))
     head = _head_kernels(args.reps, cuda) if args.head else []
     if args.json:
         args.json.write_text(json.dumps({"n": n, "v": v, "reps": args.reps, "torch": torch.__version__,
-                                         "gpu": torch.cuda.get_device_name(0) if cuda else None, "rows": rows, "head": head}, indent=1) + "\n")
+                                         "gpu": torch.cuda.get_device_name(0) if cuda else None, "rows": rows, "upstream": upstream,
+                                         "head": head}, indent=1) + "\n")
     return 0
 
 

@@ -1,8 +1,10 @@
 """The losses' ``jax.custom_vjp``: the kernel (XLA or Pallas, ``jaxloss.backends.xla`` / ``jaxloss.backends.pallas``)
 computes the per-token loss and, in the same pass, the gradient ``coef * c * dl/dz`` in the
-logits' dtype, the only residual; the backward scales it by the upstream gradient (16-bit logits:
-recomputed with ``coef * g`` and rounded once, except with ``inplace=True``, where the logits are
-not kept and the scaling may round once more, as in torchloss). Vocab-parallel: the same contract
+logits' dtype, the only logits-sized residual; the backward scales it by the upstream gradient
+(16-bit logits: recomputed with ``coef * g`` and rounded once, by the gradient pass alone from the
+forward's final statistics where the kernels keep them (``KEEPS_FINAL``: Pallas), except with
+``inplace=True``, where the logits are not kept and the scaling may round once more, as in
+torchloss). Vocab-parallel: the same contract
 over ``jaxloss.backends.vocab_parallel``. The twin of ``torchloss._autodiff``."""
 
 from __future__ import annotations
@@ -65,20 +67,30 @@ def _weighted_loss(spec: Spec, x: Array, target: Array, coef: Array) -> Array:
 
 
 def _weighted_loss_fwd(spec: Spec, x: Array, target: Array, coef: Array) -> tuple[Array, tuple[Any, ...]]:
-    # inplace: only the gradient that is handed on may take the logits' buffer (the primal call
-    # above, a loss without its gradient, keeps the logits whole)
-    loss, grad = _kernel(spec, x, target, coef, with_grad=True, inplace=spec.inplace)
+    kernels = IMPLEMENTATIONS[spec.impl].kernels()
+    fin = None
+    if not spec.inplace and jnp.dtype(x.dtype).itemsize < 4 and kernels.KEEPS_FINAL:
+        # 16-bit logits on kernels that keep the rows' final statistics (Pallas): the backward's
+        # recompute then runs the gradient pass alone (kernels.shard_grad), not both passes.
+        loss, grad, fin = kernels.fused(spec.config, x, target, coef, with_grad=True, tuning=spec.tuning, keep_final=True)
+    else:
+        # inplace: only the gradient that is handed on may take the logits' buffer (the primal call
+        # above, a loss without its gradient, keeps the logits whole)
+        loss, grad = _kernel(spec, x, target, coef, with_grad=True, inplace=spec.inplace)
     # Residuals: the gradient (one logits-sized buffer, logits' dtype), [N] vectors, and a
     # reference to the logits (no copy) for the 16-bit recompute below; with inplace none (the
     # logits would stay alive, and XLA would copy them before the kernel writes their buffer).
-    return jnp.where(coef != 0, coef * loss, 0.0), (grad, coef, target, None if spec.inplace else x)
+    return jnp.where(coef != 0, coef * loss, 0.0), (grad, coef, target, None if spec.inplace else x, fin)
 
 
 def _weighted_loss_bwd(spec: Spec, res: tuple[Any, ...], g: Array) -> tuple[Any, Any, Any]:
-    grad, coef, target, x = res
+    grad, coef, target, x, fin = res
     if x is None:
         return backward(grad, coef, g, None)
-    return backward(grad, coef, g, lambda scaled: _kernel(spec, x, target, scaled, with_grad=True)[1])
+    if fin is None:
+        return backward(grad, coef, g, lambda scaled: _kernel(spec, x, target, scaled, with_grad=True)[1])
+    kernels = IMPLEMENTATIONS[spec.impl].kernels()
+    return backward(grad, coef, g, lambda scaled: kernels.shard_grad(spec.config, fin, x, target, scaled, vocab=x.shape[1], tuning=spec.tuning))
 
 
 def backward(grad: Array, coef: Array, g: Array, recompute: Any) -> tuple[Array, None, None]:

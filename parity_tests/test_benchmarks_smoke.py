@@ -431,6 +431,7 @@ def test_gpu_check_short_dry_run_plans_without_running() -> None:
     assert "plan (short mode, budget 360 s)" in out and "dry run: nothing run" in out
     assert "test_jaxloss_kernels.py" in out and "benchmarks.gpu_triton_sweep --max-seconds 45 --grid pipeline --reps 10" in out
     assert "test_contract_kinds.py::test_nan_and_inf_rows" in out  # the Pallas kernels' NaN rows on the GPU
+    assert "test_jaxloss_upstream_16bit.py" in out  # the Pallas 16-bit backward from the kept statistics
     assert "benchmarks.run --gpu-quick --name gpu_quick_short --no-head" in out
     if shutil.which("nvidia-smi") is None:
         assert "no NVIDIA GPU visible" in out
@@ -483,6 +484,9 @@ def test_triton_sweep_pipeline_grid_runs_and_changes_no_bit(tmp_path: Path) -> N
     for r in rows:
         assert "error" not in r, r
         assert r["loss_rel_diff"] == 0 and r["grad_max_abs_diff"] == 0 and r["grad_max_abs"] > 0, r
+    # the 16-bit backward with a non-unit upstream gradient, timed beside the unit one
+    [upstream] = json.loads(out.read_text())["upstream"]
+    assert upstream["kind"] == "cross_entropy" and upstream["unit_ms"] > 0 and upstream["half_ms"] > 0
 
 
 @pytest.mark.slow  # interpreted Pallas kernels, a JAX compile per configuration

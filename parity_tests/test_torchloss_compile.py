@@ -299,7 +299,7 @@ def test_custom_ops_pass_opcheck(dtype: str) -> None:
     for need_grad in (True, False):
         torch.library.opcheck(torch.ops.torchloss.masked_loss.default, (x, labels, coef, *config, "torch", need_grad))
     grad = torch.zeros(x.shape, dtype=x.dtype)
-    args = (x.detach(), labels, coef, torch.tensor([0.5]), grad, *config, "torch")
+    args = (x.detach(), labels, coef, torch.tensor([0.5]), grad, torch.empty((0, x.shape[0])), *config, "torch")
     torch.library.opcheck(torch.ops.torchloss.masked_loss_regrad_.default, args)
 
 

@@ -10,6 +10,8 @@ masked tail are exercised as on a GPU with a 128k vocabulary. The kernels are ca
 
 from __future__ import annotations
 
+import math
+
 import re
 from pathlib import Path
 
@@ -371,15 +373,47 @@ def test_regrad_per_token_upstream(kind: str, dtype: str) -> None:
     config = lossspec.make_config(kind, normalization="none", **options)
     x, target, coef = _tensors(case, config)
     upstream = torch.tensor([0.37, 1.0, -2.5, 3.0, 1.0, 1e-3, 0.0, 7.25, 1.0, -0.5, 2.0, 0.9], dtype=torch.float32).to(DEVICE)
+    final = _triton.final_buffer(x).fill_(float("nan"))  # a statistic the forward failed to keep would show
+    _triton.forward(config, x, target, coef, need_grad=False, final=final, tuning=SMALL_BLOCKS)
     sentinel = torch.full(x.shape, 0.125, dtype=x.dtype, device=DEVICE)
     grad = sentinel.clone()
-    out = _triton.regrad_(config, x, target, coef, upstream, grad, tuning=SMALL_BLOCKS)
+    out = _triton.regrad_(config, x, target, coef, upstream, grad, final=final, tuning=SMALL_BLOCKS)
     assert out is grad
     kept = (upstream == 1) | (coef == 0)
     assert torch.equal(grad[kept], sentinel[kept])
     ref = case.reference(normalization="none", grad_output=_numpy(upstream), **options)
     rows = (~kept).cpu().numpy()
     lossspec.compare_grad(_numpy(grad)[rows], ref.grad[rows], dtype, ref.g0).check()
+
+
+def test_regrad_reads_the_forwards_final_statistics() -> None:
+    """``regrad_`` runs the gradient pass alone, from the statistics ``forward(..., final=)``
+    kept: without them it refuses (a second pass 1 is gone), and a buffer of another shape or
+    dtype is refused before any launch."""
+    case = lossspec.make_case("cross_entropy", "random", lead_shape=(6,), vocab=40, dtype="bfloat16", seed=3)
+    config = lossspec.make_config("cross_entropy", normalization="none")
+    x, target, coef = _tensors(case, config)
+    upstream = torch.full((6,), 0.5, device=DEVICE)
+    grad = torch.zeros_like(x)
+    with pytest.raises(ValueError, match="final statistics"):
+        _triton.regrad_(config, x, target, coef, upstream, grad, tuning=SMALL_BLOCKS)
+    for wrong in (torch.empty((len(lossspec.FINAL_STATS), 3), device=DEVICE), _triton.final_buffer(x).double()):
+        with pytest.raises(ValueError, match="final must be"):
+            _triton.forward(config, x, target, coef, final=wrong, tuning=SMALL_BLOCKS)
+        with pytest.raises(ValueError, match="final must be"):
+            _triton.regrad_(config, x, target, coef, upstream, grad, final=wrong, tuning=SMALL_BLOCKS)
+    # What it reads is the buffer: a row whose kept normaliser is NaN comes out as a bad row (NaN)
+    # and a row whose kept maximum moved by log 2 / c comes out halved, the others unchanged.
+    final = _triton.final_buffer(x)
+    _triton.forward(config, x, target, coef, need_grad=False, final=final, tuning=SMALL_BLOCKS)
+    want = _triton.regrad_(config, x, target, coef, upstream, torch.zeros_like(x), final=final.clone(), tuning=SMALL_BLOCKS)
+    bad, shifted, *rest = torch.nonzero(coef).flatten().tolist()
+    final[lossspec.FINAL_STAT_INDEX["s"], bad] = float("nan")
+    final[lossspec.FINAL_STAT_INDEX["m"], shifted] += math.log(2.0) / config.student_scale
+    got = _triton.regrad_(config, x, target, coef, upstream, torch.zeros_like(x), final=final, tuning=SMALL_BLOCKS)
+    assert torch.isnan(got[bad]).all() and rest and torch.equal(got[rest], want[rest])
+    others = torch.arange(x.shape[1], device=DEVICE) != int(target[shifted])  # the label's entry holds the one-hot term too
+    torch.testing.assert_close(got[shifted, others].float(), want[shifted, others].float() / 2, rtol=2 ** -7, atol=0)
 
 
 @pytest.mark.parametrize("kind", lossspec.KINDS)
@@ -443,20 +477,22 @@ def test_pipelined_and_persistent_launches(kind: str, dtype: str, capped: bool) 
     config = lossspec.make_config(kind, normalization="none", **options)
     x, target, coef = _tensors(case, config) if case.target is not None else _tensors_targetless(case, config)
     upstream = torch.tensor([0.37, 1.0, -2.5, 3.0, 1.0, 1e-3, 0.0, 7.25, 1.0, -0.5, 2.0, 0.9], dtype=torch.float32).to(DEVICE)
-    base_loss, base_grad = _triton.forward(config, x, target, coef, tuning=SMALL_BLOCKS)
-    base_regrad = _triton.regrad_(config, x, target, coef, upstream, base_grad.clone(), tuning=SMALL_BLOCKS)
+    base_final = _triton.final_buffer(x)
+    base_loss, base_grad = _triton.forward(config, x, target, coef, final=base_final, tuning=SMALL_BLOCKS)
+    base_regrad = _triton.regrad_(config, x, target, coef, upstream, base_grad.clone(), final=base_final, tuning=SMALL_BLOCKS)
     ref = case.reference(normalization="none", **options)
     ref_up = case.reference(normalization="none", grad_output=_numpy(upstream), **options)
     for tuning in PIPELINED:
         what = f"{case.name} {options} {tuning}"
-        loss, grad = _triton.forward(config, x, target, coef, tuning=tuning)
+        final = _triton.final_buffer(x)
+        loss, grad = _triton.forward(config, x, target, coef, final=final, tuning=tuning)
         lossspec.assert_close_to_oracle(_numpy(torch.where(coef != 0, coef * loss, 0.0)), _numpy(grad), ref.loss, ref.grad,
                                         dtype=dtype, g0=ref.g0, what=what)
         assert torch.equal(loss, base_loss) and torch.equal(grad, base_grad), what
         buf = x.clone()
         loss_inplace, _ = _triton.forward(config, buf, target, coef, out=buf, tuning=tuning)
         assert torch.equal(loss_inplace, base_loss) and torch.equal(buf, base_grad), what
-        regrad = _triton.regrad_(config, x, target, coef, upstream, grad.clone(), tuning=tuning)
+        regrad = _triton.regrad_(config, x, target, coef, upstream, grad.clone(), final=final, tuning=tuning)
         lossspec.compare_grad(_numpy(regrad), ref_up.grad, dtype, ref_up.g0).check()
         assert torch.equal(regrad, base_regrad), what
 

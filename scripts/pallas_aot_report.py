@@ -4,7 +4,8 @@ JAX lowers a ``pallas_call`` for CUDA on any machine: the lowered module holds e
 Triton IR (MLIR bytecode in the backend config of its ``__gpu$xla.gpu.triton`` custom call, with
 its grid, warps and stages). For every kind (the variants of ``scripts/triton_aot_report.py``) and
 fp32 / bf16 logits, this script lowers the loss kernel of ``jaxloss.backends.pallas`` (the
-``"fused"`` kernel: the forward, and the 16-bit backward's recompute) at the GPU defaults' blocks,
+``"fused"`` kernel: the forward, with 16-bit logits as the training forward launches it, keeping
+the rows' final statistics for the backward's recompute, the "grad" mode) at the GPU defaults' blocks,
 prints the IR as text in JAX's MLIR context (which knows the Triton dialect), compiles that text
 with the ``triton`` package for sm_90, and reads the SASS as the Triton report does: the vocabulary
 passes' bodies, barriers per block, registers and spills. Each iteration of a pass handles
@@ -112,7 +113,8 @@ def fused_kernel(variant: str, dtype: str, **launch: Any) -> tuple[Kernel, int, 
     target = jax.ShapeDtypeStruct((ROWS,), jnp.int32) if cfg.is_ce else (x if cfg.has_teacher else jax.ShapeDtypeStruct((ROWS, 0), x.dtype))
     coef = jax.ShapeDtypeStruct((ROWS,), jnp.float32)
     tuning = lossspec.Tuning(interpret=False, **launch)
-    [kernel] = lower_kernels(lambda x, t, c: _pallas.fused(cfg, x, t, c, tuning=tuning), x, target, coef)
+    keep_final = dtype != "float32"  # a 16-bit training forward keeps the final statistics (jaxloss._autodiff)
+    [kernel] = lower_kernels(lambda x, t, c: _pallas.fused(cfg, x, t, c, tuning=tuning, keep_final=keep_final), x, target, coef)
     block_rows, vocab_block = _pallas.block_shape(tuning, ROWS, VOCAB, on_gpu=True)
     return kernel, block_rows, vocab_block
 

@@ -144,8 +144,9 @@ class Row:
 LIGER_JOB = "liger"
 LIGER_BLOCK = 32768
 LIGER_WARPS = 32
-# Vocabulary passes of a valid row per job: pass 1 (statistics), jensen_shannon's mixture pass, pass 2.
-EXPECTED_PASSES = {"fused": 2, "regrad": 2, "shard_stats": 1, "shard_grad": 1, LIGER_JOB: 2}
+# Vocabulary passes of a valid row per job: pass 1 (statistics), jensen_shannon's mixture pass, pass 2
+# (the regrad job runs pass 2 alone, from the final statistics the fused job kept).
+EXPECTED_PASSES = {"fused": 2, "regrad": 1, "shard_stats": 1, "shard_grad": 1, LIGER_JOB: 2}
 
 
 # --- SASS: loops, their bodies and barriers -------------------------------------------------------
@@ -262,6 +263,15 @@ def hbm_bytes(kind: str, itemsize: int, vocab: int, valid_rows: int, masked_rows
     passes = 3 if spec.mixture_pass else 2
     reads = passes * (2 if spec.has_teacher else 1)
     return (valid_rows * (reads + 1) + masked_rows) * vocab * itemsize
+
+
+def regrad_hbm_bytes(kind: str, itemsize: int, vocab: int, valid_rows: int) -> int:
+    """HBM traffic of the 16-bit backward's recompute for a non-unit upstream gradient
+    (``regrad_kernel``) over ``valid_rows`` rows: pass 2 alone, from the final statistics the
+    forward kept, reads the logits (and the teacher's) once and writes the gradient once; before
+    the statistics were kept it ran every pass again (:func:`hbm_bytes`' count)."""
+    reads = 2 if lossspec.KIND_SPECS[kind].has_teacher else 1
+    return valid_rows * (reads + 1) * vocab * itemsize
 
 
 def _signature(job: str, kind: str, dtype: str) -> tuple[dict[str, str], dict]:
@@ -399,7 +409,9 @@ def compile_kernel(job: str, variant: str, dtype: str, arch: int, **overrides: A
     if job in MATMUL_JOBS:
         return (*_compile_matmul(variant, arch), 0)
     config = lossspec.make_config(kind, **options)
-    constants = {**_triton.constexprs(job, config, getattr(torch, dtype), GPU_BLOCK_V), **overrides}
+    # 16-bit training forwards keep the rows' final statistics for the backward (WRITE_FINAL)
+    write_final = job == "fused" and dtype != "float32"
+    constants = {**_triton.constexprs(job, config, getattr(torch, dtype), GPU_BLOCK_V, write_final=write_final), **overrides}
     signature, attrs = _signature(job, kind, dtype)
     warps = _triton.num_warps(GPU_BLOCK_V, job, constants["SOFTCAP"] or constants["TEACHER_SOFTCAP"])
     src = ASTSource(fn=_triton.KERNELS[job], signature=signature, constexprs=constants, attrs=attrs)
@@ -540,7 +552,7 @@ def pass_count_problems(rows: list[Row]) -> list[str]:
     for r in rows:
         if not r.block_v:
             continue
-        expected = EXPECTED_PASSES[r.job] + (1 if r.job in ("fused", "regrad") and "jensen_shannon" in r.variant else 0)
+        expected = EXPECTED_PASSES[r.job] + (1 if r.job == "fused" and "jensen_shannon" in r.variant else 0)
         if len(r.pass_instructions) != expected:
             out.append(f"{r.job} {r.variant} {r.dtype} sm_{r.arch}: {len(r.pass_instructions)} passes found, {expected} expected")
         if 0 in r.pass_unroll:
@@ -642,13 +654,16 @@ def markdown_l2_model(rows: list[Row], vocab: int, rate_tb_s: float, latency_ns:
 
 def markdown_hbm(vocab: int, rows_valid: int, rows_masked: int, rate_tb_s: float) -> str:
     """:func:`hbm_bytes` per kind for fp32 and bf16 logits, and the time it takes at ``rate_tb_s``."""
-    lines = [f"| kind | bytes / valid element (fp32, bf16) | {rows_valid} + {rows_masked} masked rows x {vocab}: GB (fp32, bf16) | floor at {rate_tb_s} TB/s: ms (fp32, bf16) |",
-             "|---|---|---|---|"]
+    lines = [f"| kind | bytes / valid element (fp32, bf16) | {rows_valid} + {rows_masked} masked rows x {vocab}: GB (fp32, bf16) | "
+             f"floor at {rate_tb_s} TB/s: ms (fp32, bf16) | bf16 backward, non-unit upstream (regrad): GB, ms (all passes again: GB) |",
+             "|---|---|---|---|---|"]
     for kind in lossspec.KIND_SPECS:
         per = [hbm_bytes(kind, size, 1, 1) for size in (4, 2)]
         total = [hbm_bytes(kind, size, vocab, rows_valid, rows_masked) for size in (4, 2)]
+        regrad = regrad_hbm_bytes(kind, 2, vocab, rows_valid)
         lines.append(f"| {kind} | {per[0]}, {per[1]} | {total[0] / 1e9:.2f}, {total[1] / 1e9:.2f} | "
-                     f"{total[0] / (rate_tb_s * 1e12) * 1e3:.3f}, {total[1] / (rate_tb_s * 1e12) * 1e3:.3f} |")
+                     f"{total[0] / (rate_tb_s * 1e12) * 1e3:.3f}, {total[1] / (rate_tb_s * 1e12) * 1e3:.3f} | "
+                     f"{regrad / 1e9:.2f}, {regrad / (rate_tb_s * 1e12) * 1e3:.3f} ({hbm_bytes(kind, 2, vocab, rows_valid) / 1e9:.2f}) |")
     return "\n".join(lines)
 
 

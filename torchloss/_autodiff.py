@@ -52,14 +52,19 @@ class MaskedLossFunction(torch.autograd.Function):
     ) -> Tensor:
         write_inplace = inplace and need_grad
         ctx.anchor, ctx.tuning = anchor, tuning
-        per_token, grad = backend.forward(config, logits, target, coef, need_grad=need_grad, out=logits if write_inplace else None, tuning=tuning)
+        ctx.recompute = need_grad and not inplace and logits.dtype in (torch.bfloat16, torch.float16)
+        # Kernels that keep the rows' final statistics (KEEPS_FINAL: Triton) fill this buffer, so
+        # that a recompute in the backward runs the gradient pass alone.
+        keep = {"final": backend.final_buffer(logits)} if ctx.recompute and backend.KEEPS_FINAL else {}
+        per_token, grad = backend.forward(config, logits, target, coef, need_grad=need_grad, out=logits if write_inplace else None, tuning=tuning,
+                                          **keep)
+        ctx.keep = keep
         if write_inplace:
             # The kernel wrote behind autograd's back: bump the version counter so that any other
             # use of these logits in the graph fails loudly instead of reading the gradient.
             torch.autograd.graph.increment_version(logits)
         ctx.grad = grad
         ctx.reduced = config.normalization != "none"
-        ctx.recompute = need_grad and not inplace and logits.dtype in (torch.bfloat16, torch.float16)
         if ctx.recompute:
             ctx.config, ctx.backend = config, backend
             ctx.save_for_backward(logits, target, coef)
@@ -99,7 +104,8 @@ def _recomputed_grad(ctx: Any, grad_loss: Tensor) -> Tensor:
     formed in fp32 and rounded once (scaling the forward's already rounded buffer would round
     twice, beyond SPEC section 6's one ulp). ``g == 1`` where that is known for free (a CPU
     tensor) hands the forward's buffer out; otherwise ``backend.regrad_`` rewrites it from the
-    saved logits, target and ``coef * g`` without a host synchronisation."""
+    saved logits, target and ``coef * g`` (and the forward's final statistics, where the kernels
+    keep them) without a host synchronisation."""
     grad = ctx.grad
     if not graph_is_kept():
         ctx.grad = None
@@ -109,7 +115,7 @@ def _recomputed_grad(ctx: Any, grad_loss: Tensor) -> Tensor:
     upstream = grad_loss.detach().to(coef.dtype).reshape(-1)  # 1 value, or 1 per token
     if _is_unit(upstream):
         return grad
-    return ctx.backend.regrad_(ctx.config, logits, target, coef, upstream, grad, tuning=ctx.tuning)
+    return ctx.backend.regrad_(ctx.config, logits, target, coef, upstream, grad, tuning=ctx.tuning, **ctx.keep)
 
 
 _SECOND_ORDER = (

@@ -15,12 +15,15 @@ every call would recompile every call); ``impl`` is ``"torch"`` or ``"triton"``;
 fields the torch backends read, :data:`TUNING_FIELDS`, as a list of ints (0 for ``None``),
 constants of the graph like the kind: a new tuning recompiles, as a new kind does)::
 
-    loss, grad = torchloss::masked_loss(logits [N, V], target, coef [N], *config, impl, need_grad, tuning)
+    loss, grad, final = torchloss::masked_loss(logits [N, V], target, coef [N], *config, impl, need_grad, tuning)
         loss  = sum_i where(coef_i != 0, coef_i l_i, 0)   0-d (reduced modes) or [N] ("none"),
                 in the compute dtype (fp32; fp64 for fp64 logits)
         grad  = coef * c * dl/dz  [N, V] in the logits' dtype, rounded once ([0, V] without
                 need_grad)
-    torchloss::masked_loss_regrad_(logits, target, coef, upstream [1] or [N], grad, *config, impl, tuning)
+        final = the rows' final statistics [len(lossspec.FINAL_STATS), N] in the compute dtype,
+                where the impl's kernels keep them for the 16-bit backward (``KEEPS_FINAL``:
+                Triton) and the gradient of 16-bit logits is computed; [0, N] otherwise
+    torchloss::masked_loss_regrad_(logits, target, coef, upstream [1] or [N], grad, final, *config, impl, tuning)
         rewrites grad as the gradient for ``coef * upstream`` (formed in the compute dtype,
         rounded once): the backward of 16-bit logits.
 
@@ -29,8 +32,9 @@ Backward of ``masked_loss`` (``dlogits`` for the upstream gradient ``g`` of ``lo
 - fp32 / fp64 logits: ``grad * g`` (``g`` a scalar, or per token ``g[:, None]`` for
   ``"none"``), the product the eager backward forms in place;
 - bf16 / fp16 logits: ``masked_loss_regrad_`` with ``upstream = g``, i.e. the gradient
-  recomputed from the saved logits and ``coef * g`` and rounded once (SPEC section 6), as the
-  eager backward does whenever ``g`` is not known to be exactly 1. Compiled code never knows
+  recomputed from the saved logits (and ``final``: the Triton kernels then run the gradient pass
+  alone) and ``coef * g`` and rounded once (SPEC section 6), as the eager backward does whenever
+  ``g`` is not known to be exactly 1. Compiled code never knows
   (``g`` is a traced value), so it always recomputes; for ``g == 1`` the recomputation gives
   the forward's bits again.
 
@@ -45,7 +49,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lossspec import LossConfig, Tuning
+from lossspec import FINAL_STATS, LossConfig, Tuning
 
 from .backends import IMPLEMENTATIONS
 from ._block import compute_dtype
@@ -103,6 +107,16 @@ def _cached_config(*values: Any) -> LossConfig:
     return LossConfig(**dict(zip(CONFIG_FIELDS, values)))
 
 
+def _keeps_final(impl: str, logits: Tensor, need_grad: bool) -> bool:
+    """Whether the forward fills a ``final`` buffer: the impl's kernels keep the final statistics
+    (``KEEPS_FINAL``) and the gradient of 16-bit logits may be recomputed by the backward."""
+    return need_grad and logits.dtype in _SIXTEEN_BIT and _backend(impl).KEEPS_FINAL
+
+
+def _final_shape(impl: str, logits: Tensor, need_grad: bool) -> tuple[int, int]:
+    return (len(FINAL_STATS) if _keeps_final(impl, logits, need_grad) else 0, logits.shape[0])
+
+
 def _backend(impl: str) -> Any:
     """The loss kernels of ``impl``, a resolved name of :data:`torchloss.backends.IMPLEMENTATIONS`
     (``"auto"`` is resolved by the caller, so that eager and compiled calls pick the same one)."""
@@ -128,27 +142,31 @@ def _masked_loss_op(
     impl: str,
     need_grad: bool,
     tuning: Optional[list[int]] = None,
-) -> tuple[Tensor, Tensor]:
-    """``(loss, grad)`` of one call (module docstring); the body of the eager Function's forward."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(loss, grad, final)`` of one call (module docstring); the body of the eager Function's forward."""
     config = _config(kind, normalization, ignore_index, options)
-    per_token, grad = _backend(impl).forward(config, logits, target, coef, need_grad=need_grad, tuning=_tuning(tuple(tuning or ())))
+    kernels = _backend(impl)
+    final = logits.new_empty(_final_shape(impl, logits, need_grad), dtype=compute_dtype(logits.dtype))
+    keep = {"final": final} if final.shape[0] else {}
+    per_token, grad = kernels.forward(config, logits, target, coef, need_grad=need_grad, tuning=_tuning(tuple(tuning or ())), **keep)
     contribution = torch.where(coef != 0, coef * per_token, 0.0)
     loss = contribution.sum() if normalization != "none" else contribution
     if grad is None:
         grad = logits.new_empty((0, logits.shape[1]))
-    return loss, grad
+    return loss, grad, final
 
 
 @_masked_loss_op.register_fake
-def _masked_loss_fake(logits: Tensor, target: Tensor, coef: Tensor, kind: str, normalization: str, *args: Any) -> tuple[Tensor, Tensor]:
+def _masked_loss_fake(logits: Tensor, target: Tensor, coef: Tensor, kind: str, normalization: str, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
     """Shapes and dtypes: loss ``[]`` or ``[N]`` in the compute dtype, grad ``[N, V]`` (or
-    ``[0, V]`` without ``need_grad``) in the logits' dtype."""
-    need_grad = args[3]  # after ignore_index, options, impl
+    ``[0, V]`` without ``need_grad``) in the logits' dtype, final ``[len(FINAL_STATS), N]`` or
+    ``[0, N]`` (:func:`_final_shape`) in the compute dtype."""
+    impl, need_grad = args[2], args[3]  # after ignore_index, options
     rows, vocab = logits.shape
     acc = compute_dtype(logits.dtype)
     loss = logits.new_empty((), dtype=acc) if normalization != "none" else logits.new_empty((rows,), dtype=acc)
     grad = logits.new_empty((rows if need_grad else 0, vocab))
-    return loss, grad
+    return loss, grad, logits.new_empty(_final_shape(impl, logits, need_grad), dtype=acc)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,6 +181,7 @@ def _regrad_op(
     coef: Tensor,
     upstream: Tensor,
     grad: Tensor,
+    final: Tensor,
     kind: str,
     normalization: str,
     ignore_index: int,
@@ -171,9 +190,10 @@ def _regrad_op(
     tuning: Optional[list[int]] = None,
 ) -> None:
     """Rewrite ``grad`` in place for ``coef * upstream`` (``backend.regrad_``, the eager
-    backward's call)."""
+    backward's call), from the forward's ``final`` where it kept one (``[0, N]``: not kept)."""
     config = _config(kind, normalization, ignore_index, options)
-    _backend(impl).regrad_(config, logits, target, coef, upstream, grad, tuning=_tuning(tuple(tuning or ())))
+    keep = {"final": final} if final.shape[0] else {}
+    _backend(impl).regrad_(config, logits, target, coef, upstream, grad, tuning=_tuning(tuple(tuning or ())), **keep)
 
 
 @_regrad_op.register_fake
@@ -186,30 +206,30 @@ def _regrad_fake(*args: Any) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
     logits, target, coef, kind, normalization, ignore_index, options, impl, need_grad, *rest = inputs
-    _, grad = output
+    _, grad, final = output
     ctx.config, ctx.impl, ctx.tuning = (kind, normalization, ignore_index), impl, (rest[0] if rest else None)
     ctx.reduced = normalization != "none"
     ctx.recompute = bool(need_grad) and logits.dtype in _SIXTEEN_BIT
     ctx.need_grad = bool(need_grad)
     if ctx.recompute:
-        ctx.save_for_backward(grad, logits, target, coef, options)
+        ctx.save_for_backward(grad, logits, target, coef, options, final)
     else:
         ctx.save_for_backward(grad)
 
 
-def _backward(ctx: Any, grad_loss: Tensor, _grad_of_grad: Any) -> tuple[Any, ...]:
+def _backward(ctx: Any, grad_loss: Tensor, _grad_of_grad: Any, _grad_of_final: Any) -> tuple[Any, ...]:
     """``dlogits`` for the upstream gradient of ``loss`` (module docstring); no gradient for the
     target, ``coef`` and the primitive arguments."""
     nones = (None,) * (2 + 4 + 3)  # target, coef, the config's four, impl, need_grad, tuning
     if not ctx.need_grad:
         return (None, *nones)
     if ctx.recompute:
-        grad, logits, target, coef, options = ctx.saved_tensors
+        grad, logits, target, coef, options, final = ctx.saved_tensors
         upstream = grad_loss.to(coef.dtype).reshape(-1)  # 1 value, or 1 per token
         grad = grad.clone()  # the saved buffer stays intact (the compiler may drop the copy)
-        torch.ops.torchloss.masked_loss_regrad_(logits, target, coef, upstream, grad, *ctx.config, options, ctx.impl, ctx.tuning)
+        torch.ops.torchloss.masked_loss_regrad_(logits, target, coef, upstream, grad, final, *ctx.config, options, ctx.impl, ctx.tuning)
         return (grad, *nones)
     (grad,) = ctx.saved_tensors
     upstream = grad_loss if ctx.reduced else grad_loss.reshape(-1, 1)
@@ -222,5 +242,5 @@ _masked_loss_op.register_autograd(_backward, setup_context=_setup_context)
 def masked_loss(logits: Tensor, target: Tensor, coef: Tensor, config: LossConfig, impl: str, need_grad: bool, tuning: Tuning) -> Tensor:
     """The loss (0-d, or ``[N]`` for ``"none"``) through ``torchloss::masked_loss``: the
     compiled twin of ``torchloss._autodiff.MaskedLossFunction.apply``."""
-    loss, _ = _masked_loss_op(logits, target, coef, *config_args(config), impl, need_grad, tuning_args(tuning))
+    loss, _, _ = _masked_loss_op(logits, target, coef, *config_args(config), impl, need_grad, tuning_args(tuning))
     return loss

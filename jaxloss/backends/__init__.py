@@ -21,7 +21,9 @@ losses' kernels take the call's :class:`lossspec.Tuning` (``tuning=``, read fiel
 - ``loss``: ``fused(cfg, x [N, V], target, coef [N], *, with_grad, tuning, inplace) -> (loss [N] fp32,
   grad [N, V] in x's dtype or None)`` (``inplace``: the gradient may take ``x``'s buffer; Pallas
   aliases it, XLA leaves it to its buffer assignment); without
-  ``higher_order``, ``HIGHER_ORDER_MESSAGE`` (the error of a second derivative);
+  ``higher_order``, ``HIGHER_ORDER_MESSAGE`` (the error of a second derivative); ``KEEPS_FINAL``:
+  whether ``fused(..., keep_final=True)`` also returns the rows' ``Final`` statistics, from which
+  ``shard_grad`` forms the 16-bit backward's gradient without pass 1 (Pallas; XLA reruns ``fused``);
 - ``shard`` (``None``: the XLA steps of ``backends/vocab_parallel.py``):
   ``shard_stats(cfg, x, target, *, tuning) -> Stats`` and
   ``shard_grad(cfg, fin, x, target, coef, *, vocab, tuning) -> grad``.

@@ -45,12 +45,16 @@ with ``target`` the safe labels ``[N]`` int32 or the teacher logits ``[N, V]``.
   of this shard out, see :func:`shard_stats`) and, once the statistics are combined over the
   mesh axis, ``"grad"`` (the global :class:`~lossspec.stats.Final` in, pass 2 only:
   :func:`shard_grad`). The collectives stay outside the kernel.
+* ``keep_final`` (:data:`KEEPS_FINAL`): the "fused" mode also stores each row's final statistics
+  (:func:`lossspec.final_used`), so that the 16-bit backward's recompute
+  (``jaxloss._autodiff``) is the "grad" mode alone: one read of the logits (and teacher) and one
+  write, not both passes again (the Triton kernels' ``WRITE_FINAL``).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+import lossspec
 from lossspec import DEFAULT_TUNING, Tuning
 from lossspec.stats import finalize_mixture
 from lossspec.tuning import check_power_of_two
@@ -83,6 +88,10 @@ from .xla import no_derivatives
 
 Array = jax.Array
 MODES = ("fused", "stats", "grad")
+#: ``fused(..., keep_final=True)`` returns the rows' final statistics, which :func:`shard_grad`
+#: turns into the gradient for another ``coef`` without pass 1 (``jaxloss._autodiff``'s 16-bit
+#: recompute; ``jaxloss.backends.xla`` recomputes both passes).
+KEEPS_FINAL: bool = True
 HIGHER_ORDER_MESSAGE = (
     "jaxloss: impl='pallas' supports first-order reverse-mode derivatives only (jax.grad, jax.vjp, "
     "jax.value_and_grad): the Pallas kernels have no derivative rules of their own. For higher-order "
@@ -156,7 +165,7 @@ def _kernel(
 
     The refs are the whole arrays, by mode (``t``: labels ``[N]`` or teacher ``[N, n_cols]``)::
 
-        "fused"  x, t, coef                    -> loss [N], grad [N, n_cols]
+        "fused"  x, t, coef                    -> loss [N], [one [N] array per Final field in ``fields``], grad [N, n_cols]
         "stats"  x, t                          -> one [N] array per Stats field in ``fields``
         "grad"   x, t, coef, Final ``fields``  -> grad [N, n_cols]
 
@@ -319,6 +328,8 @@ def _kernel(
             if cfg.kind == "jensen_shannon":
                 fin = mixture_pass(fin)
             plgpu.store(refs[3].at[rows], jnp.where(coef != 0, fin.l, 0.0), mask=row_ok)
+            for name, out_ref in zip(fields, refs[4:-1]):  # keep_final: what the "grad" mode reads back
+                plgpu.store(out_ref.at[rows], getattr(fin, name), mask=row_ok)
             pass2(fin, coef, grad_ref)
 
         @pl.when(jnp.logical_not(any_live))
@@ -444,10 +455,14 @@ def fused(
     with_grad: bool = True,
     tuning: Optional[Tuning] = None,
     inplace: bool = False,
+    keep_final: bool = False,
     mode: str = "fused",
-) -> tuple[Array, Optional[Array]]:
+) -> tuple[Any, ...]:
     """Per-token loss ``[N]`` fp32 (0 where ``coef == 0``, not multiplied by ``coef``) and the
-    gradient ``coef * c * dl/dz`` ``[N, V]`` in the logits' dtype (see :func:`jaxloss.backends.xla.fused`).
+    gradient ``coef * c * dl/dz`` ``[N, V]`` in the logits' dtype (see :func:`jaxloss.backends.xla.fused`);
+    with ``keep_final`` also the rows' :class:`Final` statistics (the fields of
+    :func:`lossspec.final_used`, ``[N]`` fp32; a row with ``coef == 0`` holds no meaningful
+    values), which :func:`shard_grad` reads back.
 
     The kernel always writes the gradient; ``with_grad=False`` only drops it. ``inplace``: the
     gradient is written into the buffer of ``x`` (``input_output_aliases``): no new logits-sized
@@ -460,11 +475,17 @@ def fused(
         raise NotImplementedError(f"kernel mode {mode!r} in fused(); the modes are {', '.join(MODES)} "
                                   "(\"stats\": shard_stats, \"grad\": shard_grad)")
     n, vocab = x.shape
+    fields = lossspec.final_used(cfg) if keep_final else ()
     if n == 0:
-        return jnp.zeros((0,), F32), (jnp.zeros(x.shape, x.dtype) if with_grad else None)
-    loss, grad = _call(cfg, "fused", (x, _target_operand(cfg, target), coef), (((n,), F32), ((n, vocab), x.dtype)),
-                       n_cols=vocab, vocab=vocab, tuning=tuning, aliases={0: 1} if inplace else None)
-    return loss, (grad if with_grad else None)
+        outs: tuple[Array, ...] = (jnp.zeros((0,), F32), *(jnp.zeros((0,), F32) for _ in fields), jnp.zeros(x.shape, x.dtype))
+    else:
+        out_shapes = (((n,), F32), *(((n,), F32) for _ in fields), ((n, vocab), x.dtype))
+        outs = _call(cfg, "fused", (x, _target_operand(cfg, target), coef), out_shapes, n_cols=vocab, vocab=vocab, fields=fields,
+                     tuning=tuning, aliases={0: len(out_shapes) - 1} if inplace else None)
+    loss, grad = outs[0], (outs[-1] if with_grad else None)
+    if keep_final:
+        return loss, grad, Final(**dict(zip(fields, outs[1:-1])))
+    return loss, grad
 
 
 def stats_fields(cfg: KernelConfig) -> tuple[str, ...]:

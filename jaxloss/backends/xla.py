@@ -44,6 +44,11 @@ def blocking(tuning: Optional[Tuning], rows: int, width: int) -> tuple[bool, int
     return blocked, block, max(1, min(rows, (tuning.chunk_elements or DEFAULTS.chunk_elements) // max(block, 1)))
 
 
+#: Whether ``fused`` can keep the rows' final statistics for the 16-bit backward
+#: (``jaxloss.backends.pallas.KEEPS_FINAL``): not here; the recompute runs :func:`fused` again, the
+#: same code and numbers (the twin of ``torchloss.backends.torch.KEEPS_FINAL``).
+KEEPS_FINAL: bool = False
+
 HIGHER_ORDER_16BIT_MESSAGE = (
     "jaxloss: higher-order derivatives (grad of grad, jax.hessian, jax.jvp of a gradient) need float32 or "
     "float64 logits: bfloat16/float16 logits travel through impl='xla' as raw bits, which carry no derivative "

@@ -23,7 +23,9 @@ call (so a test may replace one of them, or a knob). What each module offers:
 
 - ``loss``: ``forward(config, logits [N, V], target, coef [N], *, need_grad, out) ->
   (loss [N], grad [N, V] or None)`` and ``regrad_(config, logits, target, coef, upstream, grad)``
-  (the 16-bit backward);
+  (the 16-bit backward); ``KEEPS_FINAL``: whether ``forward(..., final=final_buffer(logits))``
+  keeps the rows' final statistics, which ``regrad_(..., final=)`` then reads instead of
+  running pass 1 again (Triton; the torch path reruns ``forward``);
 - ``shard`` (``None``: the torch steps of ``backends/vocab_parallel.py``):
   ``shard_stats(config, x, target, coef, offset)`` and ``shard_grad(...)`` (``VocabParallel``).
 

@@ -35,7 +35,12 @@ from . import cpu_tiles as _cpu
 from .. import _block
 from .._block import compute_dtype
 
-__all__ = ["forward", "regrad_", "compute_dtype", "DEFAULTS"]
+__all__ = ["forward", "regrad_", "compute_dtype", "DEFAULTS", "KEEPS_FINAL"]
+
+#: Whether the forward keeps the rows' final statistics for :func:`regrad_` (the Triton kernels'
+#: ``forward(..., final=)``): not here. On the CPU the statistics pass is a small share of a
+#: tile's work, and :func:`regrad_` reruns :func:`forward`, the same code and numbers.
+KEEPS_FINAL: bool = False
 
 # The default of lossspec.Tuning.vocab_block here, the largest vocabulary block; longer rows are
 # processed block by block (two passes). Whole rows are faster (one pass, the exponentials kept),

@@ -3,8 +3,8 @@
 Interface (the torch driver, ``torchloss.api`` and the vocab-parallel code, calls these)::
 
     loss [N] (compute dtype), grad [N, V] (logits dtype) or None
-        = forward(config, logits [N, V], target, coef [N], need_grad=True, out=None)
-    grad = regrad_(config, logits, target, coef, upstream [1] or [N], grad)
+        = forward(config, logits [N, V], target, coef [N], need_grad=True, out=None, final=None)
+    grad = regrad_(config, logits, target, coef, upstream [1] or [N], grad, final=final)
     Stats = shard_stats(config, logits [N, V_local], target, coef, offset)
     out = shard_grad(config, fin: Final, logits [N, V_local], target, coef, offset, vocab, out)
 
@@ -14,7 +14,9 @@ once to the logits' dtype; the loss is 0 where ``coef == 0`` (not multiplied by 
 Everything is computed in fp32 (fp64 for fp64 logits). The formulation is :mod:`lossspec.stats`;
 ``Stats`` / ``Final`` are ``torchloss._block``' records: the caller combines the shards'
 statistics (``torchloss._block.combine``), finalises them (``torchloss._block.finalize``) and
-hands the result to :func:`shard_grad`.
+hands the result to :func:`shard_grad`. ``final``: a :func:`final_buffer` that :func:`forward`
+fills with each row's final statistics (:data:`KEEPS_FINAL`), so that :func:`regrad_` runs the
+gradient pass alone.
 
 Kernels: one per job (``fused_kernel``, ``regrad_kernel``, ``shard_stats_kernel``,
 ``shard_grad_kernel``), one program per row (the fused and regrad kernels: ``tuning.programs``
@@ -55,7 +57,12 @@ from lossspec.tuning import check_power_of_two  # noqa: E402
 from . import triton_kernels as K  # noqa: E402
 from .._block import Final, Stats, compute_dtype  # noqa: E402
 
-__all__ = ["forward", "regrad_", "shard_stats", "shard_grad", "INTERPRETED", "DEFAULTS"]
+__all__ = ["forward", "regrad_", "final_buffer", "shard_stats", "shard_grad", "INTERPRETED", "DEFAULTS", "KEEPS_FINAL"]
+
+#: The forward keeps each row's final statistics (``forward(..., final=final_buffer(...))``) for
+#: the 16-bit backward (:func:`regrad_`): a non-unit upstream gradient then costs the gradient
+#: pass alone (one read of the logits, and of the teacher, and one write), not both passes again.
+KEEPS_FINAL: bool = True
 
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Triton's own library functions (tl.max, tl.sum, ...) are interpreted only if the variable was
@@ -84,8 +91,8 @@ def num_warps(block_v: int, job: str = "fused", softcap: bool = False) -> int:
     3.6, 16384 x 131072 bf16, forward + backward) 8 warps beat 16 by 11% on cross-entropy and
     22% on reverse KL (``benchmarks/gpu_triton_sweep.py``; benchmarks/results/
     gpu_triton_sweep_a73ea56.json). Elsewhere 8 warps spill on sm_90 (``scripts/triton_aot_report.py``):
-    ptxas caps them at 64-80 registers, which the reverse-KL regrad kernel and the soft-capped
-    fused reverse KL exceed; with 16 no kernel spills."""
+    ptxas caps them at 64-80 registers, which the soft-capped fused reverse KL exceeds (and the
+    reverse-KL regrad kernel did while it ran pass 1 too); with 16 no kernel spills."""
     per_warp = 512 if (job == "fused" and not softcap) else 256
     return max(4, min(16, block_v // per_warp))
 
@@ -98,7 +105,8 @@ def block_size(width: int, tuning: Optional[Tuning] = None) -> int:
 
 
 def constexprs(
-    job: str, config: LossConfig, logits_dtype: torch.dtype, block_v: int, *, write_grad: bool = True, tuning: Optional[Tuning] = None
+    job: str, config: LossConfig, logits_dtype: torch.dtype, block_v: int, *, write_grad: bool = True, write_final: bool = False,
+    tuning: Optional[Tuning] = None,
 ) -> dict[str, Any]:
     """The ``tl.constexpr`` arguments of ``job``'s kernel for a call (shared with the AOT report,
     so that it compiles exactly what a launch specialises); ``tuning``'s ``num_stages`` and
@@ -114,12 +122,13 @@ def constexprs(
         out["Z_LOSS"] = config.kind == "cross_entropy" and config.z_loss > 0
     if job == "fused":
         out["WRITE_GRAD"] = write_grad
+        out["WRITE_FINAL"] = write_final
     if job != "shard_stats":
         # bf16 rounded to nearest even by hand only where the cast cannot (the interpreter's
         # truncates); compiled, the cast's cvt.rn.bf16.f32 rounds the same bits.
         out["ROUND_BF16"] = logits_dtype == torch.bfloat16 and INTERPRETED
     out["BLOCK_V"] = block_v
-    if job != "shard_grad":
+    if job in ("fused", "shard_stats"):
         # The columns of one lane of the statistics passes (triton_kernels._stats_block): one
         # 16-byte load, which one thread holds and reduces alone.
         out["VEC"] = min(16 // logits_dtype.itemsize, block_v)
@@ -195,7 +204,9 @@ def _unit_stride(name: str, tensor: Tensor) -> None:
         raise ValueError(f"the Triton kernels need a unit stride along the vocabulary ({name})")
 
 
-def _launch(job: str, config: LossConfig, logits: Tensor, args: tuple, *, write_grad: bool = True, tuning: Optional[Tuning] = None) -> None:
+def _launch(
+    job: str, config: LossConfig, logits: Tensor, args: tuple, *, write_grad: bool = True, write_final: bool = False, tuning: Optional[Tuning] = None
+) -> None:
     """Launch ``job``'s kernel over the rows of ``logits`` with the positional ``args``, with the
     :class:`lossspec.Tuning` fields ``vocab_block`` (:func:`block_size`), ``num_warps``
     (default :func:`num_warps`), ``num_stages`` (:func:`stages`) and ``programs``
@@ -203,7 +214,7 @@ def _launch(job: str, config: LossConfig, logits: Tensor, args: tuple, *, write_
     rows, width = logits.shape
     block_v = block_size(width, tuning)
     kernel: Callable[..., Any] = KERNELS[job]
-    meta = constexprs(job, config, logits.dtype, block_v, write_grad=write_grad, tuning=tuning)
+    meta = constexprs(job, config, logits.dtype, block_v, write_grad=write_grad, write_final=write_final, tuning=tuning)
     grid = (min(rows, programs(tuning)),) if meta.get("PERSISTENT") else (rows,)
     # The interpreter evaluates masked lanes with NumPy (-inf - -inf, 0 * inf) and would warn about
     # values the kernel discards by design; and it must run one launch at a time.
@@ -235,11 +246,14 @@ def forward(
     *,
     need_grad: bool = True,
     out: Tensor | None = None,
+    final: Tensor | None = None,
     tuning: Optional[Tuning] = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token loss ``[N]`` (compute dtype; 0 where ``coef == 0``) and, with ``need_grad``, the
     gradient ``coef * c * dl/dz`` ``[N, V]`` in the logits' dtype (written into ``out`` when
-    given; ``out`` may be ``logits`` itself). One ``fused_kernel`` launch."""
+    given; ``out`` may be ``logits`` itself). ``final``: a :func:`final_buffer` of these logits,
+    where each row with ``coef != 0`` also leaves its final statistics for :func:`regrad_`.
+    One ``fused_kernel`` launch."""
     check_runnable(logits)
     _unit_stride("logits", logits)
     rows, width = logits.shape
@@ -254,32 +268,55 @@ def forward(
         return loss, grad
     teacher, labels = _teacher_and_labels(config, logits, target, coef)
     grad_arg = grad if grad is not None else logits  # a pointer of the logits' dtype, never written
-    args = (logits, teacher, labels, coef.to(acc), params_for(config, acc, device), loss, grad_arg,
-            rows, width, logits.stride(0), teacher.stride(0), grad_arg.stride(0))
-    _launch("fused", config, logits, args, write_grad=grad is not None, tuning=tuning)
+    if final is not None:
+        _check_final(final, rows, acc)
+    fin_arg = final if final is not None else loss  # a pointer of the compute dtype, never written
+    args = (logits, teacher, labels, coef.to(acc), params_for(config, acc, device), loss, grad_arg, fin_arg,
+            rows, width, logits.stride(0), teacher.stride(0), grad_arg.stride(0), fin_arg.stride(0))
+    _launch("fused", config, logits, args, write_grad=grad is not None, write_final=final is not None, tuning=tuning)
     return loss, grad
 
 
+def final_buffer(logits: Tensor) -> Tensor:
+    """An uninitialised ``[len(lossspec.FINAL_STATS), N]`` buffer in the compute dtype of
+    ``logits`` ``[N, V]``, for :func:`forward`'s ``final`` (the layout of :func:`shard_grad`'s
+    statistics: statistic-major, ``FINAL_STAT_INDEX[name]`` a row; a row of the logits whose
+    ``coef`` is 0 leaves its column unwritten, and :func:`regrad_` never reads it)."""
+    return torch.empty((len(lossspec.FINAL_STATS), logits.shape[0]), dtype=compute_dtype(logits.dtype), device=logits.device)
+
+
+def _check_final(final: Tensor, rows: int, acc: torch.dtype) -> None:
+    if final.shape != (len(lossspec.FINAL_STATS), rows) or final.dtype != acc or final.stride(1) != 1:
+        raise ValueError(f"final must be a contiguous [{len(lossspec.FINAL_STATS)}, {rows}] {acc} buffer (final_buffer); "
+                         f"got {tuple(final.shape)} {final.dtype}")
+
+
 def regrad_(
-    config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor, *, tuning: Optional[Tuning] = None
+    config: LossConfig, logits: Tensor, target: Tensor, coef: Tensor, upstream: Tensor, grad: Tensor, *, final: Optional[Tensor] = None,
+    tuning: Optional[Tuning] = None,
 ) -> Tensor:
     """Rewrite ``grad`` as the gradient for the upstream gradient ``upstream`` (``[1]``, or ``[N]``
     per token, compute dtype), rounded once from the compute dtype: ``regrad_kernel`` reads
-    ``upstream`` on the device (no host synchronisation) and recomputes only the rows where it is
-    not exactly 1 (and ``coef != 0``); the others keep the forward's values."""
+    ``upstream`` on the device (no host synchronisation) and rewrites only the rows where it is
+    not exactly 1 (and ``coef != 0``), by the gradient pass alone from ``final``, the final
+    statistics :func:`forward` left (required: ``forward(..., final=final_buffer(logits))``); the
+    others keep the forward's values."""
     check_runnable(logits)
     rows, width = logits.shape
     if rows == 0 or width == 0:
         return grad
+    if final is None:
+        raise ValueError("the Triton regrad_ reads the forward's final statistics: pass final=, the buffer forward(..., final=) filled")
     acc = compute_dtype(logits.dtype)
     _unit_stride("logits", logits)
     _unit_stride("grad", grad)
     up = upstream.detach().to(acc).reshape(-1).contiguous()
     if up.numel() not in (1, rows):
         raise ValueError(f"upstream must hold 1 or {rows} values; got {up.numel()}")
+    _check_final(final, rows, acc)
     teacher, labels = _teacher_and_labels(config, logits, target, coef)
-    args = (logits, teacher, labels, coef.to(acc), up, params_for(config, acc, logits.device), grad,
-            rows, width, logits.stride(0), teacher.stride(0), grad.stride(0), 0 if up.numel() == 1 else 1)
+    args = (logits, teacher, labels, coef.to(acc), up, params_for(config, acc, logits.device), final, grad,
+            rows, width, logits.stride(0), teacher.stride(0), grad.stride(0), 0 if up.numel() == 1 else 1, final.stride(0))
     _launch("regrad", config, logits, args, tuning=tuning)
     return grad
 

@@ -25,9 +25,11 @@ Kernels (one program per row; ``row`` offsets are int64; the vocabulary is walke
 ``BLOCK_V`` columns: the full blocks unmasked, then the ragged tail, if any, as one masked step:
 the *peeled* tail; with a soft cap every block takes the masked step, whose peeled copy spilled)::
 
-    fused_kernel        pass 1 (online statistics), finalize, pass 2 (gradient): the forward
-    regrad_kernel       the same for rows whose upstream gradient (read on the device) is not
-                         exactly 1, gradient only, with coef * upstream (16-bit backward)
+    fused_kernel        pass 1 (online statistics), finalize, pass 2 (gradient): the forward;
+                         with WRITE_FINAL also each row's final statistics (for regrad_kernel)
+    regrad_kernel       pass 2 alone, from the forward's final statistics, for rows whose
+                         upstream gradient (read on the device) is not exactly 1, with
+                         coef * upstream (16-bit backward)
     shard_stats_kernel  pass 1 of a vocabulary shard: lossspec statistics out (vocab-parallel)
     shard_grad_kernel   pass 2 of a shard from the global final statistics (vocab-parallel)
 
@@ -145,7 +147,8 @@ ROW_H = tl.constexpr(_ROW["h"])
 ROW_KL_QM = tl.constexpr(_ROW["kl_qm"])
 ROW_KL_PM = tl.constexpr(_ROW["kl_pm"])
 
-# --- Final statistics in: buffer [len(FINAL_STATS), N] -------------------------------------------
+# --- Final statistics (shard_grad_kernel and regrad_kernel in, fused_kernel out with WRITE_FINAL):
+# buffer [len(FINAL_STATS), N] ----------------------------------------------------------------------
 _FIN = lossspec.FINAL_STAT_INDEX
 FIN_M = tl.constexpr(_FIN["m"])
 FIN_S = tl.constexpr(_FIN["s"])
@@ -827,9 +830,89 @@ def _row_forward(
 
 
 @triton.jit
+def _store_final(
+    fin, stride_fin, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, KIND: tl.constexpr, Z_LOSS: tl.constexpr,
+):
+    """Store one row's final statistics at ``fin + FIN_<name> * stride_fin``: those that
+    :func:`_load_final` reads for ``KIND`` (finite maxima; ``s`` is NaN on a bad row, as
+    :func:`_row_stats` leaves it, which is how the loader knows it)."""
+    tl.store(fin + FIN_M * stride_fin, m)
+    tl.store(fin + FIN_S * stride_fin, s)
+    if KIND == CROSS_ENTROPY:
+        if Z_LOSS:
+            tl.store(fin + FIN_Q_COEF * stride_fin, q_coef)
+    elif KIND == ENTROPY:
+        tl.store(fin + FIN_MEAN_H * stride_fin, mean_h)
+    else:
+        tl.store(fin + FIN_MT * stride_fin, mt)
+        tl.store(fin + FIN_ST * stride_fin, st)
+        if KIND == REVERSE_KL:
+            tl.store(fin + FIN_TAU * stride_fin, tau)
+            tl.store(fin + FIN_MEAN_D * stride_fin, mean_d)
+        if KIND == JENSEN_SHANNON:
+            tl.store(fin + FIN_KL_QM * stride_fin, kl_qm)
+
+
+@triton.jit
+def _load_final(fin, stride_fin, KIND: tl.constexpr, Z_LOSS: tl.constexpr):
+    """One row's final statistics from ``fin + FIN_<name> * stride_fin`` (``torchloss._block.finalize``'s,
+    or :func:`_store_final`'s): ``(m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad)``, the
+    fields ``KIND`` does not use at their neutral values. A row is bad where ``s`` (or ``st``)
+    is NaN."""
+    m = tl.load(fin + FIN_M * stride_fin)
+    s = tl.load(fin + FIN_S * stride_fin)
+    bad = tl.where(s != s, 1, 0)
+    zero = s * 0.0
+    mt = zero
+    st = zero
+    q_coef = zero + 1.0
+    tau = zero
+    mean_d = zero
+    mean_h = zero
+    kl_qm = zero
+    if KIND == CROSS_ENTROPY:
+        if Z_LOSS:
+            q_coef = tl.load(fin + FIN_Q_COEF * stride_fin)
+    elif KIND == ENTROPY:
+        mean_h = tl.load(fin + FIN_MEAN_H * stride_fin)
+    else:
+        mt = tl.load(fin + FIN_MT * stride_fin)
+        st = tl.load(fin + FIN_ST * stride_fin)
+        bad = bad | tl.where(st != st, 1, 0)
+        if KIND == REVERSE_KL:
+            tau = tl.load(fin + FIN_TAU * stride_fin)
+            mean_d = tl.load(fin + FIN_MEAN_D * stride_fin)
+        if KIND == JENSEN_SHANNON:
+            kl_qm = tl.load(fin + FIN_KL_QM * stride_fin)
+    return m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad
+
+
+@triton.jit
+def _grad_from_final(
+    x_row, t_row, y_ptr, g_row, params_ptr, fin, stride_fin, row, scale_coef, V, V_total, offset,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Pass 2 of one row (:func:`_row_grad`, ``scale = scale_coef * c``) from its final statistics
+    at ``fin`` (:func:`_load_final`): the label (a global id, shifted by ``offset``) and its raw
+    logit where this row's columns hold it are read first, before the pass may write over the
+    logits."""
+    c, ct, eps, lam = load_params(params_ptr)
+    m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad = _load_final(fin, stride_fin, KIND, Z_LOSS)
+    y = tl.full((), 0, tl.int64)
+    x_y = s * 0.0
+    if KIND == CROSS_ENTROPY:
+        y = tl.load(y_ptr + row).to(tl.int64) - offset
+        owned = (y >= 0) & (y < V)
+        x_y = tl.load(x_row + tl.where(owned, y, 0), mask=owned, other=0.0).to(ACC)
+    _row_grad(x_row, t_row, g_row, params_ptr, y, x_y, scale_coef * c, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
+              V, V_total, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, STAGES)
+
+
+@triton.jit
 def _fused_row(
-    x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr, row, V, stride_x, stride_t, stride_g,
-    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr, fin_ptr, row, V, stride_x, stride_t, stride_g, stride_fin,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, WRITE_FINAL: tl.constexpr,
     SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
     ACC: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -844,6 +927,8 @@ def _fused_row(
             x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, STAGES
         )
         tl.store(loss_ptr + row, loss)
+        if WRITE_FINAL:
+            _store_final(fin_ptr + row, stride_fin, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, KIND, Z_LOSS)
         if WRITE_GRAD:
             _row_grad(x_row, t_row, g_row, params_ptr, y, x_y, coef * c, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
                       V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, STAGES)
@@ -855,9 +940,9 @@ def _fused_row(
 
 @triton.jit
 def fused_kernel(
-    x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr,
-    N, V, stride_x, stride_t, stride_g,
-    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr, fin_ptr,
+    N, V, stride_x, stride_t, stride_g, stride_fin,
+    KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, WRITE_FINAL: tl.constexpr,
     SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
     ACC: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
@@ -865,62 +950,62 @@ def fused_kernel(
     ``WRITE_GRAD``, ``grad[row, :] = coef * c * dl/dz`` (0 where ``coef == 0``), for the ``N``
     rows: one program per row, or with ``PERSISTENT`` fewer programs, each taking the rows
     ``pid, pid + programs, ...`` in turn (fewer rows in flight: more of each row's second read
-    hits L2).
+    hits L2). With ``WRITE_FINAL`` each row with ``coef != 0`` also writes its final statistics
+    to ``final[FIN_<name>, row]`` (``fin_ptr + FIN_<name> * stride_fin + row``; a few scalars a
+    row), what :func:`regrad_kernel` reads instead of a second pass 1.
 
     Pass 2 reads a block of the logits before it writes the same block of the gradient, so
     ``grad`` may alias the logits (``inplace=True``)."""
     if PERSISTENT:
         for row in tl.range(tl.program_id(0), N, tl.num_programs(0)):
             # int64 before any offset (the interpreter's loop variable is a Python int)
-            _fused_row(x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr, tl.full((), 0, tl.int64) + row, V, stride_x, stride_t, stride_g,
-                       KIND, SMOOTHING, Z_LOSS, WRITE_GRAD, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16, BLOCK_V, VEC, ACC, STAGES)
+            _fused_row(x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr, fin_ptr, tl.full((), 0, tl.int64) + row, V, stride_x,
+                       stride_t, stride_g, stride_fin, KIND, SMOOTHING, Z_LOSS, WRITE_GRAD, WRITE_FINAL, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16,
+                       BLOCK_V, VEC, ACC, STAGES)
     else:
-        _fused_row(x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr, tl.program_id(0).to(tl.int64), V, stride_x, stride_t,
-                   stride_g, KIND, SMOOTHING, Z_LOSS, WRITE_GRAD, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16, BLOCK_V, VEC, ACC, STAGES)
+        _fused_row(x_ptr, t_ptr, y_ptr, coef_ptr, params_ptr, loss_ptr, grad_ptr, fin_ptr, tl.program_id(0).to(tl.int64), V, stride_x,
+                   stride_t, stride_g, stride_fin, KIND, SMOOTHING, Z_LOSS, WRITE_GRAD, WRITE_FINAL, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16,
+                   BLOCK_V, VEC, ACC, STAGES)
 
 
 @triton.jit
 def _regrad_row(
-    x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr, row, V, stride_x, stride_t, stride_g, stride_up,
+    x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, fin_ptr, grad_ptr, row, V, stride_x, stride_t, stride_g, stride_up, stride_fin,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
 ):
     """:func:`regrad_kernel`'s work on the row ``row`` (int64)."""
     coef = tl.load(coef_ptr + row)
     up = tl.load(up_ptr + row * stride_up)
     if (coef != 0) & (up != 1):
-        x_row = x_ptr + row * stride_x
-        t_row = t_ptr + row * stride_t
-        g_row = grad_ptr + row * stride_g
-        c, ct, eps, lam = load_params(params_ptr)
-        scale = (coef * up) * c  # one value live across pass 1, not two
-        loss, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad, y, x_y = _row_forward(
-            x_row, t_row, y_ptr, params_ptr, row, V, c, ct, eps, lam, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, VEC, ACC, STAGES
-        )
-        _row_grad(x_row, t_row, g_row, params_ptr, y, x_y, scale, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
-                  V, V, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, STAGES)
+        _grad_from_final(x_ptr + row * stride_x, t_ptr + row * stride_t, y_ptr, grad_ptr + row * stride_g, params_ptr, fin_ptr + row,
+                         stride_fin, row, coef * up, V, V, 0, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16, BLOCK_V,
+                         ACC, STAGES)
 
 
 @triton.jit
 def regrad_kernel(
-    x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr,
-    N, V, stride_x, stride_t, stride_g, stride_up,
+    x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, fin_ptr, grad_ptr,
+    N, V, stride_x, stride_t, stride_g, stride_up, stride_fin,
     KIND: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     """The backward of 16-bit logits for an upstream gradient ``g = up[row * stride_up]`` read on
-    the device (no host synchronisation): rows with ``g != 1`` and ``coef != 0`` are recomputed
-    (pass 1, finalize, pass 2) and rewritten as ``(coef * g) * c * dl/dz``, rounded once. Rows
-    with ``g == 1`` hold the forward's gradient already, rows with ``coef == 0`` its zeros:
-    both are left alone. No loss is written. ``PERSISTENT``: as :func:`fused_kernel`."""
+    the device (no host synchronisation): rows with ``g != 1`` and ``coef != 0`` are rewritten
+    as ``(coef * g) * c * dl/dz``, rounded once, by pass 2 alone from the final statistics that
+    the forward (:func:`fused_kernel` with ``WRITE_FINAL``) kept: one read of the logits (and
+    teacher) and one write a row, not pass 1 again. Rows with ``g == 1`` hold the forward's
+    gradient already, rows with ``coef == 0`` its zeros: both are left alone. No loss is
+    written. ``PERSISTENT``: as :func:`fused_kernel`."""
     if PERSISTENT:
         for row in tl.range(tl.program_id(0), N, tl.num_programs(0)):
-            _regrad_row(x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr, tl.full((), 0, tl.int64) + row, V, stride_x, stride_t, stride_g,
-                        stride_up, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16, BLOCK_V, VEC, ACC, STAGES)
+            _regrad_row(x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, fin_ptr, grad_ptr, tl.full((), 0, tl.int64) + row, V, stride_x,
+                        stride_t, stride_g, stride_up, stride_fin, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16, BLOCK_V,
+                        ACC, STAGES)
     else:
-        _regrad_row(x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, grad_ptr, tl.program_id(0).to(tl.int64), V, stride_x, stride_t,
-                    stride_g, stride_up, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16, BLOCK_V, VEC, ACC, STAGES)
+        _regrad_row(x_ptr, t_ptr, y_ptr, coef_ptr, up_ptr, params_ptr, fin_ptr, grad_ptr, tl.program_id(0).to(tl.int64), V, stride_x,
+                    stride_t, stride_g, stride_up, stride_fin, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16, BLOCK_V,
+                    ACC, STAGES)
 
 
 @triton.jit
@@ -991,46 +1076,10 @@ def shard_grad_kernel(
     global vocabulary. A row is bad where the global ``s`` (or ``st``) is NaN; rows with
     ``coef == 0`` are zeros."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    t_row = t_ptr + row * stride_t
     g_row = grad_ptr + row * stride_g
     coef = tl.load(coef_ptr + row)
     if coef != 0:
-        c, ct, eps, lam = load_params(params_ptr)
-        fin = final_ptr + row
-        m = tl.load(fin + FIN_M * stride_fin)
-        s = tl.load(fin + FIN_S * stride_fin)
-        bad = tl.where(s != s, 1, 0)
-        zero = s * 0.0
-        mt = zero
-        st = zero
-        q_coef = zero + 1.0
-        tau = zero
-        mean_d = zero
-        mean_h = zero
-        kl_qm = zero
-        y = tl.full((), 0, tl.int64)
-        x_y = zero
-        if KIND == CROSS_ENTROPY:
-            y = tl.load(y_ptr + row).to(tl.int64) - offset
-            # The label's raw logit where this shard owns it, read before pass 2 (which may write
-            # over the logits).
-            owned = (y >= 0) & (y < V)
-            x_y = tl.load(x_row + tl.where(owned, y, 0), mask=owned, other=0.0).to(ACC)
-            if Z_LOSS:
-                q_coef = tl.load(fin + FIN_Q_COEF * stride_fin)
-        elif KIND == ENTROPY:
-            mean_h = tl.load(fin + FIN_MEAN_H * stride_fin)
-        else:
-            mt = tl.load(fin + FIN_MT * stride_fin)
-            st = tl.load(fin + FIN_ST * stride_fin)
-            bad = bad | tl.where(st != st, 1, 0)
-            if KIND == REVERSE_KL:
-                tau = tl.load(fin + FIN_TAU * stride_fin)
-                mean_d = tl.load(fin + FIN_MEAN_D * stride_fin)
-            if KIND == JENSEN_SHANNON:
-                kl_qm = tl.load(fin + FIN_KL_QM * stride_fin)
-        _row_grad(x_row, t_row, g_row, params_ptr, y, x_y, coef * c, m, s, mt, st, q_coef, tau, mean_d, mean_h, kl_qm, bad,
-                  V, V_total, c, ct, eps, KIND, SMOOTHING, SOFTCAP, TEACHER_SOFTCAP, BLOCK_V, ACC, ROUND_BF16, STAGES)
+        _grad_from_final(x_ptr + row * stride_x, t_ptr + row * stride_t, y_ptr, g_row, params_ptr, final_ptr + row, stride_fin, row, coef,
+                         V, V_total, offset, KIND, SMOOTHING, Z_LOSS, SOFTCAP, TEACHER_SOFTCAP, ROUND_BF16, BLOCK_V, ACC, STAGES)
     else:
         _zero_row(g_row, V, BLOCK_V)

@@ -196,6 +196,10 @@ class VocabParallel:
     ``kernel``: the impl's shard kernels (``Backend.shard_kernels``: Triton's shard-stats / shard-grad jobs) or ``None`` for the
     torch path."""
 
+    #: The forward keeps the global final statistics on this object (``self.fin``), not in a
+    #: caller's buffer (``torchloss.backends.triton.KEEPS_FINAL``).
+    KEEPS_FINAL = False
+
     def __init__(self, group: Any, offset: int, vocab: int, kernel: Any = None) -> None:
         self.group, self.offset, self.vocab, self.kernel = group, offset, vocab, kernel
         self.fin: Optional[Any] = None
