@@ -1,13 +1,26 @@
-"""Test-session set-up: several JAX CPU devices and the Triton interpreter on CPU machines.
+"""Test-session set-up: several JAX CPU devices, the Triton interpreter on CPU machines, and a
+torch.compile cache of this run's own.
 
-Both must be set before JAX initialises its backends and before Triton kernels are defined.
+The first two must be set before JAX initialises its backends and before Triton kernels are defined.
 """
 
+import atexit
 import os
 import shutil
 import subprocess
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+# torch.compile's on-disk caches (Inductor's and AOTAutograd's) live in a folder of this run, which
+# the workers and their subprocesses inherit: a cache left by another checkout held backward graphs
+# that called torchloss' custom ops with an older schema (the regrad op's new `final` argument
+# failed as "found type 'str'"), and the compile tests must compile the code that is here. Set
+# TORCHINDUCTOR_CACHE_DIR to keep a cache across runs.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="parity_tests_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+    atexit.register(shutil.rmtree, _INDUCTOR_CACHE, ignore_errors=True)
 
 
 def _has_cuda() -> bool:
