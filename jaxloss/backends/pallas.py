@@ -512,6 +512,8 @@ def shard_grad(
     """Mode "grad": pass 2 only, ``coef * c * dl/dz`` ``[N, V_local]`` (logits' dtype) of this
     shard from the global :class:`Final` statistics; ``vocab`` is the global ``V``."""
     n, width = x.shape
+    if n == 0 or width == 0:  # no program to launch (the 16-bit backward of an empty batch traces this)
+        return jnp.zeros(x.shape, x.dtype)
     fields = tuple(name for name in Final._fields if getattr(fin, name) is not None)
     values = tuple(getattr(fin, name).astype(F32) for name in fields)
     (grad,) = _call(cfg, "grad", (x, _target_operand(cfg, target), coef, *values), (((n, width), x.dtype),), n_cols=width, vocab=vocab,
