@@ -1204,6 +1204,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_jaxloss_upstream_16bit.py",),
     ),
     Mutant(
+        "pallas_shard_grad_empty_launch",
+        "jaxloss: the Pallas gradient pass launches on an empty batch (the 16-bit backward of zero rows fails to trace)",
+        "jaxloss/backends/pallas.py::shard_grad",
+        "    if n == 0 or width == 0:  # no program to launch (the 16-bit backward of an empty batch traces this)",
+        "    if False:",
+        ("parity_tests/test_jaxloss_oracle.py", "-k", "pallas_matrix"),
+    ),
+    Mutant(
         "inplace_keeps_the_logits_jax",
         "jaxloss inplace=True keeps the logits for the backward (XLA then copies them before the aliased kernel)",
         "jaxloss/_autodiff.py::_weighted_loss_fwd",
