@@ -106,16 +106,16 @@ def _recomputed_grad(ctx: Any, grad_loss: Tensor) -> Tensor:
     tensor) hands the forward's buffer out; otherwise ``backend.regrad_`` rewrites it from the
     saved logits, target and ``coef * g`` (and the forward's final statistics, where the kernels
     keep them) without a host synchronisation."""
-    grad = ctx.grad
+    grad, keep = ctx.grad, ctx.keep
     if not graph_is_kept():
-        ctx.grad = None
+        ctx.grad, ctx.keep = None, {}  # the kept statistics go with the buffer
     elif grad is not None:
         grad = grad.clone()
     logits, target, coef = ctx.saved_tensors
     upstream = grad_loss.detach().to(coef.dtype).reshape(-1)  # 1 value, or 1 per token
     if _is_unit(upstream):
         return grad
-    return ctx.backend.regrad_(ctx.config, logits, target, coef, upstream, grad, tuning=ctx.tuning, **ctx.keep)
+    return ctx.backend.regrad_(ctx.config, logits, target, coef, upstream, grad, tuning=ctx.tuning, **keep)
 
 
 _SECOND_ORDER = (
