@@ -365,7 +365,7 @@ def shard_grad(
         return out
     acc = compute_dtype(logits.dtype)
     device = logits.device
-    final = torch.empty((len(lossspec.FINAL_STATS), rows), dtype=acc, device=device)
+    final = final_buffer(logits)
     for name, i in lossspec.FINAL_STAT_INDEX.items():
         value = getattr(fin, name)
         if value is None:
