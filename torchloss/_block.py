@@ -17,6 +17,7 @@ fused CPU softmax uses a faster, less accurate exponential that misses SPEC sect
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -160,10 +161,10 @@ def block_stats(
     the whole row: cross-entropy ``(e,)``; soft CE / forward KL ``(e, et)``; reverse KL
     ``(e, e D, clean)`` with ``D = c (x - m) - ct (t - tau)`` and ``clean`` True where no
     product ``e D`` is NaN or infinite (known on the CPU only); entropy ``(e, x - m)``;
-    jensen_shannon ``(e, et, x - m, t - mt)`` (its second pass, :func:`mixture_sums`, reads
-    those two); each followed by the soft cap's slope (:func:`softcap_slope`, from the raw
-    ``xb``; ``None`` without a cap), taken here because a caller may reuse ``xb``'s memory as
-    scratch before the gradient.
+    jensen_shannon ``(e, et, x - m, t - mt, spare)`` (its second pass, :func:`mixture_sums`,
+    works in those five buffers and leaves in them what the gradient reads); each followed by
+    the soft cap's slope (:func:`softcap_slope`, from the raw ``xb``; ``None`` without a cap),
+    taken here because a caller may reuse ``xb``'s memory as scratch before the gradient.
     """
     acc = bufs[0].dtype
     slope = softcap_slope(xb, config.logit_softcap, acc)
@@ -226,10 +227,11 @@ def _block_stats(config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: lis
         # The products e D (in ut) are cached rather than D: the gradient e (D - e_d / s) is then
         # one fused pass, e D - e (e_d / s) (block_grad).
         return Stats(m=m, s=s, mt=mt, st=st, tau=tau, e_d=e_d), (e, ut, clean)
-    # jensen_shannon, pass 1: the exp-sums only (lossspec.stats); its second pass reads u, ut.
+    # jensen_shannon, pass 1: the exp-sums only (lossspec.stats); its second pass reads u, ut
+    # and takes e, et and the fifth buffer as scratch.
     e, s = _exp_sum(u, c, e_buf)
     et, st = _exp_sum(ut, ct, bufs[3])
-    return Stats(m=m, s=s, mt=mt, st=st), (e, et, u, ut)
+    return Stats(m=m, s=s, mt=mt, st=st), (e, et, u, ut, bufs[4])
 
 
 def _teacher_first_stats(config: LossConfig, xb: Tensor, tb: Tensor, m: Tensor, mt: Tensor, bufs: list[Tensor]) -> tuple[Any, Cache]:
@@ -257,21 +259,23 @@ def _pivot_d(config: LossConfig, u: Tensor, tb: Tensor, tau: Tensor, out: Tensor
 
 
 def buffers_needed(kind: str) -> int:
-    """Scratch buffers :func:`block_stats` takes for ``kind``."""
-    return {"cross_entropy": 1, "jensen_shannon": 4}.get(kind, 3)
+    """Scratch buffers :func:`block_stats` takes for ``kind`` (jensen_shannon: the fifth is its
+    mixture pass's, :func:`mixture_sums`)."""
+    return {"cross_entropy": 1, "jensen_shannon": 5}.get(kind, 3)
 
 
 def chunk_buffers(kind: str, z: Tensor, t: Optional[Tensor], fresh: Callable[[], Tensor]) -> list[Tensor]:
     """:func:`block_stats`' scratch for a whole-row chunk of the fused head whose logits ``z``
     (and teacher ``t``) are its own to overwrite: cross-entropy needs ``z`` only; soft CE,
-    forward KL and jensen_shannon shift ``z`` and ``t`` in place and take two fresh blocks;
+    forward KL and jensen_shannon shift ``z`` and ``t`` in place and take two fresh blocks
+    (jensen_shannon three: its mixture pass works in a fifth);
     reverse KL reads the teacher after the shift, and entropy has none, so they take two fresh
     blocks besides ``z``."""
     if kind == "cross_entropy":
         return [z]
     if kind in ("reverse_kl", "entropy"):
         return [z, fresh(), fresh()]
-    return [z, t, fresh(), fresh()]
+    return [z, t, fresh(), fresh()] + ([fresh()] if kind == "jensen_shannon" else [])
 
 
 # The blocks [R, B] (compute dtype) the fused head (torchloss.head) holds at once per kind, so
@@ -279,7 +283,8 @@ def chunk_buffers(kind: str, z: Tensor, t: Optional[Tensor], fresh: Callable[[],
 # works in the chunk's logits alone (statistics and gradient in place); the kinds with a teacher
 # hold the logits, the teacher's and two scratch blocks (chunk_buffers); entropy's gradient
 # takes two temporaries beside its three; jensen_shannon's per-entry mixture terms
-# (lossspec.stats.mixture_terms, tensor by tensor) about twelve more (the profiler's peak at
+# (lossspec.stats.mixture_terms, tensor by tensor, where a row spans several blocks; a whole row
+# works in its five buffers, _mixture_terms_inplace) about twelve more (the profiler's peak at
 # N = 1024, V = 4096, H = 16 fp32: 0.91 of the 1/8 with 16 blocks, 1.10 with 12). A vocabulary shard's
 # exponentials are relative to its own maxima, so the gradient cannot reuse them in place: the
 # logits (and the teacher's) stay intact beside buffers_needed scratch blocks.
@@ -311,20 +316,64 @@ def shifts_inputs(kind: str) -> bool:
 def mixture_sums(config: LossConfig, fin: Any, xb: Tensor, tb: Tensor, cache: Optional[Cache]) -> tuple[Tensor, Tensor]:
     """``jensen_shannon``'s second pass over one block (``lossspec.stats``): its
     ``(kl_qm, kl_pm)`` ``[R]`` given the global statistics ``fin``, plain sums that blocks and
-    shards add. ``cache``: the block's :func:`block_stats` cache when it is the whole row;
-    ``xb``, ``tb`` raw (capped here when there is no cache)."""
-    if cache is None:
-        xb = softcapped(xb, config.logit_softcap, fin.s.dtype)
-        tb = softcapped(tb, config.teacher_logit_softcap, fin.s.dtype)
-    u, ut = _mixture_inputs(fin, xb, tb, cache)
+    shards add. ``cache``: the block's :func:`block_stats` cache when it is the whole row
+    (:func:`_mixture_terms_inplace`: the pass then leaves ``q`` and ``log q - log M`` in the
+    cache for :func:`block_grad`); ``xb``, ``tb`` raw (capped here when there is no cache)."""
+    if cache is not None:
+        return _mixture_terms_inplace(config, fin, cache)
+    xb = softcapped(xb, config.logit_softcap, fin.s.dtype)
+    tb = softcapped(tb, config.teacher_logit_softcap, fin.s.dtype)
+    u, ut = _mixture_inputs(fin, xb, tb)
     _, wq, wp, _ = stats.mixture_terms(torch, config, fin, u, ut)
     return wq.sum(dim=1), wp.sum(dim=1)
 
 
-def _mixture_inputs(fin: Any, xb: Tensor, tb: Tensor, cache: Optional[Cache]) -> tuple[Tensor, Tensor]:
-    """``(x - m, t - mt)`` relative to the global maxima, in the compute dtype."""
-    if cache is not None:
-        return cache[2], cache[3]
+def _mixture_terms_inplace(config: LossConfig, fin: Any, cache: Cache) -> tuple[Tensor, Tensor]:
+    """``lossspec.stats.mixture_terms`` (with selects) of a whole-row block, in the five buffers of
+    jensen_shannon's :func:`block_stats` cache ``(e, et, x - m, t - mt, spare)``: no block-sized
+    temporary, the same bits. Returns the sums ``(kl_qm, kl_pm)``; afterwards the cache's ``e``
+    holds ``q`` and ``spare`` holds ``log q - log M``, the gradient's two terms
+    (:func:`block_grad`), computed once, not again.
+
+    Why: the shared algebra allocates a tensor per operation (about twenty per entry), and the
+    gradient computed it all a second time; on the CPU that made the torch path's
+    jensen_shannon 1.9x (fp32) to 4.2x (bf16) the time of ``torch.compile``'s fused loop. ATen's
+    ``where`` costs about ten times an add there (3.4 ns per fp32 entry against 0.3), so:
+
+    - ``where(side < bound, side, bound) - soft`` is ``clamp_max(side, bound) - soft``: the two
+      differ only where ``side`` is NaN, and ``soft`` is NaN exactly there (``side`` is ``diff``
+      less a constant, ``soft`` a function of ``diff``), so the result is NaN either way;
+    - ``where(q > 0, q * r, 0)`` is ``q * r`` itself where every ``q`` of the block is positive
+      (:func:`_where_positive`: one ``amin``; otherwise the select runs).
+    """
+    q, p, dx, dt, spare = cache[0], cache[1], cache[2], cache[3], cache[4]
+    beta = config.beta
+    log_beta, log_rest = math.log(beta), math.log1p(-beta)
+    log_q = dx.mul_(config.student_scale).sub_(fin.lse[:, None])
+    log_p = dt.mul_(config.teacher_scale).sub_(fin.lse_t[:, None])
+    torch.exp(log_q, out=q)
+    torch.exp(log_p, out=p)
+    diff = log_q.sub_(log_p)  # dt is free from here on
+    soft = torch.add(diff, log_rest - log_beta, out=dt).abs_().neg_().exp_().log1p_()
+    log_qm = torch.sub(diff, log_beta, out=spare).clamp_max_(-log_rest).sub_(soft)
+    log_pm = diff.neg_().sub_(log_rest).clamp_max_(-log_beta).sub_(soft)
+    kl_pm = _where_positive(p, torch.mul(p, log_pm, out=soft)).sum(dim=1)
+    kl_qm = _where_positive(q, torch.mul(q, log_qm, out=p)).sum(dim=1)
+    return kl_qm, kl_pm
+
+
+def _where_positive(weight: Tensor, products: Tensor) -> Tensor:
+    """``torch.where(weight > 0, products, 0)`` written into ``products``. On the CPU, where every
+    ``weight`` is positive (``amin > 0``, False if one is NaN) that is ``products`` unchanged and
+    the select (~10x an add there) is skipped: a host check, as the CPU has no device to wait for."""
+    if weight.device.type == "cpu" and weight.numel() and bool(torch.amin(weight) > 0):
+        return products
+    return torch.where(weight > 0, products, torch.tensor(0.0, dtype=products.dtype), out=products)
+
+
+def _mixture_inputs(fin: Any, xb: Tensor, tb: Tensor) -> tuple[Tensor, Tensor]:
+    """``(x - m, t - mt)`` relative to the global maxima, in the compute dtype (a block that is
+    not the whole row: no cache)."""
     acc = fin.s.dtype
     return xb.to(acc) - fin.m[:, None], tb.to(acc) - fin.mt[:, None]
 
@@ -398,9 +447,13 @@ def block_grad(
         tb = softcapped(tb, config.teacher_logit_softcap, acc)
     direct = out.dtype == acc  # the gradient can be formed in out itself
     if kind == "jensen_shannon":
-        u, ut = _mixture_inputs(fin, xb, tb, cache)
-        q, _, _, log_qm = stats.mixture_terms(torch, config, fin, u, ut)
-        gz = torch.where(q > 0, q * (log_qm - fin.kl_qm[:, None]), 0.0)
+        if cache is not None:  # the terms that mixture_sums left in the cache (its buffers)
+            q, log_qm = cache[0], cache[4]
+            gz = _where_positive(q, torch.mul(q, log_qm.sub_(fin.kl_qm[:, None]), out=log_qm))
+        else:
+            u, ut = _mixture_inputs(fin, xb, tb)
+            q, _, _, log_qm = stats.mixture_terms(torch, config, fin, u, ut)
+            gz = torch.where(q > 0, q * (log_qm - fin.kl_qm[:, None]), 0.0)
         g = torch.mul(gz, ((1.0 - config.beta) * scale)[:, None], out=out if direct else gz)
         e = None
     elif cache is None:

@@ -71,7 +71,7 @@ def tile_elements(device: torch.device, buffers: int = 1, tuning: Optional[Tunin
 
     Two workers' buffers must share a 32 MiB L3: a pass-by-pass kernel over four 4 MiB buffers
     per worker ran 1.5x slower on two threads at 2**20 than at 2**19 (2-core EPYC). Jensen-Shannon
-    keeps 4 buffers (2**19); soft CE and forward KL take 3 since they finish the teacher before
+    keeps 5 buffers (2**19); soft CE and forward KL take 3 since they finish the teacher before
     the student (``torchloss._block``) and, with every other kind, keep 2**20: fewer tiles, and each tile's
     per-row ops run under the GIL (``torchloss.backends.torch.RowStats``).
     """
