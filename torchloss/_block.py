@@ -467,7 +467,7 @@ def block_grad(
         # -c q ((x - m) - h / s); 0 where q == 0 (there x - m is -inf)
         u = cache[1] if cache is not None else _shifted(xb, fin.m, bufs[1])
         d = u.sub_(fin.mean_h[:, None])
-        g = torch.where(e > 0, e * d, 0.0)
+        g = _where_positive(e, torch.mul(e, d, out=d))
         g = torch.mul(g, (-c * scale / fin.s)[:, None], out=out if direct else g)
     elif kind == "cross_entropy":
         factor = scale / fin.s if fin.q_coef is None else scale * fin.q_coef / fin.s
