@@ -160,6 +160,38 @@ def test_nan_and_inf_rows(kind: str) -> None:
     _check_poisoned(kind, "torch")
 
 
+@pytest.mark.parametrize("vocab_block", (None, 24))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_jsd_zero_probabilities_on_one_side_and_dead_rows(dtype: str, vocab_block: Optional[int]) -> None:
+    """Entries where only the student's or only the teacher's probability is 0 (a ``-inf`` on one
+    side, or an exponential that underflows), beside a row whose teacher is all ``-inf`` (no
+    teacher distribution: the oracle's loss is NaN, and its gradient wherever q > 0; only the mixture sums carry
+    it, the exp-sum is 0, not NaN) and a row whose student is all ``-inf`` (NaN loss, zero
+    gradient), whole rows (the in-place mixture pass, ``_block._mixture_terms_inplace``) and rows
+    of several blocks (the shared algebra): against the oracle, NaN where it is NaN."""
+    rng = np.random.default_rng(3)
+    rows, vocab = 12, 64
+    x = rng.normal(0, 2, (rows, vocab))
+    t = rng.normal(0, 2, (rows, vocab))
+    x[rng.random((rows, vocab)) < 0.15] = -np.inf
+    t[rng.random((rows, vocab)) < 0.15] = -np.inf
+    x[4, :8] = -90.0  # q underflows fp32 where p does not
+    t[6, :8] = -90.0
+    t[1] = -np.inf
+    x[2] = -np.inf
+    case = _case("jensen_shannon", "random", dtype, vocab=vocab, lead_shape=(rows,))
+    case = dataclasses.replace(case, logits=x.astype(case.logits.dtype), target=t.astype(case.logits.dtype), loss_mask=None)
+    tuning = None if vocab_block is None else lossspec.Tuning(vocab_block=vocab_block)
+    for beta in (0.2, 0.5):
+        loss, grad = run(case, "torch", None, tuning, normalization="none", beta=beta)
+        ref = case.reference(normalization="none", beta=beta)
+        assert np.array_equal(np.isnan(loss), np.isnan(ref.loss)) and np.isnan(ref.loss[[1, 2]]).all()
+        assert np.array_equal(np.isnan(grad), np.isnan(ref.grad)) and np.isnan(grad[1]).any() and (grad[2] == 0).all()
+        good = [i for i in range(rows) if i not in (1, 2)]
+        lossspec.compare_loss(loss[good], ref.loss[good]).check()
+        lossspec.compare_grad(grad[good], ref.grad[good], dtype, ref.g0).check()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_nn_module_and_errors(kind: str) -> None:
     case = _case(kind, "random")
