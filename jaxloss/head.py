@@ -421,10 +421,15 @@ def _chunk_blocked(
     return loss, dh, dw, db, fin
 
 
+def _softcapped(cfg: KernelConfig) -> bool:
+    """Whether a soft cap of the student or the teacher is set (more live blocks: ``_block.head_live_blocks``)."""
+    return cfg.logit_softcap is not None or cfg.teacher_logit_softcap is not None
+
+
 def _plan(cfg: KernelConfig, hidden: Array, weight: Array, tuning: spec_linear.HeadTuning, shards: Optional[Shards]) -> tuple[int, int]:
     """``(R, B)`` of :func:`lossspec.linear.head_plan` for these inputs (JAX's live blocks; the
     budget is in the inputs' dtype; ``tuning.block_elements`` / ``blocked_rows`` where given)."""
-    live = head_live_blocks(cfg.kind, shards is not None)
+    live = head_live_blocks(cfg.kind, shards is not None, _softcapped(cfg))
     logits_itemsize = jnp.promote_types(hidden.dtype, weight.dtype).itemsize
     blocked_rows = spec_linear.head_blocked_rows(tuning)
     return spec_linear.head_plan(hidden.shape[0], weight.shape[0], tuning.block_elements, blocked_rows, live, logits_itemsize)
@@ -493,7 +498,7 @@ def head_forward(
     plan_rows, block = _plan(cfg, hidden, weight, tuning, shards)
     rows, parts = plan_rows, 1
     if block == vocab and with_grad:
-        rows, parts = _whole_parts(plan_rows, n, head_live_blocks(cfg.kind, shards is not None), _g_in_bf16(tuning, operand))
+        rows, parts = _whole_parts(plan_rows, n, head_live_blocks(cfg.kind, shards is not None, _softcapped(cfg)), _g_in_bf16(tuning, operand))
     # Inside shard_map (data, sequence or vocabulary axes) a loop carry has the varying-axes type
     # of what the body writes into it, i.e. of every input it reads; fresh zeros are invariant
     # until cast (varying_like is a no-op outside shard_map).
@@ -600,7 +605,7 @@ def head_backward(
     plan_rows, plan_block = _plan(cfg, hidden, weight, tuning, shards)
     # The forward's live blocks (XLA's temporaries per [R, B] block, as counted there) and the
     # [B, H] slices: the widened weight rows, the gradient, its product before the addition, the teacher's rows.
-    live = head_live_blocks(cfg.kind, shards is not None)
+    live = head_live_blocks(cfg.kind, shards is not None, _softcapped(cfg))
     # 16-bit hidden states: the fp32 dh [N, H] and each chunk's rows widened to fp32 for G^T h
     # share the budget too, as in torch.
     budget = spec_linear.head_recompute_budget(plan_rows * plan_block * live, n, width, hidden.dtype != F32)

@@ -314,6 +314,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_torchloss_entropy_jsd.py", "-k", "zero_probabilities or options"),
     ),
     Mutant(
+        "head_softcap_blocks_uncounted_torch",
+        "the torch fused head plans its chunks without the soft cap's blocks (the capped block and its slope): with a cap it holds several times its 1/8 of the logits",
+        "torchloss/head.py::_softcapped",
+        "    return config.logit_softcap is not None or config.teacher_logit_softcap is not None",
+        "    return False",
+        ("parity_tests/test_linear_head.py", "-k", "soft_caps and cross_entropy"),
+    ),
+    Mutant(
+        "head_softcap_blocks_uncounted_jax",
+        "the JAX fused head plans its chunks without the soft cap's temporaries (the capped block and its slope): with a cap XLA holds more than its 1/8 of the logits",
+        "jaxloss/head.py::_softcapped",
+        "    return cfg.logit_softcap is not None or cfg.teacher_logit_softcap is not None",
+        "    return False",
+        ("parity_tests/test_linear_head.py", "-k", "jax_temporary_memory_with_soft_caps"),
+    ),
+    Mutant(
         "compiled_denominator_read_on_host_torch",
         "under torch.compile a Python-number denominator is value-checked on the host (np.asarray): one recompile per value",
         "torchloss/_prepare.py::prepare",

@@ -516,13 +516,18 @@ def head_forward(
     return loss, dh, dw, db
 
 
+def _softcapped(config: LossConfig) -> bool:
+    """Whether a soft cap of the student or the teacher is set (more live blocks: ``_block.head_live_blocks``)."""
+    return config.logit_softcap is not None or config.teacher_logit_softcap is not None
+
+
 def _plan(config: LossConfig, hidden: Tensor, weight: Tensor, tuning: spec_linear.HeadTuning, shards: Optional[Shards]) -> tuple[int, int]:
     """``(R, B)`` of :func:`lossspec.linear.head_plan` (of the widest shard with ``shards``) for
     these inputs: the blocks fit 1/8 of the logits buffer in the inputs' dtype (half as many
     fp32 elements for 16-bit), or ``tuning.block_elements``; ``tuning.blocked_rows``."""
     block_elements, blocked_rows = tuning.block_elements, spec_linear.head_blocked_rows(tuning)
     n, vocab = hidden.shape[0], weight.shape[0]
-    live = _block.head_live_blocks(config.kind, shards is not None)
+    live = _block.head_live_blocks(config.kind, shards is not None, _softcapped(config))
     sizes = (torch.promote_types(hidden.dtype, weight.dtype).itemsize, compute_dtype(hidden.dtype).itemsize)
     if shards is None:
         return spec_linear.head_plan(n, vocab, block_elements, blocked_rows, live, *sizes)
@@ -583,7 +588,7 @@ def head_backward(
     # and [B, H] slices (the gradient, the widened weight rows, the teacher's).
     scratch = _block.grad_scratch_blocks(config.kind)
     blocks = 1 + (teacher is not None) + scratch
-    live = _block.head_live_blocks(config.kind, shards is not None)
+    live = _block.head_live_blocks(config.kind, shards is not None, _softcapped(config))
     operands = [hidden.dtype, weight.dtype] + ([] if teacher is None else [teacher[0].dtype, teacher[1].dtype])
     as_is = bf16_matmuls(device, tuning, *operands)
     # 16-bit hidden states: the fp32 dh [N, H] and each chunk's rows widened to fp32 share the
