@@ -591,6 +591,63 @@ def test_shared_tanh_is_accurate() -> None:
         assert float(np.max(np.abs(values.astype(np.float64) - want) / spacing)) <= 2.0, name
 
 
+def _tiled_cap_inputs() -> np.ndarray:
+    """fp32 rows for the torch path's tiled soft cap: both sides of the series / exponential
+    switch at ``|x / cap| = 0.55`` (and the values next to it), saturation, +-0, subnormals,
+    values whose ``x / cap`` overflows, +-inf and NaN (a row of each, so tiles with and without
+    them), in a 40 x 1000 block."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((40, 1000)) * rng.choice([0.3, 3.0, 30.0, 300.0], size=(40, 1))).astype(np.float32)
+    edge = np.float32(0.55 * STUDENT_CAP)
+    x[0, :6] = [edge, -edge, np.nextafter(edge, np.float32(0)), np.nextafter(edge, np.float32(9)), 0.0, -0.0]
+    x[1, :4] = [1e-40, -1e-40, 3e38, -3e38]
+    x[2, ::7], x[3, ::11], x[4, 5] = np.inf, -np.inf, np.nan
+    return x
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("where", ["new", "in place", "strided"])
+def test_torch_tiled_softcap_matches_float64(dtype: str, where: str) -> None:
+    """The torch path's soft cap on the CPU (``torchloss._block.softcap_with_slope``: lossspec's
+    operations tile by tile, in scratch; blocks of 3 rows, whose tiles are parts of rows) against float64: the capped
+    values within 3 fp32 ulps of ``cap tanh(x / cap)`` plus the propagated rounding of
+    ``x / cap``, the slope within 8 ulps plus that of ``u``; +-inf and NaN entries kept, the
+    slope 0 at +-inf; bit for bit the shared formulation (``lossspec.stats``) on the whole block,
+    written into a new block, over the raw block itself, or from a strided column slice."""
+    from torchloss import _block
+
+    cap = STUDENT_CAP
+    base = torch.from_numpy(_tiled_cap_inputs()).to(getattr(torch, dtype))
+    raw = base[:, 3:-2] if where == "strided" else base.clone()
+    x = raw.to(torch.float32).numpy().astype(np.float64)
+    shared = lossspec.stats.softcap(torch, raw.to(torch.float32), cap)
+    e = torch.exp(-2.0 * torch.abs(raw.to(torch.float32) / cap))
+    shared_slope = 4.0 * e / ((1.0 + e) * (1.0 + e))
+    in_place = where == "in place" and dtype == "float32"
+    parts = []
+    for r0 in range(0, raw.shape[0], 3):  # blocks of 3 rows: each row in several tiles, the last shorter
+        block = raw[r0 : r0 + 3]
+        parts.append(_block.softcap_with_slope(block, cap, torch.float32, out=block if in_place else None))
+        assert parts[-1][0].dtype == parts[-1][1].dtype == torch.float32
+        assert (parts[-1][0].data_ptr() == block.data_ptr()) == in_place
+    capped, slope = torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts])
+    got, got_slope = capped.numpy().astype(np.float64), slope.numpy().astype(np.float64)
+    finite = np.isfinite(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        u = x / cap
+        want = cap * np.tanh(u)
+        want_slope = 1.0 / np.cosh(u) ** 2
+    ulp = lambda v: np.spacing(np.abs(v[finite]).astype(np.float32)).astype(np.float64)  # noqa: E731
+    moved = np.abs(u[finite]) * 2.0**-24  # the rounding of x / cap
+    assert np.all(np.abs(got - want)[finite] <= 3 * ulp(want) + cap * want_slope[finite] * moved)
+    assert np.all(np.abs(got_slope - want_slope)[finite] <= 8 * ulp(want_slope) + 4 * want_slope[finite] * moved)
+    assert np.array_equal(got[~finite], x[~finite], equal_nan=True)  # +-inf and NaN unchanged
+    assert np.all(got_slope[np.isinf(x)] == 0.0) and np.all(np.isnan(got_slope[np.isnan(x)]))
+    for ours, theirs in ((capped.numpy(), shared.numpy()), (slope.numpy(), shared_slope.numpy())):
+        nan = np.isnan(theirs)
+        assert np.array_equal(np.isnan(ours), nan) and np.array_equal(ours[~nan].view(np.int32), theirs[~nan].view(np.int32))
+
+
 def test_triton_tanh_is_accurate() -> None:
     """The kernels' ``tanh`` (series below the limit, exp-based above) within 2 fp32 ulps of the
     float64 value, and its series coefficients those of tanh."""

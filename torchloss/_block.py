@@ -18,6 +18,7 @@ fused CPU softmax uses a faster, less accurate exponential that misses SPEC sect
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
 import torch
@@ -26,6 +27,8 @@ from torch import Tensor
 import lossspec
 from lossspec import LossConfig, stats
 from lossspec.stats import NEG_INF
+
+from .backends import cpu_tiles
 
 Stats = stats.Stats
 Final = stats.Final
@@ -124,29 +127,119 @@ def _exp_sum(u: Tensor, scale: float, out: Tensor) -> tuple[Tensor, Tensor]:
 Cache = tuple[Tensor, ...]
 
 
-def softcapped(xb: Tensor, cap: Optional[float], acc: torch.dtype) -> Tensor:
+def softcapped(xb: Tensor, cap: Optional[float], acc: torch.dtype, out: Optional[Tensor] = None) -> Tensor:
     """The block with the soft cap applied (``lossspec.stats.softcap``), a new tensor in the
-    compute dtype (never rounded to the logits' dtype); ``xb`` itself for ``cap = None``."""
-    if cap is None:
-        return xb
-    return stats.softcap(torch, xb.to(acc), cap)
+    compute dtype (never rounded to the logits' dtype), or ``out``; ``xb`` itself for ``cap = None``."""
+    return softcap_with_slope(xb, cap, acc, with_slope=False, out=out)[0]
 
 
-def softcap_slope(xb: Tensor, cap: Optional[float], acc: torch.dtype) -> Optional[Tensor]:
-    """The soft cap's slope ``d/dx cap tanh(x / cap)`` (``lossspec.stats.softcap_slope``) from
-    the *raw* block, in the compute dtype (from the capped block, ``1 - (y / cap)^2`` cancels
-    near saturation); ``None`` for ``cap = None``."""
+def softcap_with_slope(
+    xb: Tensor, cap: Optional[float], acc: torch.dtype, with_slope: bool = True, out: Optional[Tensor] = None, slope_out: Optional[Tensor] = None
+) -> tuple[Tensor, Optional[Tensor]]:
+    """``(capped, slope)``: the block ``xb`` ``[R, B]`` with the soft cap applied
+    (``cap * tanh(xb / cap)`` on the finite entries, :func:`lossspec.stats.softcap`) and, with
+    ``with_slope``, the cap's slope ``d/dx cap tanh(x / cap) = 4 e / (1 + e)^2``,
+    ``e = exp(-2 |x / cap|)`` (:func:`lossspec.stats.softcap_slope`; from the *raw* block: from
+    the capped one, ``1 - (y / cap)^2`` cancels near saturation). Each a new tensor in the compute
+    dtype ``acc``, never rounded to the logits' dtype; ``(xb, None)`` for ``cap = None``.
+    ``out`` / ``slope_out``: ``[R, B]`` compute-dtype buffers to write them into instead (``out``
+    may be ``xb`` itself: the cap is then taken in place).
+
+    lossspec's operations in lossspec's order, so lossspec's bits. On the CPU they run tile by
+    tile (:func:`_softcap_tile`) in four scratch tiles that stay in a core's cache, the slope
+    reusing the tanh's ``e`` and ``1 + e``: the shared formulation on the whole block allocates a
+    block per operation (about thirty for the tanh's series, exponential and selects), which made
+    a capped loss 9x (torch path) and a capped fused head 4x the time of an uncapped one.
+    Elsewhere (CUDA: a launch per operation and tile) on the whole block.
+    """
     if cap is None:
-        return None
-    # lossspec.stats.softcap_slope's operations in the same order, in place: two block temporaries
-    e = torch.div(xb.to(acc), cap).abs_().mul_(-2.0).exp_()
+        return xb, None
+    if xb.device.type != "cpu":
+        x = xb.to(acc)
+        capped, slope = stats.softcap(torch, x, cap), (_softcap_slope_whole(x, cap) if with_slope else None)
+        if slope is not None and slope_out is not None:
+            slope = slope_out.copy_(slope)
+        return (capped if out is None else out.copy_(capped)), slope
+    rows, width = xb.shape
+    capped = torch.empty((rows, width), dtype=acc) if out is None else out
+    slope = None if not with_slope else (torch.empty_like(capped) if slope_out is None else slope_out)
+    # Each worker's scratch (four tiles and a mask) is at most about a quarter of the block over
+    # the workers; the tiles are shared by the worker threads of cpu_tiles (each single-threaded).
+    tile = max(1, min(SOFTCAP_TILE_ELEMENTS, rows * width // (4 * cpu_tiles.MAX_WORKERS)))
+    tile_cols = max(1, min(width, tile))
+    tile_rows = max(1, min(rows, tile // tile_cols))
+    tiles = [(r0, min(rows, r0 + tile_rows), c0, min(width, c0 + tile_cols)) for r0 in range(0, rows, tile_rows) for c0 in range(0, width, tile_cols)]
+
+    def run(part: Iterable[tuple[int, int, int, int]]) -> None:
+        scratch = torch.empty((4, tile_rows * tile_cols), dtype=acc)
+        mask = torch.empty(tile_rows * tile_cols, dtype=torch.bool)
+        for r0, r1, c0, c1 in part:
+            shape = (r1 - r0, c1 - c0)
+            count = shape[0] * shape[1]
+            _softcap_tile(
+                xb[r0:r1, c0:c1], cap, capped[r0:r1, c0:c1], None if slope is None else slope[r0:r1, c0:c1],
+                [buf[:count].view(shape) for buf in scratch], mask[:count].view(shape),
+            )
+
+    cpu_tiles.map_tiles(run, tiles, xb.device)
+    return capped, slope
+
+
+#: Elements of one tile of the CPU soft cap (:func:`softcap_with_slope`): four fp32 scratch
+#: tiles of 64 KiB and the tile's input and outputs stay in L2 across its ~30 passes.
+SOFTCAP_TILE_ELEMENTS: int = 1 << 18
+
+
+def _softcap_tile(x: Tensor, cap: float, out: Tensor, slope: Optional[Tensor], scratch: list[Tensor], mask: Tensor) -> None:
+    """One tile of :func:`softcap_with_slope`: ``out`` (and ``slope``) from the raw ``x``, with
+    :func:`lossspec.stats.tanh`'s operations in its order in the scratch tiles ``u, z, s, w``.
+
+    Two selects of the shared formulation are cheaper here with the same results (ATen's
+    ``where`` costs about fifteen times a multiplication on the CPU):
+
+    - ``where(u < 0, -big, big)`` is ``copysign(big, u)``: ``big >= 0``, and the two differ only
+      at ``u = +-0`` (where the series is taken instead) and at NaN (where ``x`` is kept);
+    - ``where(x - x == 0, capped, x)`` (``x - x == 0``: ``x`` finite) runs only for a tile with
+      a NaN or an infinite ``|x / cap|`` (one ``amax``; the check is conservative: an ``x / cap``
+      that overflows takes the select, which keeps the capped value there).
+    """
+    u, z, s, w = scratch
+    if x.dtype != out.dtype:
+        x = out.copy_(x)  # out holds the widened raw tile until the last select
+    torch.div(x, cap, out=u)  # u = x / cap
+    torch.mul(u, u, out=z)  # z = u^2
+    torch.mul(z, stats.TANH_SERIES[-1], out=s).add_(stats.TANH_SERIES[-2])  # series = series z + coefficient
+    for coefficient in stats.TANH_SERIES[-3:0:-1]:
+        s.mul_(z).add_(coefficient)
+    s.mul_(z).mul_(u).add_(u)  # small = u + u (z series)
+    torch.abs(u, out=z).mul_(-2.0).exp_()  # e = exp(-2 |u|)
+    if slope is not None:
+        torch.mul(z, 4.0, out=slope)  # 4 e
+    torch.neg(z, out=w).add_(1.0)  # 1 - e
+    z.add_(1.0)  # 1 + e
+    w.div_(z).copysign_(u)  # big = (1 - e) / (1 + e), with the sign of u
+    if slope is not None:
+        slope.div_(z.mul_(z))  # 4 e / ((1 + e) (1 + e))
+    torch.lt(u.abs_(), stats.TANH_SERIES_LIMIT, out=mask)
+    finite = bool(torch.amax(u) < math.inf)  # |x / cap| < inf everywhere: no NaN, no inf
+    torch.where(mask, s, w, out=w)  # tanh(u)
+    if finite:
+        torch.mul(w, cap, out=out)
+    else:
+        torch.where(torch.isfinite(x), w.mul_(cap), x, out=out)
+
+
+def _softcap_slope_whole(x: Tensor, cap: float) -> Tensor:
+    """:func:`lossspec.stats.softcap_slope` of the whole compute-dtype block ``x``, its operations
+    in its order, in place in two block temporaries."""
+    e = torch.div(x, cap).abs_().mul_(-2.0).exp_()
     denominator = e + 1.0
     denominator.mul_(denominator)
     return e.mul_(4.0).div_(denominator)
 
 
 def block_stats(
-    config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: list[Tensor], x_y: Optional[Tensor] = None
+    config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: list[Tensor], x_y: Optional[Tensor] = None, slope_buf: Optional[Tensor] = None
 ) -> tuple[Any, Cache]:
     """Statistics of one block ``xb`` ``[R, B]`` (teacher ``tb``) relative to its maxima.
 
@@ -155,7 +248,9 @@ def block_stats(
     gathers it, or passes zeros for a block that is not the whole row).
 
     ``xb``, ``tb`` are the raw logits: with a soft cap the statistics are those of the capped
-    block (a new compute-dtype tensor; ``x_y`` stays raw, ``finalize`` caps it).
+    block (``x_y`` stays raw, ``finalize`` caps it). The capped blocks take the buffers that
+    16-bit blocks are widened into (the student ``bufs[0]``, the teacher ``bufs[1]``, reverse
+    KL's ``bufs[2]``), so a cap adds one block, its slope (``slope_buf``, or a new tensor).
 
     Returns ``(stats, cache)`` with ``cache`` what :func:`block_grad` reuses when this block is
     the whole row: cross-entropy ``(e,)``; soft CE / forward KL ``(e, et)``; reverse KL
@@ -163,14 +258,13 @@ def block_stats(
     product ``e D`` is NaN or infinite (known on the CPU only); entropy ``(e, x - m)``;
     jensen_shannon ``(e, et, x - m, t - mt, spare)`` (its second pass, :func:`mixture_sums`,
     works in those five buffers and leaves in them what the gradient reads); each followed by
-    the soft cap's slope (:func:`softcap_slope`, from the raw ``xb``; ``None`` without a cap),
-    taken here because a caller may reuse ``xb``'s memory as scratch before the gradient.
+    the soft cap's slope (:func:`softcap_with_slope`, from the raw ``xb``; ``None`` without a
+    cap), taken here because a caller may reuse ``xb``'s memory as scratch before the gradient.
     """
     acc = bufs[0].dtype
-    slope = softcap_slope(xb, config.logit_softcap, acc)
-    xb = softcapped(xb, config.logit_softcap, acc)
+    xb, slope = softcap_with_slope(xb, config.logit_softcap, acc, out=bufs[0], slope_out=slope_buf)
     if tb is not None:
-        tb = softcapped(tb, config.teacher_logit_softcap, acc)
+        tb = softcapped(tb, config.teacher_logit_softcap, acc, out=bufs[2 if config.kind == "reverse_kl" else 1])
     block, cache = _block_stats(config, xb, tb, bufs, x_y)
     return block, cache + (slope,)
 
@@ -292,14 +386,22 @@ _HEAD_LIVE_BLOCKS = {"cross_entropy": 1, "soft_cross_entropy": 4, "forward_kl": 
 _HEAD_LIVE_BLOCKS_VOCAB_PARALLEL = {
     "cross_entropy": 2, "soft_cross_entropy": 6, "forward_kl": 6, "reverse_kl": 5, "entropy": 6, "jensen_shannon": 18,
 }
-# With a soft cap the block math forms the capped block and the cap's slope as tensors of their
-# own (softcapped, softcap_slope: x / cap, tanh, the product; exp, 1 + e, its square, the quotient),
-# beside the raw logits: the profiler's peak at N = 1024, V = 4096, H = 16 fp32, every cap of the
-# kind set, with the counts above was 10.7 (cross-entropy), 3.6 (soft CE, forward and reverse KL),
-# 2.4 (entropy) and 0.93 (jensen_shannon) of the 1/8: about 10.7, 14.6, 12.2 and 14.9 blocks. So
-# with a cap: these, rounded up with a margin. Vocabulary shards (not measured with caps): two
-# more, as without.
-_HEAD_LIVE_BLOCKS_SOFTCAP = {"cross_entropy": 12, "soft_cross_entropy": 16, "forward_kl": 16, "reverse_kl": 16, "entropy": 13, "jensen_shannon": 17}
+# With a soft cap the capped blocks take the buffers 16-bit blocks are widened into and the cap's
+# slope is one block more (block_stats; the head reuses it from chunk to chunk); the tiles of
+# softcap_with_slope hold about a quarter of a block. The gradient of rows of several blocks caps
+# its block again (block_grad without a cache): two blocks more than without a cap. The
+# profiler's peak, fp32, every cap of the kind set, at 3, 6, 6, 6 and 5 blocks: whole rows (N = 1024,
+# V = 4096, H = 16) 0.60, 0.77, 0.77, 0.78, 0.72 of the 1/8 (cross-entropy, soft CE, forward and
+# reverse KL, entropy: about 1.8, 4.6, 4.6, 4.7, 3.6 blocks); rows of several blocks (N = 64,
+# V = 32768, 256 columns a block) 2.1, 2.0 and 2.0 blocks above the same plan without a cap
+# (cross-entropy, forward KL, entropy). So: two more than without a cap (entropy's and
+# jensen_shannon's whole rows need fewer). Before the tiles (the shared formulation on the whole
+# block, a block per operation) cross-entropy took 10.7 blocks. Vocabulary shards (not measured
+# with caps) keep the counts of that implementation: its 12, 16, 16, 16, 13, 17, two more.
+_HEAD_LIVE_BLOCKS_SOFTCAP = {"cross_entropy": 3, "soft_cross_entropy": 6, "forward_kl": 6, "reverse_kl": 6, "entropy": 7, "jensen_shannon": 18}
+_HEAD_LIVE_BLOCKS_SOFTCAP_VOCAB_PARALLEL = {
+    "cross_entropy": 14, "soft_cross_entropy": 18, "forward_kl": 18, "reverse_kl": 18, "entropy": 15, "jensen_shannon": 19,
+}
 
 
 def head_live_blocks(kind: str, vocab_parallel: bool, softcap: bool = False) -> int:
@@ -307,7 +409,7 @@ def head_live_blocks(kind: str, vocab_parallel: bool, softcap: bool = False) -> 
     ``kind`` (a vocabulary shard's with ``vocab_parallel``; with ``softcap``, a soft cap of the
     student or the teacher is set): the ``live_blocks`` of :func:`lossspec.linear.head_plan`."""
     if softcap:
-        return _HEAD_LIVE_BLOCKS_SOFTCAP[kind] + (2 if vocab_parallel else 0)
+        return (_HEAD_LIVE_BLOCKS_SOFTCAP_VOCAB_PARALLEL if vocab_parallel else _HEAD_LIVE_BLOCKS_SOFTCAP)[kind]
     return (_HEAD_LIVE_BLOCKS_VOCAB_PARALLEL if vocab_parallel else _HEAD_LIVE_BLOCKS)[kind]
 
 
@@ -444,7 +546,7 @@ def block_grad(
     (NaN / ``+inf``) NaN (:func:`fill_bad_rows`; ``fill_rows=False`` leaves that to the caller,
     who then calls it once over all rows). ``xb``, ``tb`` are raw: with a soft cap the gradient is formed on the
     capped block (taken before ``out``, which may be ``xb`` itself, is written) and multiplied
-    by the cap's slope (:func:`softcap_slope`, from the raw ``xb``) in the compute dtype, before
+    by the cap's slope (:func:`softcap_with_slope`, from the raw ``xb``) in the compute dtype, before
     the one rounding.
     """
     kind, c, ct = config.kind, config.student_scale, config.teacher_scale
@@ -454,8 +556,7 @@ def block_grad(
     if cache is not None:
         slope = cache[-1]  # xb may have been scratch since block_stats; the cache holds all else
     elif config.logit_softcap is not None:
-        slope = softcap_slope(xb, config.logit_softcap, acc)
-        xb = softcapped(xb, config.logit_softcap, acc)
+        xb, slope = softcap_with_slope(xb, config.logit_softcap, acc)
     if cache is None and tb is not None:
         tb = softcapped(tb, config.teacher_logit_softcap, acc)
     direct = out.dtype == acc  # the gradient can be formed in out itself

@@ -316,7 +316,33 @@ def _add_head_grads(
             db[a:c] += part.sum(dim=0)
 
 
-def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional[Tensor], cc: Tensor, need_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
+class _Blocks:
+    """Scratch blocks reused from token chunk to token chunk: ``take(shape)`` hands out the next
+    one (made on first use, as large as the first chunk's), ``reset()`` starts a chunk. A new
+    tensor per chunk would be faulted in anew by every chunk (on the CPU ~1 us per 4 KiB page: a
+    third of the time of a soft cap's slope)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.buffers: list[Tensor] = []
+        self.used = 0
+
+    def reset(self) -> "_Blocks":
+        self.used = 0
+        return self
+
+    def take(self, shape: tuple[int, int]) -> Tensor:
+        count = shape[0] * shape[1]
+        if self.used == len(self.buffers):
+            self.buffers.append(torch.empty(count, dtype=self.dtype, device=self.device))
+        buffer = self.buffers[self.used]
+        self.used += 1
+        return buffer[:count].view(shape)
+
+
+def _chunk_whole(
+    config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional[Tensor], cc: Tensor, need_grad: bool, blocks: _Blocks
+) -> tuple[Tensor, Optional[Tensor]]:
     """Rows whose whole vocabulary is one block: the block math of the unfused torch path
     (:mod:`torchloss._block`, as ``torchloss.backends.torch``'s whole-row tiles) with the chunk's logits
     ``z`` as scratch, the gradient written over them. Cross-entropy needs no other block;
@@ -325,10 +351,10 @@ def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
     the rows' Final statistics)``. A kind with the mixture pass sums its terms on the block
     (from ``block_stats``' cache: ``z`` and ``t`` are scratch by then)."""
     rows, vocab = z.shape
-    fresh = lambda: torch.empty_like(z)  # noqa: E731
+    fresh = lambda: blocks.take((rows, vocab))  # noqa: E731
     x_y = None if y is None else z.gather(1, y[:, None])[:, 0]
     bufs = _block.chunk_buffers(config.kind, z, t, fresh)
-    stats, cache = _block.block_stats(config, z, t, bufs, x_y=x_y)
+    stats, cache = _block.block_stats(config, z, t, bufs, x_y=x_y, slope_buf=fresh() if config.logit_softcap is not None else None)
     fin = _block.finalize(config, stats, vocab)
     if config.mixture_pass:  # its second pass (lossspec.stats), on the cached block
         fin = _with_mixture(config, fin, torch.stack(_block.mixture_sums(config, fin, z, t, cache)), None)
@@ -339,14 +365,16 @@ def _chunk_whole(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional
     return loss, z, fin
 
 
-def _chunk_shard(config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional[Tensor], cc: Tensor, need_grad: bool, shards: Shards) -> tuple[Tensor, Optional[Tensor]]:
+def _chunk_shard(
+    config: LossConfig, z: Tensor, t: Optional[Tensor], y: Optional[Tensor], cc: Tensor, need_grad: bool, shards: Shards, blocks: _Blocks
+) -> tuple[Tensor, Optional[Tensor]]:
     """:func:`_chunk_whole` for a vocabulary shard ``z`` ``[R, V_local]``: its statistics
     (scratch blocks beside ``z`` and ``t``, which stay intact), combined over the group, then
     its gradient from the rows' final statistics written over ``z`` (the shard's exponentials
     are relative to its own maxima, so they are recomputed, not reused)."""
-    bufs = [torch.empty_like(z) for _ in range(_block.buffers_needed(config.kind))]
+    bufs = [blocks.take(z.shape) for _ in range(_block.buffers_needed(config.kind))]
     x_y = None if y is None else _label_logit(z, y, shards.offset)
-    stats, _ = _block.block_stats(config, z, t, bufs, x_y=x_y)
+    stats, _ = _block.block_stats(config, z, t, bufs, x_y=x_y, slope_buf=blocks.take(z.shape) if config.logit_softcap is not None else None)
     fin = _whole_row(config, stats, shards, z.shape[1])
     if config.mixture_pass:  # the shard's sums from the rows' global lse's, all-reduced
         fin = _with_mixture(config, fin, torch.stack(_block.mixture_sums(config, fin, z, t, None)), shards)
@@ -474,6 +502,7 @@ def head_forward(
     dw = torch.zeros((vocab, width), dtype=acc, device=device) if need_grad else None
     db = torch.zeros(vocab, dtype=acc, device=device) if (need_grad and bias is not None) else None
     z_buf: Optional[Tensor] = None
+    blocks = _Blocks(acc, device)
     t_buf: Optional[Tensor] = None
     with torch.no_grad(), _torch.no_autocast(device):
         for r0 in range(0, n, rows):
@@ -498,9 +527,9 @@ def head_forward(
             z = _head_logits(hc, student[1], student[2], 0, vocab, z_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab), tuning)
             t = None if tt is None else _head_logits(*tt, 0, vocab, t_buf[: (r1 - r0) * vocab].view(r1 - r0, vocab), tuning)
             if shards is None:
-                part, g, fin = _chunk_whole(config, z, t, y, cc, need_grad)
+                part, g, fin = _chunk_whole(config, z, t, y, cc, need_grad, blocks.reset())
             else:
-                part, g, fin = _chunk_shard(config, z, t, y, cc, need_grad, shards)
+                part, g, fin = _chunk_shard(config, z, t, y, cc, need_grad, shards, blocks.reset())
             loss[r0:r1] = part
             if keep_final:
                 _keep_final(final, fin, n, r0)
