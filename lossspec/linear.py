@@ -511,6 +511,8 @@ def head_plan(
     live_blocks: int = 4,
     logits_itemsize: int = 4,
     block_itemsize: int = 4,
+    *,
+    whole_row_live_blocks: Optional[int] = None,
 ) -> tuple[int, int]:
     """``(R, B)``: token chunks of ``R`` rows and vocabulary blocks of ``B`` columns.
 
@@ -522,9 +524,16 @@ def head_plan(
     row fits (``V <= budget``), ``B = V`` (no recompute: three matmuls); otherwise the fallback
     takes ``R = min(N, blocked_rows, budget)`` rows in blocks of ``B = budget // R``
     columns with an online softmax (the logits are recomputed in the gradient pass).
+    ``whole_row_live_blocks``: the live blocks of a kind whose whole-row chunks hold fewer than
+    its rows of several blocks (``live_blocks`` if ``None``); its budget decides whole rows first.
     """
     if block_elements is None:
-        block_elements = min(int(rows * vocab * HEAD_MEMORY_FRACTION * logits_itemsize / block_itemsize) // live_blocks, HEAD_MAX_BLOCK_ELEMENTS)
+        share = int(rows * vocab * HEAD_MEMORY_FRACTION * logits_itemsize / block_itemsize)
+        if whole_row_live_blocks is not None:
+            whole = max(1, min(share // whole_row_live_blocks, HEAD_MAX_BLOCK_ELEMENTS))
+            if vocab <= whole:
+                return max(1, min(max(1, rows), whole // vocab)), vocab
+        block_elements = min(share // live_blocks, HEAD_MAX_BLOCK_ELEMENTS)
     budget = max(1, int(block_elements))
     rows = max(1, rows)
     if vocab <= budget:

@@ -226,6 +226,43 @@ def test_torch_peak_memory_with_soft_caps_is_an_eighth_of_the_logits(tmp_path: A
     assert peak <= logits_bytes / 8 + grads_bytes + vectors_bytes, (peak, logits_bytes)
 
 
+def test_whole_rows_plan_with_their_own_live_blocks() -> None:
+    """``whole_row_live_blocks`` (torch's jensen_shannon: 6 for whole rows, 16 for rows of
+    several blocks) sizes whole-row chunks by its own count, and rows that do not fit it take the
+    blocked plan of ``live_blocks``."""
+    assert spec_linear.head_plan(1024, 4096, None, 64, 16) == (8, 4096)
+    assert spec_linear.head_plan(1024, 4096, None, 64, 16, whole_row_live_blocks=6) == (21, 4096)
+    # 40 x 4096: 1/8 is 20480 elements, 3413 a block at 6 (a row does not fit): blocked at 16
+    assert spec_linear.head_plan(40, 4096, None, 64, 16, whole_row_live_blocks=6) == spec_linear.head_plan(40, 4096, None, 64, 16) == (40, 32)
+    assert torchloss._block.head_live_blocks("jensen_shannon", False, whole_rows=True) == 6
+    assert torchloss._block.head_live_blocks("jensen_shannon", True, whole_rows=True) == torchloss._block.head_live_blocks("jensen_shannon", True)
+
+
+@pytest.mark.slow  # the profiler's memory timeline of the chunks: about 7 s each
+@pytest.mark.filterwarnings("ignore:`export_memory_timeline` is deprecated:FutureWarning")
+@pytest.mark.parametrize("caps", [{}, {"logit_softcap": 20.0, "teacher_logit_softcap": 25.0}], ids=["plain", "capped"])
+def test_torch_jensen_shannon_whole_rows_peak_memory(tmp_path: Any, caps: dict[str, float]) -> None:
+    """The torch jensen_shannon head plans whole rows with 6 live blocks (its mixture terms in
+    place), not the 16 of rows of several blocks: forward + backward still within 1/8 of the
+    logits plus the gradients and per-token vectors (fp32), with and without soft caps."""
+    rng = np.random.default_rng(9)
+    hidden = torch.tensor(rng.standard_normal((MEM_N, MEM_H)), dtype=torch.float32, requires_grad=True)
+    weight = torch.tensor(0.5 * rng.standard_normal((MEM_V, MEM_H)), dtype=torch.float32, requires_grad=True)
+    teacher = (torch.tensor(rng.standard_normal((MEM_N, MEM_H)), dtype=torch.float32),
+               torch.tensor(0.5 * rng.standard_normal((MEM_V, MEM_H)), dtype=torch.float32))
+    assert torchloss.head._plan(lossspec.make_config("jensen_shannon", **caps), hidden, weight, spec_linear.DEFAULT_HEAD_TUNING, None)[1] == MEM_V
+    logits_bytes = MEM_N * MEM_V * 4
+    grads_bytes = (MEM_N * MEM_H + MEM_V * MEM_H + MEM_V) * 4
+    vectors_bytes = 16 * MEM_N * 8
+
+    def fused() -> None:
+        torchloss.linear_jensen_shannon(hidden, weight, *teacher, **caps).backward()
+
+    fused()
+    peak = peak_extra(fused, tmp_path)
+    assert peak <= logits_bytes / 8 + grads_bytes + vectors_bytes, (peak, logits_bytes)
+
+
 @pytest.mark.parametrize("dtype,width", [("float32", MEM_H), ("float32", 128), ("bfloat16", 128)])
 def test_jax_temporary_memory_is_an_eighth_of_the_logits(dtype: str, width: int) -> None:
     """XLA's own accounting of the compiled value-and-grad: temporaries at most 1/8 of one logits

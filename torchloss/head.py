@@ -559,7 +559,8 @@ def _plan(config: LossConfig, hidden: Tensor, weight: Tensor, tuning: spec_linea
     live = _block.head_live_blocks(config.kind, shards is not None, _softcapped(config))
     sizes = (torch.promote_types(hidden.dtype, weight.dtype).itemsize, compute_dtype(hidden.dtype).itemsize)
     if shards is None:
-        return spec_linear.head_plan(n, vocab, block_elements, blocked_rows, live, *sizes)
+        whole = _block.head_live_blocks(config.kind, False, _softcapped(config), whole_rows=True)
+        return spec_linear.head_plan(n, vocab, block_elements, blocked_rows, live, *sizes, whole_row_live_blocks=whole)
     return spec_linear.head_plan_shard(n, vocab, shards.widest, block_elements, blocked_rows, live, *sizes)
 
 
@@ -617,7 +618,7 @@ def head_backward(
     # and [B, H] slices (the gradient, the widened weight rows, the teacher's).
     scratch = _block.grad_scratch_blocks(config.kind)
     blocks = 1 + (teacher is not None) + scratch
-    live = _block.head_live_blocks(config.kind, shards is not None, _softcapped(config))
+    live = _block.head_live_blocks(config.kind, shards is not None, _softcapped(config), whole_rows=plan_block == vocab)
     operands = [hidden.dtype, weight.dtype] + ([] if teacher is None else [teacher[0].dtype, teacher[1].dtype])
     as_is = bf16_matmuls(device, tuning, *operands)
     # 16-bit hidden states: the fp32 dh [N, H] and each chunk's rows widened to fp32 share the
