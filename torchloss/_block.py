@@ -163,8 +163,9 @@ def softcap_with_slope(
     rows, width = xb.shape
     capped = torch.empty((rows, width), dtype=acc) if out is None else out
     slope = None if not with_slope else (torch.empty_like(capped) if slope_out is None else slope_out)
-    # Each worker's scratch (four tiles and a mask) is at most about a quarter of the block over
-    # the workers; the tiles are shared by the worker threads of cpu_tiles (each single-threaded).
+    # Each worker takes four scratch tiles and a mask: together at most about one block (a tile
+    # is at most a quarter of the block over the workers), far less once the tile size caps them.
+    # The tiles are shared by the worker threads of cpu_tiles (each single-threaded).
     tile = max(1, min(SOFTCAP_TILE_ELEMENTS, rows * width // (4 * cpu_tiles.MAX_WORKERS)))
     tile_cols = max(1, min(width, tile))
     tile_rows = max(1, min(rows, tile // tile_cols))
@@ -388,8 +389,9 @@ _HEAD_LIVE_BLOCKS_VOCAB_PARALLEL = {
     "cross_entropy": 2, "soft_cross_entropy": 6, "forward_kl": 6, "reverse_kl": 5, "entropy": 6, "jensen_shannon": 18,
 }
 # With a soft cap the capped blocks take the buffers 16-bit blocks are widened into and the cap's
-# slope is one block more (block_stats; the head reuses it from chunk to chunk); the tiles of
-# softcap_with_slope hold about a quarter of a block. The gradient of rows of several blocks caps
+# slope is one block more (block_stats; the head reuses it from chunk to chunk); the workers'
+# scratch tiles of softcap_with_slope hold at most about one block together (small blocks), far
+# less for large ones. The gradient of rows of several blocks caps
 # its block again (block_grad without a cache): two blocks more than without a cap. The
 # profiler's peak, fp32, every cap of the kind set, at 3, 6, 6, 6 and 5 blocks: whole rows (N = 1024,
 # V = 4096, H = 16) 0.60, 0.77, 0.77, 0.78, 0.72 of the 1/8 (cross-entropy, soft CE, forward and
