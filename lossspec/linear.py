@@ -529,11 +529,9 @@ def head_plan(
     """
     if block_elements is None:
         share = int(rows * vocab * HEAD_MEMORY_FRACTION * logits_itemsize / block_itemsize)
-        if whole_row_live_blocks is not None:
-            whole = max(1, min(share // whole_row_live_blocks, HEAD_MAX_BLOCK_ELEMENTS))
-            if vocab <= whole:
-                return max(1, min(max(1, rows), whole // vocab)), vocab
         block_elements = min(share // live_blocks, HEAD_MAX_BLOCK_ELEMENTS)
+        if whole_row_live_blocks is not None and vocab <= min(share // whole_row_live_blocks, HEAD_MAX_BLOCK_ELEMENTS):
+            block_elements = min(share // whole_row_live_blocks, HEAD_MAX_BLOCK_ELEMENTS)
     budget = max(1, int(block_elements))
     rows = max(1, rows)
     if vocab <= budget:

@@ -597,7 +597,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "head_plan_whole_rows_ignored",
         "the head plan ignores whole_row_live_blocks (torch's jensen_shannon head plans whole rows with 16 blocks again: 1.5x slower)",
         "lossspec/linear.py::head_plan",
-        "        if whole_row_live_blocks is not None:",
+        "        if whole_row_live_blocks is not None and vocab <= min(share // whole_row_live_blocks, HEAD_MAX_BLOCK_ELEMENTS):",
         "        if False:",
         ("parity_tests/test_linear_head.py", "-k", "whole_rows_plan"),
     ),

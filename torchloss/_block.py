@@ -266,9 +266,15 @@ def block_stats(
     acc = bufs[0].dtype
     xb, slope = softcap_with_slope(xb, config.logit_softcap, acc, out=bufs[0], slope_out=slope_buf)
     if tb is not None:
-        tb = softcapped(tb, config.teacher_logit_softcap, acc, out=bufs[2 if config.kind == "reverse_kl" else 1])
+        tb = softcapped(tb, config.teacher_logit_softcap, acc, out=_teacher_buffer(config.kind, bufs))
     block, cache = _block_stats(config, xb, tb, bufs, x_y)
     return block, cache + (slope,)
+
+
+def _teacher_buffer(kind: str, bufs: list[Tensor]) -> Tensor:
+    """The scratch buffer a teacher block is widened (or capped) into: ``bufs[1]``, except for
+    reverse KL, which reads the teacher again after shifting it into ``bufs[1]`` (``bufs[2]``)."""
+    return bufs[2] if kind == "reverse_kl" else bufs[1]
 
 
 def _block_stats(config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: list[Tensor], x_y: Optional[Tensor]) -> tuple[Any, Cache]:
@@ -302,7 +308,7 @@ def _block_stats(config: LossConfig, xb: Tensor, tb: Optional[Tensor], bufs: lis
     assert tb is not None
     ut, e_buf = bufs[1], bufs[2]
     if tb.dtype != acc:  # as the student's; reverse KL reads the teacher again (tau, D): e_buf keeps it
-        tb = (e_buf if kind == "reverse_kl" else ut).copy_(tb)
+        tb = _teacher_buffer(kind, bufs).copy_(tb)
     mt = _row_max(tb, acc)
     if kind in ("soft_cross_entropy", "forward_kl"):
         return _teacher_first_stats(config, xb, tb, m, mt, bufs)
