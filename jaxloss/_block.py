@@ -433,11 +433,12 @@ _HEAD_LIVE_BLOCKS = {"cross_entropy": 2, "soft_cross_entropy": 4, "forward_kl": 
 _HEAD_LIVE_BLOCKS_SOFTCAP = {"cross_entropy": 4, "soft_cross_entropy": 5, "forward_kl": 5, "reverse_kl": 5, "entropy": 4, "jensen_shannon": 6}
 
 
-def head_live_blocks(kind: str, vocab_parallel: bool, softcap: bool = False) -> int:
+def head_live_blocks(kind: str, vocab_parallel: bool, softcap: bool = False, whole_rows: bool = False) -> int:
     """The fp32 ``[R, B]`` blocks the fused head (``jaxloss.head``) holds at once for ``kind``
     (with ``softcap``, a soft cap of the student or the teacher is set): the ``live_blocks`` of
     :func:`lossspec.linear.head_plan`. A vocabulary shard's are the same (the exponentials are
-    recomputed from the logits, not kept)."""
+    recomputed from the logits, not kept), and so are whole rows' (``whole_rows``, the twin of
+    torch's argument: XLA's temporaries are counted alike either way)."""
     return (_HEAD_LIVE_BLOCKS_SOFTCAP if softcap else _HEAD_LIVE_BLOCKS)[kind]
 
 
