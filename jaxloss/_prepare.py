@@ -424,9 +424,13 @@ def _coefficients(
     return jnp.where(denom > 0, weight / jnp.where(denom > 0, denom, 1.0), 0.0), bad
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def finish(normalization: str, lead: tuple[int, ...], tokens: Array, bad: Array) -> Array:
+@functools.partial(jax.jit, static_argnums=(0,))
+def finish(lead: Optional[tuple[int, ...]], tokens: Array, bad: Array) -> Array:
+    """The loss from the weighted per-token losses ``tokens [N]``: reshaped to ``lead`` (the
+    leading shape, ``normalization="none"``), or summed (``lead`` None: every other mode), NaN
+    where ``bad``. Static only in what changes the program: the reduced modes and leading shapes
+    share one compiled program per ``N`` (an eager call with another mode compiles nothing new)."""
     nan_if_bad = jnp.where(bad, jnp.nan, 0.0).astype(F32)
-    if normalization == "none":
+    if lead is not None:
         return tokens.reshape(lead) + nan_if_bad
     return jnp.sum(tokens) + nan_if_bad

@@ -910,4 +910,4 @@ def _loss(
         if "forward-mode" not in str(err):
             raise
         raise NotImplementedError(FORWARD_MODE_MESSAGE) from err
-    return finish(config.normalization, lead, tokens, bad)
+    return finish(lead if config.normalization == "none" else None, tokens, bad)

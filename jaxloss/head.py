@@ -910,7 +910,7 @@ def _linear_loss(kind: str, **args: Any) -> Array:
         if "forward-mode" not in str(err):
             raise
         raise NotImplementedError(api.FORWARD_MODE_MESSAGE) from err
-    return _prepare.finish(config.normalization, lead, tokens, bad)
+    return _prepare.finish(lead if config.normalization == "none" else None, tokens, bad)
 
 
 def linear_cross_entropy(

@@ -186,6 +186,26 @@ def test_teacher_kinds_and_new_options_share_the_preparation() -> None:
     assert jaxloss._prepare.prepare._cache_size() == sizes  # two counting configs, compiled by the first kind
 
 
+def test_reduced_modes_share_the_finishing_program() -> None:
+    """Eager calls: the last step (sum, or reshape for ``normalization="none"``) is compiled once
+    for every reduced mode and leading shape of the same token count, and once per leading shape
+    for "none" (it was keyed on the mode's name: one compile per mode); each loss still matches
+    the oracle."""
+    finish = jaxloss._prepare.finish
+    sizes = []
+    for lead_shape in ((2, 5), (10,)):
+        case = make_case("cross_entropy", "random", lead_shape=lead_shape, vocab=VOCAB, seed=3)
+        x, labels, mask = arrays(case)
+        for normalization in ("valid_tokens", "tokens", "sum", "none"):
+            loss = jaxloss.cross_entropy(x, labels, mask, normalization=normalization, impl="xla")
+            ref = case.reference(normalization=normalization)
+            assert loss.shape == (lead_shape if normalization == "none" else ())
+            compare_loss(np.asarray(loss), ref.loss).check()
+            sizes.append(finish._cache_size())
+    first = sizes[0]
+    assert sizes == [first, first, first, first + 1, first + 1, first + 1, first + 1, first + 2], sizes
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_nan_and_inf_rows(kind: str, impl: str) -> None:

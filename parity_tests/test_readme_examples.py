@@ -1,5 +1,6 @@
 """The README and the guide pages are true: every ```python block runs as written (in a fresh
-interpreter, from the repository root), the README starts with the commands that set up and run
+process, from the repository root: forked from a Python that has imported only third-party
+packages, parity_tests/support/zygote.py, which is ``python -c`` without its imports' time), the README starts with the commands that set up and run
 the project, every relative link points to a file of the repository, and the benchmark figures it
 quotes are those of a recorded run on a clean tree.
 
@@ -15,10 +16,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
+
+from parity_tests.support import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_PAGES = ("README.md", "docs/lossspec.md", "docs/jaxloss.md", "docs/torchloss.md",
@@ -150,15 +153,45 @@ def test_pages_have_examples() -> None:
     assert len(BLOCKS) >= 15
 
 
+@pytest.fixture(scope="module")
+def fresh_python() -> Iterator[zygote.Zygote]:
+    """Where the blocks run: the environment of the tests with 2 host devices for JAX."""
+    started = zygote.started(dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2"), ROOT)
+    yield started
+    started.close()
+
+
 @pytest.mark.parametrize("page,index,code", BLOCKS, ids=[f"{page}-{index}" for page, index, _ in BLOCKS])
-def test_example_runs(page: str, index: int, code: str) -> None:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+def test_example_runs(page: str, index: int, code: str, fresh_python: zygote.Zygote) -> None:
     check = ORACLE_CHECKS.get(f"{page}-{index}")
     program = code if check is None else _CAPTURE + code + "\n" + _HELPERS + check + _DONE
-    result = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    result = fresh_python.run(program, timeout=300)
     assert result.returncode == 0, f"{page} block {index} failed:\n{code}\n{result.stderr[-3000:]}"
     if check is not None:  # the printed numbers were compared with the oracle's
         assert "oracle checks: " in result.stdout, result.stdout[-2000:]
+
+
+def test_fresh_python_runs_a_program_as_python_c_does(fresh_python: zygote.Zygote) -> None:
+    """The forked children are what the blocks need of a new interpreter: fresh globals (JAX is
+    imported in the zygote, yet a block without ``import jax`` fails), none of the repository's
+    packages imported, JAX's devices from the block's environment (2 host devices), the exit
+    code, both streams, the exit handlers, a traceback on an uncaught exception, and a kill at
+    the timeout that leaves the zygote serving."""
+    missing = fresh_python.run("print(jax.numpy.zeros(2))", timeout=60)
+    assert missing.returncode == 1 and "NameError: name 'jax' is not defined" in missing.stderr
+    seen = fresh_python.run(
+        "import sys, atexit, jax\n"
+        "atexit.register(print, 'exit handler ran')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lossspec', 'jaxloss', 'torchloss')), jax.device_count())\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "sys.exit(3)",
+        timeout=120,
+    )
+    assert seen.returncode == 3, seen.stderr
+    assert seen.stdout.splitlines() == ["[] 2", "exit handler ran"] and seen.stderr == "to stderr\n"
+    with pytest.raises(subprocess.TimeoutExpired):
+        fresh_python.run("import time\ntime.sleep(60)", timeout=1)
+    assert fresh_python.run("print('still serving')", timeout=60).stdout == "still serving\n"
 
 
 def test_oracle_checks_name_existing_blocks() -> None:
