@@ -159,6 +159,7 @@ def test_recompute_logits_must_be_a_bool(framework: str) -> None:
 MEM_N, MEM_H, MEM_V = 1024, 128, 4096  # one bf16 [N, V] logits buffer: 8 MiB; the bf16 weight gradient 1 MiB
 
 
+@pytest.mark.slow  # the profiler's memory timeline: ~6 s
 @pytest.mark.filterwarnings("ignore:`export_memory_timeline` is deprecated:FutureWarning")
 def test_torch_recompute_peak_memory_has_no_fp32_weight_gradient(tmp_path: Any) -> None:
     """bf16: forward + backward hold at most 1/8 of the bf16 logits buffer (the backward's fp32

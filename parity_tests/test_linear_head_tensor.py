@@ -267,6 +267,7 @@ def test_tensor_bounds_in_lossspec() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the profiler's memory timeline: ~5 s
 @pytest.mark.filterwarnings("ignore:`export_memory_timeline` is deprecated:FutureWarning")
 def test_tensor_head_memory_is_an_eighth_of_the_logits(tmp_path: Any) -> None:
     """bf16, H = 128: torch's profiled peak and XLA's temporaries of the value-and-grad stay within

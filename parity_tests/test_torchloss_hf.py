@@ -376,6 +376,7 @@ def test_vocab_size_must_be_an_int() -> None:
         assert str(got.value) == str(want.value) and "vocab_size must be an int" in str(got.value)
 
 
+@pytest.mark.slow  # a subprocess that imports torch: ~4 s
 def test_importing_torchloss_does_not_import_transformers() -> None:
     code = "import sys, torchloss, torchloss.hf; assert 'transformers' not in sys.modules, 'imported'"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
