@@ -1,5 +1,5 @@
 """The test processes' Triton-interpreter shortcut (parity_tests/support/triton_interpreter.py),
-its type caches included, changes no bit: every kind's kernels (with and without soft caps: reverse KL's tl.reduce combines
+its type caches and binary-op shortcut included, changes no bit: every kind's kernels (with and without soft caps: reverse KL's tl.reduce combines
 either way, several vocabulary blocks and a ragged tail, a non-unit upstream gradient through the
 16-bit regrad kernel) give the same loss and gradient with the interpreter's own device calls and
 element-by-element reductions and with the shortcut; and a tl.reduce of sums in float32 whose
@@ -64,6 +64,7 @@ def test_the_triton_shortcut_is_installed() -> None:
     assert getattr(interpreter.InterpretedFunction, triton_interpreter.INSTALLED_FLAG, False)
     assert core.tensor.__init__.__name__ == "cached_init"
     assert interpreter._get_np_dtype.__name__ == "_get_np_dtype" and hasattr(interpreter._get_np_dtype, "__wrapped__")
+    assert "binary_op_type_checking_impl" in vars(interpreter.interpreter_semantic)  # the binary-op shortcut
 
 
 @pytest.mark.parametrize("caps", [True, False], ids=["caps", "no_caps"])

@@ -34,7 +34,9 @@ building a dict of every type (``interpreter._get_np_dtype``, a million calls). 
 and per dtype: that file took 61.4 s instead of 64.0 in one process, back to back (a subset of it
 9.0-9.4 s against 10.0-10.4, twice each; this machine's noise is of that order). The replacement ``__init__``
 sets the same attributes to equal values; :func:`install` compares it with Triton's own on a
-sample tensor and leaves ``tl.tensor`` alone where they differ (another Triton).
+sample tensor and leaves ``tl.tensor`` alone where they differ (another Triton). And a binary
+operation whose operands need no conversion skips Triton's type checks
+(:func:`_install_binary_fast_path`: a Triton file's interpreted cases in 42-46 s instead of 50).
 """
 
 from __future__ import annotations
