@@ -141,3 +141,28 @@ def test_accumulate_rejects_bad_arguments() -> None:
         accumulate(loss_fn, make_model(), batch, num_microbatches=2, normalization="none")
     with pytest.raises(ValueError, match="only counts normalization"):
         global_denominator(batch["labels"], normalization="sum")
+
+
+def test_ranks_are_processes_of_their_own_that_report_failures_and_timeouts(tmp_path: Path) -> None:
+    """``ranks.launch`` (its ranks forked from a pre-imported Python, parity_tests/support/zygote.py):
+    each rank runs the script as ``__main__`` with its own ``RANK``, process id and arguments, a
+    rank that raises fails the launch with every rank's log (its traceback included), and ranks
+    still running at the deadline are killed and reported, not waited for."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "rank = int(os.environ['RANK'])\n"
+        "print('rank', rank, 'of', os.environ['WORLD_SIZE'], 'pid', os.getpid(), 'argv', sys.argv[1:], flush=True)\n"
+        "if sys.argv[1] == 'fail' and rank == 1:\n"
+        "    raise RuntimeError('rank 1 breaks')\n"
+        "if sys.argv[1] == 'hang':\n"
+        "    time.sleep(120)\n"
+    )
+    ranks.launch(script, ["ok"], world_size=3, log_dir=tmp_path / "ok")
+    lines = [(tmp_path / "ok" / f"rank{rank}.log").read_text().split() for rank in range(3)]
+    assert [line[1] for line in lines] == ["0", "1", "2"] and all(line[3] == "3" and line[-1] == "['ok']" for line in lines)
+    assert len({line[5] for line in lines} | {str(os.getpid())}) == 4  # three processes, none of them this one
+    with pytest.raises(AssertionError, match=r"(?s)exit codes \[0, 1\].*RuntimeError: rank 1 breaks"):
+        ranks.launch(script, ["fail"], world_size=2, log_dir=tmp_path / "fail")
+    with pytest.raises(AssertionError, match=r"timed out after 3 s; exit codes \[-9, -9\]"):
+        ranks.launch(script, ["hang"], world_size=2, log_dir=tmp_path / "hang", timeout_s=3)

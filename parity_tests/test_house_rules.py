@@ -136,10 +136,14 @@ def test_tests_import_no_test_module_and_leave_sys_path_alone() -> None:
 
 def rank_launches(path: Path) -> list[str]:
     """Direct calls of ``ranks.launch`` in ``path`` (``launch_once`` / ``launch_dir_once`` are the
-    shared ones)."""
-    return [f"{path.relative_to(ROOT)}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+    shared ones), except in the body of a test function itself (which runs once, in one worker:
+    the test of ``launch``)."""
+    tree = ast.parse(path.read_text())
+    in_tests = {id(node) for test in ast.walk(tree) if isinstance(test, ast.FunctionDef) and test.name.startswith("test_")
+                for node in ast.walk(test)}
+    return [f"{path.relative_to(ROOT)}:{node.lineno}" for node in ast.walk(tree)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "launch"
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "ranks"]
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "ranks" and id(node) not in in_tests]
 
 
 def test_gloo_ranks_are_launched_once_per_run() -> None:
@@ -154,8 +158,10 @@ def test_gloo_ranks_are_launched_once_per_run() -> None:
 def test_the_scan_finds_a_direct_rank_launch(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     probe = tmp_path / "probe.py"
-    probe.write_text("ranks.launch(script, [], world_size=3, log_dir=out)\nranks.launch_once('x', script, args, 3, factory)\n")
-    assert rank_launches(probe) == ["probe.py:1"]
+    probe.write_text("ranks.launch(script, [], world_size=3, log_dir=out)\nranks.launch_once('x', script, args, 3, factory)\n"
+                     "@pytest.fixture(scope='module')\ndef fixture_launch():\n    ranks.launch(script, [], 2, out)\n"
+                     "def test_launch():\n    ranks.launch(script, [], 2, out)\n")
+    assert rank_launches(probe) == ["probe.py:1", "probe.py:5"]
 
 
 NAMEDTUPLE_API = {"_fields", "_replace", "_asdict", "_make", "_field_defaults"}

@@ -12,14 +12,17 @@ Not a test module (no ``test_`` prefix); used by the tests and their worker scri
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import os
-import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
+
+from parity_tests.support import zygote
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,8 +45,9 @@ _RANK_BOOTSTRAP = (
 
 
 def launch(script: Path, args: list[str], world_size: int, log_dir: Path, timeout_s: float = RANK_TIMEOUT_S + 60) -> None:
-    """Run ``python script *args`` (through :data:`_RANK_BOOTSTRAP`) as ``world_size`` ranks (RANK/WORLD_SIZE in the environment);
-    raise AssertionError with every rank's log unless all exit 0 within ``timeout_s``."""
+    """Run ``python script *args`` (through :data:`_RANK_BOOTSTRAP`) as ``world_size`` ranks (RANK/WORLD_SIZE in the environment),
+    each a process forked from this process's zygote (:func:`_zygote`); raise AssertionError with every rank's log unless all
+    exit 0 within ``timeout_s``."""
     log_dir.mkdir(parents=True, exist_ok=True)
     init_file = log_dir / "init_store"
     init_file.unlink(missing_ok=True)
@@ -54,32 +58,52 @@ def launch(script: Path, args: list[str], world_size: int, log_dir: Path, timeou
     if Path("/sys/class/net/lo").exists():
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     logs = [log_dir / f"rank{rank}.log" for rank in range(world_size)]
-    procs = []
-    for rank in range(world_size):
-        with open(logs[rank], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, "-c", _RANK_BOOTSTRAP, str(script), *args], env=dict(env, RANK=str(rank)),
-                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+    fork = _zygote(env)
+    pids = [fork.spawn(_RANK_BOOTSTRAP, [str(script), *args], dict(env, RANK=str(rank)), logs[rank]) for rank in range(world_size)]
+    codes: list[Optional[int]] = [None] * world_size
+
+    def poll() -> list[Optional[int]]:
+        for rank, pid in enumerate(pids):
+            if codes[rank] is None:
+                codes[rank] = fork.poll(pid)
+        return codes
+
     deadline = time.monotonic() + timeout_s
     failed = ""
-    while any(p.poll() is None for p in procs):
+    while any(code is None for code in poll()):
         if time.monotonic() > deadline:
             failed = f"timed out after {timeout_s:.0f} s"
             break
-        if any(p.poll() not in (None, 0) for p in procs):
+        if any(code not in (None, 0) for code in codes):
             time.sleep(2)  # let the other ranks notice and write their part of the story
             failed = "a rank failed"
             break
         time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    codes = [p.returncode for p in procs]
+    for rank, pid in enumerate(pids):
+        if codes[rank] is None:
+            os.kill(pid, signal.SIGKILL)
+            while poll()[rank] is None:
+                time.sleep(0.05)
     if failed or any(codes):
         report = [f"{failed or 'non-zero exit'}; exit codes {codes}"]
         for rank, log in enumerate(logs):
             report.append(f"----- rank {rank} log ({log}) -----\n{log.read_text()[-4000:]}")
         raise AssertionError("\n".join(report))
+
+
+_ZYGOTES: dict[str, zygote.Zygote] = {}
+
+
+def _zygote(env: dict[str, str]) -> zygote.Zygote:
+    """This process's zygote for the ranks (parity_tests/support/zygote.py: a rank forked from it
+    is ``python -c`` without the ~4 s of importing JAX and torch), started at the first launch with
+    the ranks' environment, whose ``PYTHONPATH`` (the repository root) and ``OMP_NUM_THREADS=1``
+    (read when torch loads OpenMP) it keeps; each rank gets the whole environment of its launch."""
+    running = _ZYGOTES.get("ranks")
+    if running is None or running.proc.poll() is not None:
+        running = _ZYGOTES["ranks"] = zygote.started(env, Path.cwd())
+        atexit.register(running.close)
+    return running
 
 
 def init_gloo() -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """Run Python programs in fresh processes forked from a Python that has already imported the large
-third-party packages (a "zygote"): what ``python -c CODE`` does, without paying the ~3 s of
+third-party packages (a "zygote"): what ``python -c CODE`` does, without paying the ~3-4 s of
 importing JAX, torch and Flax per program. For test_readme_examples.py, whose ~26 blocks each
-ran in a new interpreter (about 90 s of a 2-worker run's time, mostly imports).
+ran in a new interpreter (93 s of a 2-worker run's CPU time, 52 s this way), and for the gloo
+ranks of ranks.py (~25 processes a run; three suites' launches 45 s of CPU, 28 s this way).
 
 What a program sees is what ``python -c`` gives it: the module ``__main__`` with fresh globals
 (an example that forgets ``import jax`` fails with ``NameError`` as before), ``sys.argv`` of
@@ -16,8 +17,11 @@ as a new interpreter would; :func:`Zygote.start` checks that and that none of th
 packages was imported.
 
 The protocol over the zygote's stdin/stdout: a request is one JSON line ``{"code", "stdout",
-"stderr"}`` (the two paths the child writes to); the zygote forks, answers ``{"pid"}`` at once and
-``{"returncode"}`` when the child has ended.
+"stderr"}`` (the paths the child writes to; ``stderr`` null: with stdout), optionally ``"argv"``,
+``"env"`` (the child's whole environment) and ``"wait": false``; the zygote forks, answers
+``{"pid"}`` at once and, unless told not to wait, ``{"returncode"}`` when the child has ended. A
+``{"poll": pid}`` request answers ``{"returncode"}`` of a child started without waiting, ``null``
+while it runs.
 """
 
 from __future__ import annotations
@@ -46,19 +50,32 @@ requests, replies = sys.stdin, os.fdopen(os.dup(1), "w", buffering=1)
 replies.write(json.dumps({"ready": True, "backends": sorted(xla_bridge._backends), "ours": ours}) + "\n")
 for line in requests:
     request = json.loads(line)
+    if request.get("poll"):  # a child started with "wait": false: ended yet?
+        pid, status = os.waitpid(request["poll"], os.WNOHANG)
+        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status) if pid else None}) + "\n")
+        continue
     pid = os.fork()
     if pid == 0:
         requests.close()
         replies.close()
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(out, fd)
-            os.close(out)
+        if request.get("env") is not None:
+            os.environ.clear()
+            os.environ.update(request["env"])
+        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.close(out)
+        err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if request["stderr"] else None
+        os.dup2(1 if err is None else err, 2)
+        if err is not None:
+            os.close(err)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
         sys.stdin = open(0, closefd=False)
-        sys.argv = ["-c"]
+        if os.environ.get("PYTHONFAULTHANDLER"):
+            import faulthandler
+            faulthandler.enable()
+        sys.argv = ["-c", *request.get("argv", [])]
         code = 0
         main = type(sys)("__main__")
         sys.modules["__main__"] = main
@@ -78,8 +95,9 @@ for line in requests:
             sys.stderr.flush()
             os._exit(code)
     replies.write(json.dumps({"pid": pid}) + "\n")
-    _, status = os.waitpid(pid, 0)
-    replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+    if request.get("wait", True):
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
 """
 
 
@@ -131,6 +149,22 @@ class Zygote:
         out.unlink()
         err.unlink()
         return result
+
+    def spawn(self, code: str, argv: list[str], env: dict[str, str], log: Path) -> int:
+        """Start ``python -c code *argv`` with the environment ``env`` (the whole of it, in place
+        of the zygote's), stdout and stderr to ``log``; its pid, without waiting for it (see
+        :meth:`poll`). Variables that Python reads at its start act as they would there:
+        ``PYTHONFAULTHANDLER`` (faulthandler enabled); ``PYTHONPATH`` and the working folder are
+        the zygote's (start it with those of the children)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"code": code, "argv": argv, "env": env, "stdout": str(log), "stderr": None, "wait": False}) + "\n")
+        return self._reply(30.0)["pid"]
+
+    def poll(self, pid: int) -> "int | None":
+        """A spawned child's exit code once it has ended (``subprocess.Popen.poll``), else None."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"poll": pid}) + "\n")
+        return self._reply(30.0)["returncode"]
 
     def close(self) -> None:
         if self.proc.stdin is not None:
