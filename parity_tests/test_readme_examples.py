@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -192,6 +193,13 @@ def test_fresh_python_runs_a_program_as_python_c_does(fresh_python: zygote.Zygot
     with pytest.raises(subprocess.TimeoutExpired):
         fresh_python.run("import time\ntime.sleep(60)", timeout=1)
     assert fresh_python.run("print('still serving')", timeout=60).stdout == "still serving\n"
+    # A child that ends at once: its exit code can reach the pipe right behind its pid, and must
+    # still be read (a buffered readline took both, and the select for the second waited in vain).
+    out = fresh_python.folder / "quick.out"
+    fresh_python._send({"code": "import sys\nsys.exit(5)", "stdout": str(out), "stderr": None})
+    time.sleep(1.0)  # both answers are in the pipe before the first is read
+    assert "pid" in fresh_python._reply(10.0) and fresh_python._reply(10.0) == {"returncode": 5}
+    out.unlink()
 
 
 def test_oracle_checks_name_existing_blocks() -> None:

@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 #: What the zygote imports before it forks (each a third-party package a page's example imports,
@@ -109,9 +110,10 @@ class Zygote:
         self.folder = Path(tempfile.mkdtemp(prefix="zygote_"))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _SERVER, json.dumps(PRELOADED), json.dumps(OUR_PACKAGES)],
-            cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )
         self.runs = 0
+        self._pending = b""  # answers read from the pipe, not yet returned
 
     def start(self, timeout: float = 300.0) -> None:
         """Wait until the zygote has imported :data:`PRELOADED`; it must not have started a JAX
@@ -121,28 +123,43 @@ class Zygote:
         assert ready["backends"] == [], f"the zygote started JAX backends {ready['backends']}: a child would inherit them"
         assert ready["ours"] == [], f"the zygote imported {ready['ours']}: a child would not import them itself"
 
+    def _send(self, request: dict) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+
     def _reply(self, timeout: float) -> dict:
+        """The next answer line. Read from the pipe's descriptor into our own buffer: a buffered
+        reader could hold a second answer (a fast child's exit right behind its pid) where
+        ``select`` no longer sees it."""
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError(f"no answer from the zygote in {timeout} s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the zygote ended (exit code {self.proc.wait()})")
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                raise TimeoutError(f"no answer from the zygote in {timeout} s")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"the zygote ended (exit code {self.proc.wait()})")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
         return json.loads(line)
 
     def run(self, code: str, timeout: float) -> subprocess.CompletedProcess:
         """Run ``code`` in a fresh child; its exit code, stdout and stderr (text). On ``timeout``
         the child is killed and ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does."""
-        assert self.proc.stdin is not None
         self.runs += 1
         out, err = self.folder / f"{self.runs}.out", self.folder / f"{self.runs}.err"
-        self.proc.stdin.write(json.dumps({"code": code, "stdout": str(out), "stderr": str(err)}) + "\n")
+        self._send({"code": code, "stdout": str(out), "stderr": str(err)})
         pid = self._reply(30.0)["pid"]
         try:
             code_reply = self._reply(timeout)
         except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended (and was reaped) just now
+                pass
             self._reply(30.0)
             raise subprocess.TimeoutExpired(["<zygote child>"], timeout, out.read_text(), err.read_text()) from None
         result = subprocess.CompletedProcess(["<zygote child>"], code_reply["returncode"], out.read_text(), err.read_text())
@@ -156,14 +173,12 @@ class Zygote:
         :meth:`poll`). Variables that Python reads at its start act as they would there:
         ``PYTHONFAULTHANDLER`` (faulthandler enabled); ``PYTHONPATH`` and the working folder are
         the zygote's (start it with those of the children)."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"code": code, "argv": argv, "env": env, "stdout": str(log), "stderr": None, "wait": False}) + "\n")
+        self._send({"code": code, "argv": argv, "env": env, "stdout": str(log), "stderr": None, "wait": False})
         return self._reply(30.0)["pid"]
 
     def poll(self, pid: int) -> "int | None":
         """A spawned child's exit code once it has ended (``subprocess.Popen.poll``), else None."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"poll": pid}) + "\n")
+        self._send({"poll": pid})
         return self._reply(30.0)["returncode"]
 
     def close(self) -> None:
