@@ -6,8 +6,8 @@ ranks of ranks.py (~25 processes a run; three suites' launches 45 s of CPU, 28 s
 
 What a program sees is what ``python -c`` gives it: the module ``__main__`` with fresh globals
 (an example that forgets ``import jax`` fails with ``NameError`` as before), ``sys.argv`` of
-``["-c"]``, its output on its own stdout and stderr, the environment and working folder the
-zygote was started with, the exit handlers (``atexit``) run and the streams flushed at its end, a
+``["-c", *argv]``, its output on its own stdout and stderr, the environment the zygote was started
+with (or the one its request gives), the zygote's working folder, the exit handlers (``atexit``) run and the streams flushed at its end, a
 ``SystemExit`` code or 1 after an uncaught exception (traceback on stderr). The differences: the
 packages of :data:`PRELOADED` are in ``sys.modules`` already (none of this repository's: the
 program imports ``lossspec``, ``jaxloss``, ``torchloss`` itself), and they were imported with the
