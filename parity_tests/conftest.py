@@ -43,12 +43,13 @@ import re  # noqa: E402
 
 import pytest  # noqa: E402
 
-# The hooks of the test processes' lives (an xdist worker's end, JAX's caches between files, the
-# workers' crash reports and peak memory): defined in parity_tests/support/workers.py, where their
-# tests import them, and registered here by name.
+# The hooks of the test processes' lives (an xdist worker's end, JAX's executables shared by the
+# run's processes and dropped between files, the workers' crash reports and peak memory): defined
+# in parity_tests/support/workers.py, where their tests import them, and registered here by name.
 from parity_tests.support.workers import (  # noqa: E402, F401
     longest_first,
     pytest_configure,
+    pytest_runtest_setup,
     pytest_runtest_teardown,
     pytest_sessionfinish,
     pytest_terminal_summary,

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from parity_tests.support import workers
+from parity_tests.support import jax_executables, workers
 
 
 class _Node:
@@ -44,6 +44,10 @@ def test_a_worker_collects_then_freezes_at_session_end(monkeypatch: pytest.Monke
         # and it leaves its peak memory for the controller's summary: this process's, in GiB
         peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         assert abs(float((tmp_path / f"gw7.{os.getpid()}.peak.txt").read_text()) - peak_gib) <= 0.0051
+        # and its counts of JAX executables (compiled, reused, loaded, seconds saved)
+        counts = jax_executables.COUNTS
+        written = (tmp_path / f"gw7.{os.getpid()}.executables.txt").read_text().split()
+        assert written == [str(counts[name]) for name in ("compiled", "reused", "loaded", "seconds_saved")]
     finally:
         gc.unfreeze()
         gc.enable()
@@ -110,20 +114,60 @@ def test_a_crashed_workers_traceback_and_the_peaks_end_the_run(tmp_path: Path) -
     assert peaks is not None and re.fullmatch(r"gw\d+ \d+\.\d\d GiB(, gw\d+ \d+\.\d\d GiB)*", peaks.group(1)), out
 
 
+SHARING_TESTS = """
+import jax
+import numpy as np
+import pytest
+
+
+@pytest.mark.parametrize("copy", range(4))
+def test_the_same_program(copy):
+    x = np.arange(6, dtype=np.float32)
+    out = jax.jit(lambda v: v * 3.0 + 1.0)(x)  # a new function each time: JAX alone compiles it 4 times
+    np.testing.assert_array_equal(np.asarray(out), x * 3.0 + 1.0)
+"""
+
+
+@pytest.mark.slow  # a pytest run with two xdist workers in a subprocess
+def test_the_workers_share_their_jax_executables(tmp_path: Path) -> None:
+    """Four tests, one program, two workers: compiled once or, where both workers got there
+    first, twice; every other call takes a kept or a loaded executable, and the run's end says
+    so (its folder of executables removed with the reports)."""
+    (tmp_path / "test_sharing.py").write_text(SHARING_TESTS)
+    env = dict(os.environ, PYTHONPATH=str(Path(workers.__file__).parents[2]), TMPDIR=str(tmp_path))
+    env.pop(workers.CRASH_DIR_VARIABLE, None)
+    env.pop("PYTEST_XDIST_WORKER", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "2", "-p", "parity_tests.support.workers", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+         str(tmp_path / "test_sharing.py")],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300,
+    )
+    out = run.stdout
+    assert run.returncode == 0 and "4 passed" in out, out + run.stderr
+    line = re.search(r"JAX executables: (\d+) compiled, (\d+) reused in their process, (\d+) loaded from the run's folder "
+                     r"\(~\d+ s of compiles saved\)", out)
+    assert line is not None, out
+    compiled, reused, loaded = (int(n) for n in line.groups())
+    assert compiled in (1, 2) and compiled + reused + loaded == 4, out
+    assert not list(tmp_path.glob("parity_tests_workers_*")), "the run's folder of executables is left behind"
+
+
 def test_jax_caches_are_dropped_after_each_files_last_test(monkeypatch: pytest.MonkeyPatch) -> None:
     """Between two tests of one file JAX keeps its compiled executables; after a file's last test
-    (the next test is in another file, or there is none) they are dropped."""
+    (the next test is in another file, or there is none) they are dropped, with those that
+    parity_tests/support/jax_executables.py keeps in memory."""
     import jax
 
     drops = []
-    monkeypatch.setattr(jax, "clear_caches", lambda: drops.append(1))
+    monkeypatch.setattr(jax, "clear_caches", lambda: drops.append("jax"))
+    monkeypatch.setattr(jax_executables, "clear", lambda: drops.append("shared"))
     first, second, other = (SimpleNamespace(path=Path(name)) for name in ("test_a.py", "test_a.py", "test_b.py"))
     workers.pytest_runtest_teardown(first, second)
     assert drops == []
     workers.pytest_runtest_teardown(second, other)
-    assert drops == [1]
+    assert sorted(drops) == ["jax", "shared"]
     workers.pytest_runtest_teardown(other, None)
-    assert drops == [1, 1]
+    assert sorted(drops) == ["jax", "jax", "shared", "shared"]
 
 
 FAULTHANDLER_REPORT = """Fatal Python error: Segmentation fault

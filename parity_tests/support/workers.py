@@ -2,7 +2,9 @@
 them by name) and loadable as a plugin (``-p parity_tests.support.workers``):
 
 * an xdist worker's end: collect the garbage, then freeze the survivors (:func:`pytest_sessionfinish`);
-* JAX's compiled executables dropped after each test file (:func:`pytest_runtest_teardown`);
+* JAX's executables shared by the run's processes (:func:`pytest_runtest_setup`,
+  parity_tests/support/jax_executables.py), and those kept in memory dropped after each test file
+  (:func:`pytest_runtest_teardown`);
 * a dead worker's fatal-error traceback and every worker's peak memory at the end of the run
   (:func:`pytest_configure`, :func:`pytest_terminal_summary`, :func:`pytest_unconfigure`).
 """
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+
+from parity_tests.support import jax_executables
 
 # Where each xdist worker writes a fatal error's traceback (faulthandler) and, at its end, its peak
 # memory; set by the controller before it starts the workers, which inherit it.
@@ -71,10 +75,32 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     folder = os.environ.get(CRASH_DIR_VARIABLE)
     if folder and Path(folder).is_dir():
         (Path(folder) / f"{worker}.{os.getpid()}.peak.txt").write_text(f"{_peak_memory_gib():.2f}\n")
+        counts = jax_executables.COUNTS
+        (Path(folder) / f"{worker}.{os.getpid()}.executables.txt").write_text(
+            " ".join(str(counts[name]) for name in ("compiled", "reused", "loaded", "seconds_saved")) + "\n"
+        )
+
+
+def executables_folder() -> Optional[Path]:
+    """Where this run's processes share their JAX executables: ``executables/`` in the run's
+    folder of reports (an xdist run's; a run without workers keeps its executables in memory)."""
+    folder = os.environ.get(CRASH_DIR_VARIABLE)
+    return Path(folder) / "executables" if folder else None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the first test of a process that has imported JAX: share its executables
+    (:mod:`parity_tests.support.jax_executables`)."""
+    if not jax_executables.installed() and "jax" in sys.modules:
+        folder = executables_folder()
+        if folder is not None:
+            folder.mkdir(exist_ok=True)
+        jax_executables.install(folder)
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
-    """After a test file's last test (in this process), drop JAX's compiled executables.
+    """After a test file's last test (in this process), drop JAX's compiled executables (those
+    that JAX keeps and those that :mod:`parity_tests.support.jax_executables` keeps in memory).
 
     Why: every jitted function, shape and static argument compiles anew and JAX keeps each
     executable for the life of the process; over the ~5600 tests a worker's memory grew to 6 GB
@@ -87,6 +113,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) 
     jax = sys.modules.get("jax")
     if jax is not None:
         jax.clear_caches()
+        jax_executables.clear()
 
 
 @pytest.hookimpl(trylast=True)
@@ -139,6 +166,14 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(
             f"{len(crashed)} worker crash(es); a crash without a fatal-error traceback above is a kill "
             f"(SIGKILL: the kernel's out-of-memory killer, most often). Memory now: {_meminfo()}"
+        )
+    shared = [p.read_text().split() for p in Path(folder).glob("*.executables.txt")]
+    if shared:
+        compiled, reused, loaded = (sum(int(float(row[i])) for row in shared) for i in range(3))
+        saved = sum(float(row[3]) for row in shared)
+        terminalreporter.write_line(
+            f"JAX executables: {compiled} compiled, {reused} reused in their process, {loaded} loaded from the run's folder "
+            f"(~{saved:.0f} s of compiles saved)"
         )
     peaks = sorted(Path(folder).glob("*.peak.txt"))
     if peaks:
