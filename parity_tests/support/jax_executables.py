@@ -1,6 +1,6 @@
 """One XLA compile per distinct program in a test run: the test processes share their JAX
-executables (installed by the hooks of parity_tests/support/workers.py once a test process has
-imported JAX; the library never installs it).
+executables (installed by the hooks of parity_tests/support/workers.py before a test process's
+first test; the library never installs it).
 
 Why: XLA's compiles are about half of the suite's time. JAX keys its in-memory caches on the
 traced program (the function, its static arguments, the jaxpr), not on what XLA compiles: two

@@ -89,9 +89,10 @@ def executables_folder() -> Optional[Path]:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Before the first test of a process that has imported JAX: share its executables
-    (:mod:`parity_tests.support.jax_executables`)."""
-    if not jax_executables.installed() and "jax" in sys.modules:
+    """Before a process's first test: share its JAX executables
+    (:mod:`parity_tests.support.jax_executables`; this imports JAX, which the first test may
+    import only in its body: the CLI's full matrix, the first test of a run)."""
+    if not jax_executables.installed():
         folder = executables_folder()
         if folder is not None:
             folder.mkdir(exist_ok=True)
