@@ -48,6 +48,7 @@ import pytest  # noqa: E402
 # in parity_tests/support/workers.py, where their tests import them, and registered here by name.
 from parity_tests.support.workers import (  # noqa: E402, F401
     longest_first,
+    pytest_collection_finish,
     pytest_configure,
     pytest_runtest_setup,
     pytest_runtest_teardown,

@@ -1,8 +1,11 @@
-"""The end of an xdist worker's session (``workers.pytest_sessionfinish``): the garbage is
-collected before the worker reports that it has finished, and what survives is frozen, so that
-pytest's last collection does not outlast execnet's 5 s exit allowance (a SIGINT printed as a
-``KeyboardInterrupt`` in JAX's ``_xla_gc_callback`` at the end of a passing run), and the worker
-leaves its peak memory for the controller's summary (``workers.pytest_terminal_summary``)."""
+"""The start and the end of an xdist worker's session: once its tests are collected
+(``workers.pytest_collection_finish``) and before it reports that it has finished
+(``workers.pytest_sessionfinish``) the garbage is collected and what survives is frozen, so that
+Python's full collections walk only what the tests made, and pytest's last collection does not
+outlast execnet's 5 s exit allowance (a SIGINT printed as a ``KeyboardInterrupt`` in JAX's
+``_xla_gc_callback`` at the end of a passing run); the worker leaves its peak memory and its
+counts of JAX executables for the controller's summary (``workers.pytest_terminal_summary``),
+and shares those executables with the run's other worker."""
 
 from __future__ import annotations
 
@@ -26,6 +29,25 @@ class _Node:
 
     def __init__(self) -> None:
         self.me = self
+
+
+def test_a_worker_collects_then_freezes_once_its_tests_are_collected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the imports and the collection made is frozen: Python's full collections then walk
+    only what the tests make."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw7")
+    frozen_before = gc.get_freeze_count()
+    gc.disable()
+    try:
+        garbage = _Node()
+        collected = weakref.ref(garbage)
+        del garbage
+        survivor = _Node()
+        workers.pytest_collection_finish(session=None)
+        assert collected() is None  # collected first, not frozen
+        assert gc.get_freeze_count() > frozen_before and survivor is not None
+    finally:
+        gc.unfreeze()
+        gc.enable()
 
 
 def test_a_worker_collects_then_freezes_at_session_end(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -56,13 +78,15 @@ def test_a_worker_collects_then_freezes_at_session_end(monkeypatch: pytest.Monke
 def test_a_run_without_workers_is_left_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     monkeypatch.setenv(workers.CRASH_DIR_VARIABLE, str(tmp_path))
+    frozen_before = gc.get_freeze_count()  # an xdist worker froze its imports after collection
     gc.disable()
     try:
         garbage = _Node()
         collected = weakref.ref(garbage)
         del garbage
+        workers.pytest_collection_finish(session=None)
         workers.pytest_sessionfinish(session=None)
-        assert collected() is not None and gc.get_freeze_count() == 0
+        assert collected() is not None and gc.get_freeze_count() == frozen_before
         assert not list(tmp_path.iterdir())
     finally:
         gc.collect()

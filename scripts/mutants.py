@@ -818,6 +818,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("parity_tests/test_worker_exit.py",),
     ),
     Mutant(
+        "worker_start_no_freeze",
+        "an xdist worker leaves its imports and collected tests to every full collection of the run",
+        "parity_tests/support/workers.py::pytest_collection_finish",
+        "    gc.freeze()",
+        "    pass",
+        ("parity_tests/test_worker_exit.py",),
+    ),
+    Mutant(
         "jax_caches_kept_between_files",
         "the test processes keep every JAX executable for the whole run (a worker's memory grew to 6 GB)",
         "parity_tests/support/workers.py::pytest_runtest_teardown",

@@ -1,7 +1,8 @@
 """The hooks of the test processes' lives, registered by parity_tests/conftest.py (which imports
 them by name) and loadable as a plugin (``-p parity_tests.support.workers``):
 
-* an xdist worker's end: collect the garbage, then freeze the survivors (:func:`pytest_sessionfinish`);
+* an xdist worker's start and end: collect the garbage, then freeze the survivors
+  (:func:`pytest_collection_finish`, :func:`pytest_sessionfinish`);
 * JAX's executables shared by the run's processes (:func:`pytest_runtest_setup`,
   parity_tests/support/jax_executables.py), and those kept in memory dropped after each test file
   (:func:`pytest_runtest_teardown`);
@@ -47,6 +48,21 @@ def longest_first(items: list[pytest.Item]) -> None:
     sort: every other test keeps its place; every process sorts the same collection alike)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(f"{item.path.name}::{item.name}", len(rank)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """An xdist worker, its tests collected: collect the garbage, then freeze what survives (the
+    imported packages, the collected tests: ~400k objects that live as long as the worker).
+
+    Why: each of Python's full collections walks every tracked object; with these frozen, a full
+    collection walks only what the tests made since (a JAX-heavy subset: full collections 3.3 s
+    of 72 s unfrozen, 2.1 s frozen)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(trylast=True)
