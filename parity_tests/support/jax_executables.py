@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -97,7 +98,7 @@ def _write(path: Path, executable: Any, seconds: float) -> None:
     """Write atomically (a reader sees a whole file or none); a failure only loses the sharing."""
     try:
         blob = executable.serialize()
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")  # a writer's own
         partial.write_bytes(_SECONDS.pack(seconds) + blob)
         os.replace(partial, path)
     except Exception:
