@@ -32,9 +32,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-#: The environment variable that names the run's folder of executables (set by the controller).
-FOLDER_VARIABLE = "PARITY_TESTS_EXECUTABLES_DIR"
-
 _EXECUTABLES: dict[str, Any] = {}
 _STATE: dict[str, Any] = {"original": None, "folder": None}
 #: This process's compiles, reuses of the executables it keeps, loads from the folder (another
