@@ -20,7 +20,9 @@ field                    read by (default when ``None``)
 ``single_block_vocab``   XLA: the widest row taken as one block (2**18); only wider rows are split
                          into blocks of ``vocab_block``.
 ``chunk_elements``       XLA: elements of one row chunk ``[R, B]``, ``R = chunk_elements // B``
-                         (2**20); also the tiles of JAX's vocab-parallel mixture pass.
+                         (2**20; plain cross-entropy on fp32 logits: every row at once, whose only
+                         ``[N, V]`` buffer is the gradient); also the tiles of JAX's vocab-parallel
+                         mixture pass.
 ``cpu_tile_elements``    the torch path on the CPU: elements of one row tile (2**20; the kinds with
                          four scratch buffers take half of it); also the tiles of torch's
                          vocab-parallel path and of the per-row scaling of the backward.
