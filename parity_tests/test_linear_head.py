@@ -163,9 +163,24 @@ def test_teacher_vocabulary_mismatch_is_refused() -> None:
 # Memory
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.filterwarnings("ignore:`export_memory_timeline` is deprecated:FutureWarning")
+def test_peak_extra_measures_the_bytes_held_at_once() -> None:
+    """The measurement of the torch memory tests: two 4 MiB buffers alive together, both freed, a
+    buffer made before the call freed, one more 4 MiB buffer: 8 MiB above the start."""
+    held = {"before": torch.empty(1 << 18)}  # 1 MiB, made before the call, freed inside it
+
+    def fn() -> None:
+        first, second = torch.ones(1 << 20), torch.ones(1 << 20)  # fp32: 4 MiB each, alive together
+        del first, second
+        held.clear()
+        third = torch.ones(1 << 20)
+        del third
+
+    assert peak_extra(fn) == 8 << 20
+    assert peak_extra(lambda: None) == 0
+
+
 @pytest.mark.parametrize("dtype,width", [("float32", MEM_H), ("bfloat16", 128)])
-def test_torch_peak_memory_is_an_eighth_of_the_logits(tmp_path: Any, dtype: str, width: int) -> None:
+def test_torch_peak_memory_is_an_eighth_of_the_logits(dtype: str, width: int) -> None:
     """Forward + backward of the fused head hold at most 1/8 of one logits buffer in the inputs'
     dtype plus the gradients (fp32, and the 16-bit ones returned) and a few per-token vectors
     (cross-entropy works in one [R, V] block; a bf16 weight is read in fp32 slices, never a
@@ -188,20 +203,19 @@ def test_torch_peak_memory_is_an_eighth_of_the_logits(tmp_path: Any, dtype: str,
         torchloss.cross_entropy(hidden @ weight.T, labels).backward()
 
     fused()  # warm-up (lazy initialisation outside the measurement)
-    peak = peak_extra(fused, tmp_path)
+    peak = peak_extra(fused)
     assert peak <= logits_bytes / 8 + grads_bytes + vectors_bytes, (peak, logits_bytes)
-    assert peak_extra(unfused, tmp_path) > logits_bytes  # the timeline sees the logits when they exist
+    assert peak_extra(unfused) > logits_bytes  # the measurement sees the logits when they exist
 
 
-@pytest.mark.slow  # the profiler's memory timeline of ~100 chunks: 28 s (cross-entropy) and 57 s (forward KL) in a fresh clone
-@pytest.mark.filterwarnings("ignore:`export_memory_timeline` is deprecated:FutureWarning")
+@pytest.mark.slow  # ~100 profiled chunks; the fast lane keeps test_torch_peak_memory_is_an_eighth_of_the_logits
 @pytest.mark.parametrize("kind", ["cross_entropy", "forward_kl"])
-def test_torch_peak_memory_with_soft_caps_is_an_eighth_of_the_logits(tmp_path: Any, kind: str) -> None:
+def test_torch_peak_memory_with_soft_caps_is_an_eighth_of_the_logits(kind: str) -> None:
     """The same allowance with every soft cap of the kind set (fp32): the capped block and the
     cap's slope are blocks of their own, which the plan's live blocks must count
     (``torchloss._block.head_live_blocks``; without them cross-entropy held 10.7 times the
-    allowance's 1/8, the teacher kinds 3.6). Two kinds (a student cap; both caps): each takes
-    30-60 s of the profiler; every kind measured 0.79-0.87 of the 1/8 once (fp32, this shape)."""
+    allowance's 1/8, the teacher kinds 3.6). Two kinds (a student cap; both caps); every kind
+    measured 0.79-0.87 of the 1/8 once (fp32, this shape)."""
     rng = np.random.default_rng(7)
     spec = lossspec.KIND_SPECS[kind]
     hidden = torch.tensor(rng.standard_normal((MEM_N, MEM_H)), dtype=torch.float32, requires_grad=True)
@@ -222,7 +236,7 @@ def test_torch_peak_memory_with_soft_caps_is_an_eighth_of_the_logits(tmp_path: A
         getattr(torchloss, f"linear_{kind}")(hidden, weight, *target, **caps).backward()
 
     fused()
-    peak = peak_extra(fused, tmp_path)
+    peak = peak_extra(fused)
     assert peak <= logits_bytes / 8 + grads_bytes + vectors_bytes, (peak, logits_bytes)
 
 
@@ -238,10 +252,9 @@ def test_whole_rows_plan_with_their_own_live_blocks() -> None:
     assert torchloss._block.head_live_blocks("jensen_shannon", True, whole_rows=True) == torchloss._block.head_live_blocks("jensen_shannon", True)
 
 
-@pytest.mark.slow  # the profiler's memory timeline of the chunks: about 7 s each
-@pytest.mark.filterwarnings("ignore:`export_memory_timeline` is deprecated:FutureWarning")
+@pytest.mark.slow  # profiled chunks; the fast lane keeps test_torch_peak_memory_is_an_eighth_of_the_logits
 @pytest.mark.parametrize("caps", [{}, {"logit_softcap": 20.0, "teacher_logit_softcap": 25.0}], ids=["plain", "capped"])
-def test_torch_jensen_shannon_whole_rows_peak_memory(tmp_path: Any, caps: dict[str, float]) -> None:
+def test_torch_jensen_shannon_whole_rows_peak_memory(caps: dict[str, float]) -> None:
     """The torch jensen_shannon head plans whole rows with 6 live blocks (its mixture terms in
     place), not the 16 of rows of several blocks: forward + backward still within 1/8 of the
     logits plus the gradients and per-token vectors (fp32), with and without soft caps."""
@@ -259,7 +272,7 @@ def test_torch_jensen_shannon_whole_rows_peak_memory(tmp_path: Any, caps: dict[s
         torchloss.linear_jensen_shannon(hidden, weight, *teacher, **caps).backward()
 
     fused()
-    peak = peak_extra(fused, tmp_path)
+    peak = peak_extra(fused)
     assert peak <= logits_bytes / 8 + grads_bytes + vectors_bytes, (peak, logits_bytes)
 
 

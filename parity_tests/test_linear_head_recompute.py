@@ -159,9 +159,8 @@ def test_recompute_logits_must_be_a_bool(framework: str) -> None:
 MEM_N, MEM_H, MEM_V = 1024, 128, 4096  # one bf16 [N, V] logits buffer: 8 MiB; the bf16 weight gradient 1 MiB
 
 
-@pytest.mark.slow  # the profiler's memory timeline: ~6 s
-@pytest.mark.filterwarnings("ignore:`export_memory_timeline` is deprecated:FutureWarning")
-def test_torch_recompute_peak_memory_has_no_fp32_weight_gradient(tmp_path: Any) -> None:
+@pytest.mark.slow  # profiled: two heads' forward + backward
+def test_torch_recompute_peak_memory_has_no_fp32_weight_gradient() -> None:
     """bf16: forward + backward hold at most 1/8 of the bf16 logits buffer (the backward's fp32
     ``dh`` and widened hidden rows inside it), the bf16 gradients returned and per-token
     vectors; an fp32 ``[V, H]`` weight gradient (2 MiB) does not fit that. The default path
@@ -178,9 +177,9 @@ def test_torch_recompute_peak_memory_has_no_fp32_weight_gradient(tmp_path: Any) 
         hidden.grad = weight.grad = None
 
     step(True)  # warm-up (lazy initialisation outside the measurement)
-    peak = peak_extra(lambda: step(True), tmp_path)
+    peak = peak_extra(lambda: step(True))
     assert peak <= allowance, (peak, allowance)
-    assert peak_extra(lambda: step(False), tmp_path) > allowance
+    assert peak_extra(lambda: step(False)) > allowance
 
 
 def test_jax_recompute_temporary_memory_has_no_fp32_weight_gradient() -> None:

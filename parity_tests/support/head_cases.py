@@ -6,7 +6,6 @@ head suites (``test_linear_head*.py``, ``test_softcap.py``) import it."""
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional
 
 import jax
@@ -14,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from torch._C._profiler import _EventType  # the profiler's event kinds (what torch.profiler's own memory profiler reads)
 
 import jaxloss
 import lossspec
@@ -209,18 +209,26 @@ def check(
 MEM_N, MEM_H, MEM_V = 1024, 16, 4096  # one [N, V] fp32 logits buffer: 16 MiB
 
 
-def peak_extra(fn: Any, tmp_path: Any) -> int:
-    """Peak CPU memory torch held while ``fn`` ran, above what it held at the start: the
-    profiler's memory timeline (``export_memory_timeline``: bytes per category over time)."""
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
+def peak_extra(fn: Any) -> int:
+    """Peak CPU memory torch's allocator held while ``fn`` ran, above what it held at the start:
+    the profiler's allocation events (``profile_memory=True``), each with the allocator's total
+    after it (``total_allocated``). The same bytes as the profiler's memory timeline
+    (``export_memory_timeline``, which categorises every tensor from the ops' stacks and shapes:
+    5.85 s against 0.26 s for one fused-head step, the same peak to the byte)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    path = tmp_path / "timeline.json"
-    prof.export_memory_timeline(str(path), device="cpu")
-    _, sizes = json.loads(path.read_text())
-    totals = [sum(row) for row in sizes]
-    return max(totals) - totals[0]
+    allocations = []
+    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        if event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
+            allocations.append(event)
+        pending.extend(event.children)
+    if not allocations:
+        return 0
+    allocations.sort(key=lambda event: event.start_time_ns)
+    first = allocations[0].typed[1]
+    return max(event.typed[1].total_allocated for event in allocations) - (first.total_allocated - first.alloc_size)
 
 
 # All-positive inputs (``torch.rand``-style hidden states and weights, as in Liger's fused-head
