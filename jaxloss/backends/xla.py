@@ -40,10 +40,11 @@ def blocking(tuning: Optional[Tuning], rows: int, width: int, whole: bool = Fals
     (``R = chunk_elements // B``), from ``tuning``'s fields or :data:`DEFAULTS`.
 
     ``whole``: the call's only ``[N, V]`` temporary is its output (plain cross-entropy on fp32
-    logits, :func:`_output_is_the_only_temporary`: XLA writes the exponentials into the gradient's buffer and finishes the gradient in
-    place). Unblocked rows then default to one chunk of every row (``chunk_elements`` unset): no
-    loop, whose gradient buffer is zeroed first and filled one chunk at a time by a
-    dynamic-update-slice that XLA's CPU backend runs on one thread. Measured on a 2-core CPU
+    logits, :func:`_output_is_the_only_temporary`: XLA writes the exponentials into the
+    gradient's buffer and finishes the gradient in place). Unblocked rows then default to one
+    chunk of every row (``chunk_elements`` unset): no loop, whose gradient buffer is zeroed first
+    and filled one chunk at a time by a dynamic-update-slice that XLA's CPU backend runs on one
+    thread. Measured on a 2-core CPU
     (fp32, forward + backward, 4096 x 32768, 1024 x 131072, 131072 x 1024, 16384 x 32768): 25-30%
     less time than 2**20-element chunks, the same bits and the same memory (docs/benchmarks.md).
     The other calls keep their chunks: all rows at once would hold one to three fp32 ``[N, V]``
