@@ -178,3 +178,20 @@ def test_bf16_hand_rounding_is_round_to_nearest_even() -> None:
     # Ties go to the even neighbour: 1 + 2**-8 lies halfway between 1 and 1 + 2**-7.
     one_tie = np.array([0x3F808000, 0x3F818000], np.uint32)
     np.testing.assert_array_equal(eval(_hand_rounding_line(), {"bits": one_tie}), [0x3F800000, 0x3F820000])  # noqa: S307
+
+
+def test_ptxas_report_parsing() -> None:
+    """The resources of a ``ptxas -v`` report (as Triton prints it with TRITON_DUMP_PTXAS_LOG, or
+    as ``ptxas_resources`` reads it), and no resources from text without one (a kernel from
+    Triton's cache: the report then assembles the PTX itself)."""
+    aot = _report_module()
+    report = ("ptxas info    : 0 bytes gmem\n"
+              "ptxas info    : Compiling entry function 'fused_kernel' for 'sm_90a'\n"
+              "ptxas info    : Function properties for fused_kernel\n"
+              "    24 bytes stack frame, 8 bytes spill stores, 16 bytes spill loads\n"
+              "ptxas info    : Used 96 registers, used 1 barriers, 24 bytes cumulative stack size\n")
+    assert aot.parse_ptxas_report(report) == (96, 24, 8, 16)
+    assert aot.parse_ptxas_report(report.replace("24 bytes stack frame, 8 bytes spill stores, 16 bytes spill loads",
+                                                 "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")) == (96, 0, 0, 0)
+    assert aot.parse_ptxas_report("") is None
+    assert aot.parse_ptxas_report("ptxas info    : 0 bytes gmem\n") is None

@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
@@ -437,9 +439,16 @@ def compile_one(job: str, variant: str, dtype: str, arch: int, sass: bool = True
     (and, with ``sass``, its vocabulary passes' instructions and barriers from the disassembly)."""
     from torchloss.backends import triton as _triton
 
-    compiled, warps, block_v = compile_kernel(job, variant, dtype, arch)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):  # Triton prints its ptxas -v report (TRITON_DUMP_PTXAS_LOG, _worker_init)
+        compiled, warps, block_v = compile_kernel(job, variant, dtype, arch)
     passes = vocabulary_passes(sass_loops(disassemble(compiled.asm["cubin"]))) if (block_v and sass) else []
-    registers, stack, spill_stores, spill_loads = ptxas_resources(compiled.asm["ptx"], arch, _triton.FP_FUSION)
+    # Triton's own ptxas run (its -v report) gives the resources; a kernel from Triton's cache ran
+    # no ptxas, and is assembled again here with the same flags.
+    resources = parse_ptxas_report(log.getvalue())
+    if resources is None:
+        resources = ptxas_resources(compiled.asm["ptx"], arch, _triton.FP_FUSION)
+    registers, stack, spill_stores, spill_loads = resources
     kind = next((v[1] for v in VARIANTS if v[0] == variant), variant)
     return Row(job, variant, dtype, arch, warps, registers, int(compiled.metadata.shared), stack, spill_stores, spill_loads,
                block_v, [l.instructions for l in passes], [l.barriers for l in passes],
@@ -460,7 +469,17 @@ def ptxas_resources(ptx: str, arch: int, fp_fusion: bool = True) -> tuple[int, i
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr}")
-    info = out.stderr + out.stdout
+    resources = parse_ptxas_report(out.stderr + out.stdout)
+    if resources is None:
+        raise RuntimeError(f"{' '.join(cmd)} printed no resource report:\n{out.stderr}{out.stdout}")
+    return resources
+
+
+def parse_ptxas_report(info: str) -> tuple[int, int, int, int] | None:
+    """``(registers, stack frame bytes, spill store bytes, spill load bytes)`` from the report of
+    ``ptxas -v`` of one kernel (``None``: no report in ``info``)."""
+    if re.search(r"Used \d+ registers", info) is None:
+        return None
 
     def number(pattern: str) -> int:
         found = re.search(pattern, info)
@@ -478,6 +497,7 @@ def _triton_version() -> str:
 
 def _worker_init() -> None:
     os.environ["TRITON_INTERPRET"] = "0"
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # compile_one reads the resources from Triton's own ptxas run
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # this checkout's torchloss, not an installed one
 
